@@ -1,0 +1,225 @@
+"""The one configuration object: a few nested frozen dataclasses, validated once, CLI flags generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from amoe.errors import ConfigError
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive; got {value}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint to serve and how to hold it."""
+
+    path: str | None = None  # None: the embedded tiny demo model
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.max_model_len is not None:
+            _positive("model.max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    """The paged KV cache of each attention rank."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_seqs: int = 256  # requests decoding at once on one attention rank
+
+    def __post_init__(self) -> None:
+        _positive("cache.block_size", self.block_size)
+        _positive("cache.num_blocks", self.num_blocks)
+        _positive("cache.max_num_seqs", self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the model is placed on runtimes."""
+
+    mode: str = "aep"
+    attn_ranks: int = 1
+    expert_ranks: int = 2
+    threads_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong"))
+        _positive("parallel.attn_ranks", self.attn_ranks)
+        _positive("parallel.expert_ranks", self.expert_ranks)
+        _positive("parallel.threads_per_rank", self.threads_per_rank)
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    """The per-runtime layer scheduler (AMoE §3.4)."""
+
+    policy: str = "defrag"
+    lookahead: int = 4  # K of Algorithm 1: blocks looked ahead
+    decay: float = 0.5  # δ of Algorithm 1
+    attn_batch_cap: int = 256  # rows per attention batch
+    expert_batch_cap: int = 512  # rows per expert batch
+
+    def __post_init__(self) -> None:
+        _choice("scheduler.policy", self.policy, ("defrag", "mtfs", "flfs"))
+        if self.lookahead < 0:
+            raise ConfigError(f"scheduler.lookahead must be >= 0; got {self.lookahead}")
+        if not 0.0 <= self.decay <= 1.0:
+            raise ConfigError(f"scheduler.decay must be in [0, 1]; got {self.decay}")
+        _positive("scheduler.attn_batch_cap", self.attn_batch_cap)
+        _positive("scheduler.expert_batch_cap", self.expert_batch_cap)
+
+
+@dataclass(frozen=True)
+class TransportSection:
+    """How token batches move between runtimes (AMoE §3.5)."""
+
+    plane: str = "inline"
+    timeout_s: float = 10.0  # a transfer pending longer than this fails its peer
+
+    def __post_init__(self) -> None:
+        _choice("transport.plane", self.plane, ("inline", "gloo", "nccl"))
+        _positive("transport.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """The coordinator's HTTP API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int = 256  # requests queued for KV space before the API answers 503
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535]; got {self.port}")
+        _positive("server.max_waiting", self.max_waiting)
+
+
+@dataclass(frozen=True)
+class AmoeConfig:
+    """Everything a deployment is configured by; built once, never mutated after start-up."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    transport: TransportSection = field(default_factory=TransportSection)
+    server: ServerSection = field(default_factory=ServerSection)
+
+    def replace(self, **sections: dict) -> AmoeConfig:
+        """A copy with some fields of some sections changed, e.g. replace(cache={"num_blocks": 64})."""
+        changed = {}
+        for name, values in sections.items():
+            if name not in _SECTIONS:
+                raise ConfigError(f"unknown config section {name!r}")
+            changed[name] = _build_section(name, values, base=getattr(self, name))
+        return dataclasses.replace(self, **changed)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AmoeConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a JSON object of sections")
+        return cls().replace(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> AmoeConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}"
+            ) from None
+        return cls.from_dict(data)
+
+
+_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(AmoeConfig)}
+
+
+def _build_section(name: str, values: dict, base=None):
+    section_cls = _SECTIONS[name]
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {name!r} must be an object")
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting {name}.{unknown[0]} (known: {', '.join(sorted(known))})")
+    base = base if base is not None else section_cls()
+    try:
+        return dataclasses.replace(base, **values)
+    except TypeError as exc:
+        raise ConfigError(f"bad value in section {name!r}: {exc}") from None
+
+
+# ---- CLI flags generated from the dataclasses: --<section>-<field>, plus short aliases users expect.
+
+_ALIASES = {
+    ("model", "path"): "--model",
+    ("parallel", "mode"): "--parallel",
+    ("parallel", "attn_ranks"): "--attn-ranks",
+    ("parallel", "expert_ranks"): "--expert-ranks",
+    ("parallel", "threads_per_rank"): "--threads-per-rank",
+    ("scheduler", "policy"): "--scheduler",
+    ("transport", "plane"): "--transport",
+    ("server", "host"): "--host",
+    ("server", "port"): "--port",
+    ("server", "api_key"): "--api-key",
+}
+
+
+def _flag_type(section_cls, name: str):
+    hint = typing.get_type_hints(section_cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(_SECTIONS)) -> None:
+    """Adds one flag per config field (default None = keep the config file's or the built-in value)."""
+    parser.add_argument("--config", metavar="FILE", help="JSON file of config sections")
+    for section in sections:
+        group = parser.add_argument_group(f"{section} options")
+        section_cls = _SECTIONS[section]
+        for f in dataclasses.fields(section_cls):
+            flag = f"--{section}-{f.name}".replace("_", "-")
+            names = [_ALIASES[(section, f.name)], flag] if (section, f.name) in _ALIASES else [flag]
+            group.add_argument(
+                *names,
+                dest=f"{section}__{f.name}",
+                type=_flag_type(section_cls, f.name),
+                default=None,
+                metavar=f.name.upper(),
+                help=f"(default: {f.default})",
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> AmoeConfig:
+    """The config file (if any) overlaid with the flags given on the command line."""
+    config = AmoeConfig.from_file(args.config) if getattr(args, "config", None) else AmoeConfig()
+    changes: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "__" in key and value is not None:
+            section, name = key.split("__", 1)
+            changes.setdefault(section, {})[name] = value
+    return config.replace(**changes)

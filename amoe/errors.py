@@ -1,0 +1,25 @@
+"""The error hierarchy: every failure a user can cause or see is an AmoeError subclass."""
+
+
+class AmoeError(Exception):
+    """Base of every error amoe raises on purpose."""
+
+
+class ConfigError(AmoeError):
+    """A configuration value or combination is invalid."""
+
+
+class ModelLoadError(AmoeError):
+    """A model directory, file or tensor cannot be used."""
+
+
+class TransportError(AmoeError):
+    """A message or tensor could not be moved between runtimes."""
+
+
+class EngineDeadError(AmoeError):
+    """A runtime or engine thread stopped and cannot serve further requests."""
+
+
+class RequestError(AmoeError):
+    """A request is malformed or cannot be served (bad prompt, bad sampling parameters)."""
