@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py $(CPP_SOURCES)
 	fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip setuptools wheel
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" numpy
 	$(PIP) install -q --no-build-isolation -e '.[dev]'
 	@touch $(STAMP)
 
