@@ -106,11 +106,17 @@ class ServerSection:
     port: int = 8000
     api_key: str | None = None
     max_waiting: int = 256  # requests queued for KV space before the API answers 503
+    served_model_name: str | None = None  # None: the model directory's name
+    drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535]; got {self.port}")
         _positive("server.max_waiting", self.max_waiting)
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("server.served_model_name must not be empty")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"server.drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)

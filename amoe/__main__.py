@@ -1,0 +1,7 @@
+"""`python -m amoe` runs the `amoe` command."""
+
+import sys
+
+from amoe.cli import main
+
+sys.exit(main())

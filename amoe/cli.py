@@ -1,0 +1,155 @@
+"""The `amoe` command. One small `add_*_command` function per subcommand, listed in SUBCOMMANDS.
+
+User mistakes (argparse errors, every AmoeError) print one line on stderr and exit non-zero; anything else is a bug
+and keeps its traceback. Heavy imports happen inside the run functions so that `amoe --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from amoe import __version__
+from amoe.errors import AmoeError, RequestError
+from amoe.log import setup_logging
+
+logger = logging.getLogger(__name__)
+
+EXIT_USER_ERROR = 1
+EXIT_USAGE = 2  # what argparse uses
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line like every other user mistake; `--help` still shows the full usage.
+        self.exit(EXIT_USAGE, f"amoe: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_make_model_command(sub: Any) -> None:
+    from amoe.model.presets import PRESETS
+
+    p = sub.add_parser("make-model", help="write a random-weight model in the Hugging Face Mixtral format")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory to write")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
+    p.add_argument("--shards", type=int, default=1, help="number of safetensors files (default: 1)")
+    p.set_defaults(run=run_make_model)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from amoe.model.make import make_model
+
+    out = make_model(args.preset, args.out, seed=args.seed, shards=args.shards)
+    print(out)
+    return 0
+
+
+def add_generate_command(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text offline, in this process")
+    p.add_argument("--model", metavar="PATH", help="model directory (default: the random-weight demo model)")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
+    )
+    p.add_argument("--max-tokens", type=int, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, help="0 is greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from amoe.llm import LLM
+    from amoe.sampling_params import SamplingParams
+
+    flags = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    params = SamplingParams(**{k: getattr(args, k) for k in flags if getattr(args, k) is not None})
+    llm = LLM(model=args.model)  # None: the demo model, built on first use; LLM logs that it is random-weight
+    prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
+    results = llm.generate(prompts, params)
+    for prompt, result in zip(args.prompt, results):
+        if len(args.prompt) > 1:
+            print(f"--- {prompt!r}")
+        print(result.outputs[0].text)
+    return 0
+
+
+def _chat_prompts(llm: Any, prompts: list[str]) -> list[list[int]]:
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        raise RequestError(f"{llm.model_dir} has no tokenizer, which --chat needs")
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return [tokenizer.encode(t, add_bos=False) for t in texts]  # the template already wrote the BOS token
+
+
+def add_serve_command(sub: Any) -> None:
+    from amoe.config import add_config_flags
+
+    p = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
+    add_config_flags(p)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from amoe.config import config_from_args
+    from amoe.serve import main as serve_main
+
+    return serve_main(config_from_args(args))
+
+
+SUBCOMMANDS = (add_serve_command, add_make_model_command, add_generate_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand in SUBCOMMANDS."""
+    parser = _Parser(
+        prog="amoe", description="Serve Mixture-of-Experts models with asynchronous expert parallelism."
+    )
+    parser.add_argument("--version", action="version", version=f"amoe {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    # -v also after the subcommand; SUPPRESS keeps the subparser from resetting a -v given before it.
+    common = _Parser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_command in SUBCOMMANDS:
+        add_command(_WithParents(sub, [common]))
+    return parser
+
+
+class _WithParents:
+    """Lets each add_*_command call plain `sub.add_parser(name, help=...)` and still get the common flags."""
+
+    def __init__(self, sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+        self._sub = sub
+        self._parents = parents
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", kwargs.get("help"))
+        return self._sub.add_parser(name, parents=self._parents, **kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `amoe` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        setup_logging(verbose=args.verbose)
+        return args.run(args) or 0
+    except AmoeError as e:
+        print(f"amoe: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("amoe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

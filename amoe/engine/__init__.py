@@ -1,0 +1,1 @@
+"""Engines that drive the model: LocalEngine is the single-process reference."""

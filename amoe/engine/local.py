@@ -1,0 +1,130 @@
+"""LocalEngine: the single-process reference engine (continuous batching, every layer in this process).
+
+A step reads: schedule → run the model block by block → sample → stop checks. Token-level stops (eos unless
+ignore_eos, stop_token_ids, max_tokens, the model length) are decided here; stop *strings* need detokenised text
+and are checked by the caller that owns the tokenizer (amoe.llm.LLM, later the coordinator), which aborts the
+request once one appears.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from amoe.engine.config import EngineConfig
+from amoe.engine.model_runner import ModelRunner
+from amoe.engine.request import EngineOutput, Request
+from amoe.engine.scheduler import ScheduledChunk, Scheduler
+from amoe.errors import RequestError
+from amoe.model.config import ModelConfig, load_model_config
+from amoe.model.kv_cache import BlockManager
+from amoe.model.sampler import Sampler
+from amoe.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LocalEngine:
+    """Serves requests of one model in this process; the exactness reference for the distributed runtimes."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_config: ModelConfig = load_model_config(model_dir)
+        dtype = _torch_dtype(self.config.dtype or self.model_config.dtype)
+        self.runner = ModelRunner(
+            model_dir, self.model_config, self.config.num_blocks, self.config.block_size, dtype
+        )
+        self.blocks = BlockManager(self.config.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        # A request must fit the cache alone, so the cache size also bounds its length.
+        self.max_model_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            self.config.num_blocks * self.config.block_size,
+        )
+        self._requests: dict[str, Request] = {}
+        self._seed_source = torch.Generator().manual_seed(self.config.seed)
+        logger.info("[engine] local engine ready: %s, max_model_len %d", model_dir, self.max_model_len)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; it prefills in the next step that has room for its whole prompt."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, generator=self._generator(params))
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def step(self) -> list[EngineOutput]:
+        """Run one batch (decode rows plus new prompts) through the model; report each scheduled request."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
+        logits = self.runner.run(chunks, tables)  # [R, V]
+        requests = [c.request for c in chunks]
+        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+        return [self._postprocess(chunk, token) for chunk, token in zip(chunks, tokens)]
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Stop a request now and free its KV; unknown or finished ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request)
+        request.finish_reason = "abort"
+        return EngineOutput(request_id, [], finished=True, finish_reason="abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _postprocess(self, chunk: ScheduledChunk, token: int) -> EngineOutput:
+        request = chunk.request
+        request.num_cached_tokens += len(chunk.token_ids)
+        request.output_token_ids.append(token)
+        reason = self._finish_reason(request, token)
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+            del self._requests[request.request_id]
+        return EngineOutput(request.request_id, [token], finished=reason is not None, finish_reason=reason)
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if not params.ignore_eos and token in self.model_config.stop_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the limit is {self.max_model_len} "
+                "(model length and KV cache size)"
+            )
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        return torch.Generator().manual_seed(seed)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

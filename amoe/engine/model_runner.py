@@ -1,0 +1,113 @@
+"""Runs one step's chunks through the whole model in one process, block by block, the way AEP routes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from amoe import _core
+from amoe.engine.scheduler import ScheduledChunk
+from amoe.model.config import ModelConfig
+from amoe.model.kv_cache import PagedKVCache
+from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
+
+
+@dataclass
+class _Batch:
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N]
+    cu_rows: torch.Tensor  # [R + 1]
+    context_lens: torch.Tensor  # [R]
+    block_tables: torch.Tensor  # [R, max_blocks]
+
+
+class ModelRunner:
+    """Owns the attention layers, every expert layer, the head and the KV cache of a single-process engine."""
+
+    def __init__(
+        self, model_dir: str | Path, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        rank = build_attention_rank(model_dir, cfg, dtype)
+        self.attention, self.head = rank.layers, rank.head
+        self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
+            model_dir, cfg, range(cfg.num_experts), dtype
+        )
+        self.kv = PagedKVCache(cfg.num_blocks, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
+        """Chunks (with their requests' block tables) → next-token logits [R, V] float32."""
+        batch = self._prepare(chunks, block_tables)
+        plan = AttnPlan.build(
+            batch.positions,
+            batch.cu_rows,
+            batch.context_lens,
+            batch.block_tables,
+            self.block_size,
+            self.cfg.sliding_window,
+        )
+        inp = AttnInput(
+            positions=batch.positions,
+            slot_mapping=batch.slot_mapping,
+            cu_rows=batch.cu_rows,
+            context_lens=batch.context_lens,
+            block_tables=batch.block_tables,
+            token_ids=batch.token_ids,
+            plan=plan,
+        )
+        last_block = self.cfg.num_blocks - 1
+        for b, layer in enumerate(self.attention):
+            out = layer(inp, self.kv)
+            residual, moe_input, ids, weights = out.residual, out.moe_input, out.topk_ids, out.topk_weights
+            if b == last_block:
+                # Only the last row of a chunk feeds the head: skip the last block's experts for the others.
+                last = batch.cu_rows[1:] - 1
+                residual, moe_input, ids, weights = residual[last], moe_input[last], ids[last], weights[last]
+            inp.token_ids, inp.residual, inp.expert_ids = None, residual, ids
+            inp.expert_out = self._run_experts(b, moe_input, ids, weights)
+        rows = torch.arange(len(chunks) + 1)
+        return self.head(inp.residual, inp.expert_out, inp.expert_ids, rows)
+
+    def _run_experts(
+        self, block: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [N, H] routed to K experts each → weighted expert outputs [N, K, H] (slot k ↔ topk_ids[:, k])."""
+        n, k = topk_ids.shape
+        perm, offsets = _core.group_by_destination(topk_ids.flatten(), self.cfg.num_experts)  # [N*K], [E+1]
+        grouped_x = x.index_select(0, perm // k)  # [N*K, H], rows of expert 0 first, then expert 1, ...
+        grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
+        grouped_out = torch.empty_like(grouped_x)
+        bounds = offsets.tolist()
+        for e in range(self.cfg.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo < hi:
+                grouped_out[lo:hi] = self.experts[(block, e)](grouped_x[lo:hi], grouped_w[lo:hi])
+        out = torch.empty_like(grouped_out).index_copy_(0, perm, grouped_out)
+        return out.view(n, k, -1)
+
+    @staticmethod
+    def _prepare(chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> _Batch:
+        token_ids, positions, slots, cu_rows, context_lens = [], [], [], [0], []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            token_ids += chunk.token_ids
+            positions += range(chunk.start_position, chunk.start_position + n)
+            slots += chunk.slot_mapping
+            cu_rows.append(cu_rows[-1] + n)
+            context_lens.append(chunk.start_position + n)
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]  # padding is never attended (masked)
+        as_tensor = torch.tensor
+        return _Batch(
+            token_ids=as_tensor(token_ids),
+            positions=as_tensor(positions),
+            slot_mapping=as_tensor(slots),
+            cu_rows=as_tensor(cu_rows),
+            context_lens=as_tensor(context_lens),
+            block_tables=as_tensor(tables),
+        )

@@ -1,0 +1,173 @@
+"""LLM: offline batch generation in one process (vLLM-style `LLM(...).generate(...)`) on the local engine."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from amoe.engine.config import EngineConfig
+from amoe.engine.local import LocalEngine
+from amoe.errors import RequestError
+from amoe.sampling_params import SamplingParams
+from amoe.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class _Pending:
+    """One prompt being generated: its tokens so far and, with a tokenizer, its text so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_cut: int | None = None  # where the text ends when a stop string ended the request
+
+    @property
+    def text(self) -> str:
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.text if self.stop_cut is None else self.detokenizer.text[: self.stop_cut]
+
+
+class LLM:
+    """A model served in-process: `LLM(path).generate(["Hello"], SamplingParams(temperature=0))`."""
+
+    def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
+        """model: a Hugging Face Mixtral directory (None: the tiny random-weight demo model); engine_options:
+        fields of amoe.engine.config.EngineConfig (block_size, num_blocks, max_num_seqs, dtype, seed, ...)."""
+        if model is None:
+            from amoe.model.make import default_model_path  # builds the demo model on first use only
+
+            model = default_model_path()
+        self.model_dir = Path(model)
+        self.engine = LocalEngine(self.model_dir, EngineConfig.from_options(**engine_options))
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) and return the outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        pending: list[_Pending] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                pending.append(self._submit(prompt, params))
+            by_id = {p.request_id: p for p in pending}
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._absorb(by_id[out.request_id], out.new_token_ids, out.finish_reason)
+        except BaseException:  # a bad prompt or an interrupt must not leave requests behind in the engine
+            for p in pending:
+                self.engine.abort(p.request_id)
+            raise
+        return [self._to_output(p) for p in pending]
+
+    def _submit(self, prompt: PromptInput, params: SamplingParams) -> _Pending:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_dir} has no tokenizer.json: pass token ids instead of text")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, token_ids, params)
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+        )
+        return _Pending(request_id, text, token_ids, params, detokenizer)
+
+    def _absorb(self, pending: _Pending, new_token_ids: list[int], finish_reason: str | None) -> None:
+        """Add a step's tokens and text; a stop string in the new text ends the request (text cut before it)."""
+        pending.token_ids += new_token_ids
+        pending.finish_reason = finish_reason
+        if pending.detokenizer is None:
+            return
+        for token in new_token_ids:
+            delta = pending.detokenizer.add(token)
+            if delta and pending.params.stop and self._find_stop(pending, len(delta)):
+                return
+        if finish_reason is not None:
+            pending.detokenizer.flush()
+
+    def _find_stop(self, pending: _Pending, delta_len: int) -> bool:
+        """Earlier text held no stop string, so a new one must overlap the latest delta."""
+        text = pending.detokenizer.text
+        hits = [text.find(s, max(0, len(text) - delta_len - len(s) + 1)) for s in pending.params.stop]
+        hits = [i for i in hits if i >= 0]
+        if not hits:
+            return False
+        pending.stop_cut, pending.finish_reason = min(hits), "stop"
+        self.engine.abort(pending.request_id)
+        return True
+
+    def _to_output(self, pending: _Pending) -> RequestOutput:
+        completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)
+        return RequestOutput(pending.request_id, pending.prompt, pending.prompt_token_ids, [completion])
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise RequestError(f"got {len(params)} sampling params for {count} prompts")
+        return params
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """A str, a list of str, one token-id list, or a list of token-id lists → a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if not all(isinstance(p, str) or _is_token_list(p) for p in prompts):
+        raise RequestError("prompts must be a string, a list of strings, or token-id list(s)")
+    return prompts
+
+
+def _is_token_list(prompt: object) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
+
+
+def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    if not (model_dir / TOKENIZER_FILE).exists():
+        logger.info("[llm] %s has no tokenizer: token-id prompts only", model_dir)
+        return None
+    return Tokenizer.from_dir(model_dir)

@@ -1,0 +1,1 @@
+"""The model: config, checkpoint loading, and the layers a runtime executes (attention, experts, head, sampler)."""

@@ -1,0 +1,219 @@
+"""Reading Hugging Face safetensors checkpoints selectively, and writing deterministic random ones."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from amoe.errors import ModelLoadError
+from amoe.model import weights as W
+from amoe.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointReader:
+    """Knows which file holds each tensor; reads only the tensors (or expert slices) asked for."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._file_of = self._map_tensors()
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles release their mmap when dropped
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def read(self, name: str, shape: W.Shape, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` (or its row `index` along dim 0), checked against `shape` and cast to `dtype`."""
+        path = self._file_of.get(name)
+        if path is None:
+            raise ModelLoadError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+        try:
+            tensor_slice = self._handle(path).get_slice(name)
+            got = tuple(tensor_slice.get_shape())
+            if index is not None:
+                if not got or index >= got[0]:
+                    raise ModelLoadError(f"{path}: tensor {name} has shape {list(got)}, no row {index}")
+                got = got[1:]
+            if got != tuple(shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {name} has shape {list(got)}, expected {list(shape)} from config.json"
+                )
+            tensor = tensor_slice[index] if index is not None else tensor_slice[:]
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt data
+            raise ModelLoadError(f"{path}: cannot read tensor {name}: {exc}") from None
+        return tensor.to(dtype).contiguous()
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            self._handles[path] = _open(path)
+        return self._handles[path]
+
+    def _map_tensors(self) -> dict[str, Path]:
+        if not self.model_dir.is_dir():
+            raise ModelLoadError(f"model directory {self.model_dir} does not exist")
+        index = self.model_dir / INDEX_FILE
+        if index.exists():
+            return self._map_from_index(index)
+        single = self.model_dir / SINGLE_FILE
+        if not single.exists():
+            raise ModelLoadError(f"{self.model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+        try:
+            return dict.fromkeys(_open(single).keys(), single)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"{single}: unreadable: {exc}") from None
+
+    def _map_from_index(self, index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: self.model_dir / file for name, file in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc})") from None
+        for path in set(files.values()):
+            if not path.exists():
+                raise ModelLoadError(f"{index}: lists shard {path.name}, which does not exist")
+        return files
+
+
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: unreadable safetensors file: {exc}") from None
+
+
+def load_attention_rank_weights(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
+) -> W.AttentionRankWeights:
+    """Embedding, attention + router of every block, final norm and lm_head; no expert tensor is read."""
+    dtype = dtype or cfg.torch_dtype
+    with CheckpointReader(model_dir) as reader:
+        embed = reader.read(W.EMBED, (cfg.vocab_size, cfg.hidden_size), dtype)
+        blocks = [_read_attention_block(reader, cfg, b, dtype) for b in range(cfg.num_blocks)]
+        final_norm = reader.read(W.FINAL_NORM, (cfg.hidden_size,), dtype)
+        if cfg.tie_word_embeddings:
+            lm_head = embed
+        else:
+            lm_head = reader.read(W.LM_HEAD, (cfg.vocab_size, cfg.hidden_size), dtype)
+    logger.info("[model] loaded attention weights of %d blocks from %s", cfg.num_blocks, model_dir)
+    return W.AttentionRankWeights(embed=embed, blocks=blocks, final_norm=final_norm, lm_head=lm_head)
+
+
+def load_expert_weights(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    experts: Iterable[int],
+    blocks: Iterable[int] | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[tuple[int, int], W.ExpertWeights]:
+    """The given experts of the given blocks (default: every block), keyed by (block, expert)."""
+    dtype = dtype or cfg.torch_dtype
+    experts = sorted(set(experts))
+    bad = [e for e in experts if not 0 <= e < cfg.num_experts]
+    if bad:
+        raise ModelLoadError(
+            f"{model_dir}: expert {bad[0]} does not exist (num_local_experts={cfg.num_experts})"
+        )
+    block_ids = range(cfg.num_blocks) if blocks is None else sorted(set(blocks))
+    with CheckpointReader(model_dir) as reader:
+        loaded = {(b, e): _read_expert(reader, cfg, b, e, dtype) for b in block_ids for e in experts}
+    logger.info("[model] loaded experts %s of %d blocks from %s", experts, len(block_ids), model_dir)
+    return loaded
+
+
+def _read_attention_block(reader: CheckpointReader, cfg: ModelConfig, block: int, dtype: torch.dtype):
+    shapes = W.attention_block_shapes(cfg, block)
+    router = W.router_name(block)
+    if not reader.has(router) and reader.has(W.router_name(block, fused=True)):
+        shapes[W.router_name(block, fused=True)] = shapes.pop(router)
+        router = W.router_name(block, fused=True)
+    t = {name: reader.read(name, shape, dtype) for name, shape in shapes.items()}
+    p = W.block_prefix(block)
+    return W.AttentionWeights(
+        input_norm=t[p + "input_layernorm.weight"],
+        q_proj=t[p + "self_attn.q_proj.weight"],
+        k_proj=t[p + "self_attn.k_proj.weight"],
+        v_proj=t[p + "self_attn.v_proj.weight"],
+        o_proj=t[p + "self_attn.o_proj.weight"],
+        post_norm=t[p + "post_attention_layernorm.weight"],
+        router=t[router],
+    )
+
+
+def _read_expert(reader: CheckpointReader, cfg: ModelConfig, block: int, expert: int, dtype: torch.dtype):
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    gate_up_fused = W.fused_expert_name(block, "gate_up_proj")
+    if not reader.has(W.expert_name(block, expert, "w1")) and reader.has(gate_up_fused):
+        return W.ExpertWeights(
+            gate_up=reader.read(gate_up_fused, (2 * i, h), dtype, index=expert),
+            down=reader.read(W.fused_expert_name(block, "down_proj"), (h, i), dtype, index=expert),
+        )
+    shapes = W.expert_shapes(cfg, block, expert)
+    w1, w3, w2 = (reader.read(name, shape, dtype) for name, shape in shapes.items())
+    return W.ExpertWeights(gate_up=torch.cat([w1, w3], dim=0), down=w2)
+
+
+def write_random_checkpoint(
+    hf_config: dict[str, Any], out_dir: str | Path, seed: int, shards: int = 1
+) -> Path:
+    """Deterministic random float32 weights under canonical Mixtral names, plus config.json; returns out_dir."""
+    hf_config = {**hf_config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    hf_config.update(dtype="float32", torch_dtype="float32")
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    std = float(hf_config.get("initializer_range", 0.02))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: _random_tensor(name, shape, std, gen) for name, shape in W.canonical_shapes(cfg).items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    _save_shards(tensors, out, shards)
+    logger.info("[model] wrote random checkpoint (seed %d, %d shard(s)) to %s", seed, shards, out)
+    return out
+
+
+def _random_tensor(name: str, shape: W.Shape, std: float, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        # Norm weights near 1 but not exactly, so a wrong or missing norm changes the output.
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    return std * torch.randn(shape, generator=gen)
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    metadata = {"format": "pt"}
+    if shards <= 1:
+        save_file(tensors, str(out / SINGLE_FILE), metadata=metadata)
+        return
+    names = list(tensors)
+    shards = min(shards, len(names))
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * len(names) // shards : (s + 1) * len(names) // shards]}
+        save_file(part, str(out / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

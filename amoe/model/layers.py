@@ -1,0 +1,51 @@
+"""The runtime-facing model API: build a rank's layers from a checkpoint directory, loading only what it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from amoe.model.attention import AttentionLayer, AttnInput, AttnOutput, AttnPlan
+from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
+from amoe.model.config import ModelConfig
+from amoe.model.head import Head
+from amoe.model.moe import ExpertLayer
+
+__all__ = [
+    "AttentionLayer",
+    "AttentionRank",
+    "AttnInput",
+    "AttnOutput",
+    "AttnPlan",
+    "ExpertLayer",
+    "Head",
+    "build_attention_rank",
+    "build_expert_layers",
+]
+
+
+@dataclass
+class AttentionRank:
+    """An attention rank's model: every block's attention (block 0 embeds) and the head."""
+
+    layers: list[AttentionLayer]
+    head: Head
+
+
+def build_attention_rank(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
+) -> AttentionRank:
+    """Load embedding, attention and router weights of all blocks, final norm and lm_head; no expert weights."""
+    w = load_attention_rank_weights(model_dir, cfg, dtype)
+    layers = [AttentionLayer(b, cfg, bw, embed=w.embed if b == 0 else None) for b, bw in enumerate(w.blocks)]
+    return AttentionRank(layers=layers, head=Head(cfg, w.final_norm, w.lm_head))
+
+
+def build_expert_layers(
+    model_dir: str | Path, cfg: ModelConfig, experts: list[int] | range, dtype: torch.dtype | None = None
+) -> dict[tuple[int, int], ExpertLayer]:
+    """Expert layers (block, expert) for the given experts of every block."""
+    loaded = load_expert_weights(model_dir, cfg, experts, dtype=dtype)
+    return {(b, e): ExpertLayer(b, e, w) for (b, e), w in loaded.items()}

@@ -1,0 +1,189 @@
+"""`amoe serve`: config → backend → coordinator API → uvicorn, with a draining shutdown on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from amoe.config import AmoeConfig
+from amoe.errors import AmoeError
+from coordinator.api_server import abort_all, create_app
+from coordinator.backend import Backend
+from coordinator.validation import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+_BACKSTOP_S = (
+    5.0  # after the drain timeout, how long aborted responses get to finish before uvicorn cuts them
+)
+
+
+def main(config: AmoeConfig) -> int:
+    """Serve until SIGINT/SIGTERM, then drain and return 0."""
+    asyncio.run(AmoeServer(config).run())
+    return 0
+
+
+class AmoeServer:
+    """One coordinator process: owns the backend, the listening socket and the uvicorn server."""
+
+    def __init__(self, config: AmoeConfig) -> None:
+        self.config = config
+        self.backend: Backend | None = None
+        self.url: str | None = None
+        self.started = threading.Event()  # set once the URL is live (tests wait on it)
+        self._uvicorn: _UvicornServer | None = None
+
+    async def run(self) -> None:
+        model_dir = _model_dir(self.config)
+        tokenizer, backend, model = await self._start_backend(model_dir)
+        try:
+            app = create_app(
+                backend,
+                tokenizer,
+                model,
+                _detokenizer_factory(tokenizer),
+                api_key=self.config.server.api_key,
+                max_waiting=self.config.server.max_waiting,
+            )
+            await self._serve(app)
+        finally:
+            logger.info("stopping the backend")
+            await backend.shutdown()
+            logger.info("stopped")
+
+    def request_exit(self) -> None:
+        """Begin the draining shutdown, from any thread (what SIGTERM does)."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    async def _start_backend(self, model_dir: Path):
+        from amoe.backends.local import LocalBackend
+        from amoe.engine.config import EngineConfig
+        from amoe.engine.local import LocalEngine
+        from amoe.tokenizer import Tokenizer
+
+        logger.info("loading the tokenizer and model from %s (local backend: one engine thread)", model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        engine_config = EngineConfig.from_amoe_config(self.config)
+        backend = LocalBackend(lambda: LocalEngine(model_dir, engine_config), engine_config.block_size)
+        self.backend = backend
+        await backend.start()
+        engine = backend.engine
+        name = self.config.server.served_model_name or model_dir.name
+        model = ModelInfo(
+            name=name, max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size
+        )
+        logger.info("engine up: serving %r, max_model_len %d", name, model.max_model_len)
+        return tokenizer, backend, model
+
+    async def _serve(self, app) -> None:
+        server_config = self.config.server
+        sock = _bind(server_config.host, server_config.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{_url_host(host)}:{port}"
+        uv_config = uvicorn.Config(
+            app,
+            log_config=None,  # keep amoe's logging set-up
+            access_log=False,
+            # A backstop only: our own drain timer aborts requests first, so their responses end cleanly.
+            timeout_graceful_shutdown=server_config.drain_timeout_s + _BACKSTOP_S,
+        )
+        self._uvicorn = _UvicornServer(
+            uv_config,
+            on_started=lambda: self._announce(url),
+            drain_timeout_s=server_config.drain_timeout_s,
+            on_drain_timeout=lambda: abort_all(app),
+        )
+        try:
+            await self._uvicorn.serve(sockets=[sock])
+        finally:
+            sock.close()
+
+    def _announce(self, url: str) -> None:
+        self.url = url
+        self.started.set()
+        logger.info("amoe serve: listening on %s", url)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn, with a start-up hook and signal handling that ends in a clean exit 0."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_started: Callable[[], None],
+        drain_timeout_s: float,
+        on_drain_timeout: Callable[[], None],
+    ) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+        self._drain_timeout_s = drain_timeout_s
+        self._on_drain_timeout = on_drain_timeout
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown (stop accepting, wait for responses), with in-flight requests aborted at the deadline."""
+        timer = asyncio.get_running_loop().call_later(self._drain_timeout_s, self._drain_timed_out)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _drain_timed_out(self) -> None:
+        logger.warning("drain timeout (%.1f s) reached", self._drain_timeout_s)
+        self._on_drain_timeout()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not recorded for re-raising (as uvicorn does): after the drain it would re-raise SIGTERM and turn a
+        # clean exit 0 into death by signal.
+        if self.should_exit and sig == signal.SIGINT:
+            logger.warning("second interrupt: aborting in-flight requests now")
+            self.force_exit = True
+        else:
+            name = signal.Signals(sig).name
+            logger.info("%s: draining (up to %.1f s for in-flight requests)", name, self._drain_timeout_s)
+            self.should_exit = True
+
+
+def _model_dir(config: AmoeConfig) -> Path:
+    if config.model.path is not None:
+        return Path(config.model.path)
+    from amoe.model.make import default_model_path
+
+    return default_model_path()
+
+
+def _detokenizer_factory(tokenizer):
+    from amoe.tokenizer import IncrementalDetokenizer
+
+    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind here rather than in uvicorn, so port 0 resolves to the real port before the URL is logged."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise AmoeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,314 @@
+"""Tokenizers with the `tokenizers` library only (the coordinator needs no transformers): load, train, chat, stream."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from amoe.errors import ConfigError, ModelLoadError, RequestError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # where newer transformers versions save the chat template
+
+# Mixtral's special tokens and ids.
+UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
+SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)
+_MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # the specials plus the byte-level alphabet
+# How many prompt tokens the incremental detokenizer decodes as context, as vLLM does.
+_DETOK_CONTEXT = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode, decode and chat template, for byte-level and sentencepiece-style BPE."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        model_max_length: int | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+        self.source = source
+        self.bos_token_id = self._special_id(bos_token)
+        self.eos_token_id = self._special_id(eos_token)
+        self.byte_token_ids = _byte_fallback_ids(backend)
+        self._template = _compile_template(chat_template, source) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` and, if present, `tokenizer_config.json` from a checkpoint directory."""
+        path = Path(path)
+        backend = _load_backend(path / TOKENIZER_FILE)
+        config = _load_config(path / CONFIG_FILE)
+        template = _chat_template(config, path)
+        return cls(
+            backend,
+            bos_token=_token_text(config.get("bos_token", _default_special(backend, BOS_TOKEN))),
+            eos_token=_token_text(config.get("eos_token", _default_special(backend, EOS_TOKEN))),
+            chat_template=template,
+            model_max_length=_int_or_none(config.get("model_max_length")),
+            source=str(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. by a chat template) are recognized."""
+        # The post-processor is bypassed so that add_bos alone decides, whatever tokenizer.json says.
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render `messages` ({"role", "content"} dicts) with the checkpoint's own chat template, as HF does."""
+        if self._template is None:
+            raise RequestError(f"{self.source}: the tokenizer has no chat_template")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:  # raise_exception() in the template: the conversation is invalid
+            raise RequestError(f"chat template: {e}") from e
+
+    def _special_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"{self.source}: special token {token!r} is not in the vocabulary")
+        return token_id
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, fed one at a time, into text deltas; holds back an incomplete UTF-8 character.
+
+    Like vLLM, each step decodes a short window of ids twice (before and after the new id) and emits the
+    difference, so sentencepiece's leading-space handling and multi-token characters come out as in a full
+    decode. The window only moves on once its text ends in a complete character, and not inside a run of
+    byte-fallback tokens: such a run decodes as a whole, and a later invalid byte turns all of it into U+FFFD.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids)
+        self.text = ""  # everything emitted so far
+        # The prompt's last few tokens give the first generated token its context (e.g. a leading space).
+        self._prefix_offset = max(len(self.ids) - _DETOK_CONTEXT, 0)
+        self._read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        if token_id in self.tokenizer.byte_token_ids:
+            return ""  # wait for the end of the byte run
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""  # nothing new yet, or a character still waits for its remaining bytes
+        return self._emit(new_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """At the end of the stream: return held-back text, incomplete characters as U+FFFD."""
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text):
+            return ""
+        return self._emit(new_text[len(prefix_text) :])
+
+    def _window_texts(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        window = self.ids[self._prefix_offset :]
+        read = self._read_offset - self._prefix_offset
+        return decode(window[:read], self.skip_special_tokens), decode(window, self.skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 2048) -> int:
+    """Train a byte-level BPE on the embedded corpus; write tokenizer.json and tokenizer_config.json.
+
+    Deterministic: the same arguments give byte-identical files. Returns the vocabulary size, which is at most
+    `vocab_size` (less if the corpus runs out of merges).
+    """
+    if vocab_size < _MIN_VOCAB:
+        raise ConfigError(f"a byte-level tokenizer needs vocab_size >= {_MIN_VOCAB}; got {vocab_size}")
+    backend = _train_byte_level_bpe(vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TOKENIZER_FILE).write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
+    config = _tokenizer_config(model_max_length)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    logger.debug("wrote a %d-token byte-level BPE tokenizer to %s", backend.get_vocab_size(), out)
+    return backend.get_vocab_size()
+
+
+def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),  # first, so they get ids 0, 1, 2 as in Mixtral
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no <unk> ever
+        show_progress=False,
+    )
+    # The trainer breaks ties in pair counts by the pair itself, so merges do not depend on thread count.
+    backend.train_from_iterator(_corpus().splitlines(keepends=True), trainer)
+    # HF's encode(text) adds special tokens through the post-processor; ours adds bos in encode().
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 1)]
+    )
+    return backend
+
+
+def _tokenizer_config(model_max_length: int) -> dict[str, Any]:
+    return {
+        # The generic fast class loads tokenizer.json as it is (the Llama class would rebuild a sentencepiece one).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # transformers would otherwise rewrite " ." as "."
+        "model_max_length": model_max_length,
+        "chat_template": _package_text("chat_template.jinja"),
+    }
+
+
+def _corpus() -> str:
+    return _package_text("corpus.txt")
+
+
+def _package_text(name: str) -> str:
+    return (
+        resources.files("amoe").joinpath("model").joinpath("data").joinpath(name).read_text(encoding="utf-8")
+    )
+
+
+def _load_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: tokenizer file not found")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for any parse error
+        raise ModelLoadError(f"{path}: not a valid tokenizer ({_first_line(e)})") from e
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}  # optional: a bare tokenizer.json still works, without a chat template
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read tokenizer config ({_first_line(e)})") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return config
+
+
+def _chat_template(config: dict[str, Any], path: Path) -> str | None:
+    template_file = path / TEMPLATE_FILE
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: use the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{path / CONFIG_FILE}: chat_template must be a string")
+    return template
+
+
+def _compile_template(source: str, where: str) -> jinja2.Template:
+    """Compile a chat template in the same sandbox, with the same helpers, as transformers."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"{where}: chat_template does not compile (line {e.lineno}: {e.message})") from e
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with "content"."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _byte_fallback_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
+    """Ids of sentencepiece's <0x00>..<0xFF> tokens, if the model falls back to bytes."""
+    if not getattr(backend.model, "byte_fallback", False):
+        return frozenset()
+    ids = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
+    return frozenset(i for i in ids if i is not None)
+
+
+def _default_special(backend: tokenizers.Tokenizer, token: str) -> str | None:
+    return token if backend.token_to_id(token) is not None else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,1 @@
+"""The coordinator: OpenAI-compatible API server, request state and load balancer (no model code)."""

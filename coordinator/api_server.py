@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP API: routes, streaming as server-sent events, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+import amoe
+from coordinator.auth import ApiKeyMiddleware
+from coordinator.backend import Backend
+from coordinator.load_balancer import LoadBalancer
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.openai_errors import ApiError, ErrorResponse, from_exception, install_error_handlers
+from coordinator.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from coordinator.request_state import Detokenizer, RequestState
+from coordinator.serving import RequestRunner
+from coordinator.validation import ModelInfo, PreparedRequest, Tokenizer, prepare_chat, prepare_completion
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)
+}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:
+    logger.info("client disconnected from %s; its request was aborted", request.url.path)
+    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+@dataclass
+class _Served:
+    """What every route needs; one per app."""
+
+    runner: RequestRunner
+    tokenizer: Tokenizer
+    model: ModelInfo
+    created: int
+
+
+def create_app(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    make_detokenizer: Callable[[list[int]], Detokenizer],
+    *,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+) -> FastAPI:
+    """The FastAPI app for a started backend; the caller owns the backend's lifetime."""
+    metrics = CoordinatorMetrics()
+    balancer = LoadBalancer(backend.kv_usage, backend.block_size, max_waiting)
+    served = _Served(
+        RequestRunner(backend, balancer, metrics, make_detokenizer), tokenizer, model, int(time.time())
+    )
+    app = FastAPI(title="amoe", version=amoe.__version__, description="OpenAI-compatible API of amoe")
+    app.state.served = served
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_info_routes(app, served)
+    _add_generation_routes(app, served)
+    return app
+
+
+def abort_all(app: FastAPI) -> None:
+    """Fail waiting requests and abort running ones: the end of a draining shutdown."""
+    app.state.served.runner.abort_all()
+
+
+def _add_info_routes(app: FastAPI, served: _Served) -> None:
+    backend, balancer = served.runner.backend, served.runner.balancer
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        report = dict(backend.health())
+        report.update(running=balancer.num_running, waiting=balancer.num_waiting)
+        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": amoe.__version__}
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=served.model.name, created=served.created, max_model_len=served.model.max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.runner.metrics.render(), media_type=served.runner.metrics.content_type)
+
+
+def _add_generation_routes(app: FastAPI, served: _Served) -> None:
+    runner = served.runner
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        with _count_rejections(runner, "completions"):
+            req = prepare_completion(body, served.tokenizer, served.model)
+            rank = await _unless_disconnected(request, runner.admit(req))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _completion_events(runner, req, rank, served.model.name, include_usage)
+            return _sse_response(events, runner, req)
+        return await _unless_disconnected(request, _complete(runner, req, rank, served.model.name))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        with _count_rejections(runner, "chat"):
+            req = prepare_chat(body, served.tokenizer, served.model)
+            rank = await _unless_disconnected(request, runner.admit(req))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _chat_events(runner, req, rank, served.model.name, include_usage)
+            return _sse_response(events, runner, req)
+        return await _unless_disconnected(request, _chat(runner, req, rank, served.model.name))
+
+
+@contextlib.contextmanager
+def _count_rejections(runner: RequestRunner, endpoint: str):
+    try:
+        yield
+    except Exception:
+        runner.metrics.requests.labels(endpoint, "error").inc()
+        raise
+
+
+async def _generate(runner: RequestRunner, req: PreparedRequest, rank: int, endpoint: str) -> RequestState:
+    state = None
+    async for _, update in runner.run(req, rank, endpoint):
+        state = update
+    if state is None or not state.is_finished:
+        raise ApiError(500, "the backend ended the request without finishing it", type="server_error")
+    return state
+
+
+async def _complete(runner: RequestRunner, req: PreparedRequest, rank: int, model: str) -> CompletionResponse:
+    state = await _generate(runner, req, rank, "completions")
+    choice = CompletionChoice(text=state.text, finish_reason=state.finish_reason)
+    return CompletionResponse(
+        id=req.request_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+    )
+
+
+async def _chat(runner: RequestRunner, req: PreparedRequest, rank: int, model: str) -> ChatCompletionResponse:
+    state = await _generate(runner, req, rank, "chat")
+    choice = ChatChoice(message=AssistantMessage(content=state.text), finish_reason=state.finish_reason)
+    return ChatCompletionResponse(
+        id=req.request_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+    )
+
+
+def _usage(state: RequestState) -> Usage:
+    return Usage.of(state.num_prompt_tokens, state.num_output_tokens)
+
+
+async def _completion_events(
+    runner: RequestRunner, req: PreparedRequest, rank: int, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    usage_field = {"usage": None} if include_usage else {}
+    state = None
+    async for text, state in runner.run(req, rank, "completions"):
+        choice = CompletionChoice(text=text, finish_reason=state.finish_reason)
+        chunk = CompletionResponse(id=req.request_id, created=created, model=model, choices=[choice])
+        yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
+    if include_usage and state is not None:
+        final = CompletionResponse(
+            id=req.request_id, created=created, model=model, choices=[], usage=_usage(state)
+        )
+        yield _event(final.model_dump())
+
+
+async def _chat_events(
+    runner: RequestRunner, req: PreparedRequest, rank: int, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    exclude = set() if include_usage else {"usage"}
+
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        body = ChatCompletionChunk(id=req.request_id, created=created, model=model, choices=[choice])
+        payload = body.model_dump(exclude=exclude)
+        payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # as OpenAI: absent, not null
+        return _event(payload)
+
+    yield chunk(DeltaMessage(role="assistant", content=""))  # OpenAI opens every chat stream with the role
+    state = None
+    async for text, state in runner.run(req, rank, "chat"):
+        if text:
+            yield chunk(DeltaMessage(content=text))
+        if state.is_finished:
+            yield chunk(DeltaMessage(), state.finish_reason)
+    if include_usage and state is not None:
+        final = ChatCompletionChunk(
+            id=req.request_id, created=created, model=model, choices=[], usage=_usage(state)
+        )
+        yield _event(final.model_dump())
+
+
+def _sse_response(
+    events: AsyncIterator[str], runner: RequestRunner, req: PreparedRequest
+) -> StreamingResponse:
+    # The background task frees the reservation even if the client left before the stream ever started.
+    release = BackgroundTask(runner.balancer.release, req.request_id)
+    return StreamingResponse(_with_done(events), media_type="text/event-stream", background=release)
+
+
+async def _with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The OpenAI stream framing: an error mid-stream becomes an error event; always end with [DONE]."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except Exception as exc:  # headers are sent already: the status can no longer change
+        yield _event({"error": from_exception(exc).info.model_dump()})
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (which aborts its request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,69 @@
+"""The seam between the API layer and whatever runs the model: a local engine thread or distributed runtimes."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a request produced since its last delta; finish_reason is set on the last one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RankKV:
+    """KV-cache blocks of one attention DP rank."""
+
+    free_blocks: int
+    total_blocks: int
+
+
+class Backend(abc.ABC):
+    """Runs requests on one or more attention DP ranks; every method is called from the API's event loop."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bring the backend up (load weights, spawn threads or runtimes); returns when it can serve."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort in-flight requests and stop every thread or process it started; idempotent."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream a request's new tokens; closing the iterator early aborts the request and frees its KV.
+
+        Raises amoe.errors.EngineDeadError if the backend died before or while serving the request.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream, if still read, ends with finish_reason "abort".
+
+        Unknown or finished ids are ignored.
+        """
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "dead" | ..., plus details}; cheap, never blocks."""
+
+    @abc.abstractmethod
+    def kv_usage(self) -> list[RankKV]:
+        """Free/total KV blocks per attention DP rank, indexed by rank."""
+
+    @property
+    @abc.abstractmethod
+    def block_size(self) -> int:
+        """Tokens per KV block (the unit the load balancer reserves in)."""

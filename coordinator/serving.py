@@ -1,0 +1,83 @@
+"""Runs one prepared request: admission by the load balancer, the backend's token stream, detokenization, stop
+strings, metrics and, whatever happens, the release of its KV reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from coordinator.backend import Backend
+from coordinator.load_balancer import LoadBalancer
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.request_state import Detokenizer, RequestState
+from coordinator.validation import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRunner:
+    """Shared by every endpoint; lives on the API's event loop."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        balancer: LoadBalancer,
+        metrics: CoordinatorMetrics,
+        make_detokenizer: Callable[[list[int]], Detokenizer],
+    ) -> None:
+        self.backend = backend
+        self.balancer = balancer
+        self.metrics = metrics
+        self._make_detokenizer = make_detokenizer
+
+    def abort_all(self) -> None:
+        """End of a drain: fail waiting requests and abort running ones (their streams end with "abort")."""
+        self.balancer.close()
+        running = self.balancer.running_ids()
+        if running:
+            logger.warning("aborting %d in-flight requests", len(running))
+        for request_id in running:
+            self.backend.abort(request_id)
+
+    async def admit(self, req: PreparedRequest) -> int:
+        """Bind the request to a rank (may wait for KV space); raises OverloadedError or RequestError."""
+        self.metrics.waiting.inc()
+        try:
+            return await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
+        finally:
+            self.metrics.waiting.dec()
+
+    async def run(
+        self, req: PreparedRequest, rank: int, endpoint: str
+    ) -> AsyncIterator[tuple[str, RequestState]]:
+        """Yield (new text, state) per backend delta of an admitted request; closing early aborts it."""
+        state = RequestState(
+            self._make_detokenizer(req.prompt_token_ids), req.stop, len(req.prompt_token_ids)
+        )
+        outcome = "error"
+        self.metrics.running.inc()
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        stream = self.backend.generate(req.request_id, req.prompt_token_ids, req.sampling_params, rank=rank)
+        try:
+            # aclosing: leaving this loop early (stop string, client gone) closes the stream, which aborts the
+            # request in the backend at once instead of whenever the generator is garbage collected.
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    state.append(delta.token_ids, delta.finish_reason)
+                    self.metrics.generation_tokens.inc(len(delta.token_ids))
+                    text = state.take_text()
+                    if text or state.is_finished:
+                        yield text, state
+                    if state.is_finished:
+                        break
+            outcome = {None: "error", "abort": "aborted"}.get(state.finish_reason, "success")
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "aborted"
+            logger.info("%s aborted after %d tokens", req.request_id, state.num_output_tokens)
+            raise
+        finally:
+            self.balancer.release(req.request_id)
+            self.metrics.running.dec()
+            self.metrics.requests.labels(endpoint, outcome).inc()

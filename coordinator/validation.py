@@ -1,0 +1,158 @@
+"""From a parsed OpenAI request to what the backend runs: prompt token ids, sampling params, stop strings."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from amoe.errors import RequestError
+from amoe.sampling_params import SamplingParams
+from coordinator.openai_errors import ApiError, bad_request
+from coordinator.protocol import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API layer needs to know about the served model."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling_params: Any  # amoe.sampling_params.SamplingParams
+    stop: list[str]
+
+
+def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> PreparedRequest:
+    _check_common(req, model)
+    prompt_ids = _completion_prompt_ids(req.prompt, tokenizer, model)
+    return _prepare(req, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model)
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> PreparedRequest:
+    _check_common(req, model)
+    if not req.messages:
+        raise bad_request("'messages' must contain at least one message", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    for m in messages:
+        _check_text(m["content"], "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # a checkpoint's template may reject e.g. a system message
+        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+    # The template writes the BOS token itself, as Hugging Face chat templates do.
+    prompt_ids = tokenizer.encode(text, add_bos=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return _prepare(req, "chatcmpl", prompt_ids, max_tokens, None, model, param)
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> None:
+    if req.model != model.name:
+        raise ApiError(
+            404,
+            f"The model '{req.model}' does not exist (serving '{model.name}')",
+            param="model",
+            code="model_not_found",
+        )
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
+        return tokenizer.encode(prompt, add_bos=True)
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+    return list(prompt)
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"'{param}' is not valid UTF-8 (it contains a lone surrogate)", param) from None
+
+
+def _prepare(
+    req: CompletionRequest | ChatCompletionRequest,
+    kind: str,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    model: ModelInfo,
+    max_tokens_param: str = "max_tokens",
+) -> PreparedRequest:
+    room = model.max_model_len - len(prompt_ids)
+    if room <= 0:
+        raise bad_request(
+            f"the prompt is {len(prompt_ids)} tokens but the model's context length is {model.max_model_len}",
+            "prompt" if kind == "cmpl" else "messages",
+        )
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens <= 0:
+        raise bad_request(f"'{max_tokens_param}' must be at least 1; got {max_tokens}", max_tokens_param)
+    elif max_tokens > room:
+        raise bad_request(
+            f"'{max_tokens_param}' is {max_tokens} but the prompt ({len(prompt_ids)} tokens) leaves room for only "
+            f"{room} in the model's context length of {model.max_model_len}",
+            max_tokens_param,
+        )
+    stop = _stop_strings(req.stop)
+    return PreparedRequest(
+        request_id=f"{kind}-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling_params=_sampling_params(req, max_tokens, stop),
+        stop=stop,
+    )
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    for s in stops:
+        _check_text(s, "stop")
+    return stops
+
+
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, stop: list[str]) -> Any:
+    given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            stop=stop,
+            ignore_eos=req.ignore_eos,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except RequestError as exc:
+        raise bad_request(str(exc)) from None

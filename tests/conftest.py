@@ -1,0 +1,44 @@
+"""Shared factories: small Mixtral configs and random-weight checkpoints written once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from amoe.model.checkpoint import write_random_checkpoint
+from amoe.model.presets import preset
+
+
+def mixtral_config(**overrides: Any) -> dict[str, Any]:
+    """The tiny preset's Hugging Face config dict with some fields changed."""
+    return {**preset("tiny"), **overrides}
+
+
+class CheckpointFactory:
+    """Writes random-weight checkpoints under one session temp dir, reusing identical ones."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[str, Path] = {}
+
+    def __call__(self, seed: int = 0, shards: int = 1, **overrides: Any) -> Path:
+        hf_config = mixtral_config(**overrides)
+        key = json.dumps([hf_config, seed, shards], sort_keys=True)
+        if key not in self._made:
+            out = self.root / f"ckpt{len(self._made)}"
+            self._made[key] = write_random_checkpoint(hf_config, out, seed=seed, shards=shards)
+        return self._made[key]
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """make_checkpoint(seed=0, shards=1, **hf_config_overrides) → a checkpoint dir (tiny preset by default)."""
+    return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint: CheckpointFactory) -> Path:
+    return make_checkpoint()

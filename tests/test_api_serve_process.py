@@ -1,0 +1,91 @@
+"""`amoe serve` as a real process: start-up line with the real port, draining exit 0 on signals."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from amoe.model.make import make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("tiny", tmp_path_factory.mktemp("ckpt") / "tiny-proc", seed=0)
+
+
+class ServerProcess:
+    def __init__(self, model_dir, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", "0", *flags]
+        env = {**os.environ, "AMOE_LOG_LEVEL": "INFO"}
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for_url(self, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                match = re.search(r"amoe serve: listening on (http://\S+)$", line)
+                if match:
+                    return match.group(1)
+            assert self.proc.poll() is None, "server exited early:\n" + "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError("no listening line:\n" + "\n".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_when_idle_exits_0(model_dir, sig):
+    server = ServerProcess(model_dir)
+    try:
+        url = server.wait_for_url()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and not url.endswith(":0")
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        server.proc.send_signal(sig)
+        assert server.proc.wait(10) == 0
+    finally:
+        server.stop()
+    assert not [line for line in server.lines if "Traceback" in line]
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
+    server = ServerProcess(model_dir, "--server-drain-timeout-s", "1")
+    try:
+        url = server.wait_for_url()
+        body = {"model": "tiny-proc", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            rest = [line for line in lines if line]
+        assert server.proc.wait(10) == 0
+        assert time.monotonic() - start < 8
+        # It kept streaming during the drain, then was aborted at the deadline and still ended cleanly.
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"abort"' in rest[-2]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        server.stop()
+    assert any("SIGTERM: draining" in line for line in server.lines)
+    assert any("aborting 1 in-flight requests" in line for line in server.lines)
