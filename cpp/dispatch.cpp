@@ -6,25 +6,27 @@
 
 namespace amoe {
 
+void group_rows(const int64_t* dest, int64_t n, int64_t num_dest, int64_t* perm, int64_t* offsets) {
+  std::fill(offsets, offsets + num_dest + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    AMOE_CHECK_ARG(dest[i] >= 0 && dest[i] < num_dest,
+                   "destination " << dest[i] << " of row " << i << " is outside [0, " << num_dest << ")");
+    ++offsets[dest[i] + 1];
+  }
+  for (int64_t k = 0; k < num_dest; ++k) offsets[k + 1] += offsets[k];
+  std::vector<int64_t> cursor(offsets, offsets + num_dest);
+  for (int64_t i = 0; i < n; ++i) perm[cursor[dest[i]]++] = i;
+}
+
 std::pair<torch::Tensor, torch::Tensor> group_by_destination(const torch::Tensor& dest, int64_t num_dest) {
   AMOE_CHECK_ARG(dest.dim() == 1, "dest must be 1-D, got " << dest.dim() << " dims");
   AMOE_CHECK_ARG(dest.scalar_type() == torch::kInt64, "dest must be int64");
   AMOE_CHECK_ARG(num_dest > 0, "num_dest must be positive, got " << num_dest);
   auto d = dest.contiguous().cpu();
   const int64_t n = d.size(0);
-  const int64_t* dp = d.data_ptr<int64_t>();
-  auto offsets = torch::zeros({num_dest + 1}, torch::kInt64);
-  int64_t* op = offsets.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    AMOE_CHECK_ARG(dp[i] >= 0 && dp[i] < num_dest,
-                   "destination " << dp[i] << " of row " << i << " is outside [0, " << num_dest << ")");
-    ++op[dp[i] + 1];
-  }
-  for (int64_t k = 0; k < num_dest; ++k) op[k + 1] += op[k];
+  auto offsets = torch::empty({num_dest + 1}, torch::kInt64);
   auto perm = torch::empty({n}, torch::kInt64);
-  int64_t* pp = perm.data_ptr<int64_t>();
-  std::vector<int64_t> cursor(op, op + num_dest);
-  for (int64_t i = 0; i < n; ++i) pp[cursor[dp[i]]++] = i;
+  group_rows(d.data_ptr<int64_t>(), n, num_dest, perm.data_ptr<int64_t>(), offsets.data_ptr<int64_t>());
   return {perm, offsets};
 }
 

@@ -8,7 +8,11 @@
 
 namespace amoe {
 
-// Stable counting sort of row indices by destination.
+// Stable counting sort on plain memory: perm[offsets[d]:offsets[d+1]] lists the rows with dest == d, in
+// order. dest values must be in [0, num_dest); perm has n entries, offsets num_dest + 1.
+void group_rows(const int64_t* dest, int64_t n, int64_t num_dest, int64_t* perm, int64_t* offsets);
+
+// Stable grouping of row indices by destination.
 // dest: int64 [num_rows], each in [0, num_dest).
 // Returns (perm, offsets): perm [num_rows] lists the rows of destination d at
 // perm[offsets[d]:offsets[d+1]], in their original order; offsets [num_dest + 1].

@@ -4,8 +4,15 @@
 #include "dispatch.h"
 #include "errors.h"
 
+namespace amoe {
+void register_scheduler(pybind11::module_& m);
+void register_engine(pybind11::module_& m);
+}  // namespace amoe
+
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "amoe C++ core: dispatcher kernels, and (next) mu-queues, token pool, scheduler, threads";
+  m.doc() = "amoe C++ core: scheduler, token pool, mu-queues, execution engine, loopback communicator";
   pybind11::register_exception<amoe::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
   amoe::register_dispatch(m);
+  amoe::register_scheduler(m);
+  amoe::register_engine(m);
 }

@@ -1,0 +1,336 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "dispatch.h"
+#include "errors.h"
+
+namespace amoe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+at::Tensor index_rows(const at::Tensor& data, const std::vector<int64_t>& rows) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  bool identity = n == data.size(0);
+  for (int64_t i = 0; identity && i < n; ++i) identity = rows[i] == i;
+  if (identity) return data;  // the whole output goes to one runtime in order: no copy
+  auto idx = at::empty({n}, at::kLong);
+  std::memcpy(idx.data_ptr<int64_t>(), rows.data(), n * sizeof(int64_t));
+  return data.index_select(0, idx.to(data.device()));
+}
+
+Message make_message(std::vector<RowMeta>&& rows, at::Tensor data) {
+  Message m;
+  m.header.num_rows = static_cast<int64_t>(rows.size());
+  m.header.dtype = static_cast<int32_t>(data.scalar_type());
+  m.header.hidden = data.dim() == 2 ? data.size(1) : 0;
+  m.rows = std::move(rows);
+  m.data = std::move(data);
+  return m;
+}
+
+}  // namespace
+
+Engine::Engine(const EngineConfig& cfg, std::shared_ptr<Communicator> comm)
+    : cfg_(cfg), comm_(std::move(comm)), queues_(cfg) {
+  AMOE_CHECK_ARG(comm_ != nullptr, "engine needs a communicator");
+  AMOE_CHECK_ARG(comm_->rank() == cfg.runtime_id,
+                 "communicator rank " << comm_->rank() << " differs from runtime_id " << cfg.runtime_id);
+  for (int r : cfg.expert_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
+  for (int r : cfg.attn_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
+  num_runtimes_ = std::max(num_runtimes_, cfg.runtime_id + 1);
+}
+
+Engine::~Engine() { stop(); }
+
+void Engine::start() {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // one start/stop transition at a time
+  AMOE_CHECK_ARG(!stopping_.load(), "engine was stopped; build a new one");
+  if (started_.load()) return;
+  receptor_ = std::thread([this] { receptor_loop(); });
+  dispatcher_ = std::thread([this] { dispatcher_loop(); });
+  started_.store(true);
+}
+
+void Engine::stop() {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // a second stop() waits for the first, then no-ops
+  stopping_.store(true);
+  {
+    // Taking each lock orders the flag before any waiter's predicate check, so no wake-up is lost.
+    std::lock_guard<std::mutex> q(mu_);
+  }
+  ready_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> j(jobs_mu_);
+  }
+  jobs_cv_.notify_all();
+  comm_->interrupt();
+  if (receptor_.joinable()) receptor_.join();
+  if (dispatcher_.joinable()) dispatcher_.join();
+}
+
+void Engine::ingest(Message msg) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // pool and queues are shared with next_batch()
+    queues_.ingest(std::move(msg));
+  }
+  ready_cv_.notify_all();
+}
+
+size_t Engine::pump(double timeout_s) {
+  std::vector<Message> msgs;
+  const auto timeout = std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
+  const size_t n = comm_->recv(&msgs, timeout);
+  constexpr size_t kPerLock = 32;
+  for (size_t lo = 0; lo < n; lo += kPerLock) {
+    bool was_empty;
+    {
+      // A bounded group of messages per lock hold: few hand-offs, yet next_batch() can run during a backlog.
+      std::lock_guard<std::mutex> lock(mu_);
+      was_empty = queues_.depth_total() == 0;
+      for (size_t i = lo; i < std::min(n, lo + kPerLock); ++i) queues_.ingest(std::move(msgs[i]));
+    }
+    if (was_empty) ready_cv_.notify_all();  // next_batch() only waits while every queue is empty
+  }
+  return n;
+}
+
+void Engine::receptor_loop() {
+  while (!stopping_.load()) {
+    try {
+      pump(0.02);  // bounded wait so a missed interrupt still ends the loop within 20 ms
+    } catch (const std::exception&) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+}
+
+void Engine::add_tokens(const at::Tensor& request_ids, const at::Tensor& token_ids,
+                        const at::Tensor& positions, const at::Tensor& chunk_starts,
+                        const at::Tensor& chunk_lens) {
+  AMOE_CHECK_ARG(cfg_.is_attention, "add_tokens is for attention runtimes");
+  const int64_t n = token_ids.numel();
+  for (const at::Tensor* t : {&request_ids, &positions, &chunk_starts, &chunk_lens}) {
+    AMOE_CHECK_ARG(t->dim() == 1 && t->numel() == n,
+                   "add_tokens: every array must be 1-D with " << n << " rows");
+  }
+  AMOE_CHECK_ARG(token_ids.dim() == 1, "token_ids must be 1-D");
+  auto rq = request_ids.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
+  auto cs = chunk_starts.to(at::kLong).contiguous(), cl = chunk_lens.to(at::kLong).contiguous();
+  std::vector<RowMeta> rows(n);
+  for (int64_t i = 0; i < n; ++i) {
+    RowMeta& m = rows[i];
+    m.request_id = static_cast<uint64_t>(rq.data_ptr<int64_t>()[i]);
+    m.layer = LayerId{kAttn, 0, cfg_.attn_rank};
+    m.position = static_cast<int32_t>(ps.data_ptr<int64_t>()[i]);
+    m.chunk_start = static_cast<int32_t>(cs.data_ptr<int64_t>()[i]);
+    m.chunk_len = static_cast<int32_t>(cl.data_ptr<int64_t>()[i]);
+    m.slot = 0;
+    m.expert_id = -1;
+    m.weight = 0.f;
+    m.attn_rank = cfg_.attn_rank;
+  }
+  ingest(make_message(std::move(rows), token_ids.to(at::kLong).contiguous()));
+}
+
+std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
+  Drained d;
+  bool got = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);  // the scheduler sees a consistent set of queues
+    const auto t0 = Clock::now();
+    const auto deadline =
+        t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
+    while (!stopping_.load()) {
+      if ((got = queues_.drain(&d))) break;
+      if (timeout_s < 0) {
+        ready_cv_.wait(lock);
+      } else if (ready_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        got = !stopping_.load() && queues_.drain(&d);
+        break;
+      }
+    }
+    idle_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  }
+  if (!got) return nullptr;
+  // Assembly reads only the drained rows and the immutable config: no lock, so the receptor keeps going.
+  return std::make_shared<Batch>(queues_.assemble(std::move(d)));
+}
+
+void Engine::push_job(Job job) {
+  if (!started_.load() ||
+      stopping_.load()) {  // no dispatcher thread: relabel and send on the caller's thread
+    dispatch(job);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);  // hand-off to the dispatcher thread
+    jobs_.push_back(std::move(job));
+  }
+  jobs_cv_.notify_one();
+}
+
+void Engine::submit_expert(std::shared_ptr<Batch> batch, at::Tensor out) {
+  AMOE_CHECK_ARG(batch && batch->layer.kind == kExpert, "submit_expert needs an expert batch");
+  AMOE_CHECK_ARG(out.dim() == 2 && out.size(0) == batch->num_rows() && out.size(1) == cfg_.hidden,
+                 "expert output must be [" << batch->num_rows() << ", " << cfg_.hidden << "]");
+  push_job(Job{std::move(batch), std::move(out), {}, {}, {}});
+}
+
+void Engine::submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual, at::Tensor moe_input,
+                              at::Tensor topk_ids, at::Tensor topk_weights) {
+  AMOE_CHECK_ARG(batch && batch->layer.kind == kAttn && batch->layer.block < cfg_.num_blocks,
+                 "submit_attention needs an attention batch of block < num_blocks");
+  const int64_t n = batch->num_rows();
+  AMOE_CHECK_ARG(residual.dim() == 2 && residual.size(0) == n && residual.size(1) == cfg_.hidden,
+                 "residual must be [" << n << ", " << cfg_.hidden << "]");
+  AMOE_CHECK_ARG(moe_input.sizes() == residual.sizes(),
+                 "moe_input must be [" << n << ", " << cfg_.hidden << "]");
+  AMOE_CHECK_ARG(topk_ids.dim() == 2 && topk_ids.size(0) == n && topk_ids.size(1) == cfg_.top_k,
+                 "topk_ids must be [" << n << ", " << cfg_.top_k << "]");
+  AMOE_CHECK_ARG(topk_weights.sizes() == topk_ids.sizes(),
+                 "topk_weights must be [" << n << ", " << cfg_.top_k << "]");
+  if (n > 0) {
+    // Checked here, on the caller's thread, so a bad router output raises instead of stranding pool entries.
+    auto [lo, hi] = at::aminmax(topk_ids);
+    AMOE_CHECK_ARG(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cfg_.num_experts,
+                   "topk_ids must be in [0, " << cfg_.num_experts << ")");
+  }
+  push_job(Job{std::move(batch), std::move(moe_input), std::move(residual), std::move(topk_ids),
+               std::move(topk_weights)});
+}
+
+void Engine::submit_head(std::shared_ptr<Batch> batch) {
+  AMOE_CHECK_ARG(batch && batch->layer.kind == kAttn && batch->layer.block == cfg_.num_blocks,
+                 "submit_head needs a head batch (ATTN block num_blocks)");
+  // Sampling and stop decisions are Python's: the next tokens come back through add_tokens().
+}
+
+void Engine::dispatcher_loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(jobs_mu_);  // pairs with push_job()
+      jobs_cv_.wait(lock, [&] { return stopping_.load() || !jobs_.empty(); });
+      if (stopping_.load()) return;  // pending jobs are dropped on stop
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    try {
+      dispatch(job);
+    } catch (const std::exception&) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+}
+
+void Engine::dispatch(const Job& job) {
+  if (job.batch->layer.kind == kExpert) {
+    dispatch_expert(job);
+  } else {
+    dispatch_attention(job);
+  }
+}
+
+// EXPERT (b, e) -> ATTN (b + 1, attn_rank) on the runtime serving that rank; the slot tells the pool which
+// part.
+void Engine::dispatch_expert(const Job& job) {
+  const Batch& b = *job.batch;
+  const int64_t n = b.num_rows();
+  std::vector<RowMeta> rows(b.meta);
+  std::vector<int64_t> dest(n), src(n);
+  for (int64_t i = 0; i < n; ++i) {
+    RowMeta& m = rows[i];
+    m.layer = LayerId{kAttn, b.layer.block + 1, m.attn_rank};
+    dest[i] = cfg_.attn_runtime.at(m.attn_rank);
+    src[i] = i;
+  }
+  send_grouped(std::move(rows), src, dest, job.out);
+}
+
+// ATTN (b, r) -> K copies to EXPERT (b, topk_ids) on their runtimes; the residual stays here as slot 0 of
+// ATTN (b + 1, r).
+void Engine::dispatch_attention(const Job& job) {
+  const Batch& b = *job.batch;
+  const int64_t n = b.num_rows();
+  const int k = cfg_.top_k;
+  {
+    std::vector<RowMeta> keep(b.meta);
+    for (RowMeta& m : keep) m.layer = LayerId{kAttn, b.layer.block + 1, cfg_.attn_rank};
+    ingest(make_message(std::move(keep), job.residual));
+  }
+  auto ids = job.topk_ids.to(at::kCPU, at::kLong).contiguous();
+  auto ws = job.topk_weights.to(at::kCPU, at::kFloat).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* wp = ws.data_ptr<float>();
+  std::vector<RowMeta> rows(n * k);
+  std::vector<int64_t> dest(n * k), src(n * k);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int s = 0; s < k; ++s) {
+      const int64_t j = i * k + s;
+      const int64_t e = ip[j];
+      AMOE_CHECK_ARG(e >= 0 && e < cfg_.num_experts, "router chose expert " << e << " outside the model");
+      RowMeta& m = rows[j];
+      m = b.meta[i];
+      m.layer = LayerId{kExpert, b.layer.block, static_cast<int32_t>(e)};
+      m.slot = s + 1;
+      m.expert_id = static_cast<int32_t>(e);
+      m.weight = wp[j];
+      dest[j] = cfg_.expert_runtime[e];
+      src[j] = i;
+    }
+  }
+  send_grouped(std::move(rows), src, dest, job.out);
+}
+
+void Engine::send_grouped(std::vector<RowMeta>&& rows, const std::vector<int64_t>& src_rows,
+                          const std::vector<int64_t>& dest, const at::Tensor& data) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> perm(n), offsets(num_runtimes_ + 1);
+  group_rows(dest.data(), n, num_runtimes_, perm.data(), offsets.data());
+  for (int r = 0; r < num_runtimes_; ++r) {
+    const int64_t lo = offsets[r], hi = offsets[r + 1];
+    if (lo == hi) continue;
+    std::vector<RowMeta> part(hi - lo);
+    std::vector<int64_t> part_src(hi - lo);
+    for (int64_t i = lo; i < hi; ++i) {
+      part[i - lo] = rows[perm[i]];
+      part_src[i - lo] = src_rows[perm[i]];
+    }
+    comm_->send(r, make_message(std::move(part), index_rows(data, part_src)));
+    tokens_out_.fetch_add(hi - lo, std::memory_order_relaxed);
+    messages_out_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+EngineStats Engine::stats() {
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // a consistent snapshot of queues and pool
+    for (const MuQueue& q : queues_.queues()) {
+      s.layers.push_back(q.layer);
+      s.depth.push_back(q.depth);
+      s.batches.push_back(q.batches);
+      s.rows.push_back(q.rows_drained);
+    }
+    s.pool_entries = queues_.pool_entries();
+    s.pool_parts = queues_.pool_parts();
+    s.tokens_in = queues_.rows_in();
+    s.drops = queues_.drops();
+    s.idle_s = static_cast<double>(idle_ns_) * 1e-9;
+  }
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);  // size of the dispatcher's backlog
+    s.dispatch_pending = static_cast<int64_t>(jobs_.size());
+  }
+  s.tokens_out = tokens_out_.load(std::memory_order_relaxed);
+  s.messages_out = messages_out_.load(std::memory_order_relaxed);
+  s.errors = errors_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace amoe

@@ -1,0 +1,101 @@
+// The execution engine of one runtime: a receptor thread (communicator -> token pool -> μ-queues), the
+// scheduler and batch assembly behind next_batch(), and a dispatcher thread (relabel, group by destination,
+// send). Python only calls next_batch() and submit_*(); no Python runs on the engine's threads.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "comm.h"
+#include "queues.h"
+
+namespace amoe {
+
+struct EngineStats {
+  std::vector<LayerId> layers;   // every hosted queue
+  std::vector<int64_t> depth;    // rows waiting per queue
+  std::vector<int64_t> batches;  // batches executed per queue
+  std::vector<int64_t> rows;     // rows executed per queue
+  int64_t pool_entries = 0, pool_parts = 0;
+  int64_t tokens_in = 0, tokens_out = 0, messages_out = 0;
+  int64_t dispatch_pending = 0, errors = 0;
+  DropCounts drops;
+  double idle_s = 0;  // time next_batch() waited with nothing to run
+};
+
+class Engine {
+ public:
+  Engine(const EngineConfig& cfg, std::shared_ptr<Communicator> comm);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void start();
+  void stop();  // idempotent; joins both threads
+  bool running() const { return started_.load() && !stopping_.load(); }
+
+  // Receptor path, also callable directly (tests, and a runtime injecting its own tokens).
+  void ingest(Message msg);
+  // Receives whatever the communicator holds (waiting up to timeout) and ingests it; for use without start().
+  size_t pump(double timeout_s);
+  // New prompts and next decode tokens of this attention rank: rows for ATTN (0, rank).
+  void add_tokens(const at::Tensor& request_ids, const at::Tensor& token_ids, const at::Tensor& positions,
+                  const at::Tensor& chunk_starts, const at::Tensor& chunk_lens);
+
+  // The next assembled batch, or nullptr after timeout_s (< 0: wait until stop()) or once stopped.
+  std::shared_ptr<Batch> next_batch(double timeout_s);
+
+  // Layer outputs of a batch from next_batch(); relabelled and sent by the dispatcher thread (or inline
+  // when the engine is not started).
+  void submit_expert(std::shared_ptr<Batch> batch, at::Tensor out);
+  void submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual, at::Tensor moe_input,
+                        at::Tensor topk_ids, at::Tensor topk_weights);
+  void submit_head(std::shared_ptr<Batch> batch);
+
+  EngineStats stats();
+  const EngineConfig& config() const { return cfg_; }
+
+ private:
+  struct Job {
+    std::shared_ptr<Batch> batch;
+    at::Tensor out, residual, topk_ids, topk_weights;  // expert: out; attention: all four (out = moe_input)
+  };
+
+  void receptor_loop();
+  void dispatcher_loop();
+  void push_job(Job job);
+  void dispatch(const Job& job);
+  void dispatch_expert(const Job& job);
+  void dispatch_attention(const Job& job);
+  void send_grouped(std::vector<RowMeta>&& rows, const std::vector<int64_t>& src_rows,
+                    const std::vector<int64_t>& dest, const at::Tensor& data);
+
+  EngineConfig cfg_;
+  std::shared_ptr<Communicator> comm_;
+  int num_runtimes_ = 0;
+
+  std::mutex mu_;  // guards queues_, idle_ns_: the receptor, add_tokens and next_batch contend here
+  std::condition_variable ready_cv_;  // signalled when rows enter a μ-queue or on stop
+  LayerQueues queues_;
+  int64_t idle_ns_ = 0;
+
+  std::mutex jobs_mu_;  // guards jobs_: submit (Python thread) produces, the dispatcher consumes
+  std::condition_variable jobs_cv_;
+  std::deque<Job> jobs_;
+
+  std::mutex lifecycle_mu_;  // serialises start()/stop() so concurrent stops join once
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopping_{false};  // seq_cst: read in wait predicates that also hold the matching lock
+  std::thread receptor_, dispatcher_;
+
+  std::atomic<int64_t> tokens_out_{0}, messages_out_{0}, errors_{0};  // relaxed counters
+};
+
+}  // namespace amoe

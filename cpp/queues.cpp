@@ -1,0 +1,317 @@
+#include "queues.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "errors.h"
+
+namespace amoe {
+
+void EngineConfig::validate() const {
+  AMOE_CHECK_ARG(num_blocks > 0, "num_blocks must be positive, got " << num_blocks);
+  AMOE_CHECK_ARG(num_experts > 0, "num_experts must be positive, got " << num_experts);
+  AMOE_CHECK_ARG(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, num_experts], got " << top_k);
+  AMOE_CHECK_ARG(hidden > 0, "hidden must be positive, got " << hidden);
+  AMOE_CHECK_ARG(
+      static_cast<int>(expert_runtime.size()) == num_experts,
+      "expert_runtime needs one runtime per expert (" << num_experts << "), got " << expert_runtime.size());
+  AMOE_CHECK_ARG(!attn_runtime.empty(), "attn_runtime must list at least one attention rank");
+  AMOE_CHECK_ARG(attn_cap > 0 && expert_cap > 0, "batch caps must be positive");
+  if (is_attention) {
+    AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
+                   "attn_rank " << attn_rank << " has no entry in attn_runtime");
+  } else {
+    AMOE_CHECK_ARG(!experts.empty(), "an expert runtime must host at least one expert");
+    for (int e : experts) AMOE_CHECK_ARG(e >= 0 && e < num_experts, "hosted expert " << e << " out of range");
+  }
+}
+
+LayerQueues::LayerQueues(const EngineConfig& cfg)
+    : cfg_(cfg),
+      num_cols_(cfg.is_attention ? 1 : static_cast<int>(cfg.experts.size())),
+      expert_col_(cfg.num_experts, -1),
+      scheduler_(cfg.is_attention ? cfg.num_blocks + 1 : cfg.num_blocks, num_cols_, parse_policy(cfg.policy),
+                 cfg.lookahead, cfg.decay) {
+  cfg_.validate();
+  for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
+    AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
+    expert_col_[cfg.experts[c]] = c;
+  }
+  queues_.resize(static_cast<size_t>(scheduler_.num_blocks()) * num_cols_);
+  pool_.reserve(4096);
+  for (int b = 0; b < scheduler_.num_blocks(); ++b) {
+    for (int c = 0; c < num_cols_; ++c) {
+      queues_[b * num_cols_ + c].layer =
+          cfg.is_attention ? LayerId{kAttn, b, cfg.attn_rank} : LayerId{kExpert, b, cfg.experts[c]};
+    }
+  }
+}
+
+int LayerQueues::queue_index(const LayerId& l) const {
+  if (cfg_.is_attention) {
+    if (l.kind != kAttn || l.index != cfg_.attn_rank || l.block < 0 || l.block > cfg_.num_blocks) return -1;
+    return l.block;
+  }
+  if (l.kind != kExpert || l.block < 0 || l.block >= cfg_.num_blocks || l.index < 0 ||
+      l.index >= cfg_.num_experts)
+    return -1;
+  const int c = expert_col_[l.index];
+  return c < 0 ? -1 : l.block * num_cols_ + c;
+}
+
+void LayerQueues::ingest(Message&& msg) {
+  const int64_t n = static_cast<int64_t>(msg.rows.size());
+  const MessageHeader& h = msg.header;
+  const bool header_ok = h.magic == kMessageMagic && h.version == kMessageVersion && h.num_rows == n &&
+                         msg.data.defined() && msg.data.dim() >= 1 && msg.data.size(0) == n;
+  const bool is_ids = header_ok && msg.data.dim() == 1 && msg.data.scalar_type() == at::kLong;
+  const bool is_act = header_ok && msg.data.dim() == 2 && msg.data.size(1) == cfg_.hidden;
+  if (!is_ids && !is_act) {
+    ++drops_.bad_message;
+    return;
+  }
+  rows_in_ += n;
+  for (int64_t i = 0; i < n; ++i) {
+    const RowMeta& m = msg.rows[i];
+    const int q = queue_index(m.layer);
+    if (q < 0) {
+      ++drops_.misrouted;
+      continue;
+    }
+    const bool wants_ids = m.layer.kind == kAttn && m.layer.block == 0;
+    if (wants_ids != is_ids) {
+      ++drops_.bad_row;
+      continue;
+    }
+    if (m.layer.kind == kExpert) {
+      // Expert rows are independent: ready as soon as they arrive.
+      MuQueue& mq = queues_[q];
+      mq.rows.push_back(ExpertRow{m, TensorRef{msg.data, i}});
+      ++mq.depth;
+      scheduler_.add(q / num_cols_, q % num_cols_, 1);
+    } else {
+      ingest_attention_row(q, m, msg.data, i);
+    }
+  }
+}
+
+void LayerQueues::ingest_attention_row(int q, const RowMeta& m, const at::Tensor& data, int64_t row) {
+  const int ppr = m.layer.block == 0 ? 1 : 1 + cfg_.top_k;
+  if (m.chunk_len < 1 || m.chunk_start < 0 || m.position < m.chunk_start ||
+      m.position >= m.chunk_start + m.chunk_len || m.slot < 0 || m.slot >= ppr) {
+    ++drops_.bad_row;
+    return;
+  }
+  if (ppr == 1 && m.chunk_len == 1) {  // a decode token id: nothing to merge
+    Chunk c;
+    c.head = m;
+    c.parts_per_row = 1;
+    c.present = 1;
+    c.parts.resize(1);
+    c.parts[0].ref = TensorRef{data, row};
+    enqueue_chunk(q, std::move(c));
+    return;
+  }
+  auto [it, inserted] = pool_.try_emplace(PoolKey{m.request_id, m.layer, m.chunk_start});
+  Chunk& c = it->second;
+  if (inserted) {
+    c.head = m;
+    c.parts_per_row = ppr;
+    c.parts.resize(static_cast<int64_t>(m.chunk_len) * ppr);
+  } else if (c.head.chunk_len != m.chunk_len || c.head.attn_rank != m.attn_rank) {
+    ++drops_.bad_row;
+    return;
+  }
+  const int64_t r = m.position - m.chunk_start;
+  Part& part = c.parts[r * ppr + m.slot];
+  if (part.ref.t.defined()) {
+    ++drops_.duplicate;
+    return;
+  }
+  part.ref = TensorRef{data, row};
+  part.expert_id = m.expert_id;
+  ++c.present;
+  ++pool_parts_;
+  if (c.present == c.parts.size()) {
+    pool_parts_ -= c.present;
+    enqueue_chunk(q, std::move(c));
+    pool_.erase(it);
+  }
+}
+
+void LayerQueues::enqueue_chunk(int q, Chunk&& c) {
+  MuQueue& mq = queues_[q];
+  const int64_t n = c.head.chunk_len;
+  mq.chunks.push_back(std::move(c));
+  mq.depth += n;
+  scheduler_.add(q / num_cols_, q % num_cols_, n);
+}
+
+bool LayerQueues::drain(Drained* out) {
+  int b = 0, col = 0;
+  if (!scheduler_.pick(&b, &col)) return false;
+  MuQueue& mq = queues_[b * num_cols_ + col];
+  out->layer = mq.layer;
+  int64_t taken = 0;
+  if (mq.layer.kind == kExpert) {
+    const int64_t n = std::min(mq.depth, cfg_.expert_cap);
+    out->rows.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      out->rows.push_back(std::move(mq.rows.front()));
+      mq.rows.pop_front();
+    }
+    taken = n;
+  } else {
+    // Whole chunks only: the attention layer needs a request's chunk together.
+    while (!mq.chunks.empty()) {
+      const int64_t n = mq.chunks.front().head.chunk_len;
+      if (taken > 0 && taken + n > cfg_.attn_cap) break;
+      out->chunks.push_back(std::move(mq.chunks.front()));
+      mq.chunks.pop_front();
+      taken += n;
+    }
+  }
+  out->num_rows = taken;
+  mq.depth -= taken;
+  ++mq.batches;
+  mq.rows_drained += taken;
+  scheduler_.add(b, col, -taken);
+  return true;
+}
+
+namespace {
+
+// Copies refs[i]'s row into dst[i]. dst is contiguous, [N, ...] with one source row per dst row.
+void gather_rows(const std::vector<const TensorRef*>& refs, at::Tensor& dst) {
+  const int64_t n = static_cast<int64_t>(refs.size());
+  if (n == 0) return;
+  const size_t row_bytes = static_cast<size_t>(dst.numel() / n) * dst.element_size();
+  bool fast = dst.device().is_cpu();
+  for (int64_t i = 0; fast && i < n; ++i) {
+    const at::Tensor& t = refs[i]->t;
+    fast = t.device().is_cpu() && t.scalar_type() == dst.scalar_type() && t.is_contiguous();
+  }
+  if (fast) {
+    // CPU: one memcpy per row, the CPU stand-in for the paper's gather kernel.
+    char* out = static_cast<char*>(dst.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      const char* src = static_cast<const char*>(refs[i]->t.const_data_ptr()) + refs[i]->row * row_bytes;
+      std::memcpy(out + i * row_bytes, src, row_bytes);
+    }
+    return;
+  }
+  // General (GPU, strided, mixed dtype): one index_select + index_copy_ per source tensor.
+  std::unordered_map<const void*, std::pair<std::vector<int64_t>, std::vector<int64_t>>> groups;
+  std::vector<const at::Tensor*> order;
+  for (int64_t i = 0; i < n; ++i) {
+    auto& g = groups[refs[i]->t.unsafeGetTensorImpl()];
+    if (g.first.empty()) order.push_back(&refs[i]->t);
+    g.first.push_back(i);
+    g.second.push_back(refs[i]->row);
+  }
+  for (const at::Tensor* t : order) {
+    auto& g = groups[t->unsafeGetTensorImpl()];
+    auto src_idx = at::tensor(g.second, at::kLong).to(t->device());
+    auto dst_idx = at::tensor(g.first, at::kLong).to(dst.device());
+    dst.index_copy_(0, dst_idx, t->index_select(0, src_idx).to(dst.device(), dst.scalar_type()));
+  }
+}
+
+at::Tensor int64_tensor(const std::vector<int64_t>& v) {
+  auto t = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
+  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+  return t;
+}
+
+}  // namespace
+
+Batch LayerQueues::assemble(Drained&& d) const {
+  Batch b;
+  b.layer = d.layer;
+  b.top_k = cfg_.top_k;
+  const int64_t n = d.num_rows;
+  b.meta.reserve(n);
+  std::vector<int64_t> req(n), pos(n), rank(n);
+  if (d.layer.kind == kExpert) {
+    std::vector<const TensorRef*> refs(n);
+    auto w = at::empty({n}, at::kFloat);
+    float* wp = w.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const RowMeta& m = d.rows[i].meta;
+      b.meta.push_back(m);
+      req[i] = static_cast<int64_t>(m.request_id);
+      pos[i] = m.position;
+      rank[i] = m.attn_rank;
+      wp[i] = m.weight;
+      refs[i] = &d.rows[i].ref;
+    }
+    const at::Tensor& first = d.rows[0].ref.t;
+    b.x = at::empty({n, cfg_.hidden}, first.options());
+    gather_rows(refs, b.x);
+    b.weights = w;
+  } else {
+    const int64_t num_chunks = static_cast<int64_t>(d.chunks.size());
+    const int k = cfg_.top_k;
+    const bool ids = d.layer.block == 0;
+    std::vector<int64_t> cu(num_chunks + 1, 0), ctx(num_chunks);
+    std::vector<const TensorRef*> slot0;
+    std::vector<const TensorRef*> experts;
+    std::vector<int64_t> eids;
+    slot0.reserve(n);
+    if (!ids) {
+      experts.reserve(n * k);
+      eids.reserve(n * k);
+    }
+    std::vector<int> order(k);  // a row's expert slots by ascending expert id
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const Chunk& ch = d.chunks[c];
+      cu[c + 1] = cu[c] + ch.head.chunk_len;
+      ctx[c] = ch.head.chunk_start + ch.head.chunk_len;
+      for (int32_t r = 0; r < ch.head.chunk_len; ++r) {
+        RowMeta m = ch.head;
+        m.position = ch.head.chunk_start + r;
+        m.slot = 0;
+        m.expert_id = -1;
+        m.weight = 0.f;
+        const int64_t i = static_cast<int64_t>(b.meta.size());
+        b.meta.push_back(m);
+        req[i] = static_cast<int64_t>(m.request_id);
+        pos[i] = m.position;
+        rank[i] = m.attn_rank;
+        const Part* p = &ch.parts[static_cast<int64_t>(r) * ch.parts_per_row];
+        slot0.push_back(&p[0].ref);
+        if (ids) continue;
+        // Ascending expert id: the order Hugging Face sums expert outputs in (insertion sort: K is small).
+        for (int s = 0; s < k; ++s) {
+          int j = s;
+          for (; j > 0 && p[1 + order[j - 1]].expert_id > p[1 + s].expert_id; --j) order[j] = order[j - 1];
+          order[j] = s;
+        }
+        for (int s : order) {
+          experts.push_back(&p[1 + s].ref);
+          eids.push_back(p[1 + s].expert_id);
+        }
+      }
+    }
+    b.cu_rows = int64_tensor(cu);
+    b.context_lens = int64_tensor(ctx);
+    const at::Tensor& first = slot0[0]->t;
+    if (ids) {
+      b.token_ids = at::empty({n}, at::kLong);
+      gather_rows(slot0, b.token_ids);
+    } else {
+      b.residual = at::empty({n, cfg_.hidden}, first.options());
+      gather_rows(slot0, b.residual);
+      auto eo = at::empty({n * k, cfg_.hidden}, first.options());
+      gather_rows(experts, eo);
+      b.expert_out = eo.view({n, k, cfg_.hidden});
+      b.expert_ids = int64_tensor(eids).view({n, k});
+    }
+  }
+  b.request_ids = int64_tensor(req);
+  b.positions = int64_tensor(pos);
+  b.attn_ranks = int64_tensor(rank);
+  return b;
+}
+
+}  // namespace amoe

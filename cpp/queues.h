@@ -1,0 +1,178 @@
+// Receptor state: the token pool that merges a token's parts, the μ-queues (one per hosted LayerID) and
+// batch assembly. Not thread-safe by itself: the engine serialises ingest() and drain() under one lock;
+// assemble() works on drained items only and runs without any lock.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <deque>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "comm.h"
+#include "meta.h"
+#include "scheduler.h"
+
+namespace amoe {
+
+struct EngineConfig {
+  int runtime_id = 0;               // this runtime's id in the placement maps (== its communicator rank)
+  bool is_attention = true;         // attention runtime (one DP rank, all blocks + head) or expert runtime
+  int attn_rank = 0;                // the DP rank an attention runtime serves
+  std::vector<int> experts;         // expert ids an expert runtime hosts (for every block)
+  int num_blocks = 1;               // decoder blocks of the model
+  int num_experts = 1;              // experts per block
+  int top_k = 1;                    // experts per token
+  int64_t hidden = 0;               // activation width H
+  std::vector<int> expert_runtime;  // [num_experts] runtime hosting expert e
+  std::vector<int> attn_runtime;    // [num_attn_ranks] runtime serving attention rank r
+  std::string policy = "defrag";
+  int lookahead = 3;
+  double decay = 0.5;
+  int64_t attn_cap = 256;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
+  int64_t expert_cap = 512;  // rows per expert batch
+
+  void validate() const;
+};
+
+// One row of a tensor that arrived; the data stays there until assembly.
+struct TensorRef {
+  at::Tensor t;
+  int64_t row = 0;
+};
+
+struct ExpertRow {
+  RowMeta meta;
+  TensorRef ref;
+};
+
+// One part of a token at an attention layer: the residual (slot 0) or one expert output.
+struct Part {
+  TensorRef ref;
+  int32_t expert_id = -1;
+};
+
+// A chunk's parts, indexed (position - chunk_start) * parts_per_row + slot. A decode step (one row, up to
+// 1 + 7 parts) stays inline: no allocation per token on the hot path; prefill chunks spill to the heap.
+class PartList {
+ public:
+  static constexpr int64_t kInline = 8;
+  void resize(int64_t n) {
+    size_ = n;
+    if (n > kInline) heap_.resize(n);
+  }
+  int64_t size() const { return size_; }
+  Part& operator[](int64_t i) { return size_ > kInline ? heap_[i] : inline_[i]; }
+  const Part& operator[](int64_t i) const { return size_ > kInline ? heap_[i] : inline_[i]; }
+
+ private:
+  std::array<Part, kInline> inline_;
+  std::vector<Part> heap_;
+  int64_t size_ = 0;
+};
+
+// The rows of one request at one attention layer (a decode step or a prefill chunk), merged from parts.
+struct Chunk {
+  RowMeta head;           // request id, layer, chunk_start, chunk_len, attn_rank
+  int parts_per_row = 1;  // 1 at block 0 (token ids), else 1 + K (residual + K expert outputs)
+  int64_t present = 0;    // parts arrived so far
+  PartList parts;         // [chunk_len * parts_per_row]
+};
+
+struct MuQueue {
+  LayerId layer{};
+  std::deque<ExpertRow> rows;  // expert queues
+  std::deque<Chunk> chunks;    // attention queues
+  int64_t depth = 0;           // rows waiting
+  int64_t batches = 0;         // batches drained
+  int64_t rows_drained = 0;
+};
+
+// Rows drained from one queue, assembled outside the lock.
+struct Drained {
+  LayerId layer{};
+  std::vector<ExpertRow> rows;
+  std::vector<Chunk> chunks;
+  int64_t num_rows = 0;
+};
+
+// What next_batch() hands to Python (tensor fields left undefined are None).
+struct Batch {
+  LayerId layer{};
+  int top_k = 1;
+  std::vector<RowMeta> meta;  // [N] per row, for the dispatcher
+  at::Tensor request_ids;     // int64 [N]
+  at::Tensor positions;       // int64 [N]
+  at::Tensor attn_ranks;      // int64 [N]
+  at::Tensor cu_rows;         // int64 [R + 1] chunk boundaries (attention)
+  at::Tensor context_lens;    // int64 [R] tokens of the request after this chunk (attention)
+  at::Tensor x;               // [N, H] expert input
+  at::Tensor weights;         // float32 [N] top-k weight (expert)
+  at::Tensor token_ids;       // int64 [N] (attention block 0)
+  at::Tensor residual;        // [N, H] (attention block > 0, head)
+  at::Tensor expert_out;  // [N, K, H] weighted expert outputs in ascending expert id (attention block > 0)
+  at::Tensor expert_ids;  // int64 [N, K] ascending (attention block > 0)
+  int64_t num_rows() const { return static_cast<int64_t>(meta.size()); }
+};
+
+struct PoolKey {
+  uint64_t request_id;
+  LayerId layer;
+  int32_t chunk_start;
+  bool operator==(const PoolKey& o) const {
+    return request_id == o.request_id && layer == o.layer && chunk_start == o.chunk_start;
+  }
+};
+
+struct PoolKeyHash {
+  size_t operator()(const PoolKey& k) const {
+    return std::hash<uint64_t>()(k.request_id * 0x9E3779B97F4A7C15ull) ^ LayerIdHash()(k.layer) ^
+           (static_cast<size_t>(k.chunk_start) << 17);
+  }
+};
+
+struct DropCounts {
+  int64_t bad_message = 0;  // malformed header / tensor shape
+  int64_t misrouted = 0;    // a row for a layer this runtime does not host
+  int64_t bad_row = 0;      // inconsistent chunk / slot / position
+  int64_t duplicate = 0;    // a part that already arrived
+};
+
+class LayerQueues {
+ public:
+  explicit LayerQueues(const EngineConfig& cfg);
+
+  // Routes every row of msg into the pool or a μ-queue; malformed parts are dropped and counted.
+  void ingest(Message&& msg);
+  // Picks a queue with the scheduler and pops up to the cap; false when nothing is waiting.
+  bool drain(Drained* out);
+  // Gathers drained rows into contiguous tensors (no lock needed).
+  Batch assemble(Drained&& d) const;
+
+  int64_t depth_total() const { return scheduler_.total(); }
+  int64_t pool_entries() const { return static_cast<int64_t>(pool_.size()); }
+  int64_t pool_parts() const { return pool_parts_; }
+  int64_t rows_in() const { return rows_in_; }
+  const DropCounts& drops() const { return drops_; }
+  const std::vector<MuQueue>& queues() const { return queues_; }
+  const Scheduler& scheduler() const { return scheduler_; }
+
+ private:
+  int queue_index(const LayerId& l) const;  // -1 when not hosted
+  void enqueue_chunk(int q, Chunk&& c);
+  void ingest_attention_row(int q, const RowMeta& m, const at::Tensor& data, int64_t row);
+
+  EngineConfig cfg_;
+  int num_cols_;
+  std::vector<int> expert_col_;  // [num_experts] local column or -1
+  Scheduler scheduler_;
+  std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
+  std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
+  int64_t pool_parts_ = 0;
+  int64_t rows_in_ = 0;
+  DropCounts drops_;
+};
+
+}  // namespace amoe
