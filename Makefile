@@ -3,7 +3,7 @@ VENV        ?= .venv
 PYTHON      ?= python3
 # A CPU torch from local disk here; set TORCH_SPEC for a CUDA install on a GPU host.
 TORCH_SPEC  ?= torch==2.13.0
-SYS_PKGS    ?= libzmq3-dev
+SYS_PKGS    ?= libzmq3-dev prometheus
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.amoe-installed
