@@ -7,6 +7,7 @@ Run: .venv/bin/python bench/scheduler.py [--policy defrag] [--hidden 128]
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -32,7 +33,7 @@ def bench_decisions(policy, num_blocks, num_cols, lookahead, decay, count, seed)
     grid, updates = queue_states(num_blocks, num_cols, count, rng)
     sched = core.Scheduler(num_blocks, num_cols, policy, lookahead, decay)
     sched.set_depths(grid)
-    cpp_ns = py_ns = 0
+    cpp_ns, py_ns = [], []
     for step in updates:
         t0 = time.perf_counter_ns()
         picked = sched.pick()
@@ -40,8 +41,8 @@ def bench_decisions(policy, num_blocks, num_cols, lookahead, decay, count, seed)
         want = policies.pick(policy, grid, lookahead, decay)
         t2 = time.perf_counter_ns()
         assert picked == want, (picked, want)
-        cpp_ns += t1 - t0
-        py_ns += t2 - t1
+        cpp_ns.append(t1 - t0)
+        py_ns.append(t2 - t1)
         if picked is not None:  # the executor drains the picked queue
             b, c = picked
             sched.add(b, c, -grid[b][c])
@@ -49,7 +50,8 @@ def bench_decisions(policy, num_blocks, num_cols, lookahead, decay, count, seed)
         for b, c, n in step:  # arrivals
             sched.add(b, c, n)
             grid[b][c] += n
-    return cpp_ns / count / 1e3, py_ns / count / 1e3
+    # Medians: on a shared 2-core machine one descheduling would dominate a mean of sub-microsecond calls.
+    return statistics.median(cpp_ns) / 1e3, statistics.median(py_ns) / 1e3
 
 
 def fragment_messages(num_tokens, per_message, top_k, num_experts, hidden, rng, wave=1024):
