@@ -102,7 +102,17 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve_main(config_from_args(args))
 
 
-SUBCOMMANDS = (add_serve_command, add_make_model_command, add_generate_command)
+def add_bench_command(sub: Any) -> None:
+    from amoe.bench import BENCH_SUBCOMMANDS
+
+    p = sub.add_parser("bench", help="benchmark a running server")
+    nested = p.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
+    # The nested commands get the same common flags (-v) as the top-level ones.
+    for add_bench_subcommand in BENCH_SUBCOMMANDS:
+        add_bench_subcommand(_WithParents(nested, sub._parents))
+
+
+SUBCOMMANDS = (add_serve_command, add_make_model_command, add_generate_command, add_bench_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,8 @@
+"""`amoe bench`: benchmarks against running servers. Each subcommand's add function is listed in BENCH_SUBCOMMANDS.
+
+Only argparse-level code is imported here; each command imports its heavy modules when it runs.
+"""
+
+from amoe.bench.serve import add_bench_serve_command
+
+BENCH_SUBCOMMANDS = (add_bench_serve_command,)
