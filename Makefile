@@ -33,17 +33,20 @@ test: install lint
 	$(PY) -m pytest -q tests
 
 lint: install
-	$(VENV)/bin/ruff check amoe coordinator tests bench examples
-	$(VENV)/bin/ruff format --check amoe coordinator tests bench examples
+	$(VENV)/bin/ruff check amoe coordinator tests bench examples deploy
+	$(VENV)/bin/ruff format --check amoe coordinator tests bench examples deploy
 	$(VENV)/bin/clang-format --dry-run --Werror cpp/*.cpp cpp/*.h
 
 format: install
-	$(VENV)/bin/ruff format amoe coordinator tests bench examples
-	$(VENV)/bin/ruff check --fix amoe coordinator tests bench examples
+	$(VENV)/bin/ruff format amoe coordinator tests bench examples deploy
+	$(VENV)/bin/ruff check --fix amoe coordinator tests bench examples deploy
 	$(VENV)/bin/clang-format -i cpp/*.cpp cpp/*.h
 
+# Each prints a table and a final JSON line; the AEP-vs-EP comparison (~10 min) is `amoe bench compare --preset quick`.
 bench: install
 	$(PY) bench/offline.py
+	$(PY) bench/scheduler.py
+	$(PY) bench/transport.py
 
 clean:
 	rm -rf build *.egg-info amoe/*.so

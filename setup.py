@@ -14,6 +14,7 @@ setup(
             name="amoe._core",
             sources=sources,
             include_dirs=["cpp"],
+            libraries=["zmq"],  # the communicator uses the libzmq C API (libzmq3-dev)
             extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wno-unused-function"],
         )
     ],

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from amoe import __version__
 from amoe.errors import AmoeError, RequestError
 from amoe.log import setup_logging
+from amoe.queues import add_queues_command  # light: its heavy imports are in its run function
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,13 @@ def add_bench_command(sub: Any) -> None:
         add_bench_subcommand(_WithParents(nested, sub._parents))
 
 
-SUBCOMMANDS = (add_serve_command, add_make_model_command, add_generate_command, add_bench_command)
+SUBCOMMANDS = (
+    add_serve_command,
+    add_make_model_command,
+    add_generate_command,
+    add_bench_command,
+    add_queues_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

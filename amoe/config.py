@@ -54,16 +54,18 @@ class CacheSection:
 class ParallelSection:
     """How the model is placed on runtimes."""
 
-    mode: str = "aep"
-    attn_ranks: int = 1
-    expert_ranks: int = 2
+    mode: str = "aep"  # "local": no runtimes, the single-process reference engine (tests of the API layer)
+    attn_ranks: int = 1  # ep: the number of devices (each hosts an attention rank and its share of experts)
+    expert_ranks: int = 2  # ignored by ep
     threads_per_rank: int = 1
+    micro_batches: int = 2  # pingpong: m of MegaScale-Infer's ping-pong pipeline
 
     def __post_init__(self) -> None:
-        _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong"))
+        _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))
         _positive("parallel.attn_ranks", self.attn_ranks)
         _positive("parallel.expert_ranks", self.expert_ranks)
         _positive("parallel.threads_per_rank", self.threads_per_rank)
+        _positive("parallel.micro_batches", self.micro_batches)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,40 @@ class TransportSection:
 
 
 @dataclass(frozen=True)
+class ExecutorSection:
+    """What runs a layer: real torch computation, or an emulated GPU holding the runtime for a predicted time."""
+
+    kind: str = "torch"
+    gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
+    profile: str | None = (
+        None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
+    )
+    top_k: int | None = None  # emulated: override the profile's top-k
+    time_scale: float = 1.0  # emulated: wall seconds per emulated second
+    routing: str = (
+        "model"  # model | uniform | skew-exp[:λ] (benchmarks override the router, as the paper does)
+    )
+    seed: int = 0  # of the routing override
+    host_overhead: str = "amoe-paper"  # emulated: host cost per row of the serving system (amoe-paper | none)
+
+    def __post_init__(self) -> None:
+        _choice("executor.kind", self.kind, ("torch", "emulated"))
+        _positive("executor.time_scale", self.time_scale)
+        if self.top_k is not None:
+            _positive("executor.top_k", self.top_k)
+        from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile  # no torch import
+        from amoe.emulation.routing import RoutingSpec
+
+        gpu_profile(self.gpu)
+        host_overhead(self.host_overhead)
+        if self.profile is not None:
+            model_profile(self.profile, self.top_k)
+        routing = RoutingSpec.parse(self.routing)
+        if self.kind == "emulated" and not routing.is_override:
+            raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")
+
+
+@dataclass(frozen=True)
 class ServerSection:
     """The coordinator's HTTP API."""
 
@@ -108,6 +144,9 @@ class ServerSection:
     max_waiting: int = 256  # requests queued for KV space before the API answers 503
     served_model_name: str | None = None  # None: the model directory's name
     drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
+    # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
+    # runtime and routed tokens per expert, for models whose layer count would make too many series.
+    metrics_per_layer: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -117,6 +156,8 @@ class ServerSection:
             raise ConfigError("server.served_model_name must not be empty")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
+        if not isinstance(self.metrics_per_layer, bool):
+            raise ConfigError(f"server.metrics_per_layer must be true or false; got {self.metrics_per_layer}")
 
 
 @dataclass(frozen=True)
@@ -128,6 +169,7 @@ class AmoeConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     transport: TransportSection = field(default_factory=TransportSection)
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
     server: ServerSection = field(default_factory=ServerSection)
 
     def replace(self, **sections: dict) -> AmoeConfig:
@@ -189,6 +231,10 @@ _ALIASES = {
     ("parallel", "threads_per_rank"): "--threads-per-rank",
     ("scheduler", "policy"): "--scheduler",
     ("transport", "plane"): "--transport",
+    ("executor", "kind"): "--executor",
+    ("executor", "gpu"): "--gpu",
+    ("executor", "time_scale"): "--time-scale",
+    ("executor", "routing"): "--routing",
     ("server", "host"): "--host",
     ("server", "port"): "--port",
     ("server", "api_key"): "--api-key",
@@ -198,7 +244,16 @@ _ALIASES = {
 def _flag_type(section_cls, name: str):
     hint = typing.get_type_hints(section_cls)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    hint = args[0] if args else hint
+    return _bool_flag if hint is bool else hint
+
+
+def _bool_flag(text: str) -> bool:
+    """`--flag true|false` (argparse's bool() would take "false" for True)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(_SECTIONS)) -> None:

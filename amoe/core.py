@@ -1,4 +1,4 @@
-"""Thin typed layer over the C++ core (`amoe._core`): engine configs, placement and messages."""
+"""Thin typed layer over the C++ core (`amoe._core`): engine configs, placement, messages, communicators."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from amoe import _core
 
 ATTN, EXPERT = 0, 1
 POLICIES = ("defrag", "mtfs", "flfs")
+PLANES = ("inline", "gloo", "nccl")  # tensor planes of ZmqCommunicator (docs/communicator.md)
 
 Batch = _core.Batch
 Communicator = _core.Communicator
@@ -19,6 +20,7 @@ EngineConfig = _core.EngineConfig
 LoopbackHub = _core.LoopbackHub
 Message = _core.Message
 Scheduler = _core.Scheduler
+ZmqCommunicator = _core.ZmqCommunicator
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from amoe.config import AmoeConfig
-from amoe.errors import AmoeError
+from amoe.errors import AmoeError, ConfigError
 from coordinator.api_server import abort_all, create_app
 from coordinator.backend import Backend
 from coordinator.validation import ModelInfo
@@ -43,7 +43,12 @@ class AmoeServer:
 
     async def run(self) -> None:
         model_dir = _model_dir(self.config)
-        tokenizer, backend, model = await self._start_backend(model_dir)
+        try:
+            tokenizer, backend, model = await self._start_backend(model_dir)
+        except BaseException:
+            if self.backend is not None:  # a half-started cluster: no runtime may outlive us
+                await self.backend.shutdown()
+            raise
         try:
             app = create_app(
                 backend,
@@ -52,6 +57,7 @@ class AmoeServer:
                 _detokenizer_factory(tokenizer),
                 api_key=self.config.server.api_key,
                 max_waiting=self.config.server.max_waiting,
+                metrics_per_layer=self.config.server.metrics_per_layer,
             )
             await self._serve(app)
         finally:
@@ -65,24 +71,50 @@ class AmoeServer:
             self._uvicorn.should_exit = True
 
     async def _start_backend(self, model_dir: Path):
+        from amoe.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(model_dir)
+        if self.config.parallel.mode == "local":
+            backend, max_model_len, vocab = await self._start_local(model_dir)
+        else:
+            backend, max_model_len, vocab = await self._start_cluster(model_dir)
+        name = self.config.server.served_model_name or _default_name(self.config, model_dir)
+        model = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab)
+        logger.info("serving %r, max_model_len %d", name, model.max_model_len)
+        return tokenizer, backend, model
+
+    async def _start_local(self, model_dir: Path):
         from amoe.backends.local import LocalBackend
         from amoe.engine.config import EngineConfig
         from amoe.engine.local import LocalEngine
-        from amoe.tokenizer import Tokenizer
 
-        logger.info("loading the tokenizer and model from %s (local backend: one engine thread)", model_dir)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        logger.info("loading the model from %s (local backend: one engine thread)", model_dir)
         engine_config = EngineConfig.from_amoe_config(self.config)
         backend = LocalBackend(lambda: LocalEngine(model_dir, engine_config), engine_config.block_size)
         self.backend = backend
         await backend.start()
-        engine = backend.engine
-        name = self.config.server.served_model_name or model_dir.name
-        model = ModelInfo(
-            name=name, max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size
+        return backend, backend.engine.max_model_len, backend.engine.model_config.vocab_size
+
+    async def _start_cluster(self, model_dir: Path):
+        from amoe.backends.cluster import ClusterBackend
+
+        par, ex = self.config.parallel, self.config.executor
+        if par.mode == "ep":
+            layout = f"{par.attn_ranks} ep runtimes (attention + experts each)"
+        else:
+            layout = f"{par.attn_ranks} attention + {par.expert_ranks} expert runtimes"
+        executor = (
+            ex.kind if ex.kind == "torch" else f"emulated {ex.gpu} ×{ex.time_scale:g} time, {ex.routing}"
         )
-        logger.info("engine up: serving %r, max_model_len %d", name, model.max_model_len)
-        return tokenizer, backend, model
+        logger.info(
+            "serving %s with %s (%s, %s executor, %s transport, %s scheduler)",
+            ex.profile or model_dir, layout, par.mode, executor, self.config.transport.plane,
+            self.config.scheduler.policy,
+        )  # fmt: skip
+        backend = ClusterBackend(self.config, model_dir)
+        self.backend = backend
+        await backend.start()
+        return backend, backend.max_model_len, backend.model_config.vocab_size
 
     async def _serve(self, app) -> None:
         server_config = self.config.server
@@ -158,11 +190,22 @@ class _UvicornServer(uvicorn.Server):
 
 
 def _model_dir(config: AmoeConfig) -> Path:
+    """The checkpoint; without --model the demo model's directory, which also supplies the tokenizer when an
+    emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the demo
+    tokenizer's ids, which are valid in any larger vocabulary)."""
     if config.model.path is not None:
         return Path(config.model.path)
+    if config.parallel.mode == "local" and config.executor.kind == "emulated":
+        raise ConfigError("--executor emulated needs runtimes: use --parallel aep, ep or pingpong")
     from amoe.model.make import default_model_path
 
     return default_model_path()
+
+
+def _default_name(config: AmoeConfig, model_dir: Path) -> str:
+    if config.model.path is None and config.executor.kind == "emulated" and config.executor.profile:
+        return config.executor.profile
+    return model_dir.name
 
 
 def _detokenizer_factory(tokenizer):
@@ -174,7 +217,9 @@ def _detokenizer_factory(tokenizer):
 def _bind(host: str, port: int) -> socket.socket:
     """Bind here rather than in uvicorn, so port 0 resolves to the real port before the URL is logged."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP, and without
+    # it every streamed token on a kept-alive connection waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -74,9 +74,10 @@ def create_app(
     *,
     api_key: str | None = None,
     max_waiting: int = 256,
+    metrics_per_layer: bool = True,
 ) -> FastAPI:
     """The FastAPI app for a started backend; the caller owns the backend's lifetime."""
-    metrics = CoordinatorMetrics()
+    metrics = CoordinatorMetrics(backend, per_layer=metrics_per_layer)
     balancer = LoadBalancer(backend.kv_usage, backend.block_size, max_waiting)
     served = _Served(
         RequestRunner(backend, balancer, metrics, make_detokenizer), tokenizer, model, int(time.time())
@@ -152,8 +153,8 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
 def _count_rejections(runner: RequestRunner, endpoint: str):
     try:
         yield
-    except Exception:
-        runner.metrics.requests.labels(endpoint, "error").inc()
+    except Exception as exc:
+        runner.metrics.reject(endpoint, "abort" if isinstance(exc, ClientDisconnected) else "rejected")
         raise
 
 
@@ -234,7 +235,7 @@ def _sse_response(
     events: AsyncIterator[str], runner: RequestRunner, req: PreparedRequest
 ) -> StreamingResponse:
     # The background task frees the reservation even if the client left before the stream ever started.
-    release = BackgroundTask(runner.balancer.release, req.request_id)
+    release = BackgroundTask(runner.release, req.request_id)
     return StreamingResponse(_with_done(events), media_type="text/event-stream", background=release)
 
 

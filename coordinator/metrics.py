@@ -1,38 +1,378 @@
-"""The coordinator's Prometheus metrics, all in one place (names: amoe_<component>_<quantity>_<unit>)."""
+"""The coordinator's Prometheus metrics, all in one place: names `amoe_<component>_<quantity>_<unit>`, every one
+listed with its meaning in docs/metrics.md.
+
+Two sources. Request metrics are recorded by coordinator/serving.py as requests progress. Runtime metrics are read
+at scrape time by `RuntimeCollector` from the latest report of every runtime (`backend.runtime_stats()`, the shape of
+docs/CONTRACTS.md "Runtime stats"), so one scrape is one consistent view. Runtime counters are cumulative in the
+runtime; `CounterOffsets` keeps them monotonic here when a runtime restarts and starts again from zero.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-OUTCOMES = ("success", "error", "aborted")
+OUTCOMES = ("success", "error", "aborted")  # per endpoint, as the API answered
+REASONS = ("stop", "length", "abort", "error", "rejected")  # why a request ended
+
+# vLLM's buckets, with a finer low end: CPU test models answer in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960)  # fmt: skip
+
+LAYER_LABELS = ("runtime", "block", "expert", "rank")  # expert or rank is "" (Prometheus drops empty labels)
+
+# (metric, report key, help): per-runtime values of the report, labels (runtime, role).
+RUNTIME_GAUGES = (
+    ("amoe_runtime_pool_entries", "pool_entries", "Chunks in the token pool waiting for their other parts"),
+    ("amoe_runtime_pool_parts", "pool_parts", "Parts (residuals, expert outputs) held in the token pool"),
+    (
+        "amoe_runtime_dispatch_pending_jobs",
+        "dispatch_pending",
+        "Layer outputs waiting for the dispatcher thread",
+    ),
+)
+RUNTIME_COUNTERS = (
+    ("amoe_runtime_busy_seconds", "busy_s", "Time the executor spent running layers"),
+    ("amoe_runtime_idle_seconds", "idle_s", "Time the runtime loop waited for a batch (stall time)"),
+    ("amoe_runtime_received_tokens", "tokens_in", "Rows received by the receptor"),
+    ("amoe_runtime_sent_tokens", "tokens_out", "Rows sent by the dispatcher"),
+    ("amoe_runtime_sent_messages", "messages_out", "Messages sent by the dispatcher"),
+    ("amoe_runtime_engine_errors", "errors", "Exceptions caught on the engine's C++ threads"),
+)
+COMM_COUNTERS = (
+    ("amoe_comm_sent_bytes", "bytes_out", "Bytes sent to other runtimes"),
+    ("amoe_comm_received_bytes", "bytes_in", "Bytes received from other runtimes"),
+    ("amoe_comm_sent_messages", "messages_out", "Messages sent to other runtimes"),
+    ("amoe_comm_received_messages", "messages_in", "Messages received from other runtimes"),
+    ("amoe_comm_timeouts", "timeouts", "Transfers not done within transport.timeout_s"),
+)
+COMM_DROP_REASONS = ("garbage", "truncated", "version", "inconsistent")  # cpp/zmq_comm.h kDropNames
 
 
 class CoordinatorMetrics:
-    """One registry per app, so several servers in one process (tests) don't collide."""
+    """The registry /metrics renders: request metrics, plus the runtimes' metrics when given a backend."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, backend: Any = None, *, per_layer: bool = True) -> None:
+        # No `_created` twin of every counter and histogram: it doubles the series and no dashboard reads it.
+        disable_created_metrics()  # process-wide, and only the coordinator exports metrics
+        self.registry = r = CollectorRegistry()  # one per app: several servers in one process don't collide
         self.requests = Counter(
-            "amoe_coordinator_requests",
-            "Finished API requests by endpoint and outcome",
-            ["endpoint", "outcome"],
-            registry=self.registry,
-        )
+            "amoe_coordinator_requests", "Finished API requests by endpoint and outcome", ["endpoint", "outcome"],
+            registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(
-            "amoe_coordinator_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry
+            "amoe_coordinator_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )
-        self.generation_tokens = Counter(
-            "amoe_coordinator_generation_tokens", "Tokens generated", registry=self.registry
+        self.generation_tokens = Counter("amoe_coordinator_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("amoe_requests_running", "Requests bound to an attention rank", registry=r)
+        self.waiting = Gauge("amoe_requests_waiting", "Requests waiting for KV space", registry=r)
+        self.finished = Counter("amoe_requests_finished", "Requests ended, by reason", ["reason"], registry=r)
+        self.ttft = Histogram(
+            "amoe_request_ttft_seconds", "Time to first token, from arrival at the load balancer", buckets=TTFT_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "amoe_request_itl_seconds", "Time between two output tokens", buckets=ITL_BUCKETS, registry=r
         )
-        self.running = Gauge(
-            "amoe_coordinator_running_requests", "Requests bound to a rank", registry=self.registry
-        )
-        self.waiting = Gauge(
-            "amoe_coordinator_waiting_requests", "Requests waiting for KV space", registry=self.registry
-        )
+        self.e2e = Histogram(
+            "amoe_request_e2e_seconds", "Request latency, arrival at the load balancer to last token", buckets=E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "amoe_request_queue_seconds", "Time waiting for KV space before running", buckets=E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        for reason in REASONS:  # exported at 0 from the start, so rate() and the dashboards see every reason
+            self.finished.labels(reason)
+        if backend is not None:
+            r.register(RuntimeCollector(backend, per_layer=per_layer))
+
+    def clock(self) -> RequestClock:
+        """Start timing a request that has just arrived."""
+        return RequestClock(self)
+
+    def reject(self, endpoint: str, reason: str = "rejected") -> None:
+        """A request that never ran: invalid, overloaded, or its client left while it waited."""
+        self.requests.labels(endpoint, "error").inc()
+        self.finished.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestClock:
+    """One request's timestamps, turned into the latency histograms as its tokens arrive."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self._metrics = metrics
+        self.arrival = self._last = time.monotonic()
+        self._num_tokens = 0
+
+    def admitted(self) -> None:
+        self._metrics.queue.observe(time.monotonic() - self.arrival)
+
+    def tokens(self, n: int) -> None:
+        """`n` new output tokens just arrived (in one delta)."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self._num_tokens == 0:
+            self._metrics.ttft.observe(now - self.arrival)  # tokens delivered with the first have no interval
+        else:
+            for _ in range(n):  # several tokens in one delta share its interval, as vLLM does per step
+                self._metrics.itl.observe((now - self._last) / n)
+        self._num_tokens += n
+        self._last = now
+
+    def finished(self, reason: str) -> None:
+        self._metrics.e2e.observe(time.monotonic() - self.arrival)
+        self._metrics.finished.labels(reason if reason in REASONS else "error").inc()
+
+
+class CounterOffsets:
+    """Keeps runtime counters monotonic across runtime restarts (a restart zeroes the runtime's counters).
+
+    A restart is a new `incarnation` in the report or any counter lower than last time; then every series of the
+    runtime adds its last value to its offset. Series of runtimes that stopped reporting keep their last value, so
+    sums over runtimes (expert routing) never go backwards either.
+    """
+
+    def __init__(self) -> None:
+        self._series: dict[int, dict[tuple, list[float]]] = {}  # runtime -> series key -> [last raw, offset]
+        self._incarnation: dict[int, Any] = {}
+        self.restarts: dict[int, int] = {}
+
+    def apply(self, runtime: int, incarnation: Any, raw: dict[tuple, float]) -> dict[tuple, float]:
+        """The monotonic value of each series of one report."""
+        series = self._series.setdefault(runtime, {})
+        known = self._incarnation.get(runtime)
+        restarted = incarnation is not None and known is not None and incarnation != known
+        restarted = restarted or any(value < series[key][0] for key, value in raw.items() if key in series)
+        if incarnation is not None:
+            self._incarnation[runtime] = incarnation
+        if restarted:
+            self.restarts[runtime] = self.restarts.get(runtime, 0) + 1
+            for state in series.values():
+                state[1] += state[0]
+                state[0] = 0.0
+        out = {}
+        for key, value in raw.items():
+            state = series.setdefault(key, [0.0, 0.0])
+            state[0] = value
+            out[key] = value + state[1]
+        return out
+
+    def totals(self, name: str) -> dict[tuple, float]:
+        """Series `(name, *labels)` summed over every runtime ever seen, keyed by labels."""
+        out: dict[tuple, float] = {}
+        for series in self._series.values():
+            for key, (last, offset) in series.items():
+                if key[0] == name:
+                    out[key[1:]] = out.get(key[1:], 0.0) + last + offset
+        return out
+
+
+class RuntimeCollector:
+    """Builds the runtime metric families from `backend.runtime_stats()` at every scrape."""
+
+    def __init__(self, backend: Any, *, per_layer: bool = True) -> None:
+        self._backend = backend
+        self._per_layer = per_layer
+        self._offsets = CounterOffsets()
+        self._lock = threading.Lock()  # collect() keeps offsets; two scrapes at once must not interleave
+
+    def describe(self) -> Iterable[Metric]:
+        return _Families().all()
+
+    def collect(self) -> Iterable[Metric]:
+        reports = _runtime_stats(self._backend)
+        fam = _Families()
+        with self._lock:
+            for report in sorted(reports, key=lambda rep: int(rep.get("runtime", -1))):
+                self._add_report(fam, report)
+            for (block, expert), value in sorted(self._offsets.totals("routed").items()):
+                fam.routed.add_metric([block, expert], value)
+        for rank, kv in enumerate(_kv_usage(self._backend)):
+            fam.kv_used.add_metric([str(rank)], kv.total_blocks - kv.free_blocks)
+            fam.kv_total.add_metric([str(rank)], kv.total_blocks)
+        return fam.all()
+
+    def _add_report(self, fam: _Families, report: dict[str, Any]) -> None:
+        runtime = int(report.get("runtime", -1))
+        rt = (str(runtime), str(report.get("role", "")))
+        counters = self._counters(report)
+        value = self._offsets.apply(runtime, report.get("incarnation"), counters)
+        fam.up.add_metric(rt, 1)
+        fam.restarts.add_metric(rt, self._offsets.restarts.get(runtime, 0))
+        for (_, key, _), metric in zip(RUNTIME_GAUGES, fam.runtime_gauges):
+            metric.add_metric(rt, float(report.get(key, 0)))
+        for (name, _, _), metric in zip(RUNTIME_COUNTERS, fam.runtime_counters):
+            metric.add_metric(rt, value[(name,)])
+        for reason in _dropped(report.get("dropped")):
+            fam.dropped.add_metric([*rt, reason], value[("dropped", reason)])
+        for labels, depth in self._layers(report.get("depth"), runtime).items():
+            fam.depth.add_metric(labels, depth)
+        for key, v in value.items():
+            if key[0] == "batches":
+                fam.batches.add_metric(key[1:], v)
+            elif key[0] == "rows":
+                fam.rows.add_metric(key[1:], v)
+        self._add_histogram(fam, rt[0], report.get("batch_rows"), value)
+        comm = report.get("comm")
+        if isinstance(comm, dict):
+            for (name, _, _), metric in zip(COMM_COUNTERS, fam.comm_counters):
+                metric.add_metric(rt, value[(name,)])
+            for reason in _dropped(comm.get("dropped"), COMM_DROP_REASONS):
+                fam.comm_dropped.add_metric([*rt, reason], value[("comm_dropped", reason)])
+            failed = comm.get("failed_peers", 0)
+            fam.failed_peers.add_metric(rt, len(failed) if isinstance(failed, (list, tuple)) else failed)
+
+    def _counters(self, report: dict[str, Any]) -> dict[tuple, float]:
+        """Every counter of one report, raw, keyed (name, *labels)."""
+        runtime = int(report.get("runtime", -1))
+        out: dict[tuple, float] = {(name,): float(report.get(key, 0)) for name, key, _ in RUNTIME_COUNTERS}
+        for reason, n in _dropped(report.get("dropped")).items():
+            out[("dropped", reason)] = float(n)
+        for name in ("batches", "rows"):
+            for labels, n in self._layers(report.get(name), runtime).items():
+                out[(name, *labels)] = n
+        comm = report.get("comm")
+        if isinstance(comm, dict):
+            out.update({(name,): float(comm.get(key, 0)) for name, key, _ in COMM_COUNTERS})
+            for reason, n in _dropped(comm.get("dropped"), COMM_DROP_REASONS).items():
+                out[("comm_dropped", reason)] = float(n)
+        hist = report.get("batch_rows")
+        if isinstance(hist, dict):
+            for kind, counts in hist.get("counts", {}).items():
+                for i, n in enumerate(counts):
+                    out[("hist_bucket", kind, i)] = float(n)
+                out[("hist_sum", kind)] = float(hist.get("sum", {}).get(kind, 0))
+        for block, per_expert in enumerate(report.get("routed") or ()):
+            for expert, n in enumerate(per_expert):  # not per layer: one series per expert, blocks summed
+                key = ("routed", str(block) if self._per_layer else "", str(expert))
+                out[key] = out.get(key, 0.0) + float(n)
+        return out
+
+    def _layers(self, layer_map: Any, runtime: int) -> dict[tuple, float]:
+        """LayerID-keyed values by (runtime, block, expert, rank) labels, or summed per runtime."""
+        out: dict[tuple, float] = {}
+        for (kind, block, index), n in _layer_items(layer_map):
+            if self._per_layer:
+                labels = (
+                    str(runtime),
+                    str(block),
+                    *((str(index), "") if kind == "expert" else ("", str(index))),
+                )
+            else:
+                labels = (str(runtime), "", "", "")
+            out[labels] = out.get(labels, 0.0) + float(n)
+        return out
+
+    @staticmethod
+    def _add_histogram(fam: _Families, runtime: str, hist: Any, value: dict[tuple, float]) -> None:
+        if not isinstance(hist, dict):
+            return
+        bounds = [*(str(float(b)) for b in hist.get("buckets", ())), "+Inf"]
+        for kind in sorted(hist.get("counts", {})):
+            cumulative, buckets = 0.0, []
+            for i, bound in enumerate(bounds):
+                cumulative += value.get(("hist_bucket", kind, i), 0.0)
+                buckets.append((bound, cumulative))
+            fam.batch_rows.add_metric([runtime, kind], buckets, value.get(("hist_sum", kind), 0.0))
+
+
+class _Families:
+    """The runtime metric families of one scrape."""
+
+    def __init__(self) -> None:
+        rt = ["runtime", "role"]
+        self.up = GaugeMetricFamily("amoe_runtime_up", "1 for every runtime with a report", labels=rt)
+        self.restarts = CounterMetricFamily(
+            "amoe_runtime_restarts", "Restarts the coordinator saw in a runtime's reports", labels=rt
+        )
+        self.runtime_gauges = [GaugeMetricFamily(n, h, labels=rt) for n, _, h in RUNTIME_GAUGES]
+        self.runtime_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in RUNTIME_COUNTERS]
+        self.dropped = CounterMetricFamily(
+            "amoe_runtime_dropped_inputs", "Malformed or misrouted input the receptor dropped, by reason",
+            labels=[*rt, "reason"],
+        )  # fmt: skip
+        self.depth = GaugeMetricFamily(
+            "amoe_runtime_queue_depth_tokens", "Tokens waiting in a mu-queue", labels=LAYER_LABELS
+        )
+        self.batches = CounterMetricFamily(
+            "amoe_runtime_executed_batches", "Batches the runtime executed, by layer", labels=LAYER_LABELS
+        )
+        self.rows = CounterMetricFamily(
+            "amoe_runtime_executed_rows", "Rows (tokens) the runtime executed, by layer", labels=LAYER_LABELS
+        )
+        self.batch_rows = HistogramMetricFamily(
+            "amoe_runtime_batch_size_rows",
+            "Rows per executed batch, by layer kind",
+            labels=["runtime", "kind"],
+        )
+        self.comm_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in COMM_COUNTERS]
+        self.comm_dropped = CounterMetricFamily(
+            "amoe_comm_dropped_messages", "Inbound messages the communicator dropped, by reason",
+            labels=[*rt, "reason"],
+        )  # fmt: skip
+        self.failed_peers = GaugeMetricFamily(
+            "amoe_comm_failed_peers", "Peers this runtime's communicator marked failed", labels=rt
+        )
+        self.routed = CounterMetricFamily(
+            "amoe_expert_routed_tokens",
+            "Tokens the routers sent to each (block, expert)",
+            labels=["block", "expert"],
+        )
+        self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
+        self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
+
+    def all(self) -> list[Metric]:
+        return [
+            self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
+            self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
+            self.routed, self.kv_used, self.kv_total,
+        ]  # fmt: skip
+
+
+def _runtime_stats(backend: Any) -> list[dict[str, Any]]:
+    """The latest report per runtime; a backend without runtimes (the local one) has none."""
+    runtime_stats = getattr(backend, "runtime_stats", None)
+    return list(runtime_stats()) if runtime_stats is not None else []
+
+
+def _kv_usage(backend: Any) -> list[Any]:
+    kv_usage = getattr(backend, "kv_usage", None)
+    return list(kv_usage()) if kv_usage is not None else []
+
+
+def _layer_items(layer_map: Any) -> Iterator[tuple[tuple[str, int, int], float]]:
+    """(LayerID, value) pairs from Engine.stats()'s tuple keys or amoe.wire's flattened [kind, block, index, v]."""
+    if isinstance(layer_map, dict):
+        yield from ((tuple(layer), value) for layer, value in layer_map.items())
+    elif isinstance(layer_map, (list, tuple)):
+        yield from (((kind, block, index), value) for kind, block, index, value in layer_map)
+
+
+def _dropped(dropped: Any, names: tuple[str, ...] = ()) -> dict[str, float]:
+    """Drop counts by reason, from a dict or a list in the order of `names`."""
+    if isinstance(dropped, dict):
+        return {str(reason): float(n) for reason, n in dropped.items()}
+    if isinstance(dropped, (list, tuple)):
+        return {name: float(n) for name, n in zip(names, dropped)}
+    return {}

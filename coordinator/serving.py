@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from coordinator.backend import Backend
 from coordinator.load_balancer import LoadBalancer
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.metrics import CoordinatorMetrics, RequestClock
 from coordinator.request_state import Detokenizer, RequestState
 from coordinator.validation import PreparedRequest
 
@@ -31,6 +31,8 @@ class RequestRunner:
         self.balancer = balancer
         self.metrics = metrics
         self._make_detokenizer = make_detokenizer
+        # Requests admitted but not yet run: their clocks, from admit() to run() or release().
+        self._clocks: dict[str, RequestClock] = {}
 
     def abort_all(self) -> None:
         """End of a drain: fail waiting requests and abort running ones (their streams end with "abort")."""
@@ -43,11 +45,20 @@ class RequestRunner:
 
     async def admit(self, req: PreparedRequest) -> int:
         """Bind the request to a rank (may wait for KV space); raises OverloadedError or RequestError."""
+        clock = self.metrics.clock()
         self.metrics.waiting.inc()
         try:
-            return await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
+            rank = await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
         finally:
             self.metrics.waiting.dec()
+        clock.admitted()
+        self._clocks[req.request_id] = clock
+        return rank
+
+    def release(self, request_id: str) -> None:
+        """Free an admitted request's reservation, whether or not it ever ran; idempotent."""
+        self._clocks.pop(request_id, None)
+        self.balancer.release(request_id)
 
     async def run(
         self, req: PreparedRequest, rank: int, endpoint: str
@@ -56,7 +67,8 @@ class RequestRunner:
         state = RequestState(
             self._make_detokenizer(req.prompt_token_ids), req.stop, len(req.prompt_token_ids)
         )
-        outcome = "error"
+        clock = self._clocks.pop(req.request_id, None) or self.metrics.clock()
+        outcome, reason = "error", "error"
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         stream = self.backend.generate(req.request_id, req.prompt_token_ids, req.sampling_params, rank=rank)
@@ -67,17 +79,20 @@ class RequestRunner:
                 async for delta in stream:
                     state.append(delta.token_ids, delta.finish_reason)
                     self.metrics.generation_tokens.inc(len(delta.token_ids))
+                    clock.tokens(len(delta.token_ids))
                     text = state.take_text()
                     if text or state.is_finished:
                         yield text, state
                     if state.is_finished:
                         break
             outcome = {None: "error", "abort": "aborted"}.get(state.finish_reason, "success")
+            reason = state.finish_reason or "error"
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "aborted"
+            outcome, reason = "aborted", "abort"
             logger.info("%s aborted after %d tokens", req.request_id, state.num_output_tokens)
             raise
         finally:
-            self.balancer.release(req.request_id)
+            self.release(req.request_id)
             self.metrics.running.dec()
             self.metrics.requests.labels(endpoint, outcome).inc()
+            clock.finished(reason)

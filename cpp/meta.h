@@ -56,6 +56,33 @@ static_assert(sizeof(LayerId) == 12, "LayerId layout is part of the wire format"
 static_assert(sizeof(RowMeta) == 48, "RowMeta layout is part of the wire format");
 static_assert(sizeof(MessageHeader) == 32, "MessageHeader layout is part of the wire format");
 
+// The communicator's envelope (cpp/zmq_comm.h): first bytes of the first ZeroMQ frame of every transfer.
+// Frame 0 = TransferHeader [+ MessageHeader + num_rows RowMeta]; an inline transfer adds frame 1 = the tensor
+// bytes; a two-phase transfer moves them over the tensor plane, matched by (src, tag).
+constexpr uint32_t kTransferMagic = 0x58544d41;  // "AMTX"
+constexpr uint16_t kTransferVersion = 1;
+
+enum TransferKind : uint8_t {
+  kInlineTransfer = 0,    // payload in frame 1
+  kTwoPhaseTransfer = 1,  // payload on the tensor plane
+  kHelloTransfer = 2,     // a peer connected (no message)
+  kByeTransfer = 3,       // a peer is closing in order (no message)
+};
+
+struct TransferHeader {
+  uint32_t magic = kTransferMagic;
+  uint16_t version = kTransferVersion;
+  uint8_t kind = kInlineTransfer;
+  uint8_t reserved = 0;
+  int32_t src = -1;     // sender's rank; equals MessageHeader::src_runtime
+  uint32_t tag = 0;     // tensor-plane tag of a two-phase transfer (seq mod 2^31)
+  uint64_t seq = 0;     // per (sender, receiver) sequence number
+  uint64_t nbytes = 0;  // payload bytes
+};
+
+static_assert(std::is_trivially_copyable<TransferHeader>::value, "TransferHeader must be memcpy-able");
+static_assert(sizeof(TransferHeader) == 32, "TransferHeader layout is part of the wire format");
+
 struct LayerIdHash {
   size_t operator()(const LayerId& l) const {
     return (static_cast<size_t>(l.kind) << 60) ^ (static_cast<size_t>(l.block) << 32) ^

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,15 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
 @pytest.fixture(scope="session")
 def tiny_checkpoint(make_checkpoint: CheckpointFactory) -> Path:
     return make_checkpoint()
+
+
+@pytest.fixture(autouse=True)
+def _restore_amoe_logging():
+    """Tests that run the CLI in-process call setup_logging; put amoe's loggers back so caplog sees records once."""
+    loggers = [logging.getLogger(name) for name in ("amoe", "coordinator")]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, handlers, level, propagate in saved:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate

@@ -53,3 +53,16 @@ def test_unreadable_or_invalid_file_is_a_config_error(tmp_path):
     bad.write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
         AmoeConfig.from_file(bad)
+
+
+def test_executor_section_validates_profiles_and_routing():
+    config = AmoeConfig.from_dict(
+        {"executor": {"kind": "emulated", "gpu": "h100", "routing": "skew-exp:0.4"}}
+    )
+    assert config.executor.gpu == "h100"
+    with pytest.raises(ConfigError, match="no router weights"):
+        AmoeConfig.from_dict({"executor": {"kind": "emulated", "routing": "model"}})
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        AmoeConfig.from_dict({"executor": {"gpu": "v100"}})
+    with pytest.raises(ConfigError, match="executor.kind"):
+        AmoeConfig.from_dict({"executor": {"kind": "tpu"}})

@@ -3,6 +3,7 @@
 Only argparse-level code is imported here; each command imports its heavy modules when it runs.
 """
 
+from amoe.bench.compare import add_bench_compare_command
 from amoe.bench.serve import add_bench_serve_command
 
-BENCH_SUBCOMMANDS = (add_bench_serve_command,)
+BENCH_SUBCOMMANDS = (add_bench_serve_command, add_bench_compare_command)

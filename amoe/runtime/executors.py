@@ -4,11 +4,13 @@ KV cache, block manager, sampler and the state of the requests bound to the rank
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from amoe import core
+from amoe.errors import RequestError
 from amoe.model.attention import AttnInput
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import BlockManager, PagedKVCache
@@ -34,9 +36,15 @@ class RankRequest:
 
     prompt: list[int]
     params: SamplingParams
+    generator: torch.Generator | None = None  # seeded sampling: the same draws whatever shares the batch
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    aborted: bool = False  # its tokens are still in flight; it ends (and frees its KV) at the head
     done: threading.Event = field(default_factory=threading.Event)
+
+
+# (request id, new token ids, finish reason or None) per request of one head step
+Outputs = list[tuple[int, list[int], str | None]]
 
 
 class AttentionExecutor:
@@ -60,21 +68,44 @@ class AttentionExecutor:
         )
         self.sampler = Sampler()
         self.max_model_len = max_model_len
+        # add_request / abort come from a control thread while the loop thread samples: the lock keeps
+        # `requests` and each request's aborted flag consistent. Blocks are touched by the loop thread only.
+        self._lock = threading.Lock()
         self.requests: dict[int, RankRequest] = {}
+        self.on_output: Callable[[Outputs], None] | None = None  # called on the loop thread after a head step
+        # Tokens routed per (block, expert), for the runtime stats.
+        self.routed = torch.zeros(cfg.num_blocks, cfg.num_experts, dtype=torch.int64)
 
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
-        """Bind a request to this rank; its prompt enters ATTN (0, rank) as one chunk."""
-        req = RankRequest(list(prompt), params)
-        self.requests[request_id] = req
+        """Bind a request to this rank; its prompt enters ATTN (0, rank) as one chunk. Any thread."""
+        self._validate(request_id, prompt)
+        req = RankRequest(list(prompt), params, generator=_generator(params))
+        with self._lock:
+            self.requests[request_id] = req
         n = len(prompt)
         self._add_tokens([request_id], prompt, [0] * n if n else [], n)
         return req
+
+    def abort(self, request_id: int) -> bool:
+        """Mark a request aborted; False if it is unknown or finished. Its KV is freed when its token next
+        reaches the head (earlier, its rows in flight would write into freed, maybe reused, slots)."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return False
+            req.aborted = True
+            return True
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.blocks.num_total_blocks - self.blocks.num_free_blocks
 
     @torch.inference_mode()
     def run(self, batch: core.Batch):
         inp = self._attn_input(batch)
         if batch.block < self.cfg.num_blocks:
             out = self.model.layers[batch.block](inp, self.kv)
+            self.routed[batch.block] += torch.bincount(out.topk_ids.flatten(), minlength=self.cfg.num_experts)
             return out.residual, out.moe_input, out.topk_ids, out.topk_weights
         logits = self.model.head(inp.residual, inp.expert_out, inp.expert_ids, inp.cu_rows)  # [R, V]
         self._sample(batch, logits)
@@ -112,22 +143,38 @@ class AttentionExecutor:
 
     def _sample(self, batch: core.Batch, logits: torch.Tensor) -> None:
         rids = batch.request_ids[batch.cu_rows[:-1]].tolist()
-        reqs = [self.requests[r] for r in rids]
-        tokens = self.sampler(logits, [r.params for r in reqs], [None] * len(reqs))
-        go_on, go_tokens, go_pos = [], [], []
-        for rid, req, token, ctx in zip(rids, reqs, tokens, batch.context_lens.tolist()):
-            req.output.append(token)
-            req.finish_reason = self._finish_reason(req, token, ctx + 1)
-            if req.finish_reason is None:
-                go_on.append(rid)
-                go_tokens.append(token)
-                go_pos.append(ctx)
-            else:
-                self.blocks.free(str(rid))
-                del self.requests[rid]
-                req.done.set()
+        with self._lock:
+            reqs = [self.requests[r] for r in rids]
+        tokens = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        go_on, go_tokens, go_pos, outputs = [], [], [], []
+        with self._lock:
+            for rid, req, token, ctx in zip(rids, reqs, tokens, batch.context_lens.tolist()):
+                new = [] if req.aborted else [token]
+                req.output += new
+                req.finish_reason = "abort" if req.aborted else self._finish_reason(req, token, ctx + 1)
+                outputs.append((rid, new, req.finish_reason))
+                if req.finish_reason is None:
+                    go_on.append(rid)
+                    go_tokens.append(token)
+                    go_pos.append(ctx)
+                else:
+                    self.blocks.free(str(rid))
+                    del self.requests[rid]
+                    req.done.set()
         if go_on:
             self._add_tokens(go_on, go_tokens, go_pos, 1)
+        if self.on_output is not None:
+            self.on_output(outputs)
+
+    def _validate(self, request_id: int, prompt: list[int]) -> None:
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if len(prompt) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; the limit is {self.max_model_len}")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id} is already in use on this rank")
 
     def _finish_reason(self, req: RankRequest, token: int, num_tokens: int) -> str | None:
         if (
@@ -145,3 +192,14 @@ class AttentionExecutor:
         self.engine.add_tokens(
             rows, torch.tensor(tokens), positions, torch.tensor(starts), torch.full((n,), chunk_len)
         )
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    if params.is_greedy:
+        return None
+    generator = torch.Generator()
+    if params.seed is None:
+        generator.seed()  # nondeterministic, as asked
+    else:
+        generator.manual_seed(params.seed)
+    return generator

@@ -1,0 +1,190 @@
+"""ClusterBackend: the coordinator's API over runtime processes (one per attention DP rank and per expert rank).
+
+A request bound to DP rank r is sent to attention runtime r as AddRequest; its tokens come back as TokenOut after
+each head step and are fed to the request's stream. Everything runs on the API's event loop (the cluster manager's
+socket is a zmq.asyncio one), so no locks here.
+
+KV accounting: an attention runtime frees an aborted request's blocks only when its token next reaches the head
+(its rows in flight would otherwise write into freed slots). Until the runtime confirms, the blocks are held back
+from the total reported to the load balancer, so admission never over-commits a rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amoe import wire
+from amoe.config import AmoeConfig
+from amoe.errors import EngineDeadError, RequestError
+from amoe.runtime import build
+from coordinator.backend import Backend, RankKV, TokenDelta
+from coordinator.cluster import ClusterManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    rank: int
+    num_blocks: int  # what the load balancer reserved for it
+    queue: asyncio.Queue
+
+
+class ClusterBackend(Backend):
+    """Attention DP ranks 0..A-1 are attention runtimes 0..A-1; experts live on runtimes A..A+M-1 (aep,
+    pingpong) or beside attention on every runtime (ep)."""
+
+    def __init__(self, config: AmoeConfig, model_dir: str | Path, *, control_bind: str = "ipc") -> None:
+        self.config = config
+        # Emulated runs take the shapes (and the KV capacity behind max_model_len) from the GPU / model profiles.
+        self.model_config = build.runtime_model_config(config, model_dir)
+        self.max_model_len = build.deployment_max_model_len(config, model_dir)
+        self.cluster = ClusterManager(
+            config, model_dir, self.model_config.num_experts, self._on_tokens, self._on_death,
+            control_bind=control_bind,
+        )  # fmt: skip
+        self._status = "created"
+        self._wire_ids = itertools.count(1)
+        self._streams: dict[int, _Stream] = {}  # wire id → stream of a running request
+        self._ids: dict[str, int] = {}  # API request id → wire id
+        self._aborting: dict[int, tuple[int, int]] = {}  # wire id → (rank, blocks) until the rank frees them
+        # Unseeded sampled requests get seeds drawn like LocalEngine's, so the same arrivals give the same tokens.
+        self._seed_source = torch.Generator().manual_seed(0)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    async def start(self) -> None:
+        self._status = "starting"
+        try:
+            await self.cluster.start()
+        except BaseException:
+            self._status = "dead"
+            raise
+        self._status = "ok" if self.cluster.failure is None else "dead"
+
+    async def shutdown(self) -> None:
+        if self._status == "ok":
+            self._status = "stopping"
+        for stream in self._streams.values():
+            stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
+        self._streams.clear()
+        await self.cluster.shutdown()
+        if self._status != "dead":
+            self._status = "stopped"
+
+    # ---- requests
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+    ) -> AsyncIterator[TokenDelta]:
+        self._check_alive()
+        num_ranks = len(self.cluster.attn_runtimes)
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"no attention rank {rank}; there are {num_ranks}")
+        if request_id in self._ids:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        wire_id = next(self._wire_ids)
+        blocks = -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
+        stream = _Stream(request_id, rank, blocks, asyncio.Queue())
+        self._streams[wire_id], self._ids[request_id] = stream, wire_id
+        params = wire.to_wire_sampling(sampling_params, self._seed(sampling_params))
+        self.cluster.send(rank, wire.AddRequest(wire_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.is_finished
+                yield item
+        finally:
+            if not finished:  # the consumer left early (client gone, stop string): free the KV now
+                self.abort(request_id)
+            self._ids.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        wire_id = self._ids.pop(request_id, None)
+        stream = self._streams.pop(wire_id, None) if wire_id is not None else None
+        if stream is None:
+            return
+        self._aborting[wire_id] = (stream.rank, stream.num_blocks)
+        self.cluster.send(stream.rank, wire.Abort(wire_id))
+        stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
+
+    def _seed(self, params: Any) -> int | None:
+        if params.is_greedy or params.seed is not None:
+            return params.seed
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+
+    def _on_tokens(self, msg: wire.TokenOut) -> None:
+        for wire_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
+            if reason is not None:
+                self._aborting.pop(wire_id, None)
+            stream = self._streams.get(wire_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if reason is not None:
+                del self._streams[wire_id]
+            if reason == "error":
+                stream.queue.put_nowait(RequestError(msg.error or "the runtime rejected the request"))
+            else:
+                stream.queue.put_nowait(TokenDelta(list(tokens), reason))
+
+    def _on_death(self, reason: str) -> None:
+        self._status = "dead"
+        error = EngineDeadError(f"the cluster lost a runtime: {reason}")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+
+    def _check_alive(self) -> None:
+        if self._status == "dead":
+            raise EngineDeadError(f"the cluster lost a runtime: {self.cluster.failure}")
+        if self._status != "ok":
+            raise EngineDeadError(f"the cluster is not serving (status: {self._status})")
+
+    # ---- reports
+
+    def kv_usage(self) -> list[RankKV]:
+        ranks = self.cluster.attn_runtimes
+        held = [0] * len(ranks)
+        for rank, blocks in self._aborting.values():
+            held[rank] += blocks
+        return [
+            RankKV(free_blocks=r.kv_free, total_blocks=r.kv_blocks - held[i]) for i, r in enumerate(ranks)
+        ]
+
+    def health(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"status": self._status, "mode": self.config.parallel.mode}
+        ex = self.config.executor
+        if ex.kind == "emulated":  # so a benchmark can turn wall time into emulated time (÷ time_scale)
+            report["executor"] = {
+                "kind": ex.kind,
+                "gpu": ex.gpu,
+                "profile": ex.profile,
+                "time_scale": ex.time_scale,
+            }
+        if self.cluster.failure is not None:
+            report["error"] = self.cluster.failure
+        report["runtimes"] = [r.describe() for r in self.cluster.runtimes]
+        report["kv"] = [
+            {"rank": rank, "free_blocks": r.kv_free, "total_blocks": r.kv_blocks}
+            for rank, r in enumerate(self.cluster.attn_runtimes)
+        ]
+        return report
+
+    def runtime_stats(self) -> list[dict]:
+        """The latest report of each runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""
+        return [r.stats for r in self.cluster.runtimes if r.stats is not None]

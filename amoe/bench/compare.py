@@ -1,0 +1,180 @@
+"""`amoe bench compare`: start emulated `amoe serve` deployments (AEP, EP, ...), sweep Poisson request rates
+against each with `amoe bench serve`'s machinery, and report throughput against ITL, queue depth over time, the
+cost model's upper bound and the headline ratios (AEP / EP, fraction of the bound, defrag vs mtfs / flfs).
+
+Everything is in emulated time: wall seconds / time scale. Writes `--out DIR`: results.json, throughput_vs_itl.png,
+queue_depth.png; prints a table and one final JSON line. See docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens, preset, serve_flags, upper_bound
+
+logger = logging.getLogger(__name__)
+
+_WARMUP_FRACTION = 0.4  # of a point's arrival span, before the measurement window opens
+_SCRAPES_PER_POINT = 40
+
+
+def add_bench_compare_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare", help="AEP vs EP (and scheduler policies) on emulated GPUs: sweeps, plots, ratios"
+    )
+    p.add_argument("--preset", default="quick", help="ci (~1 min) | quick (< 10 min) | full (default: quick)")
+    p.add_argument("--out", default="compare-results", metavar="DIR", help="results.json and PNGs go here")
+    p.add_argument(
+        "--time-scale", type=float, help="wall seconds per emulated second (default: the preset's)"
+    )
+    p.add_argument("--duration", type=float, help="emulated seconds of arrivals per load point (preset's)")
+    p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
+    p.set_defaults(run=run_bench_compare)
+
+
+def run_bench_compare(args: argparse.Namespace) -> int:
+    p = preset(args.preset)
+    p = replace(p, time_scale=args.time_scale or p.time_scale, duration_s=args.duration or p.duration_s)
+    started = time.perf_counter()
+    points = asyncio.run(_run_preset(p, args.seed))
+    from amoe.bench.compare_report import headline, table, write_outputs
+
+    summary = headline(points, p)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    write_outputs(Path(args.out), points, summary, p, args)
+    print(table(points))
+    print(json.dumps(summary))
+    return 0 if all(pt["throughput"] > 0 for pt in points) else 1
+
+
+async def _run_preset(p: Preset, seed: int) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = []
+    for group in (p.sweeps, *p.extra):
+        for setup in group:
+            with_policy = p.policy_base is not None and setup == p.policy_base
+            points += await _sweep(setup, p, seed, with_policy)
+    if p.policy_base is not None:
+        base = [pt for pt in points if pt["config"] == p.policy_base.name and pt["kind"] == "policy"]
+        for policy in ("mtfs", "flfs"):
+            other = replace(p.policy_base, policy=policy)
+            points += await _points(other, p, seed, [base[0]["rate"]], kind="policy")
+    return points
+
+
+async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
+    """The load sweep of one setup; the base setup of the policy comparison also runs its policy point."""
+    from amoe.bench.servers import ServerProcess
+
+    rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
+    with ServerProcess(serve_flags(setup, p, seed)) as url:
+        points = [await _point(url, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
+        if with_policy:
+            best = max(pt["throughput"] for pt in points)
+            rate = p.policy_load * best / mean_output_tokens(setup.workload)
+            points.append(await _point(url, setup, p, seed, rate, "policy"))
+    return points
+
+
+async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
+    from amoe.bench.servers import ServerProcess
+
+    with ServerProcess(serve_flags(setup, p, seed)) as url:
+        return [await _point(url, setup, p, seed, rate, kind) for rate in rates]
+
+
+async def _point(url: str, setup: Setup, p: Preset, seed: int, rate: float, kind: str) -> dict[str, Any]:
+    """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration, measured by the
+    server's counters over the steady part; requests still streaming at the end are cancelled (aborted)."""
+    import httpx
+
+    from amoe.bench.arrivals import arrival_times
+    from amoe.bench.client import BenchClient
+    from amoe.bench.probe import MetricsProbe
+    from amoe.bench.serve import run_requests
+    from amoe.bench.workloads import make_requests, make_workload
+
+    scale = p.time_scale
+    num = max(4, round(rate * p.duration_s))
+    arrivals = arrival_times(num, rate / scale, 1.0, seed)
+    requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
+    span = arrivals[-1] if arrivals[-1] > 0 else p.duration_s * scale
+    logger.info(
+        "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
+    )
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http, BenchClient(url, timeout=600) as client:
+        client.model = setup.profile
+        probe = MetricsProbe(http, period_s=span / _SCRAPES_PER_POINT)
+        start = time.perf_counter()
+        probe.start()
+        load = asyncio.ensure_future(run_requests(client, requests, arrivals))
+        await asyncio.sleep(span)
+        await probe.stop()
+        done = await _finish(load, p.duration_s * scale * 0.1)
+        await _drain(http)
+    return _measure(setup, kind, rate, probe, start, span, done, scale)
+
+
+async def _finish(load: asyncio.Future, grace_s: float) -> list:
+    """Results of the requests that finish within grace_s after the last arrival; the rest are cancelled."""
+    finished, _ = await asyncio.wait([load], timeout=grace_s)
+    if finished:
+        return load.result()[0]
+    load.cancel()
+    await asyncio.gather(load, return_exceptions=True)
+    return []
+
+
+async def _drain(http, timeout_s: float = 120.0) -> None:
+    """Wait until the server runs no request and its queues are empty (aborted requests' rows still in flight
+    end at their next head step), so the next point starts from an idle deployment."""
+    from amoe.bench.probe import MetricsProbe
+
+    probe, deadline = MetricsProbe(http, 0.2), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = await probe.scrape()
+        if s.running == 0 and s.queue_tokens == 0:
+            return
+        await asyncio.sleep(0.2)
+    logger.warning("[compare] the server did not drain within %.0f s", timeout_s)
+
+
+def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, Any]:
+    from amoe.bench.probe import histogram_quantile
+
+    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
+    window = probe.window(start + _WARMUP_FRACTION * span, start + span)
+    completed = [r for r in done if r.success]
+    point["completed"] = len(completed)
+    point["ttft_ms_p50"] = _median([r.ttft for r in completed], 1000 / scale)
+    if window is None:
+        return {**point, "throughput": 0.0, "itl_ms_mean": None, "itl_ms_p50": None, "itl_ms_p90": None}
+    first, last = window
+    emulated_s = (last.t - first.t) / scale
+    itl_n = last.itl_count - first.itl_count
+    point.update(
+        throughput=(last.tokens - first.tokens) / emulated_s,  # output tokens per emulated second
+        window_tokens=last.tokens - first.tokens,
+        itl_ms_mean=(last.itl_sum - first.itl_sum) / itl_n * 1000 / scale if itl_n else None,
+        itl_ms_p50=_ms(histogram_quantile(0.5, first, last), scale),
+        itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
+        queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
+    )
+    return point
+
+
+def _ms(seconds: float | None, scale: float) -> float | None:
+    return None if seconds is None else seconds * 1000 / scale
+
+
+def _median(values: list[float], factor: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[len(values) // 2] * factor

@@ -1,0 +1,112 @@
+"""`amoe bench compare`'s outputs: the headline ratios, the readable table, results.json and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from amoe.bench.compare_setup import Preset, Setup, upper_bound
+
+logger = logging.getLogger(__name__)
+
+
+def headline(points: list[dict[str, Any]], p: Preset) -> dict[str, Any]:
+    """AEP / EP at the same ITL per group, AEP's fraction of the bound, defrag vs mtfs / flfs."""
+    out: dict[str, Any] = {"time_scale": p.time_scale}
+    for group in sorted({pt["group"] for pt in points}, key=lambda g: g != "main"):
+        prefix = "" if group == "main" else f"{group}_"
+        out.update({f"{prefix}{k}": v for k, v in _group_ratios(points, group, p).items()})
+    out.update(_policy_ratios(points))
+    return out
+
+
+def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset) -> dict[str, Any]:
+    sweep = [pt for pt in points if pt["group"] == group and pt["kind"] == "sweep"]
+    aep = [pt for pt in sweep if pt["setup"]["mode"] == "aep"]
+    ep = [pt for pt in sweep if pt["setup"]["mode"] == "ep"]
+    if not aep or not ep:
+        return {}
+    ep_best = max(ep, key=lambda pt: pt["throughput"])
+    budget = ep_best["itl_ms_mean"] or float("inf")
+    within = [pt["throughput"] for pt in aep if (pt["itl_ms_mean"] or float("inf")) <= budget]
+    aep_max = max(pt["throughput"] for pt in aep)
+    setup = Setup(**aep[0]["setup"])
+    bound = upper_bound(setup, p)
+    return {
+        "aep_over_ep": _ratio(
+            max(within) if within else 0.0, ep_best["throughput"]
+        ),  # at EP's ITL at its max
+        "aep_over_ep_max": _ratio(aep_max, ep_best["throughput"]),
+        "aep_max_tokens_per_s": round(aep_max),
+        "ep_max_tokens_per_s": round(ep_best["throughput"]),
+        "ep_itl_ms_at_max": _round(ep_best["itl_ms_mean"]),
+        "upper_bound_tokens_per_s": round(bound),
+        "upper_bound_kv_only_tokens_per_s": round(upper_bound(setup, p, max_attn_batch=1 << 20)),
+        "aep_fraction_of_upper_bound": _ratio(aep_max, bound),
+    }
+
+
+def _policy_ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
+    policy = {pt["setup"]["policy"]: pt for pt in points if pt["kind"] == "policy"}
+    out: dict[str, Any] = {}
+    defrag = policy.get("defrag")
+    for other in ("mtfs", "flfs"):
+        if defrag is None or other not in policy:
+            continue
+        o = policy[other]
+        out[f"defrag_vs_{other}"] = {
+            "throughput": _ratio(defrag["throughput"], o["throughput"]),
+            "itl_mean": _ratio(defrag["itl_ms_mean"], o["itl_ms_mean"]),
+        }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _round(x: float | None, digits: int = 2) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    """One row per load point (emulated time)."""
+    head = f"{'config':<32} {'kind':<6} {'req/s':>8} {'tok/s':>9} {'ITL mean':>9} {'p50':>7} {'p90':>7} {'done':>5}"
+    rows = [head, "-" * len(head)]
+    for pt in points:
+        rows.append(
+            f"{pt['config']:<32} {pt['kind']:<6} {pt['rate']:>8.1f} {pt['throughput']:>9.0f} "
+            f"{_fmt(pt['itl_ms_mean'])} {_fmt(pt['itl_ms_p50'], 7)} {_fmt(pt['itl_ms_p90'], 7)} {pt['completed']:>5}"
+        )
+    return "\n".join(rows)
+
+
+def _fmt(x: float | None, width: int = 9) -> str:
+    return f"{'n/a':>{width}}" if x is None else f"{x:>{width}.2f}"
+
+
+def write_outputs(
+    out: Path, points: list[dict[str, Any]], summary: dict[str, Any], p: Preset, args: argparse.Namespace
+) -> None:
+    """results.json (the table, the headline, the preset), throughput_vs_itl.png, queue_depth.png."""
+    from amoe.bench.plots import plot_queue_depth, plot_throughput_vs_itl
+
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": f"amoe bench compare --preset {args.preset} --seed {args.seed}",
+        "preset": args.preset,
+        "time_scale": p.time_scale,
+        "duration_s": p.duration_s,
+        "attn_batch_cap": p.attn_cap,
+        "expert_batch_cap": p.expert_cap,
+        "headline": summary,
+        "points": [{k: v for k, v in pt.items() if k != "queue"} for pt in points],
+        "queue_depth": {f"{pt['config']}@{pt['rate']:.0f}": pt.get("queue", []) for pt in points},
+    }
+    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot_throughput_vs_itl(points, out / "throughput_vs_itl.png")
+    plot_queue_depth(points, out / "queue_depth.png")
+    logger.info("[compare] wrote %s", out)

@@ -1,0 +1,142 @@
+"""What `amoe bench compare` runs: the deployments (`Setup`), the presets (which setups, which load points), the
+`amoe serve` flags of each, and the cost model's upper bound for it. See docs/results.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from amoe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One emulated deployment to load: `amoe serve` flags are derived from it."""
+
+    mode: str  # aep | ep | pingpong
+    attn: int  # attention runtimes (ep: devices)
+    experts: int = 0  # expert runtimes (aep, pingpong)
+    policy: str = "defrag"
+    top_k: int = 1
+    workload: str = "short"
+    profile: str = "mixtral-8x7b-mqa"
+    gpu: str = "a100-80g"
+    group: str = "main"  # setups of one group are compared with each other
+
+    @property
+    def name(self) -> str:
+        shape = f"ep{self.attn}" if self.mode == "ep" else f"{self.mode}{self.attn}+{self.experts}"
+        policy = f"-{self.policy}" if self.mode == "aep" else ""
+        return f"{shape}{policy}-top{self.top_k}-{self.workload}"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.attn + self.experts
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Setups swept over load fractions (of the cost-model bound), and the policy comparison at one load."""
+
+    sweeps: tuple[Setup, ...]
+    loads: tuple[float, ...]  # request rate as a fraction of the upper bound's rate
+    policy_load: float | None  # the policy comparison's load (of AEP's measured maximum); None: skip it
+    policy_base: Setup | None
+    duration_s: float  # emulated seconds of arrivals per load point
+    time_scale: float
+    attn_cap: int  # rows per attention step (AEP scheduler cap, EP/ping-pong admission cap)
+    expert_cap: int
+    extra: tuple[tuple[Setup, ...], ...] = field(default=())  # more groups, each swept like `sweeps`
+
+
+_AEP = Setup("aep", 4, 4)
+_EP = Setup("ep", 8)
+
+
+def _group(name: str, *setups: Setup) -> tuple[Setup, ...]:
+    return tuple(replace(s, group=name) for s in setups)
+
+
+PRESETS: dict[str, Preset] = {
+    "ci": Preset(
+        sweeps=_group("main", Setup("aep", 2, 2), Setup("ep", 4)),
+        loads=(0.4, 1.0), policy_load=None, policy_base=None,
+        duration_s=0.4, time_scale=20.0, attn_cap=32, expert_cap=256,
+    ),
+    "quick": Preset(
+        sweeps=_group("main", _AEP, _EP),
+        loads=(0.5, 1.0), policy_load=0.8, policy_base=_AEP,
+        duration_s=3.0, time_scale=20.0, attn_cap=64, expert_cap=512,
+    ),
+    "full": Preset(
+        sweeps=_group("main", _AEP, _EP),
+        loads=(0.4, 0.8, 1.1), policy_load=0.8, policy_base=_AEP,
+        duration_s=2.5, time_scale=20.0, attn_cap=64, expert_cap=512,
+        extra=(
+            _group("top2", replace(_AEP, top_k=2), replace(_EP, top_k=2)),
+            _group("medium", replace(_AEP, workload="medium"), replace(_EP, workload="medium")),
+            _group(
+                "16gpu",
+                Setup("aep", 8, 8, profile="mixtral-8x7b-16e"),
+                Setup("ep", 16, profile="mixtral-8x7b-16e"),
+            ),
+        ),
+    ),
+}  # fmt: skip
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}; got {name!r}")
+    return PRESETS[name]
+
+
+def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
+    """The `amoe serve` command line of one setup (port 0 is added by ServerProcess)."""
+    flags = [
+        "--parallel", setup.mode, "--attn-ranks", str(setup.attn),
+        "--executor", "emulated", "--gpu", setup.gpu, "--executor-profile", setup.profile,
+        "--executor-top-k", str(setup.top_k), "--routing", "skew-exp", "--executor-seed", str(seed),
+        "--time-scale", f"{p.time_scale:g}", "--scheduler", setup.policy,
+        "--scheduler-attn-batch-cap", str(p.attn_cap), "--scheduler-expert-batch-cap", str(p.expert_cap),
+        # The load generator, not the coordinator's queue, decides the load: never refuse for overload.
+        "--server-max-waiting", "1000000",
+        "--transport-timeout-s", "60",
+    ]  # fmt: skip
+    if setup.mode != "ep":
+        flags += ["--expert-ranks", str(setup.experts)]
+    return flags
+
+
+def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None) -> float:
+    """Output tokens/s no schedule can beat on the setup's GPUs placed as AEP would (attention + expert GPUs):
+    every GPU busy at its most efficient batch within the deployment's caps, KV capacity respected.
+
+    Attention steps hold at most the attention cap (default: the preset's); concurrency is bounded only by KV, so
+    expert steps can gather up to the expert cap from many attention steps. (The cost model's own bound ties
+    the expert batch to one attention batch, which under a small cap would understate what AEP can do.)
+    """
+    from amoe.bench.workloads import PAPER_WORKLOADS
+    from amoe.emulation import cost_model, profiles
+
+    model = profiles.model_profile(setup.profile, setup.top_k)
+    inputs, outputs = PAPER_WORKLOADS[setup.workload]
+    attn = setup.attn if setup.mode != "ep" else setup.attn // 2
+    common = {
+        "num_attn_gpus": attn,
+        "num_expert_gpus": setup.num_gpus - attn,
+        "mean_context": cost_model.mean_decode_context(inputs, outputs),
+        "host": profiles.host_overhead("amoe-paper"),
+    }
+    gpu = profiles.gpu_profile(setup.gpu)
+    attention = cost_model.upper_bound_throughput(
+        model, gpu, max_attn_batch=max_attn_batch or p.attn_cap, **common
+    )
+    experts = cost_model.upper_bound_throughput(model, gpu, max_expert_batch=p.expert_cap, **common)
+    return min(attention.attention_tokens_per_s, experts.expert_tokens_per_s)
+
+
+def mean_output_tokens(workload: str) -> float:
+    from amoe.bench.workloads import PAPER_WORKLOADS
+
+    low, high = PAPER_WORKLOADS[workload][1]
+    return (low + high) / 2

@@ -1,0 +1,113 @@
+"""Server-side measurements for `amoe bench compare`: `/metrics` scraped at a fixed period while a load point runs.
+
+Throughput and ITL come from the coordinator's counters (generated tokens, the ITL histogram), differenced over a
+steady-state window, so requests still streaming when a point ends count as much as finished ones — an overloaded
+point need not be drained. Queue depth (the sum of every μ-queue) is kept as a time series for Figure 7.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+_LE = re.compile(r'le="([^"]+)"')
+TOKENS = "amoe_coordinator_generation_tokens_total"
+ITL = "amoe_request_itl_seconds"
+QUEUE = "amoe_runtime_queue_depth_tokens"
+RUNNING = "amoe_requests_running"
+
+
+@dataclass
+class Scrape:
+    """The sums this benchmark needs from one /metrics page, at wall time t."""
+
+    t: float
+    tokens: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    itl_buckets: dict[float, float] = field(default_factory=dict)  # le → cumulative count
+    queue_tokens: float = 0.0
+    running: float = 0.0
+
+
+def parse_metrics(text: str, t: float) -> Scrape:
+    """Sum the series of the metrics above (all labels) from Prometheus text."""
+    s = Scrape(t)
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if name == TOKENS:
+            s.tokens += value
+        elif name == f"{ITL}_sum":
+            s.itl_sum += value
+        elif name == f"{ITL}_count":
+            s.itl_count += value
+        elif name == f"{ITL}_bucket" and (le := _LE.search(labels)):
+            bound = float(le.group(1))
+            s.itl_buckets[bound] = s.itl_buckets.get(bound, 0.0) + value
+        elif name == QUEUE:
+            s.queue_tokens += value
+        elif name == RUNNING:
+            s.running += value
+    return s
+
+
+class MetricsProbe:
+    """Scrapes `url/metrics` every `period_s` until stopped; `scrapes` holds them in time order."""
+
+    def __init__(self, client: httpx.AsyncClient, period_s: float) -> None:
+        self.client, self.period_s = client, period_s
+        self.scrapes: list[Scrape] = []
+        self._task: asyncio.Task | None = None
+
+    async def scrape(self) -> Scrape:
+        response = await self.client.get("/metrics")
+        response.raise_for_status()
+        return parse_metrics(response.text, time.perf_counter())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.scrapes.append(await self.scrape())
+            except httpx.HTTPError as exc:  # one lost scrape only widens the window
+                logger.debug("[compare] scrape failed: %s", exc)
+            await asyncio.sleep(self.period_s)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def window(self, start: float, end: float) -> tuple[Scrape, Scrape] | None:
+        """The first scrape at or after `start` and the last at or before `end` (None if fewer than two)."""
+        inside = [s for s in self.scrapes if start <= s.t <= end]
+        return (inside[0], inside[-1]) if len(inside) >= 2 and inside[-1].t > inside[0].t else None
+
+
+def histogram_quantile(q: float, first: Scrape, last: Scrape) -> float | None:
+    """The q-quantile of the ITL observations between two scrapes (linear inside a bucket, as Prometheus)."""
+    bounds = sorted(b for b in last.itl_buckets if b != float("inf"))
+    counts = [last.itl_buckets[b] - first.itl_buckets.get(b, 0.0) for b in bounds]
+    total = last.itl_count - first.itl_count
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= rank:
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = bound, cumulative
+    return bounds[-1] if bounds else None

@@ -1,0 +1,72 @@
+"""An `amoe serve` subprocess for benchmarks: started with `--port 0`, its URL parsed from the log line, stopped
+with SIGINT (the server drains and stops its runtimes), killed if it does not exit."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from amoe.errors import AmoeError
+
+logger = logging.getLogger(__name__)
+
+_URL_LINE = re.compile(r"amoe serve: listening on (http://\S+)$")
+_KEEP_LINES = 200  # of the server's log, for the error message when it dies
+
+
+class ServerProcess:
+    """`with ServerProcess(flags) as url:` — one `amoe serve` for the duration of the block."""
+
+    def __init__(self, flags: list[str], startup_timeout_s: float = 180.0) -> None:
+        self.flags = flags
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.lines: collections.deque[str] = collections.deque(maxlen=_KEEP_LINES)
+        self.url: str | None = None
+
+    def __enter__(self) -> str:
+        cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *self.flags]
+        logger.info("[compare] starting: amoe serve %s", " ".join(self.flags))
+        env = {**os.environ, "AMOE_LOG_LEVEL": os.environ.get("AMOE_LOG_LEVEL", "INFO")}
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        found = threading.Event()
+        threading.Thread(target=self._read, args=(found,), daemon=True).start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not found.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise AmoeError("amoe serve did not start:\n" + "\n".join(list(self.lines)[-20:]))
+        return self.url
+
+    def _read(self, found: threading.Event) -> None:
+        for line in self.proc.stderr:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if not found.is_set() and (match := _URL_LINE.search(line)):
+                self.url = match.group(1)
+                found.set()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            logger.warning("[compare] amoe serve (pid %d) did not stop; killing it", self.proc.pid)
+            self.proc.kill()
+            self.proc.wait(10)

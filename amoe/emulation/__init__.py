@@ -1,0 +1,22 @@
+"""Emulated GPUs: a cost model of named GPUs and model shapes, the routing override, and emulated executors.
+
+`profiles` holds every number and its source; `cost_model` turns shapes into step times; `routing` is the
+`--routing uniform|skew-exp[:λ]` override; `clock` holds a runtime for emulated time × time scale; `executor` has
+the emulated executors the runtime loop runs like the torch ones (imported on use: it pulls in the runtime).
+See docs/emulation.md.
+"""
+
+from amoe.emulation.profiles import GPUS, HOSTS, MODELS, gpu_profile, host_overhead, model_profile
+from amoe.emulation.routing import DEFAULT_LAMBDA, RouterOverride, RoutingSpec
+
+__all__ = [
+    "DEFAULT_LAMBDA",
+    "GPUS",
+    "HOSTS",
+    "MODELS",
+    "RouterOverride",
+    "RoutingSpec",
+    "gpu_profile",
+    "host_overhead",
+    "model_profile",
+]

@@ -1,0 +1,387 @@
+"""Every number the emulator uses, with its source: GPU profiles, model shapes and host overheads.
+
+Units are SI throughout (bytes, seconds, FLOP/s). "Datasheet" numbers are NVIDIA's published peaks; "calibrated"
+numbers were fitted to the AMoE paper (papers/004, §2.1 Figure 3 and §5.4 Figure 13); "assumed" numbers have no
+published figure in our sources and are marked so. docs/emulation.md derives the calibration and compares the
+cost model's predictions with the paper (the table is checked by tests/test_emulation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from amoe.errors import ConfigError
+from amoe.model.config import ModelConfig
+
+GB = 1e9  # datasheets quote bandwidth in decimal GB/s
+GIB = 2**30  # and memory sizes in binary GiB (nvidia-smi: 40960 MiB on an A100 40GB)
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A point-to-point path between two GPUs: one message costs latency + bytes / (bandwidth · efficiency)."""
+
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # s, per message
+    efficiency: float  # fraction of `bandwidth` a large NCCL send/recv reaches
+
+    @property
+    def usable_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU model: datasheet peaks, the fractions of them real kernels reach, and its links."""
+
+    name: str
+    peak_flops: float  # dense BF16/FP16 tensor-core FLOP/s (no 2:4 sparsity)
+    hbm_bandwidth: float  # bytes/s
+    memory: float  # bytes
+    nvlink: LinkProfile  # to another GPU of the same node
+    network: LinkProfile  # to a GPU of another node (this GPU's share of the node's NICs)
+    compute_efficiency: float  # calibrated: fraction of peak_flops a serving GEMM reaches
+    memory_efficiency: float  # fraction of hbm_bandwidth a weight-streaming kernel reaches
+    launch_s: float  # per kernel: launch gap a step pays on top of its roofline time
+    memory_utilization: float  # fraction of memory the serving system may use (weights + KV + buffers)
+
+    @property
+    def usable_flops(self) -> float:
+        return self.peak_flops * self.compute_efficiency
+
+    @property
+    def usable_bandwidth(self) -> float:
+        return self.hbm_bandwidth * self.memory_efficiency
+
+
+# Calibrated, not measured by us, jointly to two figures of the AMoE paper (derivation in docs/emulation.md):
+# - Figure 3: a Mixtral 8x7B expert layer on an A100 40GB gains throughput almost linearly with batch "until the
+#   batch size of 128". Under the roofline the knee sits at ≈ usable_flops / usable_bandwidth rows (2 FLOPs and
+#   2 bytes per weight); read at powers of two, the figure puts it between 128 and 256.
+# - §5.4: an expert step takes 0.8 ms at the ~420-row batch derived for the medium workload on an A100 80GB,
+#   which needs ≥ ~190 TFLOPS usable once host overhead is taken out.
+# 0.60 of peak (187 TFLOPS) with 85 % of HBM bandwidth puts the A100 40GB knee at 148 rows (rows/s at 128 is 1.94x
+# that at 64; at 256 only 1.17x that at 128) and the §5.4 expert step at 1.2x the paper. The datasheet ratio alone
+# (312 T / 1555 GB/s) would put the knee at 200 rows. We assume the same fractions on Hopper: our sources publish
+# no Hopper equivalent of Figure 3.
+COMPUTE_EFFICIENCY = 0.60
+# Assumed: weight-streaming GEMV/GEMM kernels reach 80–90 % of HBM peak (STREAM-like copies reach ~90 % on A100).
+MEMORY_EFFICIENCY = 0.85
+# Assumed: a CUDA kernel launch costs ~3–5 µs when the GPU has to wait for it (small kernels, no CUDA graph).
+LAUNCH_S = 4e-6
+# vLLM's default gpu_memory_utilization: the rest is the CUDA context, allocator slack and NCCL buffers.
+MEMORY_UTILIZATION = 0.90
+# Assumed: NCCL send/recv reaches ~80 % of the link's peak on large messages; a few µs per small message.
+LINK_EFFICIENCY = 0.80
+NVLINK_LATENCY_S = 5e-6
+
+# A100 SXM4, NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS dense; HBM2 1,555 GB/s (40GB) and
+# HBM2e 2,039 GB/s (80GB); NVLink 3 600 GB/s per GPU, i.e. 300 GB/s each way. AMoE Table 2/3: NVSwitch, 600 GB/s.
+_A100_NVLINK = LinkProfile(bandwidth=300 * GB, latency=NVLINK_LATENCY_S, efficiency=LINK_EFFICIENCY)
+# H100 SXM5 datasheet: BF16 989 TFLOPS dense (1,979 with sparsity); HBM3 3.35 TB/s; NVLink 4 900 GB/s (450 each
+# way). H200 SXM datasheet: the same compute and NVLink; HBM3e 141 GB at 4.8 TB/s.
+_HOPPER_NVLINK = LinkProfile(bandwidth=450 * GB, latency=NVLINK_LATENCY_S, efficiency=LINK_EFFICIENCY)
+# AMoE Table 2 (AWS p4d, the paper's multi-node setup): 4 x 100 Gbps EFA per 8-GPU node = 6.25 GB/s per GPU.
+# Latency assumed ~20 µs (EFA's SRD is slower per message than InfiniBand).
+_P4D_EFA = LinkProfile(bandwidth=400e9 / 8 / 8, latency=20e-6, efficiency=LINK_EFFICIENCY)
+# DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; latency assumed ~5 µs through NCCL.
+# (The paper's Lambda A100 80GB cluster had ~10 Gbps networking and was not used across nodes, its §5 footnote.)
+_HDR_IB = LinkProfile(bandwidth=200e9 / 8, latency=5e-6, efficiency=LINK_EFFICIENCY)
+# DGX H100/H200: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s; latency assumed ~5 µs through NCCL.
+_NDR_IB = LinkProfile(bandwidth=400e9 / 8, latency=5e-6, efficiency=LINK_EFFICIENCY)
+
+
+def _gpu(name: str, tflops: float, hbm_gbps: float, mem_gib: float, nvlink: LinkProfile, net: LinkProfile):
+    return GpuProfile(
+        name=name,
+        peak_flops=tflops * TFLOPS,
+        hbm_bandwidth=hbm_gbps * GB,
+        memory=mem_gib * GIB,
+        nvlink=nvlink,
+        network=net,
+        compute_efficiency=COMPUTE_EFFICIENCY,
+        memory_efficiency=MEMORY_EFFICIENCY,
+        launch_s=LAUNCH_S,
+        memory_utilization=MEMORY_UTILIZATION,
+    )
+
+
+GPUS: dict[str, GpuProfile] = {
+    "a100-40g": _gpu("a100-40g", 312, 1555, 40, _A100_NVLINK, _P4D_EFA),
+    "a100-80g": _gpu("a100-80g", 312, 2039, 80, _A100_NVLINK, _HDR_IB),
+    "h100": _gpu("h100", 989, 3350, 80, _HOPPER_NVLINK, _NDR_IB),
+    "h200": _gpu("h200", 989, 4800, 141, _HOPPER_NVLINK, _NDR_IB),
+}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The shapes a cost model needs: per-block weights, KV bytes and attention FLOPs per context token."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_blocks: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int  # per routed expert; SwiGLU: gate, up [H, I] and down [I, H]
+    attn_params: int  # per block: attention projections + router (weights, not bytes)
+    kv_bytes_per_token: int  # per block, per context token
+    attn_flops_per_context_token: int  # per block, per query row, per token of context (QK and PV)
+    num_heads: int  # for the runtime's ModelConfig only; the cost uses the fields above
+    num_kv_heads: int
+    head_dim: int
+    num_shared_experts: int = 0  # charged to the attention rank: every token runs them
+    shared_intermediate: int = 0
+    max_position_embeddings: int = 32768
+    bytes_per_param: int = 2  # BF16 weights
+    bytes_per_activation: int = 2  # BF16 activations and KV
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"{self.name}: top_k {self.top_k} exceeds num_experts {self.num_experts}")
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate
+
+    @property
+    def shared_params(self) -> int:
+        return 3 * self.hidden_size * self.shared_intermediate * self.num_shared_experts
+
+    def to_model_config(self) -> ModelConfig:
+        """A ModelConfig with this profile's runtime-visible shapes (hidden, blocks, experts, top-k, vocab)."""
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.expert_intermediate,
+            num_blocks=self.num_blocks,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            dtype="bfloat16",
+        )
+
+
+def profile_from_config(cfg: ModelConfig, name: str = "checkpoint") -> ModelProfile:
+    """The cost profile of a Mixtral-style checkpoint's shapes (BF16), e.g. to emulate a local test model."""
+    attn, kv, flops = gqa_attention(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts
+    )
+    return ModelProfile(
+        name=name,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_blocks=cfg.num_blocks,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        expert_intermediate=cfg.intermediate_size,
+        attn_params=attn,
+        kv_bytes_per_token=kv,
+        attn_flops_per_context_token=flops,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        source="shapes of a local checkpoint",
+    )
+
+
+def gqa_attention(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, num_experts: int):
+    """(attn_params, kv_bytes_per_token, attn_flops_per_context_token) of a Mixtral-style GQA/MQA block, BF16."""
+    q_and_o = 2 * hidden * num_heads * head_dim
+    k_and_v = 2 * hidden * num_kv_heads * head_dim
+    router = hidden * num_experts
+    kv_bytes = 2 * num_kv_heads * head_dim * 2  # K and V, 2 bytes each
+    flops = 4 * num_heads * head_dim  # QK^T and PV: 2 FLOPs per multiply-add, every query head
+    return q_and_o + k_and_v + router, kv_bytes, flops
+
+
+def _mixtral_8x7b(name: str, num_experts: int, top_k: int, source: str) -> ModelProfile:
+    # mistralai/Mixtral-8x7B-v0.1 config.json: vocab 32000, hidden 4096, intermediate 14336, 32 layers,
+    # 32 query heads of 128, 8 KV heads, max_position_embeddings 32768. AMoE §5 replaces GQA with MQA:
+    # one KV head, which cuts the KV cache 8x (to 512 bytes per token per block).
+    attn, kv, flops = gqa_attention(4096, 32, 1, 128, num_experts)
+    return ModelProfile(
+        name=name,
+        vocab_size=32000,
+        hidden_size=4096,
+        num_blocks=32,
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate=14336,
+        attn_params=attn,
+        kv_bytes_per_token=kv,
+        attn_flops_per_context_token=flops,
+        num_heads=32,
+        num_kv_heads=1,
+        head_dim=128,
+        source=source,
+    )
+
+
+def _deepseek_v3_like() -> ModelProfile:
+    # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers, vocab 129280, 256 routed experts of
+    # intermediate 2048, 1 shared expert, top-8; MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope 128 + qk_rope 64 head dims, v_head_dim 128.
+    # Simplifications: all 61 blocks are MoE (the real first 3 are dense); weights costed in BF16 (the real model
+    # serves FP8, which halves weight bytes). Attention weights per block: q_a 7168x1536 + q_b 1536x(128x192)
+    # + kv_a 7168x(512+64) + kv_b 512x(128x256) + o (128x128)x7168 + router 7168x256.
+    h, heads = 7168, 128
+    attn = h * 1536 + 1536 * heads * 192 + h * 576 + 512 * heads * 256 + heads * 128 * h + h * 256
+    return ModelProfile(
+        name="deepseek-v3-like",
+        vocab_size=129280,
+        hidden_size=h,
+        num_blocks=61,
+        num_experts=256,
+        top_k=8,
+        expert_intermediate=2048,
+        attn_params=attn,
+        kv_bytes_per_token=(512 + 64) * 2,  # MLA caches the compressed latent and the rope key only
+        # Decode with the absorbed MLA: every head scores 576-wide keys and sums 512-wide values.
+        attn_flops_per_context_token=2 * heads * 576 + 2 * heads * 512,
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=128,
+        num_shared_experts=1,
+        shared_intermediate=2048,
+        max_position_embeddings=163840,
+        bos_token_id=0,
+        eos_token_id=1,
+        source="DeepSeek-V3 config.json shapes (MLA, 256 routed + 1 shared expert, top-8), BF16",
+    )
+
+
+MODELS: dict[str, ModelProfile] = {
+    # AMoE §5: Mixtral 8x7B with MQA; Figure 9 runs it with top-1 and top-2 routing (pass top_k to override).
+    "mixtral-8x7b-mqa": _mixtral_8x7b(
+        "mixtral-8x7b-mqa", 8, 2, "Mixtral 8x7B config.json, GQA -> MQA (AMoE §5)"
+    ),
+    # AMoE §5.2: "increasing the number of experts of Mixtral 8x7B to 16 and using top 1 routing".
+    "mixtral-8x7b-16e": _mixtral_8x7b(
+        "mixtral-8x7b-16e", 16, 1, "Mixtral 8x7B with 16 experts, top-1 (AMoE §5.2)"
+    ),
+    "deepseek-v3-like": _deepseek_v3_like(),
+}
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """CPU-side cost per layer step of the serving system being emulated: fixed per step plus per row."""
+
+    name: str
+    attn_step_s: float
+    attn_row_s: float
+    expert_step_s: float
+    expert_row_s: float
+    head_step_s: float
+    head_row_s: float
+
+
+# Calibrated to AMoE §5.4 / Figure 13 (medium workload): an attention step takes 2.7 ms, mostly page-table
+# traversal per token and the GPU→CPU copy of routing results, with the kernels a minority; an expert step takes
+# 0.8 ms, mostly kernel time. At the operating point derived in docs/emulation.md (~1024-row attention steps,
+# ~420-row expert steps on an A100 80GB) the roofline gives ~0.5 ms of attention kernels, so the page table and
+# post-processing must cost ~2 µs per row; expert steps keep ~0.1 ms of scheduling, gather and permutation.
+HOSTS: dict[str, HostOverhead] = {
+    "amoe-paper": HostOverhead(
+        name="amoe-paper",
+        attn_step_s=150e-6,
+        attn_row_s=2.0e-6,
+        expert_step_s=100e-6,
+        expert_row_s=0.1e-6,
+        head_step_s=100e-6,
+        head_row_s=1.0e-6,
+    ),
+    # Pure GPU time: what an ideal runtime (CUDA graphs, GPU-resident page tables) would pay.
+    "none": HostOverhead("none", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+}
+
+
+def gpu_profile(name: str) -> GpuProfile:
+    """The named GPU profile (a100-40g, a100-80g, h100, h200)."""
+    return _lookup("GPU", GPUS, name)
+
+
+def model_profile(name: str, top_k: int | None = None) -> ModelProfile:
+    """The named model profile, optionally with a different top-k (the paper runs Mixtral at top-1 and top-2)."""
+    profile = _lookup("model profile", MODELS, name)
+    if top_k is None or top_k == profile.top_k:
+        return profile
+    if not 1 <= top_k <= profile.num_experts:
+        raise ConfigError(f"top_k must be in [1, {profile.num_experts}] for {name}; got {top_k}")
+    return dataclasses.replace(profile, top_k=top_k)
+
+
+def host_overhead(name: str) -> HostOverhead:
+    """The named host-overhead profile (amoe-paper, none)."""
+    return _lookup("host overhead profile", HOSTS, name)
+
+
+def _lookup(kind: str, table: dict, name: str):
+    if name not in table:
+        raise ConfigError(f"unknown {kind} {name!r}; choose from {', '.join(table)}")
+    return table[name]
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """A published step time and the operating point (derived in docs/emulation.md) it is compared at."""
+
+    name: str
+    kind: str  # "attention" or "expert"
+    gpu: str
+    model: str
+    top_k: int
+    rows: int  # rows in the step
+    context: int  # mean context tokens per row (attention only)
+    paper_s: float
+    source: str
+
+
+# Figure 3 (A100 40GB, Mixtral 8x7B expert layer): throughput rises ~linearly until this batch, then flattens.
+FIG3_KNEE_ROWS = 128
+
+# §5.4 / Figure 13: one step of each kind sampled from a medium-workload run of Figure 9 (A100 80GB, 4 attention
+# + 4 expert GPUs, Mixtral 8x7B MQA). The paper gives neither batch size; docs/emulation.md derives them from
+# Figure 11's top-1 operating point (250 req/s at 80 % of peak throughput, 150 output tokens per request):
+# ~1024 rows per attention step; ~420 rows per expert step (per-rank fragments of 128 rows, ~3.3 of them merged
+# while the expert GPU is busy; the range over 2–4 merged fragments is 256–512).
+MEDIUM_MEAN_CONTEXT = 186  # input U[50,150] + tokens generated so far, output U[50,250]: 100 + E[o^2]/(2E[o])
+CALIBRATION_POINTS: tuple[CalibrationPoint, ...] = (
+    CalibrationPoint(
+        name="attention step, medium workload",
+        kind="attention",
+        gpu="a100-80g",
+        model="mixtral-8x7b-mqa",
+        top_k=1,
+        rows=1024,
+        context=MEDIUM_MEAN_CONTEXT,
+        paper_s=2.7e-3,
+        source="AMoE §5.4, Figure 13",
+    ),
+    CalibrationPoint(
+        name="expert step, medium workload",
+        kind="expert",
+        gpu="a100-80g",
+        model="mixtral-8x7b-mqa",
+        top_k=1,
+        rows=420,
+        context=0,
+        paper_s=0.8e-3,
+        source="AMoE §5.4, Figure 13",
+    ),
+)

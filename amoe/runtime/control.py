@@ -1,0 +1,122 @@
+"""The runtime's side of the control plane: a DEALER socket to the coordinator's ROUTER, the commands it carries
+(AddRequest, Abort, Shutdown) applied to the executor, heartbeats with the runtime stats, and token reports.
+
+Threads: the worker's main thread owns the control socket (commands in, Hello / Ready / Heartbeat out); the loop
+thread owns a second DEALER that only sends TokenOut after each head step. ZeroMQ sockets are not thread-safe, so
+each has exactly one user; the coordinator's ROUTER takes both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from amoe import wire
+from amoe.errors import AmoeError, EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+_LINGER_MS = 1000  # a Failed message sent just before exit must still leave
+
+
+class Channel:
+    """One DEALER connected to the coordinator; counts (never raises on) malformed inbound frames."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.connect(endpoint)
+        self.num_dropped = 0
+
+    def send(self, msg: wire.Message) -> None:
+        self.sock.send(wire.encode(msg))
+
+    def recv(self, timeout_s: float) -> wire.Message | None:
+        """The next valid message, or None after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                return None
+            frame = self.sock.recv()
+            try:
+                return wire.decode(frame)
+            except wire.WireError as exc:
+                self.num_dropped += 1
+                logger.warning("dropped a control frame (%d so far): %s", self.num_dropped, exc)
+        return None
+
+    def wait_for(self, kind: type, timeout_s: float) -> Any:
+        """The next message of type kind; other messages before it are logged and dropped."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.recv(left)
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, wire.Shutdown):
+                raise EngineDeadError("the coordinator shut down during start-up")
+            if msg is not None:
+                logger.warning("ignored %s while waiting for %s", type(msg).__name__, kind.__name__)
+        raise EngineDeadError(f"no {kind.__name__} from the coordinator within {timeout_s:.0f} s")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def token_reporter(channel: Channel, runtime: int, executor: Any) -> Callable[[list], None]:
+    """The executor's on_output: one TokenOut per head step (called on the loop thread, which owns channel)."""
+
+    def report(outputs: list[tuple[int, list[int], str | None]]) -> None:
+        if not outputs:
+            return
+        rids, tokens, reasons = (list(col) for col in zip(*outputs))
+        free = executor.blocks.num_free_blocks
+        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, kv_free_blocks=free))
+
+    return report
+
+
+def serve_commands(channel: Channel, runtime: Any) -> None:
+    """Apply the coordinator's commands and send heartbeats until Shutdown; raises if the loop thread failed."""
+    next_beat = 0.0
+    while True:
+        runtime.check()
+        now = time.monotonic()
+        if now >= next_beat:
+            channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(runtime.stats())))
+            next_beat = now + HEARTBEAT_S
+        msg = channel.recv(max(0.0, next_beat - time.monotonic()))
+        if isinstance(msg, wire.Shutdown):
+            logger.debug("runtime %d: shutdown requested", runtime.id)
+            return
+        if msg is not None:
+            _apply(channel, runtime, msg)
+
+
+def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
+    executor = runtime.executor
+    if isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention":
+        logger.warning("runtime %d: %s sent to an expert runtime ignored", runtime.id, type(msg).__name__)
+    elif isinstance(msg, wire.AddRequest):
+        try:
+            executor.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
+        except AmoeError as exc:  # a bad request fails alone; the runtime serves on
+            _report_end(channel, runtime, msg.request_id, "error", f"{type(exc).__name__}: {exc}")
+    elif isinstance(msg, wire.Abort):
+        if not executor.abort(msg.request_id):
+            # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
+            _report_end(channel, runtime, msg.request_id, "abort")
+    else:
+        logger.warning("runtime %d: unexpected %s ignored", runtime.id, type(msg).__name__)
+
+
+def _report_end(
+    channel: Channel, runtime: Any, request_id: int, reason: str, error: str | None = None
+) -> None:
+    free = runtime.executor.blocks.num_free_blocks
+    channel.send(wire.TokenOut(runtime.id, [request_id], [[]], [reason], kv_free_blocks=free, error=error))

@@ -1,0 +1,70 @@
+"""`--parallel ep`: synchronous expert parallelism, what SGLang / vLLM EP do (the AMoE paper's baseline, §5).
+
+N devices; device d is attention DP rank d and hosts experts {e : e mod N == d}. An iteration carries one batch
+per device through every block: attention → router → all-to-all dispatch → barrier → experts → all-to-all
+combine → barrier → merge; then the head samples. New requests join only at iteration boundaries. Under skewed
+routing every device waits at the combine barrier for the device of the hottest expert: that wait is
+`stats()["wait_s"]`, the stall of AMoE Figure 4b.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from amoe import core
+from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch
+from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
+from amoe.runtime.sync.iterate import serve_iterations
+from amoe.runtime.sync.moe import DispatchPlan, Routed, receive_combine, send_dispatch, serve_experts
+
+
+def ep_placement(num_devices: int, num_experts: int) -> tuple[int, ...]:
+    """expert_device[e] = e mod N: experts spread evenly, attention DP rank d on device d."""
+    return tuple(e % num_devices for e in range(num_experts))
+
+
+@torch.inference_mode()
+def run_ep_loop(
+    device: SyncDevice,
+    comm: core.Communicator,
+    stop: threading.Event,
+    *,
+    timeout_s: float = 10.0,
+    poll_s: float = 0.005,
+) -> None:
+    """Serve as one EP device until any device's `stop` is set. Raises EngineDeadError when a peer is silent
+    for `timeout_s` at a barrier."""
+    ex = Exchanger(comm, device.rank, timeout_s)
+    serve_iterations(device, ex, stop, lambda it, chunks: _iteration(device, ex, it, chunks), poll_s)
+
+
+def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) -> None:
+    """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head."""
+    batch = attention_batch(chunks, device.attn_rank) if chunks else None
+    carried = ()  # (residual, expert_out, expert_ids) of the previous block
+    for block in range(device.cfg.num_blocks):
+        step = batch.at_block(block, *carried) if block and batch else batch
+        residual, routed = _attend(device, step)
+        expert_out = _moe(device, ex, Tag(it, block, DISPATCH), routed)
+        carried = (residual, expert_out, routed.topk_ids)
+    if batch is not None:
+        device.head(batch.at_block(device.cfg.num_blocks, *carried))
+
+
+def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor | None, Routed]:
+    if step is None:  # nothing here this iteration: still a party to every all-to-all
+        return None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
+    residual, moe_input, ids, weights = device.attend(step)
+    return residual, Routed(moe_input, ids, weights, step.request_ids, step.positions)
+
+
+def _moe(device: SyncDevice, ex: Exchanger, tag: Tag, routed: Routed) -> torch.Tensor:
+    """Dispatch to every device, barrier, run the hosted experts, combine back, barrier."""
+    plan = DispatchPlan(routed.topk_ids, device.expert_device, device.expert_devices)
+    send_dispatch(ex, tag, routed, plan)
+    serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)
+    back = Tag(tag.iteration, tag.block, COMBINE)
+    return receive_combine(ex, back, plan, routed.moe_input, device.stats)

@@ -1,0 +1,181 @@
+"""The synchronous modes in one process: every device a Python thread running its loop, wired by the loopback
+communicator (like runtime/inproc.InProcessCluster for AEP). For tests and the benchmark harness."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from amoe import core
+from amoe.errors import ConfigError, EngineDeadError
+from amoe.model.config import ModelConfig, load_model_config
+from amoe.model.layers import build_attention_rank, build_expert_layers
+from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, RankRequest
+from amoe.runtime.sync.batch import TokenInbox
+from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.ep import ep_placement
+from amoe.runtime.sync.loops import run_sync_loop
+from amoe.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MODES = ("ep", "pingpong")
+
+
+class SyncCluster:
+    """`ep` over `num_devices`, or `pingpong` over `num_attn` + `num_expert` devices, with torch executors on a
+    checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.emulation.executor.Emulation)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        mode: str = "ep",
+        num_devices: int = 2,
+        num_attn: int = 1,
+        num_expert: int = 2,
+        micro_batches: int = 2,
+        emulation=None,
+        kv_blocks: int = 256,
+        block_size: int = 16,
+        max_batch_rows: int | None = None,
+        dtype: torch.dtype | None = None,
+        timeout_s: float = 10.0,
+        poll_s: float = 0.005,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"parallel mode must be one of {MODES} here; got {mode!r}")
+        if (model_dir is None) == (emulation is None):
+            raise ConfigError("give a checkpoint directory (torch executors) or an emulation, not both")
+        self.mode, self.emulation = mode, emulation
+        self.model_dir, self.dtype = model_dir, dtype
+        cfg = emulation.model_config if emulation is not None else load_model_config(model_dir)
+        self.model_config: ModelConfig = cfg
+        self.kv_blocks, self.block_size = kv_blocks, block_size
+        self.options = {"timeout_s": timeout_s, "poll_s": poll_s}
+        if mode == "pingpong":
+            self.options["micro_batches"] = micro_batches
+            place = core.Placement.disaggregated(num_attn, num_expert, cfg.num_experts)
+            attn, experts, expert_device = (
+                place.attn_runtime,
+                tuple(range(num_attn, num_attn + num_expert)),
+                place.expert_runtime,
+            )
+        else:
+            attn = experts = tuple(range(num_devices))
+            expert_device = ep_placement(num_devices, cfg.num_experts)
+        self.devices = [
+            self._device(rank, attn, experts, expert_device, max_batch_rows)
+            for rank in sorted(set(attn) | set(experts))
+        ]
+        self.hub = core.LoopbackHub(len(self.devices))
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.errors: dict[int, BaseException] = {}
+        self._ids = itertools.count(1)
+
+    def _device(self, rank, attn, experts, expert_device, max_batch_rows) -> SyncDevice:
+        cfg = self.model_config
+        hosted = [e for e, d in enumerate(expert_device) if d == rank]
+        inbox = TokenInbox() if rank in attn else None
+        return SyncDevice(
+            rank, cfg, expert_device, attn_devices=attn, expert_devices=experts,
+            attention=self._attention_executor(inbox) if inbox is not None else None,
+            experts=self._expert_executor(hosted) if rank in experts else None,
+            inbox=inbox, attn_rank=attn.index(rank) if rank in attn else 0, max_batch_rows=max_batch_rows,
+        )  # fmt: skip
+
+    def _attention_executor(self, inbox: TokenInbox):
+        if self.emulation is not None:
+            return self.emulation.attention_executor(
+                inbox, kv_blocks=self.kv_blocks, block_size=self.block_size
+            )
+        cfg = self.model_config
+        max_len = min(cfg.max_position_embeddings, self.kv_blocks * self.block_size)
+        model = build_attention_rank(self.model_dir, cfg, self.dtype)
+        return AttentionExecutor(inbox, model, cfg, self.kv_blocks, self.block_size, max_len)
+
+    def _expert_executor(self, hosted: list[int]):
+        if self.emulation is not None:
+            return self.emulation.expert_executor()
+        return ExpertExecutor(build_expert_layers(self.model_dir, self.model_config, hosted, self.dtype))
+
+    @property
+    def attention(self) -> list[SyncDevice]:
+        return [d for d in self.devices if d.attention is not None]
+
+    def start(self) -> SyncCluster:
+        for device in self.devices:
+            thread = threading.Thread(
+                target=self._serve, args=(device,), name=f"amoe-{self.mode}-{device.rank}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _serve(self, device: SyncDevice) -> None:
+        try:
+            run_sync_loop(self.mode, device, self.hub.communicator(device.rank), self._stop, **self.options)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to callers of generate() as EngineDeadError
+            logger.warning("[sync] device %d died: %s: %s", device.rank, type(exc).__name__, exc)
+            self.errors[device.rank] = exc
+
+    def stop(self) -> None:
+        """Stop every loop (they leave together at the next iteration boundary); idempotent."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.options["timeout_s"] + 5)
+
+    __enter__ = start
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None
+    ) -> RankRequest:
+        """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration."""
+        request_id = next(self._ids)
+        ranks = self.attention
+        device = ranks[(request_id - 1) % len(ranks) if rank is None else rank]
+        return device.add_request(request_id, prompt, params or SamplingParams(temperature=0))
+
+    def wait(self, reqs: list[RankRequest], timeout: float = 120.0) -> list[list[int]]:
+        """Each request's output tokens once all are done; EngineDeadError if a device died or time ran out."""
+        deadline = time.monotonic() + timeout
+        for req in reqs:
+            while not req.done.wait(0.05):
+                self._check()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"a request did not finish within {timeout} s")
+        return [req.output for req in reqs]
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | None = None, timeout: float = 120.0
+    ) -> list[list[int]]:
+        """Token ids generated for each prompt; prompt i goes to attention rank i mod A."""
+        reqs = [self.submit(p, params, rank=i % len(self.attention)) for i, p in enumerate(prompts)]
+        return self.wait(reqs, timeout)
+
+    def _check(self) -> None:
+        if self.errors:
+            rank, exc = next(iter(self.errors.items()))
+            raise EngineDeadError(f"device {rank} died: {type(exc).__name__}: {exc}") from exc
+
+    def stats(self) -> list[dict]:
+        """Per device: rank, role, busy/wait/idle seconds, stall fraction, iterations, rows per expert per block
+        (and the emulated clock's stats when emulated)."""
+        out = []
+        for d in self.devices:
+            s = {"rank": d.rank, "role": d.role, **d.stats.snapshot()}
+            if self.emulation is not None:
+                s["emulated"] = {
+                    k: ex.stats() for k, ex in (("attention", d.attention), ("experts", d.experts)) if ex
+                }
+            out.append(s)
+        return out

@@ -1,0 +1,60 @@
+"""The outer loop both synchronous modes share: admit at the iteration boundary, agree with every peer whether
+anyone has work (or is stopping), run one iteration, repeat.
+
+The agreement is itself a barrier all-to-all (phase BEGIN, carrying each device's row count and stop flag), as
+SGLang's DP attention exchanges batch sizes before each forward: every device runs every iteration, those without
+rows send zero-row messages. So all devices leave together when any is told to stop, and idle devices poll at
+`poll_s` instead of spinning through empty iterations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from amoe.runtime.sync.batch import Chunk
+from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.exchange import BEGIN, Exchanger, Tag
+
+logger = logging.getLogger(__name__)
+
+Iteration = Callable[[int, list[Chunk]], None]  # (iteration number, admitted chunks)
+
+
+def serve_iterations(
+    device: SyncDevice, ex: Exchanger, stop: threading.Event, run_iteration: Iteration, poll_s: float
+) -> None:
+    """Iterate until some device's `stop` is set; EngineDeadError if a peer goes silent."""
+    for it in itertools.count():
+        chunks = device.admit()
+        rows = sum(c.num_rows for c in chunks)
+        start = time.perf_counter()
+        total, stopping = _begin(ex, device, it, rows, stop.is_set())
+        if stopping:
+            logger.debug("[sync] device %d leaves after %d iterations", device.rank, it)
+            return
+        if total == 0:
+            _idle(device, poll_s)
+            device.stats.add_idle(time.perf_counter() - start)
+            continue
+        device.stats.add_wait(time.perf_counter() - start)  # the BEGIN barrier of a working iteration
+        run_iteration(it, chunks)
+        device.stats.end_iteration(time.perf_counter() - start, rows)
+
+
+def _begin(ex: Exchanger, device: SyncDevice, it: int, rows: int, stopping: bool) -> tuple[int, bool]:
+    """All devices' rows this iteration, and whether any of them stops."""
+    tag = Tag(it, 0, BEGIN)
+    for peer in device.all_devices:
+        ex.send(peer, tag, info=rows, flags=int(stopping))
+    parcels = ex.gather(tag, device.all_devices)
+    return sum(p.info for p in parcels.values()), any(p.flags for p in parcels.values())
+
+
+def _idle(device: SyncDevice, poll_s: float) -> None:
+    # An expert-only device has no inbox: its next BEGIN gather blocks until the attention devices speak.
+    if device.inbox is not None:
+        device.inbox.wait(poll_s)

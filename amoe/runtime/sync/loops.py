@@ -1,0 +1,29 @@
+"""Choosing the synchronous loop by `parallel.mode`: the one call a runtime process needs."""
+
+from __future__ import annotations
+
+import threading
+
+from amoe import core
+from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.ep import run_ep_loop
+from amoe.runtime.sync.pingpong import run_pingpong_loop
+
+
+def run_sync_loop(
+    mode: str,
+    device: SyncDevice,
+    comm: core.Communicator,
+    stop: threading.Event,
+    *,
+    micro_batches: int = 2,
+    timeout_s: float = 10.0,
+    poll_s: float = 0.005,
+) -> None:
+    """Serve `device` in mode "ep" or "pingpong" until any device's stop is set (they leave together)."""
+    if mode == "ep":
+        run_ep_loop(device, comm, stop, timeout_s=timeout_s, poll_s=poll_s)
+    elif mode == "pingpong":
+        run_pingpong_loop(device, comm, stop, micro_batches=micro_batches, timeout_s=timeout_s, poll_s=poll_s)
+    else:
+        raise ValueError(f"not a synchronous mode: {mode!r}")

@@ -1,0 +1,146 @@
+"""The MoE all-to-all of the synchronous modes: split routed rows by expert device (dispatch), run the hosted
+experts on everything received, send each source its rows back in the order it sent them (combine), and put the
+results where the next attention layer's merge expects them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from amoe import core
+from amoe.runtime.sync.batch import LayerBatch
+from amoe.runtime.sync.exchange import COMBINE, Exchanger, Parcel, Tag
+from amoe.runtime.sync.stats import SyncStats
+
+
+@dataclass
+class Routed:
+    """An attention step's rows on their way to the experts."""
+
+    moe_input: torch.Tensor  # [N, H]
+    topk_ids: torch.Tensor  # [N, K]
+    topk_weights: torch.Tensor  # [N, K]
+    request_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+
+    @classmethod
+    def empty(cls, hidden: int, top_k: int, dtype: torch.dtype = torch.float32) -> Routed:
+        """What a device with no rows this iteration sends: nothing, but to every peer (the barrier needs it)."""
+        none = torch.zeros(0, dtype=torch.int64)
+        return cls(
+            torch.zeros(0, hidden, dtype=dtype),
+            torch.zeros(0, top_k, dtype=torch.int64),
+            torch.zeros(0, top_k),
+            none,
+            none,
+        )
+
+
+def send_dispatch(ex: Exchanger, tag: Tag, routed: Routed, plan: DispatchPlan) -> None:
+    """Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device."""
+    for dest in plan.sizes:
+        data, meta = plan.rows_for(
+            dest, tag.block, routed.moe_input, routed.topk_weights, routed.request_ids, routed.positions
+        )
+        ex.send(dest, tag, data, meta)
+
+
+def serve_experts(
+    ex: Exchanger, tag: Tag, sources: Sequence[int], executor, hidden: int, stats: SyncStats
+) -> None:
+    """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back."""
+    with stats.waiting():
+        parcels = ex.gather(tag, sources)
+    outputs = run_experts(executor, tag.block, parcels, hidden, stats)
+    back = Tag(tag.iteration, tag.block, COMBINE, tag.micro)
+    for src, out in outputs.items():
+        ex.send(src, back, out)
+
+
+def receive_combine(
+    ex: Exchanger, tag: Tag, plan: DispatchPlan, like: torch.Tensor, stats: SyncStats
+) -> torch.Tensor:
+    """Combine half: wait for every expert device (the barrier) → expert_out [N, K, H]."""
+    with stats.waiting():
+        parcels = ex.gather(tag, plan.sizes)
+    return plan.combine(parcels, like)
+
+
+class DispatchPlan:
+    """Where each of a batch's N × K routed rows goes; combine() undoes the permutation."""
+
+    def __init__(self, topk_ids: torch.Tensor, expert_device: Sequence[int], devices: Sequence[int]) -> None:
+        """topk_ids [N, K]; expert_device[e]: the device hosting expert e; devices: every expert device."""
+        self.shape = tuple(topk_ids.shape)  # (N, K)
+        self.experts = topk_ids.reshape(-1)  # [N * K] flat = row * K + k
+        where = torch.tensor(expert_device, dtype=torch.int64)[self.experts]  # [N * K] device per copy
+        self.order = torch.argsort(where, stable=True)  # copies grouped by device, row order kept within
+        counts = torch.bincount(where, minlength=max(devices) + 1)
+        self.sizes = {d: int(counts[d]) for d in devices}
+        self.offsets, start = {}, 0
+        for d in sorted(devices):  # argsort groups by ascending device id
+            self.offsets[d] = start
+            start += self.sizes[d]
+
+    def rows_for(
+        self, dest: int, block: int, moe_input, topk_weights, request_ids, positions
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The payload for device `dest`: inputs [n, H] and per-row metadata (expert, weight, slot, who)."""
+        lo = self.offsets[dest]
+        flat = self.order[lo : lo + self.sizes[dest]]  # [n]
+        row, k = flat // self.shape[1], flat % self.shape[1]
+        experts = self.experts[flat]
+        meta = {
+            "request_id": request_ids[row],
+            "position": positions[row],
+            "kind": torch.full_like(row, core.EXPERT),
+            "block": torch.full_like(row, block),
+            "index": experts,
+            "expert_id": experts,
+            "slot": k + 1,
+            "weight": topk_weights.reshape(-1)[flat],
+        }
+        return moe_input[row], meta
+
+    def combine(self, parcels: dict[int, Parcel], like: torch.Tensor) -> torch.Tensor:
+        """Each device's outputs (in the order sent) → expert_out [N, K, H] in router order."""
+        n, k = self.shape
+        hidden = like.shape[1]
+        out = like.new_empty(n * k, hidden)
+        for d, lo in self.offsets.items():
+            got = parcels[d].data
+            if got.shape[0] != self.sizes[d]:
+                raise ValueError(f"device {d} returned {got.shape[0]} rows for {self.sizes[d]} sent")
+            out[self.order[lo : lo + self.sizes[d]]] = got.to(out.dtype)
+        return out.view(n, k, hidden)
+
+
+def run_experts(
+    executor, block: int, parcels: dict[int, Parcel], hidden: int, stats: SyncStats
+) -> dict[int, torch.Tensor]:
+    """Every hosted expert once on all rows received for it (from all sources); outputs per source, in the
+    order the source sent its rows."""
+    srcs = sorted(parcels)
+    sizes = [parcels[s].num_rows for s in srcs]
+    x = torch.cat([parcels[s].data for s in srcs]) if srcs else torch.zeros(0, hidden)  # [M, H]
+    fields = ("expert_id", "weight", "request_id", "position")
+    meta = {k: torch.cat([parcels[s].meta[k] for s in srcs]) for k in fields}
+    out = x.new_zeros(x.shape[0], hidden)
+    experts = meta["expert_id"]
+    for e in torch.unique(experts).tolist():  # ascending expert id; experts without rows do not run
+        idx = (experts == e).nonzero().flatten()
+        batch = LayerBatch(
+            kind="expert",
+            block=block,
+            index=e,
+            request_ids=meta["request_id"][idx],
+            positions=meta["position"][idx],
+            x=x[idx],
+            weights=meta["weight"][idx].float(),
+        )
+        with stats.busy():
+            out[idx] = executor.run(batch)
+        stats.count_expert_rows(block, e, idx.numel())
+    return dict(zip(srcs, out.split(sizes)))

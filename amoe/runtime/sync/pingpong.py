@@ -1,0 +1,104 @@
+"""`--parallel pingpong`: MegaScale-Infer's disaggregated ping-pong pipeline (§4), in lock-step.
+
+A attention devices and E expert devices. Each attention device splits its iteration's batch into m micro-batches
+of whole chunks. For every block, micro-batch i goes attention → all expert devices (M2N: an expert device waits
+for micro-batch i from every attention device, its barrier per (micro-batch, block)) → back (N2M: the attention
+device waits for every expert device). The attention side computes micro-batch i+1 while the experts run i, so
+with T_a ≈ T_e both pools stay busy and one iteration takes `t_total(...)` (the paper's Eq. 5).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from amoe import core
+from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch, split_micro_batches
+from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
+from amoe.runtime.sync.iterate import serve_iterations
+from amoe.runtime.sync.moe import DispatchPlan, Routed, receive_combine, send_dispatch, serve_experts
+
+
+def t_total(t_a: float, t_e: float, t_c: float, m: int, num_blocks: int) -> float:
+    """MegaScale-Infer Eq. 5: (T_a + T_e + 2 T_c) + T_f (m L − 1), T_f = max(T_a, T_e); valid when
+    m T_f ≥ 2 (T_f + T_c). For m = 1 there is no overlap: L (T_a + T_e + 2 T_c)."""
+    if m == 1:
+        return num_blocks * (t_a + t_e + 2 * t_c)
+    return (t_a + t_e + 2 * t_c) + max(t_a, t_e) * (m * num_blocks - 1)
+
+
+@torch.inference_mode()
+def run_pingpong_loop(
+    device: SyncDevice,
+    comm: core.Communicator,
+    stop: threading.Event,
+    *,
+    micro_batches: int = 2,
+    timeout_s: float = 10.0,
+    poll_s: float = 0.005,
+) -> None:
+    """Serve as one attention or expert device until any device's `stop` is set; EngineDeadError when a peer is
+    silent for `timeout_s` at a barrier. Every device of a deployment must use the same `micro_batches`."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1; got {micro_batches}")
+    ex = Exchanger(comm, device.rank, timeout_s)
+    role = _attention_iteration if device.attention is not None else _expert_iteration
+
+    def iteration(it: int, chunks: list[Chunk]) -> None:
+        role(device, ex, it, chunks, micro_batches)
+
+    serve_iterations(device, ex, stop, iteration, poll_s)
+
+
+class _MicroBatch:
+    """One micro-batch on the attention side: its chunks and what its last step left for the next."""
+
+    def __init__(self, chunks: list[Chunk], rank: int) -> None:
+        self.batch = attention_batch(chunks, rank) if chunks else None
+        self.residual = self.plan = self.routed = None
+
+
+def _attention_iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int) -> None:
+    """Block 0 of every micro-batch, then for each block: wait for micro-batch i's experts, run its next
+    attention (or head) and send it on, while the experts work on micro-batch i+1."""
+    mbs = [_MicroBatch(c, device.attn_rank) for c in split_micro_batches(chunks, m)]
+    for i, mb in enumerate(mbs):
+        _attend_and_send(device, ex, mb, mb.batch, Tag(it, 0, DISPATCH, i))
+    last = device.cfg.num_blocks
+    for block in range(1, last + 1):
+        for i, mb in enumerate(mbs):
+            step = _collect(device, ex, mb, Tag(it, block - 1, COMBINE, i), block)
+            if block < last:
+                _attend_and_send(device, ex, mb, step, Tag(it, block, DISPATCH, i))
+            elif step is not None:
+                device.head(step)
+
+
+def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block: int) -> LayerBatch | None:
+    """Wait for the micro-batch's expert outputs (N2M barrier) → its input to attention(block) or the head."""
+    expert_out = receive_combine(ex, tag, mb.plan, mb.routed.moe_input, device.stats)
+    if mb.batch is None:
+        return None
+    return mb.batch.at_block(block, mb.residual, expert_out, mb.routed.topk_ids)
+
+
+def _attend_and_send(
+    device: SyncDevice, ex: Exchanger, mb: _MicroBatch, step: LayerBatch | None, tag: Tag
+) -> None:
+    if step is None:  # an empty micro-batch still sends every expert device its (empty) part
+        mb.residual, mb.routed = None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
+    else:
+        mb.residual, moe_input, ids, weights = device.attend(step)
+        mb.routed = Routed(moe_input, ids, weights, step.request_ids, step.positions)
+    mb.plan = DispatchPlan(mb.routed.topk_ids, device.expert_device, device.expert_devices)
+    send_dispatch(ex, tag, mb.routed, mb.plan)
+
+
+def _expert_iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int) -> None:
+    """Lock-step: (block, micro-batch) in the order the attention side sends them."""
+    for block in range(device.cfg.num_blocks):
+        for i in range(m):
+            tag = Tag(it, block, DISPATCH, i)
+            serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)

@@ -1,0 +1,129 @@
+"""A runtime process of `--parallel ep|pingpong`: one device of the synchronous baselines (docs/baselines.md,
+"Hook for the process runtime") behind the same control plane as an AEP runtime.
+
+The worker's main thread drives it exactly like `worker.Runtime` (Hello, Welcome, `start`, commands, heartbeats,
+`stop`): `executor` is the attention executor, so AddRequest / Abort / the KV report need nothing mode-specific.
+The loop thread runs `run_sync_loop` over the ZeroMQ communicator instead of the C++ engine's μ-queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from amoe import wire
+from amoe.config import AmoeConfig
+from amoe.errors import EngineDeadError
+from amoe.runtime import build
+from amoe.runtime.sync import SyncDevice, TokenInbox, run_sync_loop
+
+logger = logging.getLogger(__name__)
+
+
+class SyncRuntime:
+    """One device of ep (attention rank + its experts) or pingpong (attention rank, or expert device)."""
+
+    def __init__(self, spec: wire.WorkerSpec) -> None:
+        from amoe.runtime.worker import communicator  # the worker module owns process set-up
+
+        self.id, self.role = spec.runtime, spec.role
+        self.config = AmoeConfig.from_dict(spec.config)
+        self.mode = self.config.parallel.mode
+        self.emulation = (
+            build.emulation(self.config, spec.model_dir) if build.is_emulated(self.config) else None
+        )
+        self.model_config = cfg = build.runtime_model_config(self.config, spec.model_dir)
+        self.placement = place = build.placement(self.config, cfg.num_experts)
+        self.comm = communicator(spec, len(place.roles), self.config)
+        self.device = self._device(spec.model_dir)
+        self.executor = self.device.attention  # what the control plane talks to (None on an expert device)
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _device(self, model_dir: str) -> SyncDevice:
+        cfg, place, em = self.model_config, self.placement, self.emulation
+        hosted = place.experts_of(self.id)
+        inbox = TokenInbox() if self.id in place.attn else None
+        attention = experts = None
+        if inbox is not None:
+            local = len(hosted) if self.mode == "ep" else 0  # EP: the experts share the GPU's memory
+            attention = build.attention_executor(self.config, model_dir, cfg, inbox, em, local)
+        if self.id in place.hosts:
+            experts = build.expert_executor(self.config, model_dir, cfg, hosted, em)
+        return SyncDevice(
+            self.id, cfg, place.expert_device, attn_devices=place.attn, expert_devices=place.hosts,
+            attention=attention, experts=experts, inbox=inbox,
+            attn_rank=place.attn.index(self.id) if inbox is not None else 0,
+            max_batch_rows=self.config.scheduler.attn_batch_cap,
+        )  # fmt: skip
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.executor.blocks.num_total_blocks if self.executor is not None else 0
+
+    def start(self, endpoints: list[str], on_output) -> None:
+        self.comm.connect(endpoints)
+        if self.executor is not None:
+            self.device.on_output = on_output
+        self._thread = threading.Thread(target=self._loop, name=f"amoe-{self.mode}-{self.id}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        par, timeout = self.config.parallel, self.config.transport.timeout_s
+        try:
+            run_sync_loop(
+                self.mode,
+                self.device,
+                self.comm,
+                self._stop,
+                micro_batches=par.micro_batches,
+                timeout_s=timeout,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread as Failed, then exit
+            self.error = exc
+        else:
+            if not self._stop.is_set():  # a peer stopped the group: nothing is served any more
+                self.error = EngineDeadError("a peer left the synchronous group")
+
+    def check(self) -> None:
+        """Raise if the loop thread died."""
+        if self.error is not None:
+            raise EngineDeadError(f"the runtime loop failed: {type(self.error).__name__}: {self.error}")
+
+    def stats(self) -> dict[str, Any]:
+        """The runtime report (docs/CONTRACTS.md): the device's barrier stats, KV and the communicator's."""
+        snap = self.device.stats.snapshot()
+        report: dict[str, Any] = {
+            "runtime": self.id,
+            "role": self.role,
+            "mode": self.mode,
+            "incarnation": self.incarnation,
+            "busy_s": snap["busy_s"],
+            "idle_s": snap["idle_s"],
+            "wait_s": snap["wait_s"],
+            "stall_fraction": snap["stall_fraction"],
+            "iterations": snap["iterations"],
+            "comm": self.comm.stats(),
+        }
+        if self.executor is not None:
+            blocks = self.executor.blocks
+            report["kv_total_blocks"] = blocks.num_total_blocks
+            report["kv_used_blocks"] = blocks.num_total_blocks - blocks.num_free_blocks
+            report["routed"] = self.executor.routed.tolist()
+            report["waiting_chunks"] = len(self.device.inbox)  # the synchronous modes' only queue
+        if self.emulation is not None:
+            parts = (("attention", self.device.attention), ("experts", self.device.experts))
+            report["emulated"] = {kind: ex.stats() for kind, ex in parts if ex is not None}
+        return report
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # The group leaves together at the next BEGIN; a peer already gone makes it wait out the timeout.
+            self._thread.join(self.config.transport.timeout_s + 5.0)
+        self.comm.close()

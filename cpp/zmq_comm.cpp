@@ -1,0 +1,395 @@
+// ZmqCommunicator: construction, connect/close, outbound sends (with the backlog the I/O thread retries), the
+// inbox and statistics. The inbound half (the I/O thread and the lane threads) is in zmq_inbound.cpp.
+#include "zmq_comm.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "errors.h"
+#include "zmq_comm_internal.h"
+
+namespace amoe {
+
+namespace {
+
+constexpr int kHwm = 1000;                                // ZeroMQ queue depth (messages) per socket
+constexpr int kLingerMs = 200;                            // how long close() lets queued goodbyes leave
+constexpr size_t kRecvPoolIdleBytes = size_t{128} << 20;  // warm receive buffers kept between messages
+
+std::string zmq_error(const std::string& what) { return what + ": " + zmq_strerror(zmq_errno()); }
+
+std::string unique_ipc_endpoint() {
+  std::random_device rd;
+  char name[64];
+  std::snprintf(name, sizeof(name), "amoe-%d-%08x%08x.ipc", static_cast<int>(getpid()), rd(), rd());
+  std::string dir = std::filesystem::temp_directory_path().string();
+  if (dir.size() + sizeof(name) > 100) dir = "/tmp";  // sun_path holds 108 bytes
+  return "ipc://" + dir + "/" + name;
+}
+
+// "tcp://host:0" means any free port; ZeroMQ spells that "*".
+std::string bind_address(const std::string& bind) {
+  if (bind == "ipc") return unique_ipc_endpoint();
+  if (bind.rfind("tcp://", 0) == 0 && bind.size() > 2 && bind.compare(bind.size() - 2, 2, ":0") == 0)
+    return bind.substr(0, bind.size() - 1) + "*";
+  return bind;
+}
+
+void release_tensor(void*, void* hint) { delete static_cast<at::Tensor*>(hint); }
+
+void set_int(void* sock, int option, int value) { zmq_setsockopt(sock, option, &value, sizeof(value)); }
+
+}  // namespace
+
+using zmq_internal::item_size;
+using zmq_internal::kMetaBytes;
+using zmq_internal::kZeroCopyMin;
+
+ZmqCommunicator::ZmqCommunicator(int rank, int num_runtimes, const std::string& bind,
+                                 std::shared_ptr<TensorPlane> plane, double timeout_s)
+    : rank_(rank),
+      num_runtimes_(num_runtimes),
+      plane_(std::move(plane)),
+      timeout_(std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6))) {
+  AMOE_CHECK_ARG(num_runtimes > 0 && rank >= 0 && rank < num_runtimes,
+                 "rank " << rank << " is outside [0, " << num_runtimes << ")");
+  AMOE_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
+  const std::string addr = bind_address(bind);
+  AMOE_CHECK_ARG(addr.rfind("ipc://", 0) == 0 || addr.rfind("tcp://", 0) == 0,
+                 "bind must be \"ipc\", ipc://path or tcp://host:port, got " << bind);
+  ctx_ = zmq_ctx_new();
+  pull_ = zmq_socket(ctx_, ZMQ_PULL);
+  set_int(pull_, ZMQ_RCVHWM, kHwm);
+  set_int(pull_, ZMQ_LINGER, 0);
+  if (zmq_bind(pull_, addr.c_str()) != 0) {
+    const std::string err = zmq_error("cannot bind " + addr);
+    zmq_close(pull_);
+    zmq_ctx_term(ctx_);
+    AMOE_CHECK_ARG(false, err);
+  }
+  // Disconnect events tell a peer's death from its goodbye (ZMQ_SRCFD ties a connection to a rank).
+  const std::string monitor_addr =
+      "inproc://amoe-monitor-" + std::to_string(reinterpret_cast<uintptr_t>(this));
+  zmq_socket_monitor(pull_, monitor_addr.c_str(), ZMQ_EVENT_DISCONNECTED);
+  monitor_ = zmq_socket(ctx_, ZMQ_PAIR);
+  set_int(monitor_, ZMQ_LINGER, 0);
+  zmq_connect(monitor_, monitor_addr.c_str());
+  char last[512];
+  size_t len = sizeof(last);
+  zmq_getsockopt(pull_, ZMQ_LAST_ENDPOINT, last, &len);
+  endpoint_ = last;
+  if (endpoint_.rfind("ipc://", 0) == 0) ipc_path_ = endpoint_.substr(6);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (plane_ && plane_->device().is_cpu()) recv_pool_ = std::make_shared<BufferPool>(kRecvPoolIdleBytes);
+  peers_.resize(num_runtimes_);
+  send_lanes_.resize(num_runtimes_);
+  recv_lanes_.resize(num_runtimes_);
+}
+
+ZmqCommunicator::~ZmqCommunicator() { close(); }
+
+std::string ZmqCommunicator::plane_name() const { return plane_ ? plane_->name() : "inline"; }
+
+void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // one connect/close transition at a time
+  AMOE_CHECK_ARG(!closing_.load(), "communicator is closed");
+  AMOE_CHECK_ARG(!connected_.load(), "communicator is already connected");
+  AMOE_CHECK_ARG(static_cast<int>(endpoints.size()) == num_runtimes_,
+                 "connect needs " << num_runtimes_ << " endpoints, got " << endpoints.size());
+  for (int r = 0; r < num_runtimes_; ++r) {
+    if (r == rank_) continue;
+    auto peer = std::make_unique<Peer>();
+    peer->sock = zmq_socket(ctx_, ZMQ_PUSH);
+    set_int(peer->sock, ZMQ_SNDHWM, kHwm);
+    set_int(peer->sock, ZMQ_LINGER, kLingerMs);
+    if (zmq_connect(peer->sock, endpoints[r].c_str()) != 0) {
+      const std::string err =
+          zmq_error("cannot connect to runtime " + std::to_string(r) + " at " + endpoints[r]);
+      zmq_close(peer->sock);
+      for (auto& p : peers_) {
+        if (p) zmq_close(p->sock);
+        p.reset();
+      }
+      AMOE_CHECK_ARG(false, err);
+    }
+    peers_[r] = std::move(peer);
+  }
+  if (plane_) {
+    for (int r = 0; r < num_runtimes_; ++r) {
+      if (r == rank_) continue;
+      send_lanes_[r] = std::make_unique<Lane>(this);
+      recv_lanes_[r] = std::make_unique<Lane>(this);
+    }
+  }
+  {
+    // Held while connected_ flips, so a send() racing with connect() either queues before the flush
+    // below or sends after it: per-peer order holds.
+    std::lock_guard<std::mutex> out_lock(out_mu_);
+    for (int r = 0; r < num_runtimes_; ++r) {
+      if (r == rank_) continue;
+      Outgoing hello;
+      hello.dest = r;
+      hello.th.kind = kHelloTransfer;
+      hello.th.src = rank_;
+      hello.frame0.assign(sizeof(TransferHeader), '\0');
+      hello.queued = Clock::now();
+      send_or_park(*peers_[r], std::move(hello));
+    }
+    for (auto& out : out_) send_or_park(*peers_[out.dest], std::move(out));
+    out_.clear();
+    connected_.store(true);
+  }
+  // Starting the thread is a full barrier: the PULL socket made by the constructor now belongs to it.
+  io_ = std::thread([this] { io_loop(); });
+}
+
+void ZmqCommunicator::close() {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // a second close() waits for the first, then no-ops
+  if (closing_.load()) return;
+  closing_.store(true);  // send() refuses from here on
+  {
+    std::lock_guard<std::mutex> out_lock(out_mu_);                                          // see connect()
+    send_dropped_.fetch_add(static_cast<int64_t>(out_.size()), std::memory_order_relaxed);  // never connected
+    out_.clear();
+  }
+  if (connected_.load()) {
+    for (int r = 0; r < num_runtimes_; ++r) {
+      if (r == rank_) continue;
+      Outgoing bye;  // after every message sent before: the peer's mutex orders them
+      bye.dest = r;
+      bye.th.kind = kByeTransfer;
+      bye.th.src = rank_;
+      bye.frame0.assign(sizeof(TransferHeader), '\0');
+      bye.queued = Clock::now();
+      send_or_park(*peers_[r], std::move(bye));
+    }
+  }
+  wake_io();
+  if (io_.joinable()) {
+    io_.join();  // the I/O thread sends what is queued, then closes its sockets
+  } else {
+    zmq_socket_monitor(pull_, nullptr, 0);
+    zmq_close(monitor_);
+    zmq_close(pull_);
+  }
+  pull_ = monitor_ = nullptr;
+  for (auto* lanes : {&send_lanes_, &recv_lanes_}) {
+    for (auto& l : *lanes) {
+      if (l) l->abort_all();
+    }
+    for (auto& l : *lanes) l.reset();  // joins
+  }
+  if (recv_pool_) recv_pool_->close();  // tensors still out free their blocks when they go
+  zmq_ctx_term(ctx_);                   // waits up to the linger period for queued goodbyes
+  ctx_ = nullptr;
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+  if (!ipc_path_.empty()) ::unlink(ipc_path_.c_str());
+  interrupt();
+}
+
+void ZmqCommunicator::send(int dest, Message msg) {
+  AMOE_CHECK_ARG(dest >= 0 && dest < num_runtimes_, "destination " << dest << " is not a runtime");
+  AMOE_CHECK_ARG(!closing_.load(), "communicator is closed");
+  const int64_t n = static_cast<int64_t>(msg.rows.size());
+  AMOE_CHECK_ARG(msg.data.defined() && (msg.data.dim() == 1 || msg.data.dim() == 2) && msg.data.size(0) == n,
+                 "message data must be [" << n << "] or [" << n << ", hidden]");
+  size_t itemsize = 0;
+  AMOE_CHECK_ARG(item_size(static_cast<int32_t>(msg.data.scalar_type()), &itemsize),
+                 "message dtype " << msg.data.scalar_type() << " cannot cross a socket");
+  msg.header.src_runtime = rank_;
+  msg.header.num_rows = n;
+  msg.header.dtype = static_cast<int32_t>(msg.data.scalar_type());
+  msg.header.hidden = msg.data.dim() == 2 ? msg.data.size(1) : 0;
+  if (dest == rank_) {
+    messages_local_.fetch_add(1, std::memory_order_relaxed);
+    deliver(std::move(msg));
+    return;
+  }
+  Outgoing out;
+  out.dest = dest;
+  out.th.kind = plane_ ? kTwoPhaseTransfer : kInlineTransfer;
+  out.th.src = rank_;
+  out.data = (plane_ ? msg.data.to(plane_->device()) : msg.data.cpu()).contiguous();
+  out.th.nbytes = static_cast<uint64_t>(out.data.numel()) * itemsize;
+  out.frame0.resize(kMetaBytes + n * sizeof(RowMeta));
+  std::memcpy(&out.frame0[sizeof(TransferHeader)], &msg.header, sizeof(MessageHeader));
+  if (n > 0) std::memcpy(&out.frame0[kMetaBytes], msg.rows.data(), n * sizeof(RowMeta));
+  out.queued = Clock::now();
+  if (!connected_.load()) {
+    std::lock_guard<std::mutex> lock(out_mu_);  // see connect()
+    if (!connected_.load()) return out_.push_back(std::move(out));
+  }
+  send_or_park(*peers_[dest], std::move(out));
+}
+
+void ZmqCommunicator::send_or_park(Peer& peer, Outgoing&& out) {
+  std::lock_guard<std::mutex> lock(peer.mu);  // see Peer::mu
+  if (peer.closed) {
+    send_dropped_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (peer.backlog.empty() && try_send(peer, out)) return;
+  // Never dropped silently: it waits, counted, until the queue has room or timeout_s passes.
+  send_blocked_.fetch_add(1, std::memory_order_relaxed);
+  backlog_.fetch_add(1, std::memory_order_relaxed);
+  peer.backlog.push_back(std::move(out));
+  wake_io();  // so the I/O thread polls on its short tick and retries
+}
+
+size_t ZmqCommunicator::recv(std::vector<Message>* out, std::chrono::microseconds timeout) {
+  // The lock pairs with deliver(); the wait drops it so the I/O and lane threads never block on recv().
+  std::unique_lock<std::mutex> lock(inbox_mu_);
+  if (inbox_.empty() && !interrupted_) {
+    inbox_cv_.wait_for(lock, timeout, [&] { return !inbox_.empty() || interrupted_; });
+  }
+  interrupted_ = false;
+  const size_t n = inbox_.size();
+  for (auto& m : inbox_) out->push_back(std::move(m));
+  inbox_.clear();
+  return n;
+}
+
+void ZmqCommunicator::interrupt() {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);  // a receiver between its check and its wait sees the flag
+    interrupted_ = true;
+  }
+  inbox_cv_.notify_all();
+}
+
+void ZmqCommunicator::deliver(Message msg) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);  // see recv()
+    inbox_.push_back(std::move(msg));
+  }
+  inbox_cv_.notify_one();
+}
+
+void ZmqCommunicator::wake_io() {
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));  // EAGAIN: a wake-up is already pending
+}
+
+// ---- outbound: one ZeroMQ send attempt, and the I/O thread's retries of parked sends ----
+
+void ZmqCommunicator::retry_backlogs() {
+  if (backlog_.load(std::memory_order_relaxed) == 0) return;
+  for (auto& p : peers_) {
+    if (!p) continue;
+    std::lock_guard<std::mutex> lock(p->mu);  // see Peer::mu
+    while (!p->backlog.empty() && try_send(*p, p->backlog.front())) {
+      p->backlog.pop_front();
+      backlog_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+}
+
+bool ZmqCommunicator::try_send(Peer& peer, Outgoing& out) {
+  const bool is_message = out.th.kind == kInlineTransfer || out.th.kind == kTwoPhaseTransfer;
+  if (!out.numbered && is_message) {
+    out.th.seq = peer.next_seq++;
+    out.th.tag = static_cast<uint32_t>(out.th.seq & 0x7fffffffu);
+    out.numbered = true;
+  }
+  std::memcpy(&out.frame0[0], &out.th, sizeof(TransferHeader));
+  const bool has_payload_frame = out.th.kind == kInlineTransfer;
+  zmq_msg_t m0;
+  zmq_msg_init_size(&m0, out.frame0.size());
+  std::memcpy(zmq_msg_data(&m0), out.frame0.data(), out.frame0.size());
+  if (zmq_msg_send(&m0, peer.sock, ZMQ_DONTWAIT | (has_payload_frame ? ZMQ_SNDMORE : 0)) < 0) {
+    zmq_msg_close(&m0);
+    if (zmq_errno() == EAGAIN) return false;
+    send_dropped_.fetch_add(1, std::memory_order_relaxed);
+    fail_peer(out.dest, zmq_error("send failed"));
+    return true;
+  }
+  if (has_payload_frame) {
+    zmq_msg_t m1;
+    const size_t nbytes = out.th.nbytes;
+    if (nbytes >= kZeroCopyMin) {
+      // Zero copy: ZeroMQ reads the tensor's memory and drops this reference when it is done with it.
+      auto* hold = new at::Tensor(out.data);
+      zmq_msg_init_data(&m1, hold->data_ptr(), nbytes, &release_tensor, hold);
+    } else {
+      zmq_msg_init_size(&m1, nbytes);
+      if (nbytes > 0) std::memcpy(zmq_msg_data(&m1), out.data.data_ptr(), nbytes);
+    }
+    // The first frame got in, so the rest of a multipart message is accepted without waiting.
+    if (zmq_msg_send(&m1, peer.sock, 0) < 0) zmq_msg_close(&m1);
+  }
+  if (!is_message) return true;
+  messages_out_.fetch_add(1, std::memory_order_relaxed);
+  bytes_out_.fetch_add(static_cast<int64_t>(out.th.nbytes), std::memory_order_relaxed);
+  if (out.th.kind == kTwoPhaseTransfer && out.th.nbytes > 0) {
+    // Posted after the metadata: a receiver that must match the send (NCCL) learns about it first.
+    auto p = std::make_shared<Pending>();
+    p->peer = out.dest;
+    p->nbytes = out.th.nbytes;
+    p->deadline = Clock::now() + timeout_;
+    try {
+      p->transfer = plane_->send(out.data, out.dest, out.th.tag);
+    } catch (const std::exception& e) {
+      transfer_errors_.fetch_add(1, std::memory_order_relaxed);
+      fail_peer(out.dest, std::string("posting a send failed: ") + e.what());
+      return true;
+    }
+    in_flight_send_.fetch_add(1, std::memory_order_relaxed);
+    send_lanes_[out.dest]->push(std::move(p));
+  }
+  return true;
+}
+
+// ---- errors and statistics (any thread) ----
+
+void ZmqCommunicator::fail_peer(int peer, const std::string& why) {
+  bool is_new;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);  // stats() reads the failed set on another thread
+    is_new = failed_.emplace(peer, why).second;
+    last_error_ = "runtime " + std::to_string(peer) + ": " + why;
+  }
+  if (is_new) {
+    std::fprintf(stderr, "[amoe.comm] runtime %d marks runtime %d failed: %s\n", rank_, peer, why.c_str());
+  }
+}
+
+std::vector<int> ZmqCommunicator::failed_peers() const {
+  std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()
+  std::vector<int> out;
+  for (const auto& [peer, why] : failed_) out.push_back(peer);
+  return out;
+}
+
+CommStats ZmqCommunicator::stats() const {
+  CommStats s;
+  s.plane = plane_name();
+  const auto r = std::memory_order_relaxed;
+  s.messages_in = messages_in_.load(r);
+  s.messages_out = messages_out_.load(r);
+  s.bytes_in = bytes_in_.load(r);
+  s.bytes_out = bytes_out_.load(r);
+  s.messages_local = messages_local_.load(r);
+  for (int k = 0; k < kNumDropKinds; ++k) s.dropped[k] = dropped_[k].load(r);
+  s.timeouts = timeouts_.load(r);
+  s.transfer_errors = transfer_errors_.load(r);
+  s.send_blocked = send_blocked_.load(r);
+  s.send_dropped = send_dropped_.load(r);
+  s.backlog = backlog_.load(r);
+  s.in_flight_send = in_flight_send_.load(r);
+  s.in_flight_recv = in_flight_recv_.load(r);
+  std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()
+  for (const auto& [peer, why] : failed_) s.failed_peers.push_back(peer);
+  s.departed_peers = departed_;
+  s.last_error = last_error_;
+  return s;
+}
+
+}  // namespace amoe

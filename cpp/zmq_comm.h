@@ -1,0 +1,176 @@
+// The communicator between runtime processes (paper §3.5): phase 1 puts the message's metadata on the
+// receiver's ZeroMQ socket; phase 2 moves the tensor, either as an extra ZeroMQ frame (the `inline` plane)
+// or over a tensor plane (a gloo / NCCL process group, `TensorPlane`). See docs/communicator.md.
+//
+// A peer whose connection drops without a goodbye (its process died) is marked failed, as is one whose
+// transfer times out or fails; failed_peers() is what the cluster manager polls.
+//
+// Threads: send() puts a message on the peer's PUSH socket on the caller's thread (ZMQ_DONTWAIT; a full
+// queue parks it in the peer's backlog, which the I/O thread retries), each PUSH socket guarded by its
+// peer's mutex (a ZeroMQ socket may change threads behind a full barrier). One I/O thread owns the bound
+// PULL socket: it validates arrivals, fills the inbox recv() drains, posts the receives of two-phase
+// transfers and enforces timeouts. Two-phase transfers are completed by one waiter thread per peer and
+// direction (the process-group API offers only a blocking wait), so neither the senders nor the I/O
+// thread block and many transfers stay in flight; a received message enters the inbox only once its
+// tensor is complete.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm.h"
+#include "meta.h"
+
+namespace amoe {
+
+// Moves two-phase payloads point to point. send()/recv() return at once; Transfer::wait() blocks.
+class TensorPlane {
+ public:
+  class Transfer {
+   public:
+    virtual ~Transfer() = default;
+    // Blocks until the transfer is done: true on success, false if aborted; throws on a transport error.
+    virtual bool wait() = 0;
+    // Makes a current or later wait() return false; callable from any thread.
+    virtual void abort() = 0;
+  };
+  virtual ~TensorPlane() = default;
+  virtual std::string name() const = 0;
+  // Where receive buffers are allocated.
+  virtual at::Device device() const = 0;
+  virtual std::unique_ptr<Transfer> send(const at::Tensor& data, int dst, uint32_t tag) = 0;
+  virtual std::unique_ptr<Transfer> recv(const at::Tensor& buffer, int src, uint32_t tag) = 0;
+};
+
+// Why an inbound ZeroMQ message was dropped.
+enum DropKind : int { kGarbage = 0, kTruncated, kVersion, kInconsistent, kNumDropKinds };
+constexpr std::array<const char*, kNumDropKinds> kDropNames = {"garbage", "truncated", "version",
+                                                               "inconsistent"};
+
+struct CommStats {
+  std::string plane;
+  int64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;  // remote traffic only
+  int64_t messages_local = 0;                                              // sent to itself
+  std::array<int64_t, kNumDropKinds> dropped{};
+  int64_t timeouts = 0;         // transfers not done within timeout_s (the peer is marked failed)
+  int64_t transfer_errors = 0;  // transfers the tensor plane failed (the peer is marked failed)
+  int64_t send_blocked = 0;     // sends that met a full ZeroMQ queue and waited in the backlog
+  int64_t send_dropped = 0;     // backlogged sends given up after timeout_s (the peer is marked failed)
+  int64_t backlog = 0;          // sends waiting for room in a full ZeroMQ queue
+  int64_t in_flight_send = 0, in_flight_recv = 0;  // two-phase transfers posted, not yet done
+  std::vector<int> failed_peers;
+  std::vector<int> departed_peers;  // peers that said goodbye (closed in order)
+  std::string last_error;
+};
+
+class ZmqCommunicator : public Communicator {
+ public:
+  // Binds the inbound socket at once ("ipc" = a unique ipc:// path, or "tcp://host:port", port 0 = any) so
+  // endpoint() is known; starts no thread. plane == nullptr selects the inline plane.
+  ZmqCommunicator(int rank, int num_runtimes, const std::string& bind, std::shared_ptr<TensorPlane> plane,
+                  double timeout_s);
+  ~ZmqCommunicator() override;
+  ZmqCommunicator(const ZmqCommunicator&) = delete;
+  ZmqCommunicator& operator=(const ZmqCommunicator&) = delete;
+
+  const std::string& endpoint() const { return endpoint_; }
+  int num_runtimes() const { return num_runtimes_; }
+  std::string plane_name() const;
+  // Connects to every peer (endpoints[r] for runtime r, its own included) and starts the I/O thread.
+  void connect(const std::vector<std::string>& endpoints);
+  // Says goodbye to peers, stops every thread, closes the sockets; idempotent. Pending transfers are aborted.
+  void close();
+  bool closed() const { return closing_.load(); }
+
+  int rank() const override { return rank_; }
+  void send(int dest, Message msg) override;
+  size_t recv(std::vector<Message>* out, std::chrono::microseconds timeout) override;
+  void interrupt() override;
+
+  CommStats stats() const;
+  std::vector<int> failed_peers() const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Outgoing;
+  struct Peer;
+  struct Pending;
+  class Lane;
+  class BufferPool;
+
+  void io_loop();
+  void send_or_park(Peer& peer, Outgoing&& out);
+  void retry_backlogs();
+  bool try_send(Peer& peer, Outgoing& out);
+  void drain_inbound();
+  void drain_monitor();
+  void handle_inbound(std::vector<void*>& frames, size_t num_frames);
+  void deliver(Message msg);
+  void post_recv(const TransferHeader& th, Message msg);
+  void check_deadlines();
+  void finish(const std::shared_ptr<Pending>& p, bool ok, const std::string& error);
+  void drop(DropKind kind, const std::string& why);
+  void fail_peer(int peer, const std::string& why);
+  void wake_io();
+
+  const int rank_;
+  const int num_runtimes_;
+  const std::shared_ptr<TensorPlane> plane_;  // nullptr: inline
+  const std::chrono::microseconds timeout_;
+  std::string endpoint_;
+  std::string ipc_path_;  // unlinked on close
+
+  void* ctx_ = nullptr;
+  void* pull_ = nullptr;        // inbound; owned by the I/O thread once connect() starts it
+  void* monitor_ = nullptr;     // pull_'s disconnect events; owned like pull_
+  std::map<int, int> fd_rank_;  // connection fd -> the peer that sent on it (I/O thread only)
+  std::vector<std::pair<int, Clock::time_point>> lost_;  // peers whose connection dropped, judged later
+  std::vector<std::unique_ptr<Peer>>
+      peers_;         // outbound, one per runtime (nullptr for itself); set by connect()
+  int wake_fd_ = -1;  // eventfd: send()/close() wake the I/O thread's poll
+  std::thread io_;
+  std::vector<std::unique_ptr<Lane>> send_lanes_, recv_lanes_;  // per peer; made by connect() (two-phase)
+  // Two-phase receive buffers on the CPU, kept warm (already faulted in) between messages; shared with the
+  // tensors it handed out, whose last reference gives the block back. nullptr: not a CPU tensor plane.
+  std::shared_ptr<BufferPool> recv_pool_;
+
+  std::mutex lifecycle_mu_;  // one connect/close transition at a time
+  std::atomic<bool> connected_{false}, closing_{false};
+
+  std::mutex out_mu_;  // messages sent before connect(), which sends them
+  std::deque<Outgoing> out_;
+
+  std::mutex inbox_mu_;  // the I/O thread and lane threads fill, recv() drains
+  std::condition_variable inbox_cv_;
+  std::deque<Message> inbox_;
+  bool interrupted_ = false;
+
+  // Counters are relaxed atomics: they are statistics, nothing orders against them.
+  std::atomic<int64_t> messages_in_{0}, messages_out_{0}, bytes_in_{0}, bytes_out_{0}, messages_local_{0};
+  std::array<std::atomic<int64_t>, kNumDropKinds> dropped_{};
+  std::atomic<int64_t> timeouts_{0}, transfer_errors_{0}, send_blocked_{0}, send_dropped_{0}, backlog_{0};
+  std::atomic<int64_t> in_flight_send_{0}, in_flight_recv_{0};
+  std::array<std::atomic<bool>, kNumDropKinds> drop_logged_{};
+
+  mutable std::mutex peers_mu_;  // failed / departed sets and last_error, read by stats() on any thread
+  std::map<int, std::string> failed_;
+  std::vector<int> departed_;
+  std::string last_error_;
+  bool failure_logged_ = false;
+
+  std::mutex graveyard_mu_;  // aborted transfers whose buffers the plane may still touch; freed on close
+  std::vector<std::shared_ptr<Pending>> graveyard_;
+};
+
+}  // namespace amoe

@@ -1,0 +1,106 @@
+// Python bindings of the ZeroMQ communicator. Blocking calls release the GIL.
+#include <Python.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "errors.h"
+#include "plane_c10d.h"
+#include "zmq_comm.h"
+
+namespace amoe {
+
+namespace py = pybind11;
+
+namespace {
+
+// Joining the I/O and lane threads may free tensors Python also referenced, which takes the GIL.
+void delete_comm(ZmqCommunicator* c) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    delete c;
+  } else {
+    delete c;
+  }
+}
+
+std::shared_ptr<TensorPlane> make_plane(const std::string& plane, int rank, int num_runtimes,
+                                        const py::object& process_group) {
+  if (plane == "inline") {
+    AMOE_CHECK_ARG(process_group.is_none(), "the inline plane takes no process_group");
+    return nullptr;
+  }
+  AMOE_CHECK_ARG(plane == "gloo" || plane == "nccl",
+                 "plane must be \"inline\", \"gloo\" or \"nccl\", got \"" << plane << "\"");
+  AMOE_CHECK_ARG(!process_group.is_none(), "the " << plane << " plane needs a process_group");
+  auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  AMOE_CHECK_ARG(pg->getRank() == rank && pg->getSize() == num_runtimes,
+                 "process group rank/size " << pg->getRank() << "/" << pg->getSize() << " differ from "
+                                            << rank << "/" << num_runtimes);
+  at::Device device(at::kCPU);
+  if (plane == "nccl") {
+    // Read on the constructing (Python) thread: the I/O thread's current device is always 0.
+    auto index = py::module_::import("torch").attr("cuda").attr("current_device")().cast<int>();
+    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  return make_process_group_plane(plane, std::move(pg), device);
+}
+
+py::dict stats_dict(const CommStats& s) {
+  py::dict dropped;
+  for (int k = 0; k < kNumDropKinds; ++k) dropped[kDropNames[k]] = s.dropped[k];
+  py::dict d;
+  d["plane"] = s.plane;
+  d["messages_in"] = s.messages_in;
+  d["messages_out"] = s.messages_out;
+  d["bytes_in"] = s.bytes_in;
+  d["bytes_out"] = s.bytes_out;
+  d["messages_local"] = s.messages_local;
+  d["dropped"] = dropped;
+  d["timeouts"] = s.timeouts;
+  d["transfer_errors"] = s.transfer_errors;
+  d["send_blocked"] = s.send_blocked;
+  d["send_dropped"] = s.send_dropped;
+  d["backlog"] = s.backlog;
+  d["in_flight_send"] = s.in_flight_send;
+  d["in_flight_recv"] = s.in_flight_recv;
+  d["failed_peers"] = s.failed_peers;
+  d["departed_peers"] = s.departed_peers;
+  d["last_error"] = s.last_error;
+  return d;
+}
+
+}  // namespace
+
+void register_comm(py::module_& m) {
+  py::class_<ZmqCommunicator, Communicator, std::shared_ptr<ZmqCommunicator>>(
+      m, "ZmqCommunicator", "A runtime's endpoint between processes: ZeroMQ metadata + a tensor plane.")
+      .def(py::init([](int rank, int num_runtimes, const std::string& bind, const std::string& plane,
+                       const py::object& process_group, double timeout_s) {
+             auto tp = make_plane(plane, rank, num_runtimes, process_group);
+             return std::shared_ptr<ZmqCommunicator>(
+                 new ZmqCommunicator(rank, num_runtimes, bind, std::move(tp), timeout_s), &delete_comm);
+           }),
+           py::arg("rank"), py::arg("num_runtimes"), py::arg("bind") = "ipc", py::arg("plane") = "inline",
+           py::arg("process_group") = py::none(), py::arg("timeout_s") = 10.0)
+      .def_property_readonly("endpoint", &ZmqCommunicator::endpoint, "The address really bound.")
+      .def_property_readonly("plane", &ZmqCommunicator::plane_name)
+      .def_property_readonly("num_runtimes", &ZmqCommunicator::num_runtimes)
+      .def_property_readonly("closed", &ZmqCommunicator::closed)
+      .def("connect", &ZmqCommunicator::connect, py::arg("endpoints"),
+           "Connects to endpoints[r] for every runtime r and starts the I/O thread.")
+      .def("close", &ZmqCommunicator::close,
+           py::call_guard<py::gil_scoped_release>(),  // joins threads that may need the GIL
+           "Says goodbye to peers, stops the threads, closes the sockets; idempotent.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def(
+          "__exit__", [](ZmqCommunicator& c, py::args) { c.close(); },
+          py::call_guard<py::gil_scoped_release>())  // joins threads that may need the GIL
+      .def("failed_peers", &ZmqCommunicator::failed_peers,
+           "Runtimes whose transfer timed out or failed (for the cluster manager).")
+      .def(
+          "stats", [](const ZmqCommunicator& c) { return stats_dict(c.stats()); },
+          "A snapshot: messages/bytes in and out, drops by kind, timeouts, failed peers, in-flight "
+          "transfers.");
+}
+
+}  // namespace amoe

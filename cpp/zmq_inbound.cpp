@@ -1,0 +1,462 @@
+// ZmqCommunicator's inbound half: the I/O thread (arrivals, validation and drop counting, posting two-phase
+// receives, transfer and backlog deadlines, the disconnect monitor) and the lane threads that complete
+// two-phase transfers. Construction, connect/close, sends and statistics are in zmq_comm.cpp.
+#include <c10/core/impl/alloc_cpu.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "zmq_comm_internal.h"
+
+namespace amoe {
+
+using zmq_internal::item_size;
+using zmq_internal::kMetaBytes;
+using zmq_internal::kZeroCopyMin;
+
+namespace {
+
+constexpr uint64_t kMaxTransferBytes = 1ull << 36;  // a larger claim is malformed, not a real batch
+constexpr int kBurst = 256;                         // inbound messages per I/O turn, so sends keep going
+constexpr int kBusyTickMs = 5;                      // poll period while transfers or a backlog wait
+constexpr int kIdleTickMs = 200;
+
+std::vector<int64_t> shape_of(const MessageHeader& h) {
+  return h.hidden > 0 ? std::vector<int64_t>{h.num_rows, h.hidden} : std::vector<int64_t>{h.num_rows};
+}
+
+}  // namespace
+
+// ---- the I/O thread ----
+
+void ZmqCommunicator::io_loop() {
+  std::vector<zmq_pollitem_t> items;
+  while (true) {
+    const bool stopping = closing_.load();
+    retry_backlogs();
+    drain_inbound();
+    drain_monitor();
+    check_deadlines();
+    if (stopping) break;
+    items.clear();
+    items.push_back(zmq_pollitem_t{pull_, 0, ZMQ_POLLIN, 0});
+    items.push_back(zmq_pollitem_t{nullptr, wake_fd_, ZMQ_POLLIN, 0});
+    items.push_back(zmq_pollitem_t{monitor_, 0, ZMQ_POLLIN, 0});
+    const bool busy = backlog_.load(std::memory_order_relaxed) > 0 ||
+                      in_flight_send_.load(std::memory_order_relaxed) > 0 ||
+                      in_flight_recv_.load(std::memory_order_relaxed) > 0;
+    zmq_poll(items.data(), static_cast<int>(items.size()), busy ? kBusyTickMs : kIdleTickMs);
+    if (items[1].revents & ZMQ_POLLIN) {
+      uint64_t v;
+      (void)!::read(wake_fd_, &v, sizeof(v));
+    }
+  }
+  for (auto& p : peers_) {
+    if (!p) continue;
+    std::lock_guard<std::mutex> lock(p->mu);  // see Peer::mu
+    backlog_.fetch_sub(static_cast<int64_t>(p->backlog.size()), std::memory_order_relaxed);
+    send_dropped_.fetch_add(static_cast<int64_t>(p->backlog.size()), std::memory_order_relaxed);
+    p->backlog.clear();
+    p->closed = true;
+    zmq_close(p->sock);
+  }
+  zmq_socket_monitor(pull_, nullptr, 0);
+  zmq_close(monitor_);
+  zmq_close(pull_);
+}
+
+void ZmqCommunicator::drain_monitor() {
+  while (true) {
+    zmq_msg_t event;
+    zmq_msg_init(&event);
+    if (zmq_msg_recv(&event, monitor_, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&event);
+      return;
+    }
+    uint16_t id = 0;
+    uint32_t fd = 0;
+    if (zmq_msg_size(&event) >= 6) {
+      std::memcpy(&id, zmq_msg_data(&event), 2);
+      std::memcpy(&fd, static_cast<const char*>(zmq_msg_data(&event)) + 2, 4);
+    }
+    bool more = zmq_msg_more(&event);
+    zmq_msg_close(&event);
+    while (more) {  // the rest is the endpoint
+      zmq_msg_t part;
+      zmq_msg_init(&part);
+      if (zmq_msg_recv(&part, monitor_, 0) < 0) break;
+      more = zmq_msg_more(&part);
+      zmq_msg_close(&part);
+    }
+    auto it = fd_rank_.find(static_cast<int>(fd));
+    if (id != ZMQ_EVENT_DISCONNECTED || it == fd_rank_.end()) continue;
+    // Judged a moment later: a goodbye sent just before the connection closed may still be on its way.
+    lost_.emplace_back(it->second, Clock::now() + std::chrono::milliseconds(kIdleTickMs));
+    fd_rank_.erase(it);
+  }
+}
+
+// ---- arrivals: validated, then delivered (inline) or their receive posted (two-phase); else dropped ----
+
+void ZmqCommunicator::drop(DropKind kind, const std::string& why) {
+  dropped_[kind].fetch_add(1, std::memory_order_relaxed);
+  if (!drop_logged_[kind].exchange(true)) {
+    std::fprintf(stderr, "[amoe.comm] runtime %d dropped a %s message: %s (logged once per kind)\n", rank_,
+                 kDropNames[kind], why.c_str());
+  }
+}
+
+void ZmqCommunicator::drain_inbound() {
+  std::vector<void*> frames;  // zmq_msg_t*, closed by handle_inbound unless it keeps them
+  for (int i = 0; i < kBurst; ++i) {
+    auto* first = new zmq_msg_t;
+    zmq_msg_init(first);
+    if (zmq_msg_recv(first, pull_, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(first);
+      delete first;
+      return;
+    }
+    frames.assign(1, first);
+    bool more = zmq_msg_more(first);
+    while (more) {  // ZeroMQ delivers the whole multipart message at once
+      auto* part = new zmq_msg_t;
+      zmq_msg_init(part);
+      if (zmq_msg_recv(part, pull_, 0) < 0) {
+        zmq_msg_close(part);
+        delete part;
+        break;
+      }
+      more = zmq_msg_more(part);
+      frames.push_back(part);
+    }
+    const size_t n = frames.size();
+    handle_inbound(frames, n);
+    for (void* f : frames) {
+      if (!f) continue;
+      zmq_msg_close(static_cast<zmq_msg_t*>(f));
+      delete static_cast<zmq_msg_t*>(f);
+    }
+  }
+}
+
+void ZmqCommunicator::handle_inbound(std::vector<void*>& frames, size_t num_frames) {
+  auto* m0 = static_cast<zmq_msg_t*>(frames[0]);
+  const auto* f0 = static_cast<const char*>(zmq_msg_data(m0));
+  const size_t len0 = zmq_msg_size(m0);
+  if (len0 < sizeof(TransferHeader)) {
+    const bool prefix = len0 > 0 && std::memcmp(f0, &kTransferMagic, std::min<size_t>(len0, 4)) == 0;
+    return drop(prefix ? kTruncated : kGarbage, "a frame shorter than the transfer header");
+  }
+  TransferHeader th;
+  std::memcpy(&th, f0, sizeof(th));
+  if (th.magic != kTransferMagic) return drop(kGarbage, "bad transfer magic");
+  if (th.version != kTransferVersion)
+    return drop(kVersion, "transfer protocol version " + std::to_string(th.version));
+  if (th.src < 0 || th.src >= num_runtimes_ || th.src == rank_)
+    return drop(kInconsistent, "sender rank " + std::to_string(th.src) + " is not a peer");
+  const int fd = zmq_msg_get(m0, ZMQ_SRCFD);
+  if (fd >= 0) fd_rank_[fd] = th.src;
+  if (th.kind == kHelloTransfer || th.kind == kByeTransfer) {
+    if (len0 != sizeof(th) || num_frames != 1) return drop(kInconsistent, "a hello/bye with a body");
+    std::lock_guard<std::mutex> lock(peers_mu_);  // stats() reads the departed set
+    auto it = std::find(departed_.begin(), departed_.end(), th.src);
+    if (th.kind == kByeTransfer && it == departed_.end()) departed_.push_back(th.src);
+    if (th.kind == kHelloTransfer && it != departed_.end()) departed_.erase(it);
+    return;
+  }
+  if (th.kind != kInlineTransfer && th.kind != kTwoPhaseTransfer)
+    return drop(kInconsistent, "unknown transfer kind " + std::to_string(th.kind));
+  if (len0 < kMetaBytes) {
+    const bool prefix =
+        std::memcmp(f0 + sizeof(th), &kMessageMagic, std::min<size_t>(len0 - sizeof(th), 4)) == 0;
+    return drop(prefix ? kTruncated : kGarbage, "a frame shorter than the message header");
+  }
+  MessageHeader h;
+  std::memcpy(&h, f0 + sizeof(th), sizeof(h));
+  if (h.magic != kMessageMagic) return drop(kGarbage, "bad message magic");
+  if (h.version != kMessageVersion || h.row_size != sizeof(RowMeta))
+    return drop(kVersion, "message layout version " + std::to_string(h.version) + ", row size " +
+                              std::to_string(h.row_size));
+  if (h.num_rows < 0 || h.hidden < 0 || h.src_runtime != th.src)
+    return drop(kInconsistent, "negative sizes or a sender mismatch");
+  const uint64_t rows = static_cast<uint64_t>(h.num_rows);
+  const size_t row_bytes = len0 - kMetaBytes;
+  if (rows > row_bytes / sizeof(RowMeta)) return drop(kTruncated, "fewer row records than num_rows");
+  if (row_bytes != rows * sizeof(RowMeta)) return drop(kInconsistent, "more row records than num_rows");
+  size_t itemsize = 0;
+  if (!item_size(h.dtype, &itemsize)) return drop(kInconsistent, "unknown dtype " + std::to_string(h.dtype));
+  uint64_t expected = 0;
+  if (__builtin_mul_overflow(rows, static_cast<uint64_t>(std::max<int64_t>(h.hidden, 1)), &expected) ||
+      __builtin_mul_overflow(expected, static_cast<uint64_t>(itemsize), &expected) ||
+      expected > kMaxTransferBytes)
+    return drop(kInconsistent, "an impossible payload size");
+  if (th.nbytes != expected) return drop(kInconsistent, "byte length disagrees with dtype and shape");
+
+  Message msg;
+  msg.header = h;
+  msg.rows.resize(rows);
+  if (rows > 0) std::memcpy(msg.rows.data(), f0 + kMetaBytes, rows * sizeof(RowMeta));
+  const auto dtype = static_cast<at::ScalarType>(h.dtype);
+  if (th.kind == kTwoPhaseTransfer) {
+    if (num_frames != 1) return drop(kInconsistent, "a two-phase transfer with extra frames");
+    if (!plane_) return drop(kInconsistent, "a two-phase transfer on an inline communicator");
+    return post_recv(th, std::move(msg));
+  }
+  if (num_frames < 2) return drop(kTruncated, "an inline transfer without its payload frame");
+  if (num_frames > 2) return drop(kInconsistent, "an inline transfer with extra frames");
+  auto* m1 = static_cast<zmq_msg_t*>(frames[1]);
+  const size_t len1 = zmq_msg_size(m1);
+  if (len1 != expected)
+    return drop(len1 < expected ? kTruncated : kInconsistent, "payload bytes disagree with the header");
+  void* payload = zmq_msg_data(m1);
+  // libzmq puts a large payload 8 bytes past a malloc boundary: aligned for every dtype we carry (<= 8
+  // bytes).
+  if (len1 >= kZeroCopyMin && reinterpret_cast<uintptr_t>(payload) % 8 == 0) {
+    // Zero copy: the tensor owns the ZeroMQ message and closes it when the last reference goes.
+    frames[1] = nullptr;
+    msg.data = at::from_blob(
+        payload, shape_of(h),
+        [m1](void*) {
+          zmq_msg_close(m1);
+          delete m1;
+        },
+        at::TensorOptions().dtype(dtype));
+  } else {
+    msg.data = at::empty(shape_of(h), at::TensorOptions().dtype(dtype));
+    if (len1 > 0) std::memcpy(msg.data.data_ptr(), payload, len1);
+  }
+  messages_in_.fetch_add(1, std::memory_order_relaxed);
+  bytes_in_.fetch_add(static_cast<int64_t>(len1), std::memory_order_relaxed);
+  deliver(std::move(msg));
+}
+
+void ZmqCommunicator::post_recv(const TransferHeader& th, Message msg) {
+  const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(msg.header.dtype));
+  if (th.nbytes == 0) {
+    msg.data = at::empty(shape_of(msg.header), options);
+    messages_in_.fetch_add(1, std::memory_order_relaxed);
+    return deliver(std::move(msg));
+  }
+  auto p = std::make_shared<Pending>();
+  p->is_recv = true;
+  p->peer = th.src;
+  p->nbytes = th.nbytes;
+  p->deadline = Clock::now() + timeout_;
+  try {
+    msg.data = recv_pool_ ? recv_pool_->empty(shape_of(msg.header), options.dtype().toScalarType())
+                          : at::empty(shape_of(msg.header), options.device(plane_->device()));
+  } catch (const std::exception&) {
+    return drop(kInconsistent, "no memory for the announced payload");
+  }
+  try {
+    p->transfer = plane_->recv(msg.data, th.src, th.tag);
+  } catch (const std::exception& e) {
+    transfer_errors_.fetch_add(1, std::memory_order_relaxed);
+    return fail_peer(th.src, std::string("posting a receive failed: ") + e.what());
+  }
+  p->msg = std::move(msg);
+  in_flight_recv_.fetch_add(1, std::memory_order_relaxed);
+  recv_lanes_[th.src]->push(std::move(p));
+}
+
+void ZmqCommunicator::check_deadlines() {
+  const auto now = Clock::now();
+  for (auto* lanes : {&send_lanes_, &recv_lanes_}) {
+    for (auto& l : *lanes) {
+      if (l) l->expire(now);
+    }
+  }
+  for (size_t i = 0; i < lost_.size();) {
+    if (now < lost_[i].second) {
+      ++i;
+      continue;
+    }
+    const int peer = lost_[i].first;
+    lost_.erase(lost_.begin() + i);
+    bool departed;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()
+      departed = std::find(departed_.begin(), departed_.end(), peer) != departed_.end();
+    }
+    if (!departed) fail_peer(peer, "its connection closed without a goodbye");
+  }
+  if (backlog_.load(std::memory_order_relaxed) == 0) return;
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    Peer* p = peers_[r].get();
+    if (!p) continue;
+    std::lock_guard<std::mutex> lock(p->mu);  // see Peer::mu
+    if (p->backlog.empty() || now - p->backlog.front().queued < timeout_) continue;
+    const auto n = static_cast<int64_t>(p->backlog.size());
+    p->backlog.clear();
+    backlog_.fetch_sub(n, std::memory_order_relaxed);
+    send_dropped_.fetch_add(n, std::memory_order_relaxed);
+    fail_peer(static_cast<int>(r),
+              "its queue stayed full for timeout_s; " + std::to_string(n) + " messages to it were dropped");
+  }
+}
+
+// ---- receive buffers ----
+
+ZmqCommunicator::BufferPool::~BufferPool() { close(); }
+
+at::Tensor ZmqCommunicator::BufferPool::empty(at::IntArrayRef shape, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  size_t nbytes = c10::elementSize(dtype);
+  for (const int64_t d : shape) nbytes *= static_cast<size_t>(d);
+  if (nbytes < kMinBytes) return at::empty(shape, options);
+  // Size classes a quarter of a power of two apart: at most 25 % slack, and equal shapes share blocks.
+  const size_t step = size_t{1} << (63 - __builtin_clzll(nbytes) - 2);
+  const size_t size = (nbytes + step - 1) & ~(step - 1);
+  void* block = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // see mu_
+    auto it = idle_.find(size);
+    if (it != idle_.end() && !it->second.blocks.empty()) {
+      block = it->second.blocks.back();  // the most recently used: likeliest still in a cache
+      it->second.blocks.pop_back();
+      it->second.last_used = ++clock_;
+      idle_bytes_ -= size;
+    }
+  }
+  if (!block) block = c10::alloc_cpu(size);  // throws when out of memory
+  // The tensor owns the block from here: its deleter gives it back (not a catch here, which could return it
+  // twice). The pool outlives every tensor it handed out.
+  auto self = shared_from_this();
+  return at::from_blob(block, shape, [self, size](void* p) { self->give_back(p, size); }, options);
+}
+
+void ZmqCommunicator::BufferPool::give_back(void* block, size_t size) {
+  std::vector<void*> evicted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // see mu_
+    while (!closed_ && size <= max_idle_ && idle_bytes_ + size > max_idle_) {
+      // Make room by the least recently used other class, if any holds a block.
+      SizeClass* victim = nullptr;
+      size_t victim_size = 0;
+      for (auto& [s, c] : idle_) {
+        if (s != size && !c.blocks.empty() && (!victim || c.last_used < victim->last_used)) {
+          victim = &c;
+          victim_size = s;
+        }
+      }
+      if (!victim) break;
+      evicted.push_back(victim->blocks.front());  // the coldest block of that class
+      victim->blocks.erase(victim->blocks.begin());
+      idle_bytes_ -= victim_size;
+    }
+    if (!closed_ && idle_bytes_ + size <= max_idle_) {
+      auto& c = idle_[size];
+      c.blocks.push_back(block);
+      c.last_used = ++clock_;
+      idle_bytes_ += size;
+      block = nullptr;
+    }
+  }
+  for (void* b : evicted) c10::free_cpu(b);
+  if (block) c10::free_cpu(block);
+}
+
+void ZmqCommunicator::BufferPool::close() {
+  std::map<size_t, SizeClass> idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // see mu_
+    closed_ = true;
+    idle.swap(idle_);
+    idle_bytes_ = 0;
+  }
+  for (auto& [size, c] : idle) {
+    for (void* b : c.blocks) c10::free_cpu(b);
+  }
+}
+
+// ---- lane threads ----
+ZmqCommunicator::Lane::Lane(ZmqCommunicator* owner) : owner_(owner) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+ZmqCommunicator::Lane::~Lane() {
+  abort_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ZmqCommunicator::Lane::push(std::shared_ptr<Pending> p) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // the I/O thread appends, the lane thread pops
+    q_.push_back(std::move(p));
+  }
+  cv_.notify_one();
+}
+
+void ZmqCommunicator::Lane::expire(Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);  // the lane thread pops concurrently
+  for (auto& p : q_) {
+    if (now >= p->deadline && !p->expired.exchange(true)) p->transfer->abort();
+  }
+}
+
+void ZmqCommunicator::Lane::abort_all() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // orders stop_ before the lane thread's next check
+    stop_ = true;
+    for (auto& p : q_) p->transfer->abort();
+  }
+  cv_.notify_all();
+}
+
+void ZmqCommunicator::Lane::loop() {
+  while (true) {
+    std::shared_ptr<Pending> p;
+    {
+      std::unique_lock<std::mutex> lock(mu_);  // waits for the I/O thread to post
+      cv_.wait(lock, [&] { return !q_.empty() || stop_; });
+      if (q_.empty()) return;
+      p = q_.front();  // stays queued while waited on, so expire() can abort it
+    }
+    bool ok = false;
+    std::string error;
+    try {
+      ok = p->transfer->wait();
+    } catch (const std::exception& e) {
+      error = e.what();
+      if (error.empty()) error = "tensor plane error";
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // see push()
+      q_.pop_front();
+    }
+    owner_->finish(p, ok, error);
+  }
+}
+
+void ZmqCommunicator::finish(const std::shared_ptr<Pending>& p, bool ok, const std::string& error) {
+  (p->is_recv ? in_flight_recv_ : in_flight_send_).fetch_sub(1, std::memory_order_relaxed);
+  if (ok) {
+    if (p->is_recv) {
+      messages_in_.fetch_add(1, std::memory_order_relaxed);
+      bytes_in_.fetch_add(static_cast<int64_t>(p->nbytes), std::memory_order_relaxed);
+      deliver(std::move(p->msg));
+    }
+    return;
+  }
+  {
+    // The plane may still touch an aborted transfer's buffer; keep it until the communicator goes.
+    std::lock_guard<std::mutex> lock(graveyard_mu_);
+    graveyard_.push_back(p);
+  }
+  if (closing_.load()) return;  // aborted by close()
+  const char* dir = p->is_recv ? "receive from" : "send to";
+  if (p->expired.load()) {
+    timeouts_.fetch_add(1, std::memory_order_relaxed);
+    fail_peer(p->peer, std::string("a ") + dir + " it timed out");
+  } else {
+    transfer_errors_.fetch_add(1, std::memory_order_relaxed);
+    fail_peer(p->peer, std::string("a ") + dir + " it failed: " + (error.empty() ? "aborted" : error));
+  }
+}
+
+}  // namespace amoe

@@ -1,0 +1,94 @@
+"""The synchronous baselines (`ep`, `pingpong`) on the tiny Mixtral with the real torch executors: greedy tokens
+equal the reference engine's, also for a request joining while others decode; a dead peer ends a loop with
+EngineDeadError instead of a hang."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from amoe.engine.config import EngineConfig
+from amoe.engine.local import LocalEngine
+from amoe.errors import EngineDeadError
+from amoe.runtime.sync import run_sync_loop
+from amoe.runtime.sync.inproc import SyncCluster
+from amoe.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+CONFIGS = [
+    {"mode": "ep", "num_devices": 1},
+    {"mode": "ep", "num_devices": 2},
+    {"mode": "ep", "num_devices": 3},
+    {"mode": "pingpong", "num_attn": 1, "num_expert": 2, "micro_batches": 2},
+    {"mode": "pingpong", "num_attn": 2, "num_expert": 3, "micro_batches": 2},
+    {"mode": "pingpong", "num_attn": 2, "num_expert": 2, "micro_batches": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(tiny_checkpoint):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        [1] + torch.randint(3, 1024, (n - 1,), generator=gen).tolist() for n in [1, 4, 17, 33, 9, 2, 12]
+    ]
+    engine = LocalEngine(tiny_checkpoint, EngineConfig())
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, PARAMS)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return prompts, [out[str(i)] for i in range(len(prompts))]
+
+
+def _name(cfg: dict) -> str:
+    return "-".join(str(v) for v in cfg.values())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def test_greedy_tokens_match_the_reference_with_a_late_joiner(tiny_checkpoint, prompts_and_reference, cfg):
+    prompts, reference = prompts_and_reference
+    with SyncCluster(tiny_checkpoint, timeout_s=10, **cfg) as cluster:
+        early = [cluster.submit(p, PARAMS) for p in prompts[:-1]]
+        deadline = time.monotonic() + 30
+        while len(early[0].output) < 3:  # the last request joins while the others decode
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        late = cluster.submit(prompts[-1], PARAMS)
+        assert cluster.wait([*early, late], timeout=30) == reference
+        stats = cluster.stats()
+    assert all(not t.is_alive() for t in cluster._threads)
+    assert all(s["iterations"] >= len(reference[0]) for s in stats)
+    expert_rows = sum(torch.tensor(s["expert_rows"]) for s in stats)
+    routed = sum(len(p) + PARAMS.max_tokens - 1 for p in prompts) * cluster.model_config.top_k
+    assert int(expert_rows.sum()) == routed * cluster.model_config.num_blocks  # every routed row ran once
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["ep", "pingpong"])
+def test_a_silent_peer_raises_engine_dead_instead_of_hanging(tiny_checkpoint, mode):
+    cluster = SyncCluster(tiny_checkpoint, mode=mode, num_devices=2, num_attn=1, num_expert=1, timeout_s=0.5)
+    device = cluster.devices[0]  # device 1 never runs
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"peer\(s\) \[1\]"):
+        run_sync_loop(mode, device, cluster.hub.communicator(0), threading.Event(), timeout_s=0.5)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_dying_mid_iteration_fails_generate(tiny_checkpoint, prompts_and_reference):
+    prompts, _ = prompts_and_reference
+    cluster = SyncCluster(tiny_checkpoint, mode="pingpong", num_attn=2, num_expert=2, timeout_s=0.5)
+
+    def broken(batch):
+        raise RuntimeError("expert device lost")
+
+    cluster.devices[3].experts.run = broken
+    start = time.monotonic()
+    with cluster, pytest.raises(EngineDeadError):
+        cluster.generate(prompts, PARAMS, timeout=20)
+    assert time.monotonic() - start < 10
+    assert isinstance(cluster.errors[3], RuntimeError)
+    assert all(isinstance(cluster.errors[r], EngineDeadError) for r in (0, 1, 2))  # the survivors timed out

@@ -1,0 +1,45 @@
+"""End to end with runtimes as separate processes: the tiny Mixtral on 2 attention + 3 expert runtime processes
+over the `inline` and `gloo` planes gives the reference engine's greedy tokens."""
+
+import pytest
+import torch
+
+from amoe.engine.config import EngineConfig
+from amoe.engine.local import LocalEngine
+from amoe.runtime.procs import ProcessCluster
+from amoe.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(tiny_checkpoint):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 1024, (n - 1,), generator=gen).tolist() for n in [1, 4, 17, 33, 9, 2]]
+    engine = LocalEngine(tiny_checkpoint, EngineConfig())
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, PARAMS)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return prompts, [out[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("plane", ["inline", "gloo"])
+def test_runtime_processes_give_the_reference_tokens(tiny_checkpoint, prompts_and_reference, plane):
+    prompts, reference = prompts_and_reference
+    with ProcessCluster(tiny_checkpoint, num_attn_ranks=2, num_expert_ranks=3, plane=plane) as cluster:
+        assert cluster.generate(prompts, PARAMS, timeout=60) == reference
+        assert cluster.generate(prompts[:3], PARAMS, timeout=60) == reference[:3]  # the cluster keeps serving
+    stats = cluster.final_stats
+    assert len(stats) == 5
+    for s in stats:
+        engine, comm = s["engine"], s["comm"]
+        assert engine["pool_entries"] == 0 and engine["errors"] == 0 and sum(engine["dropped"].values()) == 0
+        assert comm["plane"] == plane and sum(comm["dropped"].values()) == 0 and comm["failed_peers"] == []
+        assert comm["messages_in"] > 0 and comm["in_flight_recv"] == 0
+    assert (
+        sum(sum(s["engine"]["batches"].values()) for s in stats[2:]) > 0
+    )  # the expert processes did the MoE

@@ -1,0 +1,285 @@
+"""Emulated GPUs: cost model shape and calibration, KV capacity, routing override, time-scaled holds, executors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from amoe import core
+from amoe.emulation import cost_model as cm
+from amoe.emulation.clock import EmulatedClock
+from amoe.emulation.executor import Emulation, EmulationConfig
+from amoe.emulation.profiles import (
+    CALIBRATION_POINTS,
+    FIG3_KNEE_ROWS,
+    GPUS,
+    HOSTS,
+    MEDIUM_MEAN_CONTEXT,
+    MODELS,
+    gpu_profile,
+    host_overhead,
+    model_profile,
+)
+from amoe.emulation.routing import (
+    DEFAULT_HOTTEST_TO_MEAN,
+    DEFAULT_LAMBDA,
+    RouterOverride,
+    RoutingSpec,
+    hottest_to_mean,
+    row_keys,
+)
+from amoe.errors import ConfigError
+from amoe.runtime.loop import run_loop
+from amoe.sampling_params import SamplingParams
+
+MIXTRAL = model_profile("mixtral-8x7b-mqa", top_k=1)
+A100_40 = gpu_profile("a100-40g")
+PAPER_HOST = host_overhead("amoe-paper")
+
+
+def _router(mode: str = "skew-exp", experts: int = 8, top_k: int = 2, seed: int = 0) -> RouterOverride:
+    return RouterOverride(RoutingSpec.parse(mode), experts, top_k, num_blocks=4, seed=seed)
+
+
+# --- cost model -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("gpu", list(GPUS))
+def test_costs_grow_with_batch_and_context(model, gpu):
+    m, g = model_profile(model), gpu_profile(gpu)
+    batches = [1, 4, 16, 64, 128, 256, 1024]
+    for host in HOSTS.values():
+        expert = [cm.expert_layer_time(m, g, n, host) for n in batches]
+        attn = [cm.decode_attention_time(m, g, n, 512, host) for n in batches]
+        head = [cm.head_time(m, g, n, host=host) for n in batches]
+        by_ctx = [cm.decode_attention_time(m, g, 64, c, host) for c in (1, 128, 2048, 32768)]
+        for series in (expert, attn, head, by_ctx):
+            assert all(a <= b for a, b in zip(series, series[1:])), series
+        assert by_ctx[-1] > by_ctx[0]
+    assert cm.expert_layer_time(m, g, 0) == 0.0 and cm.decode_attention_time(m, g, 0, 10) == 0.0
+
+
+def test_prefill_chunk_costs_more_than_one_decode_row():
+    prefill = cm.attention_layer_time(MIXTRAL, A100_40, [512], [512])
+    decode = cm.attention_layer_time(MIXTRAL, A100_40, [1], [512])
+    assert prefill > decode
+
+
+def test_expert_throughput_has_figure3_shape():
+    """Figure 3: rows/s rise ~linearly with batch until ~128 rows on an A100 40GB, then flatten."""
+    knee = cm.expert_knee_rows(MIXTRAL, A100_40)
+    assert 64 <= knee <= 256
+    assert FIG3_KNEE_ROWS <= knee < 2 * FIG3_KNEE_ROWS  # read at powers of two: linear to 128, bent by 256
+
+    def rows_per_s(n):
+        return n / cm.expert_layer_time(MIXTRAL, A100_40, n)
+
+    for n in (8, 16, 32, 64):  # doubling the batch doubles throughput up to 128 rows
+        assert 1.85 <= rows_per_s(2 * n) / rows_per_s(n) <= 2.0
+    assert rows_per_s(256) / rows_per_s(128) < 1.25  # then it flattens
+    assert rows_per_s(1024) / rows_per_s(256) < 1.1
+
+
+@pytest.mark.parametrize("point", CALIBRATION_POINTS, ids=lambda p: p.name)
+def test_step_times_match_paper_section_5_4(point):
+    m, g = model_profile(point.model, point.top_k), gpu_profile(point.gpu)
+    if point.kind == "attention":
+        predicted = cm.decode_attention_time(m, g, point.rows, point.context, PAPER_HOST)
+    else:
+        predicted = cm.expert_layer_time(m, g, point.rows, PAPER_HOST)
+    assert 1 / 1.5 <= predicted / point.paper_s <= 1.5, (predicted, point.paper_s)
+
+
+def test_expert_step_within_tolerance_over_the_derived_batch_range():
+    g = gpu_profile("a100-80g")
+    for rows in (256, 420, 512):
+        assert 1 / 1.5 <= cm.expert_layer_time(MIXTRAL, g, rows, PAPER_HOST) / 0.8e-3 <= 1.5
+
+
+def test_medium_workload_mean_context():
+    assert cm.mean_decode_context((50, 150), (50, 250)) == pytest.approx(MEDIUM_MEAN_CONTEXT, abs=1)
+    assert cm.mean_decode_context((10, 10), (1, 1)) == pytest.approx(10.5)
+
+
+def test_kv_capacity_grows_with_memory_and_shrinks_with_weights():
+    weights = cm.attention_rank_weight_bytes(MIXTRAL)
+    tokens = [
+        cm.kv_capacity_tokens(gpu_profile(g), MIXTRAL, weights) for g in ("a100-40g", "a100-80g", "h200")
+    ]
+    assert tokens[0] < tokens[1] < tokens[2]
+    assert cm.kv_capacity_tokens(A100_40, MIXTRAL, 2 * weights) < tokens[0]
+    assert cm.kv_capacity_tokens(A100_40, MIXTRAL, A100_40.memory) == 0
+    # MQA: 512 bytes per token per block, 32 blocks → 16 KiB per token.
+    assert tokens[1] == pytest.approx((80 * 2**30 * 0.9 - weights) / (512 * 32), rel=1e-6)
+
+
+def test_transfers_cost_latency_plus_bytes_over_bandwidth():
+    nvlink, net = A100_40.nvlink, A100_40.network
+    assert cm.transfer_time(0, nvlink) == 0.0
+    one_mb = cm.transfer_time(1e6, nvlink)
+    assert one_mb == pytest.approx(nvlink.latency + 1e6 / nvlink.usable_bandwidth)
+    assert cm.transfer_time(2e6, nvlink) > one_mb
+    assert cm.transfer_time(1e6, net) > one_mb  # across nodes is slower
+    assert cm.hidden_bytes(MIXTRAL, 10) == 10 * 4096 * 2
+
+
+def test_upper_bound_respects_both_pools():
+    kwargs = dict(num_expert_gpus=4, mean_context=MEDIUM_MEAN_CONTEXT, host=PAPER_HOST)
+    one = cm.upper_bound_throughput(MIXTRAL, gpu_profile("a100-80g"), num_attn_gpus=1, **kwargs)
+    four = cm.upper_bound_throughput(MIXTRAL, gpu_profile("a100-80g"), num_attn_gpus=4, **kwargs)
+    assert 0 < one.tokens_per_s <= four.tokens_per_s
+    assert four.tokens_per_s == min(four.attention_tokens_per_s, four.expert_tokens_per_s)
+    assert one.bottleneck == "attention"
+    tiny_kv = cm.upper_bound_throughput(MIXTRAL, A100_40, num_attn_gpus=1, **{**kwargs, "mean_context": 1e9})
+    assert tiny_kv.tokens_per_s == 0.0 and tiny_kv.bottleneck == "memory"
+
+
+# --- routing override -------------------------------------------------------------------------------------
+
+
+def test_routing_spec_parsing():
+    assert RoutingSpec.parse("skew-exp").lam == DEFAULT_LAMBDA
+    assert RoutingSpec.parse("skew-exp:0.7").lam == 0.7
+    assert str(RoutingSpec.parse("skew-exp:0.7")) == "skew-exp:0.7"
+    assert not RoutingSpec.parse("model").is_override
+    for bad in ("zipf", "uniform:1", "skew-exp:x", "skew-exp:-1"):
+        with pytest.raises(ConfigError):
+            RoutingSpec.parse(bad)
+    with pytest.raises(ConfigError):
+        _router("model")
+
+
+def test_routing_is_seeded_and_keyed():
+    a, b = _router(seed=3).route(1, 500), _router(seed=3).route(1, 500)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[0], _router(seed=4).route(1, 500)[0])
+    keys = row_keys(np.arange(100), np.arange(100) * 7)
+    whole = _router(seed=3).route(2, 100, keys)[0]
+    router = _router(seed=3)
+    halves = np.concatenate([router.route(2, 50, keys[50:])[0], router.route(2, 50, keys[:50])[0]])
+    assert np.array_equal(whole, np.concatenate([halves[50:], halves[:50]]))  # order-independent
+
+
+@pytest.mark.parametrize("mode", ["uniform", "skew-exp", "skew-exp:2.0"])
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 2), (16, 2), (256, 8)])
+def test_topk_ids_distinct_and_weights_sum_to_one(mode, experts, top_k):
+    ids, weights = _router(mode, experts, top_k).route(0, 2000)
+    assert ids.shape == weights.shape == (2000, top_k)
+    assert ids.dtype == np.int64 and weights.dtype == np.float32
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_uniform_routing_is_uniform():
+    experts, rows = 16, 40_000
+    ids, _ = _router("uniform", experts, 2).route(0, rows, row_keys(np.arange(rows), np.zeros(rows)))
+    counts = np.bincount(ids.ravel(), minlength=experts)
+    expected = rows * 2 / experts
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    # chi-square with 15 dof: mean 15, sd ~5.5; top-2 without replacement is slightly under-dispersed.
+    assert chi2 < 15 + 6 * 5.5, counts
+
+
+@pytest.mark.parametrize("experts,top_k", list(DEFAULT_HOTTEST_TO_MEAN))
+def test_skew_exp_hottest_to_mean_matches_documented(experts, top_k):
+    documented = DEFAULT_HOTTEST_TO_MEAN[(experts, top_k)]
+    assert hottest_to_mean(experts, top_k, DEFAULT_LAMBDA, rows=100_000) == pytest.approx(
+        documented, rel=0.02
+    )
+    router = _router("skew-exp", experts, top_k, seed=5)
+    rows = 100_000
+    ids, _ = router.route(1, rows, row_keys(np.arange(rows), np.ones(rows)))
+    counts = np.bincount(ids.ravel(), minlength=experts)
+    assert counts.max() / counts.mean() == pytest.approx(documented, rel=0.03)
+    assert counts.argmax() == router.hot_order[1][0]
+
+
+def test_hot_expert_is_fixed_per_block_and_varies_across_blocks():
+    router = RouterOverride(RoutingSpec.parse("skew-exp"), 8, 1, num_blocks=32, seed=0)
+    hottest = [order[0] for order in router.hot_order]
+    assert len(set(hottest)) > 1
+    assert np.array_equal(router.popularity, RouterOverride(router.spec, 8, 1, 32, seed=0).popularity)
+
+
+# --- clock and executors ----------------------------------------------------------------------------------
+
+
+def test_hold_sleeps_scaled_time_and_accounts_busy():
+    clock = EmulatedClock(time_scale=10.0)
+    start = time.perf_counter()
+    for _ in range(10):
+        clock.hold(0.5e-3, "expert", rows=4)  # 5 ms of wall time each
+    wall = time.perf_counter() - start
+    assert 0.045 <= wall <= 0.2  # loose: this machine is shared
+    stats = clock.stats()
+    assert stats["busy_s"] == pytest.approx(5e-3)
+    assert stats["kinds"]["expert"] == {"steps": 10, "rows": 40, "busy_s": pytest.approx(5e-3)}
+    with pytest.raises(ValueError):
+        EmulatedClock(time_scale=0)
+
+
+def test_emulation_config_validation():
+    for bad in (
+        {"gpu": "v100"},
+        {"model": "gpt-5"},
+        {"time_scale": 0},
+        {"routing": "model"},
+        {"host": "sglang"},
+        {"model": "mixtral-8x7b-mqa", "top_k": 9},
+    ):
+        with pytest.raises(ConfigError):
+            EmulationConfig(**bad)
+    em = Emulation(EmulationConfig(model="mixtral-8x7b-16e", wire_hidden=32))
+    assert (em.model_config.num_experts, em.model_config.top_k, em.model_config.hidden_size) == (16, 1, 32)
+    assert em.profile.hidden_size == 4096  # costs use the real shapes
+
+
+@pytest.mark.timeout(60)
+def test_emulated_cluster_runs_requests_to_max_tokens():
+    config = EmulationConfig(gpu="h100", model="mixtral-8x7b-mqa", top_k=2, wire_hidden=16, time_scale=0.5)
+    em = Emulation(config)
+    cfg = em.model_config
+    placement = core.Placement.disaggregated(1, 2, cfg.num_experts)
+    hub = core.LoopbackHub(placement.num_runtimes)
+    engines, executors = [], []
+    for runtime in range(placement.num_runtimes):
+        ecfg = core.engine_config(
+            runtime, placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts, top_k=cfg.top_k,
+            hidden=cfg.hidden_size,
+        )  # fmt: skip
+        engine = core.Engine(ecfg, hub.communicator(runtime))
+        executors.append(em.attention_executor(engine) if ecfg.is_attention else em.expert_executor())
+        engines.append(engine)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=run_loop, args=(e, x, stop), daemon=True) for e, x in zip(engines, executors)
+    ]
+    for engine in engines:
+        engine.start()
+    for thread in threads:
+        thread.start()
+    try:
+        attn = executors[0]
+        params = SamplingParams(max_tokens=3, temperature=0.8)
+        reqs = [attn.add_request(i + 1, [5, 6, 7, 8], params) for i in range(4)]
+        assert all(r.done.wait(30) for r in reqs)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for engine in engines:
+            engine.stop()
+    assert all(r.output == [attn.sampler.token] * 3 and r.finish_reason == "length" for r in reqs)
+    assert attn.sampler.token not in cfg.stop_token_ids
+    assert attn.kv_used_blocks == 0
+    assert attn.kv_capacity_tokens > 1_000_000  # an H100's memory, not a test-sized cache
+    assert int(attn.routed.sum()) == 4 * (4 + 2) * cfg.num_blocks * cfg.top_k  # prompt rows + 2 decode rows
+    stats = [x.stats() for x in executors]
+    assert stats[0]["kinds"]["attention"]["rows"] == 4 * (4 + 2) * cfg.num_blocks
+    assert sum(s["kinds"]["expert"]["rows"] for s in stats[1:]) == 4 * (4 + 2) * cfg.num_blocks * 2
+    assert all(s["busy_s"] > 0 for s in stats)
