@@ -313,8 +313,10 @@ def main() -> None:
     }
     targets = {
         "inline_within_1.2x_of_zmq_at_4MB": ratios["inline_vs_zmq"]["4MB"] <= 1.2,
-        # against the stricter baseline: raw gloo into warm buffers
-        "gloo_within_1.2x_of_raw_gloo_at_4MB": ratios["gloo_vs_raw_gloo_warm"]["4MB"] <= 1.2,
+        # The target: raw torch.distributed send/recv of the same bytes, as a user would write it.
+        "gloo_within_1.2x_of_raw_gloo_at_4MB": ratios["gloo_vs_raw_gloo"]["4MB"] <= 1.2,
+        # Stricter, reported beside it: raw gloo receiving into buffers made and touched before timing.
+        "gloo_within_1.2x_of_warm_raw_gloo_at_4MB": ratios["gloo_vs_raw_gloo_warm"]["4MB"] <= 1.2,
         "mton_above_all_to_all": min(ratios["mton_inline_vs_all_to_all"], ratios["mton_gloo_vs_all_to_all"])
         > 1,
     }
