@@ -7,9 +7,8 @@ import time
 
 import pytest
 import torch
+from factories import random_prompts, reference_tokens
 
-from amoe.engine.config import EngineConfig
-from amoe.engine.local import LocalEngine
 from amoe.errors import EngineDeadError
 from amoe.runtime.sync import run_sync_loop
 from amoe.runtime.sync.inproc import SyncCluster
@@ -28,18 +27,8 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def prompts_and_reference(tiny_checkpoint):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        [1] + torch.randint(3, 1024, (n - 1,), generator=gen).tolist() for n in [1, 4, 17, 33, 9, 2, 12]
-    ]
-    engine = LocalEngine(tiny_checkpoint, EngineConfig())
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, PARAMS)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return prompts, [out[str(i)] for i in range(len(prompts))]
+    prompts = random_prompts([1, 4, 17, 33, 9, 2, 12])
+    return prompts, reference_tokens(tiny_checkpoint, prompts, PARAMS)
 
 
 def _name(cfg: dict) -> str:

@@ -2,10 +2,8 @@
 over the `inline` and `gloo` planes gives the reference engine's greedy tokens."""
 
 import pytest
-import torch
+from factories import random_prompts, reference_tokens
 
-from amoe.engine.config import EngineConfig
-from amoe.engine.local import LocalEngine
 from amoe.runtime.procs import ProcessCluster
 from amoe.sampling_params import SamplingParams
 
@@ -14,16 +12,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10)
 
 @pytest.fixture(scope="module")
 def prompts_and_reference(tiny_checkpoint):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [[1] + torch.randint(3, 1024, (n - 1,), generator=gen).tolist() for n in [1, 4, 17, 33, 9, 2]]
-    engine = LocalEngine(tiny_checkpoint, EngineConfig())
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, PARAMS)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return prompts, [out[str(i)] for i in range(len(prompts))]
+    prompts = random_prompts([1, 4, 17, 33, 9, 2])
+    return prompts, reference_tokens(tiny_checkpoint, prompts, PARAMS)
 
 
 @pytest.mark.timeout(180)
