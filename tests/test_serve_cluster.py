@@ -273,3 +273,21 @@ def test_a_runtime_that_cannot_load_is_one_line_and_leaves_nothing(model_dir, tm
     assert len(errors) == 1 and "expert runtime 2" in errors[0] and "experts.3.w1" in errors[0], server.lines
     assert not [line for line in server.lines if "Traceback" in line]
     assert not server.tagged()
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_equals_the_reference(server, model_dir):
+    # Each request draws from its own generator seeded from `seed`, in the runtime as in the reference engine,
+    # so asynchrony and batch composition must not change sampled tokens either.
+    prompts = [[1, 5, 9, 200], [1] + list(range(30, 45))]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+    want = [out.outputs[0].text for out in LLM(model=str(model_dir)).generate(prompts, params)]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    got = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.95, seed=1234,
+            extra_body={"top_k": 50, "ignore_eos": True},
+        ).choices[0].text
+        for prompt in prompts
+    ]  # fmt: skip
+    assert got == want
