@@ -248,6 +248,10 @@ def test_killed_expert_runtime_fails_in_flight_requests_and_leaves_nothing(model
         )
         refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 2})
         assert refused.status_code == 503
+        up = re.findall(
+            r'^amoe_runtime_up\{[^}]*runtime="(\d+)"[^}]*\} 1', httpx.get(f"{url}/metrics").text, re.M
+        )
+        assert sorted(up) == ["0", "1"]  # the dead runtime is no longer exported as up
         pids = [p.pid for p in server.tagged()]
         assert len(pids) == 3  # the server and the two runtimes left
     finally:

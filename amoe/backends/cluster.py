@@ -186,5 +186,6 @@ class ClusterBackend(Backend):
         return report
 
     def runtime_stats(self) -> list[dict]:
-        """The latest report of each runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""
-        return [r.stats for r in self.cluster.runtimes if r.stats is not None]
+        """The latest report of each live runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""
+        # A dead runtime's last report would keep exporting it as up with frozen queues; leave it out.
+        return [r.stats for r in self.cluster.runtimes if r.stats is not None and r.proc.poll() is None]
