@@ -43,6 +43,14 @@ class AmoeServer:
 
     async def run(self) -> None:
         model_dir = _model_dir(self.config)
+        # Bind first: a port in use fails in a moment, before any model load or runtime process.
+        sock = _bind(self.config.server.host, self.config.server.port)
+        try:
+            await self._run_bound(model_dir, sock)
+        finally:
+            sock.close()
+
+    async def _run_bound(self, model_dir: Path, sock: socket.socket) -> None:
         try:
             tokenizer, backend, model = await self._start_backend(model_dir)
         except BaseException:
@@ -59,7 +67,7 @@ class AmoeServer:
                 max_waiting=self.config.server.max_waiting,
                 metrics_per_layer=self.config.server.metrics_per_layer,
             )
-            await self._serve(app)
+            await self._serve(app, sock)
         finally:
             logger.info("stopping the backend")
             await backend.shutdown()
@@ -116,9 +124,8 @@ class AmoeServer:
         await backend.start()
         return backend, backend.max_model_len, backend.model_config.vocab_size
 
-    async def _serve(self, app) -> None:
+    async def _serve(self, app, sock: socket.socket) -> None:
         server_config = self.config.server
-        sock = _bind(server_config.host, server_config.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{_url_host(host)}:{port}"
         uv_config = uvicorn.Config(
@@ -134,10 +141,7 @@ class AmoeServer:
             drain_timeout_s=server_config.drain_timeout_s,
             on_drain_timeout=lambda: abort_all(app),
         )
-        try:
-            await self._uvicorn.serve(sockets=[sock])
-        finally:
-            sock.close()
+        await self._uvicorn.serve(sockets=[sock])
 
     def _announce(self, url: str) -> None:
         self.url = url
