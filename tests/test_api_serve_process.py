@@ -89,3 +89,20 @@ def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
         server.stop()
     assert any("SIGTERM: draining" in line for line in server.lines)
     assert any("aborting 1 in-flight requests" in line for line in server.lines)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line_before_any_runtime_starts(model_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", port]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"amoe: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in result.stderr and "runtime" not in result.stderr
