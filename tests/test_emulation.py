@@ -47,6 +47,19 @@ def _router(mode: str = "skew-exp", experts: int = 8, top_k: int = 2, seed: int 
 # --- cost model -------------------------------------------------------------------------------------------
 
 
+def test_profile_with_fewer_blocks():
+    """`NAME:N` keeps N blocks and every per-layer cost: an iteration is N/32 as long (plus the head)."""
+    short = model_profile("mixtral-8x7b-mqa:4", top_k=1)
+    assert (short.num_blocks, short.name, short.top_k) == (4, "mixtral-8x7b-mqa:4", 1)
+    g = gpu_profile("a100-80g")
+    assert cm.expert_layer_time(short, g, 128) == cm.expert_layer_time(MIXTRAL, g, 128)
+    assert cm.decode_attention_time(short, g, 64, 512) == cm.decode_attention_time(MIXTRAL, g, 64, 512)
+    assert short.to_model_config().num_blocks == 4
+    for bad in ("mixtral-8x7b-mqa:0", "mixtral-8x7b-mqa:33", "mixtral-8x7b-mqa:x"):
+        with pytest.raises(ConfigError):
+            model_profile(bad)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("gpu", list(GPUS))
 def test_costs_grow_with_batch_and_context(model, gpu):

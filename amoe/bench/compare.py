@@ -17,7 +17,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens, preset, serve_flags, upper_bound
+from amoe.bench.compare_setup import (
+    Preset,
+    Setup,
+    mean_output_tokens,
+    preset,
+    profile_name,
+    serve_flags,
+    upper_bound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +43,21 @@ def add_bench_compare_command(sub: Any) -> None:
         "--time-scale", type=float, help="wall seconds per emulated second (default: the preset's)"
     )
     p.add_argument("--duration", type=float, help="emulated seconds of arrivals per load point (preset's)")
+    p.add_argument("--blocks", type=int, help="keep this many blocks of the model profile (preset's)")
+    p.add_argument("--attn-cap", type=int, help="attention batch cap in rows (preset's)")
     p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
     p.set_defaults(run=run_bench_compare)
 
 
 def run_bench_compare(args: argparse.Namespace) -> int:
     p = preset(args.preset)
-    p = replace(p, time_scale=args.time_scale or p.time_scale, duration_s=args.duration or p.duration_s)
+    p = replace(
+        p,
+        time_scale=args.time_scale or p.time_scale,
+        duration_s=args.duration or p.duration_s,
+        blocks=args.blocks or p.blocks,
+        attn_cap=args.attn_cap or p.attn_cap,
+    )
     started = time.perf_counter()
     points = asyncio.run(_run_preset(p, args.seed))
     from amoe.bench.compare_report import headline, table, write_outputs
@@ -109,7 +125,7 @@ async def _point(url: str, setup: Setup, p: Preset, seed: int, rate: float, kind
         "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
     )
     async with httpx.AsyncClient(base_url=url, timeout=30) as http, BenchClient(url, timeout=600) as client:
-        client.model = setup.profile
+        client.model = profile_name(setup, p)
         probe = MetricsProbe(http, period_s=span / _SCRAPES_PER_POINT)
         start = time.perf_counter()
         probe.start()

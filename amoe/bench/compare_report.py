@@ -100,6 +100,7 @@ def write_outputs(
         "preset": args.preset,
         "time_scale": p.time_scale,
         "duration_s": p.duration_s,
+        "blocks": p.blocks,
         "attn_batch_cap": p.attn_cap,
         "expert_batch_cap": p.expert_cap,
         "headline": summary,
