@@ -126,27 +126,24 @@ def _add_info_routes(app: FastAPI, served: _Served) -> None:
 def _add_generation_routes(app: FastAPI, served: _Served) -> None:
     runner = served.runner
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        with _count_rejections(runner, "completions"):
-            req = prepare_completion(body, served.tokenizer, served.model)
+    async def generate(body, request: Request, endpoint: str, prepare, stream_events, complete) -> Response:
+        # Completions and chat differ only in how a request is prepared and how its output is shaped.
+        with _count_rejections(runner, endpoint):
+            req = prepare(body, served.tokenizer, served.model)
             rank = await _unless_disconnected(request, runner.admit(req))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _completion_events(runner, req, rank, served.model.name, include_usage)
+            events = stream_events(runner, req, rank, served.model.name, include_usage)
             return _sse_response(events, runner, req)
-        return await _unless_disconnected(request, _complete(runner, req, rank, served.model.name))
+        return await _unless_disconnected(request, complete(runner, req, rank, served.model.name))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(body, request, "completions", prepare_completion, _completion_events, _complete)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        with _count_rejections(runner, "chat"):
-            req = prepare_chat(body, served.tokenizer, served.model)
-            rank = await _unless_disconnected(request, runner.admit(req))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _chat_events(runner, req, rank, served.model.name, include_usage)
-            return _sse_response(events, runner, req)
-        return await _unless_disconnected(request, _chat(runner, req, rank, served.model.name))
+        return await generate(body, request, "chat", prepare_chat, _chat_events, _chat)
 
 
 @contextlib.contextmanager
