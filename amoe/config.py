@@ -116,9 +116,14 @@ class ExecutorSection:
     )
     seed: int = 0  # of the routing override
     host_overhead: str = "amoe-paper"  # emulated: host cost per row of the serving system (amoe-paper | none)
+    # emulated: skip prefill as the AMoE paper's evaluation does (KV "populated with dummy data"): a prompt's KV is
+    # taken as written and only its last token enters, so throughput is decode throughput.
+    decode_only: bool = False
 
     def __post_init__(self) -> None:
         _choice("executor.kind", self.kind, ("torch", "emulated"))
+        if self.decode_only and self.kind != "emulated":
+            raise ConfigError("executor.decode_only needs --executor emulated (real weights must prefill)")
         _positive("executor.time_scale", self.time_scale)
         if self.top_k is not None:
             _positive("executor.top_k", self.top_k)

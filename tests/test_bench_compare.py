@@ -2,13 +2,16 @@
 and writes sane numbers (not the AEP / EP ratio: that is what docs/results.md records) and both plots."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from amoe.bench.compare_report import busy_summary
 from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
-from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics
+from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
 
 def test_parse_metrics_sums_series_and_quantiles():
@@ -23,11 +26,40 @@ def test_parse_metrics_sums_series_and_quantiles():
             'amoe_request_itl_seconds_bucket{le="+Inf"} 10.0',
             "amoe_request_itl_seconds_count 10.0",
             "amoe_request_itl_seconds_sum 1.2",
+            "amoe_request_ttft_seconds_sum 0.5",
+            "amoe_request_ttft_seconds_count 4.0",
+            'amoe_runtime_busy_seconds_total{runtime="0",role="attention"} 2.5',
+            'amoe_runtime_busy_seconds_total{runtime="3",role="expert"} 1.5',
         ]
     )
     s = parse_metrics(text, t=1.0)
     assert (s.tokens, s.queue_tokens, s.itl_count) == (120.0, 12.0, 10.0)
+    assert (s.ttft_sum, s.ttft_count) == (0.5, 4.0)
+    assert s.busy == {"attention 0": 2.5, "expert 3": 1.5}
     assert histogram_quantile(0.5, Scrape(0.0), s) == pytest.approx(0.1 + 0.1 * (1 / 6))
+
+
+def test_busy_summary_and_host_cpu():
+    assert busy_summary({"attention 0": 0.5, "attention 1": 0.7, "expert 2": 0.25}) == "a0.60/e0.25"
+    assert busy_summary({}) == "n/a"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(5)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while (process_tree_cpu_s(os.getpid()) or 0) - sum(
+            os.times()[:2]
+        ) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The child's CPU counts toward this process's tree.
+        assert process_tree_cpu_s(os.getpid()) - sum(os.times()[:2]) >= 0.25
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_serve_flags_and_bound():
@@ -54,5 +86,24 @@ def test_ci_preset_completes(tmp_path):
     for pt in record["points"]:
         assert pt["throughput"] > 0, pt
         assert 1.0 < pt["itl_ms_mean"] < 1000.0, pt  # emulated ms: 4 blocks of ~0.5 ms each and more
+        assert 0 < pt["ttft_ms_mean"] < 10_000, pt
+        roles = {k.split()[0] for k in pt["busy"]}
+        assert roles == ({"attention", "expert"} if pt["setup"]["mode"] == "aep" else {"attention"}), pt
+        assert all(0 < v <= 1.05 for v in pt["busy"].values()), pt  # a fraction of the window's wall time
+        assert 0 < pt["host_cores"] < 64, pt
+    assert "busy" in done.stdout and "host" in done.stdout  # the table shows them
     for png in ("throughput_vs_itl.png", "queue_depth.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_only_groups_keeps_the_named_groups():
+    from amoe.bench.compare_setup import only_groups
+    from amoe.errors import ConfigError
+
+    full = PRESETS["full"]
+    p = only_groups(full, ["top2", "16gpu"])
+    assert [s.group for s in p.sweeps] == ["top2", "top2"] and [g[0].group for g in p.extra] == ["16gpu"]
+    assert p.policy_base is None  # the policy comparison belongs to the main group
+    assert only_groups(full, ["main"]).policy_base == full.policy_base
+    with pytest.raises(ConfigError, match="no group nope"):
+        only_groups(full, ["nope"])

@@ -296,3 +296,24 @@ def test_emulated_cluster_runs_requests_to_max_tokens():
     assert stats[0]["kinds"]["attention"]["rows"] == 4 * (4 + 2) * cfg.num_blocks
     assert sum(s["kinds"]["expert"]["rows"] for s in stats[1:]) == 4 * (4 + 2) * cfg.num_blocks * 2
     assert all(s["busy_s"] > 0 for s in stats)
+
+
+def test_ep_bound_waits_for_the_hottest_device_at_every_block():
+    from amoe.emulation.cost_model import (
+        decode_attention_time,
+        ep_upper_bound_throughput,
+        expert_layer_time,
+        head_time,
+    )
+
+    m, g = model_profile("mixtral-8x7b-mqa:2", 1), gpu_profile("a100-80g")
+    uniform = np.full((2, 8), 1 / 8)
+    skewed = np.array([[0.5] + [0.5 / 7] * 7, [0.5 / 7] * 7 + [0.5]])
+    kw = {"num_devices": 8, "mean_context": 100, "max_batch": 64}
+    even = ep_upper_bound_throughput(m, g, uniform, **kw)
+    # Uniform routing: each device's expert gets its own batch back, so nothing stalls at the barrier.
+    iteration = 2 * (decode_attention_time(m, g, 64, 100) + expert_layer_time(m, g, 64)) + head_time(m, g, 64)
+    assert even == pytest.approx(8 * 64 / iteration)
+    hot = ep_upper_bound_throughput(m, g, skewed, **kw)
+    slow = 2 * (decode_attention_time(m, g, 64, 100) + expert_layer_time(m, g, 256)) + head_time(m, g, 64)
+    assert hot == pytest.approx(8 * 64 / slow) and hot < even

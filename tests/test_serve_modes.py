@@ -121,3 +121,36 @@ def test_emulated_profile_serves_max_tokens():
     assert health["executor"]["time_scale"] == 2.0
     # Memory, not cache.num_blocks, bounds the KV cache of an emulated A100 80GB: millions of tokens.
     assert health["kv"][0]["total_blocks"] * 16 > 1_000_000
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["aep", "ep"])
+def test_decode_only_emulation_skips_the_prompt(mode):
+    """`--executor-decode-only true` (the paper's decode-only evaluation): a prompt's KV counts as written, so a
+    request costs max_tokens decode rows whatever its prompt length, and its KV is still reserved and freed."""
+    flags = (
+        "--parallel", mode, "--attn-ranks", "2", *(["--expert-ranks", "2"] if mode == "aep" else []),
+        "--executor", "emulated", "--executor-profile", "mixtral-8x7b-mqa:2", "--executor-top-k", "1",
+        "--routing", "skew-exp", "--time-scale", "2", "--executor-decode-only", "true",
+    )  # fmt: skip
+    prompts, max_tokens = [[11, 12, 13, 14], [20] * 300, [7]], [7, 3, 5]
+    with Server(*flags) as url:
+        answers = asyncio.run(_complete_all(url, prompts, max_tokens))
+        time.sleep(1.5)  # runtime stats reach /metrics with the heartbeats (every 0.5 s)
+        metrics = httpx.get(f"{url}/metrics").text
+        health = httpx.get(f"{url}/health").json()
+    assert [a["usage"]["completion_tokens"] for a in answers] == max_tokens
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [len(p) for p in prompts]
+    assert all(kv["free_blocks"] == kv["total_blocks"] for kv in health["kv"])  # every reservation freed
+    if mode == "aep":  # rows through attention block 0: one per output token, none for the prompts
+        rows = re.findall(
+            r'^amoe_runtime_executed_rows_total\{[^}]*block="0"[^}]*rank="\d+"[^}]*\} (\S+)', metrics, re.M
+        )
+        assert rows and sum(float(r) for r in rows) == sum(max_tokens)
+
+
+def test_decode_only_needs_the_emulated_executor(capsys):
+    from amoe.cli import main
+
+    assert main(["serve", "--executor-decode-only", "true"]) == 1
+    assert "decode_only needs --executor emulated" in capsys.readouterr().err

@@ -8,6 +8,11 @@ RequestResult; the client never raises for one request and never waits longer th
 
 ITL is per chunk while TPOT is per token: a chunk may carry several tokens, and a server may send no chunk for a
 token whose text it holds back (amoe does, for an incomplete UTF-8 character), which makes ITL gaps longer.
+
+With `stream=False` a request is one JSON response: only its latency and token counts are measured (no TTFT or
+ITL). `amoe bench compare` uses it with the server's own TTFT / ITL histograms, because at the rates it offers,
+parsing one SSE event per token in this client and framing it in the server cost more CPU than the emulated
+runtimes on a 2-core machine (docs/results.md).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from amoe.bench.http1 import JsonPoster
 from amoe.bench.workloads import RequestSpec
 from amoe.errors import ConfigError
 
@@ -54,22 +60,27 @@ class BenchClient:
         timeout: float = 300.0,
         max_connections: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,  # tests pass a fake server here
+        stream: bool = True,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.model = model
         self.timeout = timeout
+        self.stream = stream
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Unlimited by default: a pool that queues requests would add its wait to the measured TTFT.
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout, limits=limits, transport=transport
         )
+        self._poster = None if stream else JsonPoster(self.base_url, headers)
 
     async def __aenter__(self) -> BenchClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
+        if self._poster is not None:
+            await self._poster.aclose()
 
     async def list_models(self) -> list[dict[str, Any]]:
         """The server's /v1/models entries; a ConfigError if the server cannot be asked."""
@@ -87,7 +98,8 @@ class BenchClient:
         """Stream one completion and time it; failures are returned, not raised."""
         result = RequestResult(prompt_tokens=spec.prompt_len)
         try:
-            await asyncio.wait_for(self._stream(spec, result), self.timeout)
+            send = self._stream if self.stream else self._whole
+            await asyncio.wait_for(send(spec, result), self.timeout)
         except asyncio.TimeoutError:
             result.error = f"timed out after {self.timeout:g} s"
         # Anything one request runs into must be counted as its failure, not end the run.
@@ -99,15 +111,30 @@ class BenchClient:
         return result
 
     def _body(self, spec: RequestSpec) -> dict[str, Any]:
-        return {
+        body = {
             "model": self.model,
             "prompt": spec.prompt,
             "max_tokens": spec.output_len,
             "ignore_eos": True,  # an extra field vLLM, SGLang and amoe accept: the output length is ours to set
             "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.stream,
         }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def _whole(self, spec: RequestSpec, result: RequestResult) -> None:
+        start = time.perf_counter()
+        status, content = await self._poster.post("/v1/completions", self._body(spec))
+        result.latency = time.perf_counter() - start
+        if status != 200:
+            result.error = f"HTTP {status}: {_error_text(content)}"
+            return
+        usage = json.loads(content).get("usage") or {}
+        result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+        result.output_tokens = usage.get("completion_tokens", 0)
+        if not result.output_tokens:
+            result.error = "the response reports no completion tokens"
 
     async def _stream(self, spec: RequestSpec, result: RequestResult) -> None:
         start = time.perf_counter()
@@ -155,6 +182,14 @@ def _sse_data(line: str) -> str | None:
     if not line.startswith("data:"):
         return None
     return line[len("data:") :].strip()
+
+
+def _error_text(content: bytes) -> str:
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content.decode("utf-8", "replace")
+    return _truncate(str(message))
 
 
 def _error_message(response: httpx.Response) -> str:

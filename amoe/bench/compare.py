@@ -21,6 +21,7 @@ from amoe.bench.compare_setup import (
     Preset,
     Setup,
     mean_output_tokens,
+    only_groups,
     preset,
     profile_name,
     serve_flags,
@@ -29,7 +30,8 @@ from amoe.bench.compare_setup import (
 
 logger = logging.getLogger(__name__)
 
-_WARMUP_FRACTION = 0.4  # of a point's arrival span, before the measurement window opens
+# Of a point's arrival span, before the measurement window opens: ~1 request lifetime at the presets' settings.
+_WARMUP_FRACTION = 0.6
 _SCRAPES_PER_POINT = 40
 
 
@@ -46,6 +48,10 @@ def add_bench_compare_command(sub: Any) -> None:
     p.add_argument("--blocks", type=int, help="keep this many blocks of the model profile (preset's)")
     p.add_argument("--attn-cap", type=int, help="attention batch cap in rows (preset's)")
     p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
+    p.add_argument(
+        "--groups",
+        help="run only these comma-separated setup groups of the preset (main, top2, medium, 16gpu)",
+    )
     p.set_defaults(run=run_bench_compare)
 
 
@@ -58,11 +64,13 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         blocks=args.blocks or p.blocks,
         attn_cap=args.attn_cap or p.attn_cap,
     )
+    if args.groups:
+        p = only_groups(p, args.groups.split(","))
     started = time.perf_counter()
     points = asyncio.run(_run_preset(p, args.seed))
     from amoe.bench.compare_report import headline, table, write_outputs
 
-    summary = headline(points, p)
+    summary = headline(points, p, args.seed)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     write_outputs(Path(args.out), points, summary, p, args)
     print(table(points))
@@ -89,25 +97,30 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
     from amoe.bench.servers import ServerProcess
 
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
-    with ServerProcess(serve_flags(setup, p, seed)) as url:
-        points = [await _point(url, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
+    server = ServerProcess(serve_flags(setup, p, seed))
+    with server:
+        points = [await _point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
         if with_policy:
             best = max(pt["throughput"] for pt in points)
             rate = p.policy_load * best / mean_output_tokens(setup.workload)
-            points.append(await _point(url, setup, p, seed, rate, "policy"))
+            points.append(await _point(server, setup, p, seed, rate, "policy"))
     return points
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
     from amoe.bench.servers import ServerProcess
 
-    with ServerProcess(serve_flags(setup, p, seed)) as url:
-        return [await _point(url, setup, p, seed, rate, kind) for rate in rates]
+    server = ServerProcess(serve_flags(setup, p, seed))
+    with server:
+        return [await _point(server, setup, p, seed, rate, kind) for rate in rates]
 
 
-async def _point(url: str, setup: Setup, p: Preset, seed: int, rate: float, kind: str) -> dict[str, Any]:
+async def _point(server, setup: Setup, p: Preset, seed: int, rate: float, kind: str) -> dict[str, Any]:
     """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration, measured by the
-    server's counters over the steady part; requests still streaming at the end are cancelled (aborted)."""
+    server's counters over the steady part; requests still running at the end are cancelled (aborted).
+
+    Requests are not streamed: the server's histograms give TTFT and ITL, and one SSE event per token would cost
+    this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
     import httpx
 
     from amoe.bench.arrivals import arrival_times
@@ -124,9 +137,11 @@ async def _point(url: str, setup: Setup, p: Preset, seed: int, rate: float, kind
     logger.info(
         "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
     )
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http, BenchClient(url, timeout=600) as client:
+    url = server.url
+    client = BenchClient(url, timeout=600, stream=False)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http, client:
         client.model = profile_name(setup, p)
-        probe = MetricsProbe(http, period_s=span / _SCRAPES_PER_POINT)
+        probe = MetricsProbe(http, period_s=span / _SCRAPES_PER_POINT, cpu_pid=server.proc.pid)
         start = time.perf_counter()
         probe.start()
         load = asyncio.ensure_future(run_requests(client, requests, arrivals))
@@ -168,18 +183,29 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
     window = probe.window(start + _WARMUP_FRACTION * span, start + span)
     completed = [r for r in done if r.success]
     point["completed"] = len(completed)
-    point["ttft_ms_p50"] = _median([r.ttft for r in completed], 1000 / scale)
     if window is None:
-        return {**point, "throughput": 0.0, "itl_ms_mean": None, "itl_ms_p50": None, "itl_ms_p90": None}
+        empty = dict.fromkeys(("itl_ms_mean", "itl_ms_p50", "itl_ms_p90", "ttft_ms_mean", "host_cores"))
+        return {**point, **empty, "throughput": 0.0, "busy": {}}
     first, last = window
-    emulated_s = (last.t - first.t) / scale
+    wall_s = last.t - first.t
+    emulated_s = wall_s / scale
     itl_n = last.itl_count - first.itl_count
+    ttft_n = last.ttft_count - first.ttft_count
     point.update(
         throughput=(last.tokens - first.tokens) / emulated_s,  # output tokens per emulated second
         window_tokens=last.tokens - first.tokens,
         itl_ms_mean=(last.itl_sum - first.itl_sum) / itl_n * 1000 / scale if itl_n else None,
         itl_ms_p50=_ms(histogram_quantile(0.5, first, last), scale),
         itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
+        ttft_ms_mean=(last.ttft_sum - first.ttft_sum) / ttft_n * 1000 / scale if ttft_n else None,
+        # Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's
+        # work around it): how busy the emulated devices were, read from them rather than inferred from ITL.
+        busy={k: round((v - first.busy.get(k, 0.0)) / wall_s, 3) for k, v in sorted(last.busy.items())},
+        # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
+        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md).
+        host_cores=round((last.cpu_s - first.cpu_s) / wall_s, 2)
+        if None not in (first.cpu_s, last.cpu_s)
+        else None,
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
     )
     return point
@@ -187,10 +213,3 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
 
 def _ms(seconds: float | None, scale: float) -> float | None:
     return None if seconds is None else seconds * 1000 / scale
-
-
-def _median(values: list[float], factor: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[len(values) // 2] * factor

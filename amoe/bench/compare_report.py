@@ -8,22 +8,22 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from amoe.bench.compare_setup import Preset, Setup, upper_bound
+from amoe.bench.compare_setup import Preset, Setup, ep_upper_bound, upper_bound
 
 logger = logging.getLogger(__name__)
 
 
-def headline(points: list[dict[str, Any]], p: Preset) -> dict[str, Any]:
+def headline(points: list[dict[str, Any]], p: Preset, seed: int = 0) -> dict[str, Any]:
     """AEP / EP at the same ITL per group, AEP's fraction of the bound, defrag vs mtfs / flfs."""
     out: dict[str, Any] = {"time_scale": p.time_scale}
     for group in sorted({pt["group"] for pt in points}, key=lambda g: g != "main"):
         prefix = "" if group == "main" else f"{group}_"
-        out.update({f"{prefix}{k}": v for k, v in _group_ratios(points, group, p).items()})
+        out.update({f"{prefix}{k}": v for k, v in _group_ratios(points, group, p, seed).items()})
     out.update(_policy_ratios(points))
     return out
 
 
-def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset) -> dict[str, Any]:
+def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset, seed: int) -> dict[str, Any]:
     sweep = [pt for pt in points if pt["group"] == group and pt["kind"] == "sweep"]
     aep = [pt for pt in sweep if pt["setup"]["mode"] == "aep"]
     ep = [pt for pt in sweep if pt["setup"]["mode"] == "ep"]
@@ -35,6 +35,7 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset) -> dict[s
     aep_max = max(pt["throughput"] for pt in aep)
     setup = Setup(**aep[0]["setup"])
     bound = upper_bound(setup, p)
+    ep_bound = ep_upper_bound(Setup(**ep_best["setup"]), p, seed)
     return {
         "aep_over_ep": _ratio(
             max(within) if within else 0.0, ep_best["throughput"]
@@ -46,6 +47,11 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset) -> dict[s
         "upper_bound_tokens_per_s": round(bound),
         "upper_bound_kv_only_tokens_per_s": round(upper_bound(setup, p, max_attn_batch=1 << 20)),
         "aep_fraction_of_upper_bound": _ratio(aep_max, bound),
+        # What the emulated GPUs alone allow EP (every device at full batches, stalls only at the barriers): the
+        # ratio of the two bounds is the largest AEP / EP a perfect runtime could show on this cost model.
+        "ep_upper_bound_tokens_per_s": round(ep_bound),
+        "ep_fraction_of_its_bound": _ratio(ep_best["throughput"], ep_bound),
+        "bounds_aep_over_ep": _ratio(bound, ep_bound),
     }
 
 
@@ -73,15 +79,31 @@ def _round(x: float | None, digits: int = 2) -> float | None:
 
 
 def table(points: list[dict[str, Any]]) -> str:
-    """One row per load point (emulated time)."""
-    head = f"{'config':<32} {'kind':<6} {'req/s':>8} {'tok/s':>9} {'ITL mean':>9} {'p50':>7} {'p90':>7} {'done':>5}"
+    """One row per load point (emulated time); busy = mean fraction of the window each role's runtimes ran layers;
+    host = CPU cores the server and the load generator used."""
+    head = (
+        f"{'config':<32} {'kind':<6} {'req/s':>8} {'tok/s':>9} {'ITL mean':>9} {'p50':>7} {'p90':>7} "
+        f"{'TTFT':>7} {'busy':>11} {'host':>5}"
+    )
     rows = [head, "-" * len(head)]
     for pt in points:
         rows.append(
             f"{pt['config']:<32} {pt['kind']:<6} {pt['rate']:>8.1f} {pt['throughput']:>9.0f} "
-            f"{_fmt(pt['itl_ms_mean'])} {_fmt(pt['itl_ms_p50'], 7)} {_fmt(pt['itl_ms_p90'], 7)} {pt['completed']:>5}"
+            f"{_fmt(pt['itl_ms_mean'])} {_fmt(pt['itl_ms_p50'], 7)} {_fmt(pt['itl_ms_p90'], 7)} "
+            f"{_fmt(pt.get('ttft_ms_mean'), 7)} {busy_summary(pt.get('busy') or {}):>11} "
+            f"{_fmt(pt.get('host_cores'), 5)}"
         )
     return "\n".join(rows)
+
+
+def busy_summary(busy: dict[str, float]) -> str:
+    """ "a0.91/e0.55": the mean busy fraction of the attention and the expert runtimes (EP devices are "a")."""
+    parts = []
+    for role in ("attention", "expert"):
+        values = [v for k, v in busy.items() if k.split()[0] == role]
+        if values:
+            parts.append(f"{role[0]}{sum(values) / len(values):.2f}")
+    return "/".join(parts) or "n/a"
 
 
 def _fmt(x: float | None, width: int = 9) -> str:

@@ -8,7 +8,9 @@ point need not be drained. Queue depth (the sum of every μ-queue) is kept as a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,8 +21,11 @@ logger = logging.getLogger(__name__)
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 _LE = re.compile(r'le="([^"]+)"')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 TOKENS = "amoe_coordinator_generation_tokens_total"
 ITL = "amoe_request_itl_seconds"
+TTFT = "amoe_request_ttft_seconds"
+BUSY = "amoe_runtime_busy_seconds_total"
 QUEUE = "amoe_runtime_queue_depth_tokens"
 RUNNING = "amoe_requests_running"
 
@@ -36,6 +41,10 @@ class Scrape:
     itl_buckets: dict[float, float] = field(default_factory=dict)  # le → cumulative count
     queue_tokens: float = 0.0
     running: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    busy: dict[str, float] = field(default_factory=dict)  # "role runtime" → seconds the runtime ran layers
+    cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
 
 
 def parse_metrics(text: str, t: float) -> Scrape:
@@ -59,21 +68,65 @@ def parse_metrics(text: str, t: float) -> Scrape:
             s.queue_tokens += value
         elif name == RUNNING:
             s.running += value
+        elif name == f"{TTFT}_sum":
+            s.ttft_sum += value
+        elif name == f"{TTFT}_count":
+            s.ttft_count += value
+        elif name == BUSY and (key := _runtime_key(labels)):
+            s.busy[key] = value
     return s
+
+
+def _runtime_key(labels: str) -> str | None:
+    found = dict(_LABEL.findall(labels))
+    return f"{found['role']} {found['runtime']}" if "role" in found and "runtime" in found else None
+
+
+def process_tree_cpu_s(root_pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by root_pid and its descendants, from /proc; None off Linux.
+
+    The emulated timings are only as good as the host's spare CPU: a saturated host delays every hold. Reporting
+    the host's load beside each point shows when a measurement is the host's limit rather than the GPUs'.
+    """
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        stats = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    except OSError:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+            todo += children.get(pid, [])
+    return total / tick
 
 
 class MetricsProbe:
     """Scrapes `url/metrics` every `period_s` until stopped; `scrapes` holds them in time order."""
 
-    def __init__(self, client: httpx.AsyncClient, period_s: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, period_s: float, cpu_pid: int | None = None) -> None:
         self.client, self.period_s = client, period_s
+        self.cpu_pid = cpu_pid  # with it, each scrape also records the host CPU of that process tree
         self.scrapes: list[Scrape] = []
         self._task: asyncio.Task | None = None
 
     async def scrape(self) -> Scrape:
         response = await self.client.get("/metrics")
         response.raise_for_status()
-        return parse_metrics(response.text, time.perf_counter())
+        s = parse_metrics(response.text, time.perf_counter())
+        if self.cpu_pid is not None and (cpu := process_tree_cpu_s(self.cpu_pid)) is not None:
+            s.cpu_s = cpu + sum(os.times()[:2])  # the load generator's own CPU counts too
+        return s
 
     async def _run(self) -> None:
         while True:

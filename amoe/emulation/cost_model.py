@@ -202,6 +202,39 @@ def upper_bound_throughput(
     )
 
 
+def ep_upper_bound_throughput(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    popularity: np.ndarray,
+    *,
+    num_devices: int,
+    mean_context: float,
+    host: HostOverhead = NO_HOST,
+    max_batch: int = 4096,
+) -> float:
+    """Decode tokens/s of barrier-synchronised EP at its best: every device runs a full batch (its KV or
+    max_batch), transfers and host time between steps are free, and routing is its expectation (sampling noise
+    only adds stalls). Per block each device runs attention on its batch, then the barrier waits for the device
+    whose experts (e mod num_devices) got the most rows — num_devices · batch · top_k · popularity[block, e] —
+    then the head. popularity [num_blocks, num_experts]: the routing override's per-block expert shares."""
+    local = [list(range(d, model.num_experts, num_devices)) for d in range(num_devices)]
+    weights = attention_rank_weight_bytes(model) + expert_rank_weight_bytes(model, max(map(len, local)))
+    batch = min(max_batch, int(kv_capacity_tokens(gpu, model, weights) // max(mean_context, 1.0)))
+    if batch < 1:
+        return 0.0
+    ctx = int(round(mean_context))
+    tokens = num_devices * batch * model.top_k
+    iteration = head_time(model, gpu, batch, host=host)
+    for shares in popularity:
+        slowest = max(
+            sum(expert_layer_time(model, gpu, max(1, round(tokens * shares[e])), host) for e in experts)
+            for experts in local
+            if experts
+        )
+        iteration += decode_attention_time(model, gpu, batch, ctx, host) + slowest
+    return num_devices * batch / iteration
+
+
 def _swiglu_phases(model: ModelProfile, gpu: GpuProfile, rows: int, inter: int) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of gate_up GEMM, SiLU·mul and down GEMM for one SwiGLU of width `inter`."""
     h, bp, ba = model.hidden_size, model.bytes_per_param, model.bytes_per_activation

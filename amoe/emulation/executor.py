@@ -30,7 +30,7 @@ from amoe.emulation.routing import RouterOverride, RoutingSpec, row_keys
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import BlockManager
-from amoe.runtime.executors import AttentionExecutor
+from amoe.runtime.executors import AttentionExecutor, RankRequest
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class EmulationConfig:
     host: str = "amoe-paper"  # host overhead of the emulated serving system: amoe-paper | none
     wire_hidden: int | None = None  # width of placeholder rows on the wire; None: the model's hidden size
     spin_s: float = 0.0  # wall seconds each hold busy-waits at its end (0: sleep only, kind to shared cores)
+    decode_only: bool = False  # skip prefill: a prompt's KV is taken as written (the AMoE paper's §5 set-up)
 
     def __post_init__(self) -> None:
         gpu_profile(self.gpu)
@@ -129,6 +130,7 @@ class Emulation:
             kv_blocks=kv_blocks or self.kv_blocks(block_size),
             block_size=block_size,
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
+            decode_only=self.config.decode_only,
         )
 
 
@@ -174,6 +176,7 @@ class EmulatedAttentionExecutor(AttentionExecutor):
         block_size: int = 16,
         max_model_len: int | None = None,
         dtype: torch.dtype = torch.float32,
+        decode_only: bool = False,
     ) -> None:
         if (router.num_experts, router.top_k) != (cfg.num_experts, cfg.top_k):
             raise ConfigError("the router's experts/top-k differ from the runtime's model config")
@@ -186,6 +189,20 @@ class EmulatedAttentionExecutor(AttentionExecutor):
         self.sampler = _PlaceholderSampler(_placeholder_token(cfg))
         self.profile, self.gpu, self.router, self.clock, self.host = profile, gpu, router, clock, host
         self.dtype = dtype
+        self.decode_only = decode_only
+
+    def add_request(self, request_id: int, prompt: list[int], params) -> RankRequest:
+        """As AttentionExecutor's; decode-only: the prompt's KV counts as written (the paper fills it with dummy
+        data and measures decoding only), so only its last token enters, as a decode row whose context is the
+        whole prompt. Its KV blocks are reserved when that row first reaches block 0 (on the loop thread)."""
+        if not self.decode_only:
+            return super().add_request(request_id, prompt, params)
+        self._validate(request_id, prompt)
+        req = RankRequest(list(prompt), params)
+        with self._lock:
+            self.requests[request_id] = req
+        self._add_tokens([request_id], [prompt[-1]], [len(prompt) - 1], 1)
+        return req
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -195,6 +212,8 @@ class EmulatedAttentionExecutor(AttentionExecutor):
         n = batch.num_rows
         chunk_lens = np.diff(batch.cu_rows.numpy())  # [R]
         if batch.block == 0:
+            if self.decode_only:
+                self._reserve_prompts(batch)
             self._attn_input(batch)  # only for its KV slot allocation, taken when a chunk enters block 0
         if batch.block == self.cfg.num_blocks:
             t = cost_model.head_time(self.profile, self.gpu, len(chunk_lens), n, self.host)
@@ -213,6 +232,13 @@ class EmulatedAttentionExecutor(AttentionExecutor):
 
     def stats(self) -> dict:
         return self.clock.stats()
+
+    def _reserve_prompts(self, batch: core.Batch) -> None:
+        """Decode-only: a request's first row reserves the KV its skipped prompt would have written."""
+        starts = batch.positions[batch.cu_rows[:-1]].tolist()
+        for rid, start in zip(batch.request_ids[batch.cu_rows[:-1]].tolist(), starts):
+            if start > 0 and not self.blocks.has(str(rid)):
+                self.blocks.allocate(str(rid), start)
 
 
 class _PlaceholderSampler:

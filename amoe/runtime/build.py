@@ -39,7 +39,7 @@ def emulation(config: AmoeConfig, model_dir: str | Path | None) -> Any:
     ex = config.executor
     em_config = EmulationConfig(
         gpu=ex.gpu, model=ex.profile, top_k=ex.top_k, time_scale=ex.time_scale, routing=ex.routing,
-        seed=ex.seed, host=ex.host_overhead, wire_hidden=EMULATED_WIRE_HIDDEN,
+        seed=ex.seed, host=ex.host_overhead, wire_hidden=EMULATED_WIRE_HIDDEN, decode_only=ex.decode_only,
     )  # fmt: skip
     checkpoint = None if ex.profile is not None else load_model_config(model_dir)
     return Emulation(em_config, checkpoint)
