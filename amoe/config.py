@@ -119,6 +119,8 @@ class ExecutorSection:
     # emulated: skip prefill as the AMoE paper's evaluation does (KV "populated with dummy data"): a prompt's KV is
     # taken as written and only its last token enters, so throughput is decode throughput.
     decode_only: bool = False
+    # emulated: GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
+    gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
         _choice("executor.kind", self.kind, ("torch", "emulated"))
@@ -127,6 +129,8 @@ class ExecutorSection:
         _positive("executor.time_scale", self.time_scale)
         if self.top_k is not None:
             _positive("executor.top_k", self.top_k)
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"executor.gpus_per_node must be >= 0; got {self.gpus_per_node}")
         from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile  # no torch import
         from amoe.emulation.routing import RoutingSpec
 

@@ -59,6 +59,8 @@ COMM_COUNTERS = (
     ("amoe_comm_sent_messages", "messages_out", "Messages sent to other runtimes"),
     ("amoe_comm_received_messages", "messages_in", "Messages received from other runtimes"),
     ("amoe_comm_timeouts", "timeouts", "Transfers not done within transport.timeout_s"),
+    ("amoe_comm_delayed_messages", "delayed_messages", "Messages held by an emulated link"),
+    ("amoe_comm_link_delay_seconds", "delay_s", "Wall seconds messages were held by emulated links"),
 )
 COMM_DROP_REASONS = ("garbage", "truncated", "version", "inconsistent")  # cpp/zmq_comm.h kDropNames
 

@@ -187,7 +187,10 @@ void register_engine(py::module_& m) {
             }
             return out;
           },
-          py::arg("timeout") = 0.0, "Every waiting message (waits up to timeout seconds for the first).");
+          py::arg("timeout") = 0.0, "Every waiting message (waits up to timeout seconds for the first).")
+      .def("interrupt", &Communicator::interrupt,
+           py::call_guard<py::gil_scoped_release>(),  // the inbox lock may be contended by engine threads
+           "Wakes a recv() that is waiting (it returns what is ready, perhaps nothing).");
 
   py::class_<LoopbackHub, std::shared_ptr<LoopbackHub>>(m, "LoopbackHub",
                                                         "In-process inboxes for N runtimes.")

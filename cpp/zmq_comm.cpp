@@ -1,5 +1,6 @@
-// ZmqCommunicator: construction, connect/close, outbound sends (with the backlog the I/O thread retries), the
-// inbox and statistics. The inbound half (the I/O thread and the lane threads) is in zmq_inbound.cpp.
+// ZmqCommunicator: construction, connect/close, outbound sends (with the backlog the I/O thread retries) and
+// statistics. The inbound half (the I/O thread and the lane threads) is in zmq_inbound.cpp; the inbox recv()
+// drains, with its emulated links, in zmq_inbox.cpp.
 #include "zmq_comm.h"
 
 #include <sys/eventfd.h>
@@ -244,35 +245,6 @@ void ZmqCommunicator::send_or_park(Peer& peer, Outgoing&& out) {
   wake_io();  // so the I/O thread polls on its short tick and retries
 }
 
-size_t ZmqCommunicator::recv(std::vector<Message>* out, std::chrono::microseconds timeout) {
-  // The lock pairs with deliver(); the wait drops it so the I/O and lane threads never block on recv().
-  std::unique_lock<std::mutex> lock(inbox_mu_);
-  if (inbox_.empty() && !interrupted_) {
-    inbox_cv_.wait_for(lock, timeout, [&] { return !inbox_.empty() || interrupted_; });
-  }
-  interrupted_ = false;
-  const size_t n = inbox_.size();
-  for (auto& m : inbox_) out->push_back(std::move(m));
-  inbox_.clear();
-  return n;
-}
-
-void ZmqCommunicator::interrupt() {
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);  // a receiver between its check and its wait sees the flag
-    interrupted_ = true;
-  }
-  inbox_cv_.notify_all();
-}
-
-void ZmqCommunicator::deliver(Message msg) {
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);  // see recv()
-    inbox_.push_back(std::move(msg));
-  }
-  inbox_cv_.notify_one();
-}
-
 void ZmqCommunicator::wake_io() {
   const uint64_t one = 1;
   if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));  // EAGAIN: a wake-up is already pending
@@ -385,6 +357,8 @@ CommStats ZmqCommunicator::stats() const {
   s.backlog = backlog_.load(r);
   s.in_flight_send = in_flight_send_.load(r);
   s.in_flight_recv = in_flight_recv_.load(r);
+  s.delayed_messages = delayed_messages_.load(r);
+  s.delay_s = static_cast<double>(delay_ns_.load(r)) * 1e-9;
   std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()
   for (const auto& [peer, why] : failed_) s.failed_peers.push_back(peer);
   s.departed_peers = departed_;

@@ -12,7 +12,7 @@
 // transfers and enforces timeouts. Two-phase transfers are completed by one waiter thread per peer and
 // direction (the process-group API offers only a blocking wait), so neither the senders nor the I/O
 // thread block and many transfers stay in flight; a received message enters the inbox only once its
-// tensor is complete.
+// tensor is complete. Emulated links (set_link_delays) then hold it for its time in flight (zmq_inbox.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -72,6 +72,8 @@ struct CommStats {
   std::vector<int> failed_peers;
   std::vector<int> departed_peers;  // peers that said goodbye (closed in order)
   std::string last_error;
+  int64_t delayed_messages = 0;  // held back by an emulated link (set_link_delays)
+  double delay_s = 0;            // their total hold, from arrival to ready
 };
 
 class ZmqCommunicator : public Communicator {
@@ -97,6 +99,11 @@ class ZmqCommunicator : public Communicator {
   void send(int dest, Message msg) override;
   size_t recv(std::vector<Message>* out, std::chrono::microseconds timeout) override;
   void interrupt() override;
+  // Emulated links (docs/emulation.md), one entry per source runtime, in wall seconds: a message of n rows
+  // from src reaches recv() once src's link has carried it (latency_s[src] + n * seconds_per_row[src], one
+  // message after another). Zeros (the default) hold nothing; messages to itself are never held. Before
+  // connect(), so a source's ready times never go backwards.
+  void set_link_delays(const std::vector<double>& latency_s, const std::vector<double>& seconds_per_row);
 
   CommStats stats() const;
   std::vector<int> failed_peers() const;
@@ -117,6 +124,9 @@ class ZmqCommunicator : public Communicator {
   void drain_monitor();
   void handle_inbound(std::vector<void*>& frames, size_t num_frames);
   void deliver(Message msg);
+  Clock::time_point link_ready(const MessageHeader& h, Clock::time_point now);
+  Clock::time_point earliest_ready() const;
+  size_t take_ready(std::vector<Message>* out, Clock::time_point now);
   void post_recv(const TransferHeader& th, Message msg);
   void check_deadlines();
   void finish(const std::shared_ptr<Pending>& p, bool ok, const std::string& error);
@@ -151,16 +161,25 @@ class ZmqCommunicator : public Communicator {
   std::mutex out_mu_;  // messages sent before connect(), which sends them
   std::deque<Outgoing> out_;
 
-  std::mutex inbox_mu_;  // the I/O thread and lane threads fill, recv() drains
+  struct Inbound {
+    Clock::time_point ready;  // when recv() may have it: its arrival, or later if an emulated link holds it
+    Message msg;
+  };
+  std::mutex inbox_mu_;  // the I/O thread and lane threads fill, recv() drains; also guards the links below
   std::condition_variable inbox_cv_;
-  std::deque<Message> inbox_;
+  std::deque<Inbound> inbox_;  // arrival order
   bool interrupted_ = false;
+  // Emulated links per source runtime (empty: none): latency and transfer seconds per row, and when each link
+  // is done carrying what it was given.
+  std::vector<double> link_latency_s_, link_s_per_row_;
+  std::vector<Clock::time_point> link_free_;
 
   // Counters are relaxed atomics: they are statistics, nothing orders against them.
   std::atomic<int64_t> messages_in_{0}, messages_out_{0}, bytes_in_{0}, bytes_out_{0}, messages_local_{0};
   std::array<std::atomic<int64_t>, kNumDropKinds> dropped_{};
   std::atomic<int64_t> timeouts_{0}, transfer_errors_{0}, send_blocked_{0}, send_dropped_{0}, backlog_{0};
   std::atomic<int64_t> in_flight_send_{0}, in_flight_recv_{0};
+  std::atomic<int64_t> delayed_messages_{0}, delay_ns_{0};
   std::array<std::atomic<bool>, kNumDropKinds> drop_logged_{};
 
   mutable std::mutex peers_mu_;  // failed / departed sets and last_error, read by stats() on any thread

@@ -66,6 +66,8 @@ py::dict stats_dict(const CommStats& s) {
   d["failed_peers"] = s.failed_peers;
   d["departed_peers"] = s.departed_peers;
   d["last_error"] = s.last_error;
+  d["delayed_messages"] = s.delayed_messages;
+  d["delay_s"] = s.delay_s;
   return d;
 }
 
@@ -95,12 +97,18 @@ void register_comm(py::module_& m) {
       .def(
           "__exit__", [](ZmqCommunicator& c, py::args) { c.close(); },
           py::call_guard<py::gil_scoped_release>())  // joins threads that may need the GIL
+      .def("set_link_delays", &ZmqCommunicator::set_link_delays, py::arg("latency_s"),
+           py::arg("seconds_per_row"),
+           "Emulated links, one entry per source runtime (wall seconds; zeros: none): a message of n rows "
+           "from "
+           "src reaches recv() latency_s[src] + n * seconds_per_row[src] after src's link is free. Before "
+           "connect().")
       .def("failed_peers", &ZmqCommunicator::failed_peers,
            "Runtimes whose transfer timed out or failed (for the cluster manager).")
       .def(
           "stats", [](const ZmqCommunicator& c) { return stats_dict(c.stats()); },
           "A snapshot: messages/bytes in and out, drops by kind, timeouts, failed peers, in-flight "
-          "transfers.");
+          "transfers, messages held by emulated links.");
 }
 
 }  // namespace amoe

@@ -175,6 +175,7 @@ class ClusterBackend(Backend):
                 "gpu": ex.gpu,
                 "profile": ex.profile,
                 "time_scale": ex.time_scale,
+                "gpus_per_node": ex.gpus_per_node,
             }
         if self.cluster.failure is not None:
             report["error"] = self.cluster.failure

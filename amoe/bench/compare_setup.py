@@ -21,6 +21,7 @@ class Setup:
     profile: str = "mixtral-8x7b-mqa"
     gpu: str = "a100-80g"
     group: str = "main"  # setups of one group are compared with each other
+    gpus_per_node: int = 0  # 0: one node; else messages between nodes take the network's time
 
     @property
     def name(self) -> str:
@@ -80,8 +81,9 @@ PRESETS: dict[str, Preset] = {
             _group("medium", replace(_AEP, workload="medium"), replace(_EP, workload="medium")),
             _group(
                 "16gpu",
-                Setup("aep", 8, 8, profile="mixtral-8x7b-16e"),
-                Setup("ep", 16, profile="mixtral-8x7b-16e"),
+                # Two 8-GPU nodes, as the paper's p4d pair (§5.2): runtimes on different nodes talk over the network.
+                Setup("aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8),
+                Setup("ep", 16, profile="mixtral-8x7b-16e", gpus_per_node=8),
             ),
         ),
     ),
@@ -131,6 +133,8 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
     ]  # fmt: skip
     if setup.mode != "ep":
         flags += ["--expert-ranks", str(setup.experts)]
+    if setup.gpus_per_node:
+        flags += ["--executor-gpus-per-node", str(setup.gpus_per_node)]
     return flags
 
 

@@ -81,6 +81,18 @@ def placement(config: AmoeConfig, num_experts: int) -> Placement:
     return Placement(par.mode, ("attention",) * a + ("expert",) * m, tuple(range(a)), hosts, expert_device)
 
 
+def link_delays(config: AmoeConfig, em: Any, rank: int) -> tuple[list[float], list[float]]:
+    """(latency_s, seconds_per_row) per source runtime for `rank`'s communicator: the emulated GPU's links, with
+    runtimes placed on nodes of `executor.gpus_per_node` (emulated runs only)."""
+    from amoe.emulation.links import link_delays as delays
+    from amoe.emulation.links import runtime_nodes
+
+    par, ex = config.parallel, config.executor
+    num_expert = 0 if par.mode == "ep" else par.expert_ranks
+    nodes = runtime_nodes(par.mode, par.attn_ranks, num_expert, ex.gpus_per_node)
+    return delays(em.gpu, em.profile, nodes, rank, ex.time_scale)
+
+
 def kv_blocks(config: AmoeConfig, em: Any, num_local_experts: int = 0) -> int:
     """KV blocks of one attention rank: `cache.num_blocks`, or (emulated) what the GPU's memory holds beside the
     attention weights and, in EP, the experts sharing the GPU."""

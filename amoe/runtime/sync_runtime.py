@@ -37,7 +37,7 @@ class SyncRuntime:
         )
         self.model_config = cfg = build.runtime_model_config(self.config, spec.model_dir)
         self.placement = place = build.placement(self.config, cfg.num_experts)
-        self.comm = communicator(spec, len(place.roles), self.config)
+        self.comm = communicator(spec, len(place.roles), self.config, self.emulation)
         self.device = self._device(spec.model_dir)
         self.executor = self.device.attention  # what the control plane talks to (None on an expert device)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"

@@ -50,7 +50,7 @@ class Runtime:
         self.placement = core.Placement.disaggregated(
             par.attn_ranks, par.expert_ranks, self.model_config.num_experts
         )
-        self.comm = communicator(spec, self.placement.num_runtimes, self.config)
+        self.comm = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
         self.engine = core.Engine(self._engine_config(), self.comm)
         self.executor = self._executor(spec.model_dir)
         self.reporter = RuntimeReporter(self.id, self.engine, self.executor, self.comm)  # times each layer
@@ -121,16 +121,21 @@ def make_runtime(spec: wire.WorkerSpec) -> Any:
     return Runtime(spec)
 
 
-def communicator(spec: wire.WorkerSpec, num_runtimes: int, config: AmoeConfig) -> Any:
+def communicator(spec: wire.WorkerSpec, num_runtimes: int, config: AmoeConfig, em: Any = None) -> Any:
+    """This runtime's ZmqCommunicator; with an emulation `em`, its links hold messages for their time in flight."""
     plane = config.transport.plane
     make = getattr(core, "ZmqCommunicator", None) or getattr(core._core, "ZmqCommunicator", None)
     if make is None:
         raise TransportError("this build of amoe._core has no ZmqCommunicator; rebuild with `make install`")
     group = None if plane == "inline" else _process_group(spec, num_runtimes, plane)
-    return make(
+    comm = make(
         spec.runtime, num_runtimes, bind=spec.data_bind, plane=plane, process_group=group,
         timeout_s=config.transport.timeout_s,
     )  # fmt: skip
+    if em is not None:
+        # Loopback delivers at once; an emulated GPU's messages should take the time its links would.
+        comm.set_link_delays(*build.link_delays(config, em, spec.runtime))
+    return comm
 
 
 def _process_group(spec: wire.WorkerSpec, num_runtimes: int, plane: str) -> Any:
