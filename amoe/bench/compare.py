@@ -25,6 +25,7 @@ from amoe.bench.compare_setup import (
     preset,
     profile_name,
     serve_flags,
+    time_scale,
     upper_bound,
 )
 
@@ -129,7 +130,7 @@ async def _point(server, setup: Setup, p: Preset, seed: int, rate: float, kind: 
     from amoe.bench.serve import run_requests
     from amoe.bench.workloads import make_requests, make_workload
 
-    scale = p.time_scale
+    scale = time_scale(setup, p)
     num = max(4, round(rate * p.duration_s))
     arrivals = arrival_times(num, rate / scale, 1.0, seed)
     requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
