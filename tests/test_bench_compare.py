@@ -107,3 +107,21 @@ def test_only_groups_keeps_the_named_groups():
     assert only_groups(full, ["main"]).policy_base == full.policy_base
     with pytest.raises(ConfigError, match="no group nope"):
         only_groups(full, ["nope"])
+
+
+def test_scaling_compares_each_modes_best_on_16_and_8_gpus():
+    from amoe.bench.compare_report import scaling
+
+    def pt(group, mode, tput):
+        return {"group": group, "setup": {"mode": mode}, "throughput": tput}
+
+    points = [
+        pt("16e8gpu", "aep", 100),
+        pt("16e8gpu", "aep", 120),
+        pt("16gpu", "aep", 228),
+        pt("16e8gpu", "ep", 90),
+    ]
+    points += [pt("16gpu", "ep", 99), pt("main", "aep", 1000)]
+    assert scaling(points) == {"aep_16gpu_over_8gpu": 1.9, "ep_16gpu_over_8gpu": 1.1}
+    assert scaling([pt("main", "aep", 5)]) == {}
+    assert "16e8gpu" in {s.group for g in PRESETS["full"].extra for s in g}

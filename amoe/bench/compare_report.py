@@ -20,6 +20,23 @@ def headline(points: list[dict[str, Any]], p: Preset, seed: int = 0) -> dict[str
         prefix = "" if group == "main" else f"{group}_"
         out.update({f"{prefix}{k}": v for k, v in _group_ratios(points, group, p, seed).items()})
     out.update(_policy_ratios(points))
+    out.update(scaling(points))
+    return out
+
+
+def scaling(points: list[dict[str, Any]], small: str = "16e8gpu", large: str = "16gpu") -> dict[str, Any]:
+    """Figure 10: each mode's best throughput on two nodes (16 GPUs) over one node (8), same 16-expert model."""
+    out: dict[str, Any] = {}
+    for mode in ("aep", "ep"):
+        best = {
+            g: max(
+                (pt["throughput"] for pt in points if pt["group"] == g and pt["setup"]["mode"] == mode),
+                default=0,
+            )
+            for g in (small, large)
+        }
+        if best[small] and best[large]:
+            out[f"{mode}_16gpu_over_8gpu"] = _ratio(best[large], best[small])
     return out
 
 

@@ -76,7 +76,7 @@ PRESETS: dict[str, Preset] = {
         duration_s=2.0, time_scale=25.0, attn_cap=256, expert_cap=512, blocks=4,
     ),
     # Each setup's maximum, top-2, the medium workload and two nodes (paper Figures 9-11). Time scale 40 keeps the
-    # host near one core at 8 GPUs' top load; the 16-GPU group runs twice as slow again. About an hour here.
+    # host near one core at 8 GPUs' top load; the 16-GPU group runs twice as slow again. About 75 min here.
     "full": Preset(
         sweeps=_group("main", _AEP, _EP),
         loads=(0.4, 0.8, 1.2), policy_load=0.8, policy_base=_AEP,
@@ -84,6 +84,12 @@ PRESETS: dict[str, Preset] = {
         extra=(
             _group("top2", replace(_AEP, top_k=2), replace(_EP, top_k=2)),
             _group("medium", replace(_AEP, workload="medium"), replace(_EP, workload="medium")),
+            # Figure 10's baseline: the 16-expert model on one 8-GPU node, for the scaling ratios below.
+            _group(
+                "16e8gpu",
+                Setup("aep", 4, 4, profile="mixtral-8x7b-16e"),
+                Setup("ep", 8, profile="mixtral-8x7b-16e"),
+            ),
             _group(
                 "16gpu",
                 # Two 8-GPU nodes, as the paper's p4d pair (§5.2): runtimes on different nodes talk over the network.
