@@ -28,6 +28,7 @@ from amoe.bench.compare_setup import (
     time_scale,
     upper_bound,
 )
+from amoe.bench.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,6 @@ async def _run_preset(p: Preset, seed: int) -> list[dict[str, Any]]:
 
 async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
     """The load sweep of one setup; the base setup of the policy comparison also runs its policy point."""
-    from amoe.bench.servers import ServerProcess
-
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
     server = ServerProcess(serve_flags(setup, p, seed))
     with server:
@@ -109,14 +108,14 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
-    from amoe.bench.servers import ServerProcess
-
     server = ServerProcess(serve_flags(setup, p, seed))
     with server:
         return [await _point(server, setup, p, seed, rate, kind) for rate in rates]
 
 
-async def _point(server, setup: Setup, p: Preset, seed: int, rate: float, kind: str) -> dict[str, Any]:
+async def _point(
+    server: ServerProcess, setup: Setup, p: Preset, seed: int, rate: float, kind: str
+) -> dict[str, Any]:
     """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration, measured by the
     server's counters over the steady part; requests still running at the end are cancelled (aborted).
 
@@ -190,15 +189,13 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
     first, last = window
     wall_s = last.t - first.t
     emulated_s = wall_s / scale
-    itl_n = last.itl_count - first.itl_count
-    ttft_n = last.ttft_count - first.ttft_count
     point.update(
         throughput=(last.tokens - first.tokens) / emulated_s,  # output tokens per emulated second
         window_tokens=last.tokens - first.tokens,
-        itl_ms_mean=(last.itl_sum - first.itl_sum) / itl_n * 1000 / scale if itl_n else None,
+        itl_ms_mean=_mean_ms(first, last, "itl", scale),
         itl_ms_p50=_ms(histogram_quantile(0.5, first, last), scale),
         itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
-        ttft_ms_mean=(last.ttft_sum - first.ttft_sum) / ttft_n * 1000 / scale if ttft_n else None,
+        ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
         # Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's
         # work around it): how busy the emulated devices were, read from them rather than inferred from ITL.
         busy={k: round((v - first.busy.get(k, 0.0)) / wall_s, 3) for k, v in sorted(last.busy.items())},
@@ -210,6 +207,12 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
     )
     return point
+
+
+def _mean_ms(first, last, name: str, scale: float) -> float | None:
+    """Mean of a histogram (itl, ttft) between two scrapes, in emulated ms."""
+    n = getattr(last, f"{name}_count") - getattr(first, f"{name}_count")
+    return (getattr(last, f"{name}_sum") - getattr(first, f"{name}_sum")) / n * 1000 / scale if n else None
 
 
 def _ms(seconds: float | None, scale: float) -> float | None:

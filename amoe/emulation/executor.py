@@ -197,10 +197,7 @@ class EmulatedAttentionExecutor(AttentionExecutor):
         whole prompt. Its KV blocks are reserved when that row first reaches block 0 (on the loop thread)."""
         if not self.decode_only:
             return super().add_request(request_id, prompt, params)
-        self._validate(request_id, prompt)
-        req = RankRequest(list(prompt), params)
-        with self._lock:
-            self.requests[request_id] = req
+        req = self._bind(request_id, prompt, params)
         self._add_tokens([request_id], [prompt[-1]], [len(prompt) - 1], 1)
         return req
 

@@ -78,12 +78,17 @@ class AttentionExecutor:
 
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
         """Bind a request to this rank; its prompt enters ATTN (0, rank) as one chunk. Any thread."""
+        req = self._bind(request_id, prompt, params)
+        n = len(prompt)
+        self._add_tokens([request_id], prompt, [0] * n if n else [], n)
+        return req
+
+    def _bind(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
+        """Validate and register a request (no tokens enter yet)."""
         self._validate(request_id, prompt)
         req = RankRequest(list(prompt), params, generator=_generator(params))
         with self._lock:
             self.requests[request_id] = req
-        n = len(prompt)
-        self._add_tokens([request_id], prompt, [0] * n if n else [], n)
         return req
 
     def abort(self, request_id: int) -> bool:
