@@ -180,6 +180,7 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
     from amoe.bench.probe import histogram_quantile
 
     point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
+    point["time_scale"] = scale
     window = probe.window(start + _WARMUP_FRACTION * span, start + span)
     completed = [r for r in done if r.success]
     point["completed"] = len(completed)

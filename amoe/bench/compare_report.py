@@ -97,10 +97,10 @@ def _round(x: float | None, digits: int = 2) -> float | None:
 
 def table(points: list[dict[str, Any]]) -> str:
     """One row per load point (emulated time); busy = mean fraction of the window each role's runtimes ran layers;
-    host = CPU cores the server and the load generator used."""
+    host = CPU cores the server and the load generator used; scale = the setup's wall seconds per emulated second."""
     head = (
         f"{'config':<32} {'kind':<6} {'req/s':>8} {'tok/s':>9} {'ITL mean':>9} {'p50':>7} {'p90':>7} "
-        f"{'TTFT':>7} {'busy':>11} {'host':>5}"
+        f"{'TTFT':>7} {'busy':>11} {'host':>5} {'scale':>5}"
     )
     rows = [head, "-" * len(head)]
     for pt in points:
@@ -108,7 +108,7 @@ def table(points: list[dict[str, Any]]) -> str:
             f"{pt['config']:<32} {pt['kind']:<6} {pt['rate']:>8.1f} {pt['throughput']:>9.0f} "
             f"{_fmt(pt['itl_ms_mean'])} {_fmt(pt['itl_ms_p50'], 7)} {_fmt(pt['itl_ms_p90'], 7)} "
             f"{_fmt(pt.get('ttft_ms_mean'), 7)} {busy_summary(pt.get('busy') or {}):>11} "
-            f"{_fmt(pt.get('host_cores'), 5)}"
+            f"{_fmt(pt.get('host_cores'), 5)} {pt.get('time_scale', 0):>5g}"
         )
     return "\n".join(rows)
 

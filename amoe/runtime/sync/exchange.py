@@ -84,15 +84,21 @@ class Exchanger:
         *,
         info: int = 0,
         flags: int = 0,
+        framed: torch.Tensor | None = None,
     ) -> None:
-        """Send payload `data [n, H]` with per-row metadata `rows` (make_message fields) to `dest`."""
-        if data is None:
-            data = torch.zeros(0, 1)
+        """Send payload `data [n, H]` with per-row metadata `rows` (make_message fields) to `dest`.
+
+        `framed` [1 + n, H] (from frame()) instead of data: a body whose row 0 is left for the tag row, filled in
+        place by the caller, so the payload is not copied again to put the tag row in front of it."""
         if dest == self.rank:
-            meta = rows if rows is not None else {}
-            self._file(Parcel(self.rank, tag, info, flags, meta, data))
+            payload = framed[1:] if framed is not None else data if data is not None else torch.zeros(0, 1)
+            self._file(Parcel(self.rank, tag, info, flags, rows if rows is not None else {}, payload))
             return
-        self.comm.send(dest, _message(self.rank, tag, data, rows, info, flags))
+        if framed is None:
+            framed = frame(0 if data is None else data.shape[0], data)
+            if data is not None:
+                framed[1:] = data
+        self.comm.send(dest, _message(self.rank, tag, framed, rows, info, flags))
 
     def gather(self, tag: Tag, sources: Iterable[int]) -> dict[int, Parcel]:
         """One parcel of `tag` from every source, keyed by source rank; waits at most timeout_s."""
@@ -135,36 +141,55 @@ class Exchanger:
         got[parcel.src] = parcel
 
 
+def frame(n: int, like: torch.Tensor | None) -> torch.Tensor:
+    """A message body [1 + n, *like.shape[1:]] of like's dtype: row 0 is the tag row (zeros), rows 1.. are for the
+    payload. Writing the payload into [1:] (index_select(out=), a scatter) spares one copy of it per message."""
+    if like is None:
+        return torch.zeros(1 + n, 1)
+    body = like.new_empty(1 + n, *like.shape[1:])
+    body[0] = 0
+    return body
+
+
+# The int64 RowMeta fields a tag row sets; the payload rows' values come from the sender's `rows`.
+_INT_FIELDS = (
+    "request_id",
+    "kind",
+    "block",
+    "index",
+    "position",
+    "chunk_start",
+    "chunk_len",
+    "slot",
+    "attn_rank",
+)
+_CHUNK_LEN = _INT_FIELDS.index("chunk_len")
+
+
 def _message(
-    rank: int, tag: Tag, data: torch.Tensor, rows: dict[str, torch.Tensor] | None, info: int, flags: int
+    rank: int, tag: Tag, framed: torch.Tensor, rows: dict[str, torch.Tensor] | None, info: int, flags: int
 ) -> core.Message:
-    """The wire message: the tag row, then the payload rows."""
-    n = data.shape[0]
+    """The wire message: the tag row, then the payload rows (framed [1 + n, ...], row 0 the tag row's data).
+
+    Built as one [fields, 1 + n] matrix instead of a tensor per field: an EP device sends 2 × devices of these
+    per block, and per-field tensor ops were most of its host time."""
+    n = framed.shape[0] - 1
     rows = rows or {}
-    head = {
-        "request_id": tag.iteration,
-        "kind": core.EXPERT if tag.phase == DISPATCH else core.ATTN,
-        "block": tag.block,
-        "index": tag.micro,
-        "position": info,
-        "chunk_start": flags,
-        "chunk_len": 0,
-        "slot": tag.phase,
-        "attn_rank": rank,
-    }
-    cols = {}
-    for name, value in head.items():
-        payload = rows.get(name)
-        tail = torch.zeros(n, dtype=torch.int64) if payload is None else torch.as_tensor(payload).reshape(n)
-        cols[name] = torch.cat([torch.tensor([value]), tail.to(torch.int64)])
-    cols["chunk_len"][1:] = cols["chunk_len"][1:].clamp(min=1)  # payload rows never look like a tag row
-    for name, default, dtype in (("expert_id", -1, torch.int64), ("weight", 0.0, torch.float32)):
-        payload = rows.get(name)
-        tail = (
-            torch.full((n,), default, dtype=dtype)
-            if payload is None
-            else torch.as_tensor(payload, dtype=dtype)
-        )
-        cols[name] = torch.cat([torch.tensor([default], dtype=dtype), tail.reshape(n)])
-    framed = torch.cat([data.new_zeros(1, *data.shape[1:]), data])  # [1 + n, H]
-    return core.make_message(framed, **cols)
+    head = (
+        tag.iteration, core.EXPERT if tag.phase == DISPATCH else core.ATTN, tag.block, tag.micro,
+        info, flags, 0, tag.phase, rank,
+    )  # fmt: skip
+    ints = torch.zeros(len(_INT_FIELDS), 1 + n, dtype=torch.int64)
+    ints[:, 0] = torch.tensor(head)
+    for i, name in enumerate(_INT_FIELDS):
+        if (payload := rows.get(name)) is not None:
+            ints[i, 1:] = torch.as_tensor(payload).reshape(n)
+    ints[_CHUNK_LEN, 1:].clamp_(min=1)  # payload rows never look like a tag row
+    expert_id = torch.full((1 + n,), -1, dtype=torch.int64)
+    weight = torch.zeros(1 + n, dtype=torch.float32)
+    if (payload := rows.get("expert_id")) is not None:
+        expert_id[1:] = torch.as_tensor(payload).reshape(n)
+    if (payload := rows.get("weight")) is not None:
+        weight[1:] = torch.as_tensor(payload).reshape(n)
+    cols = dict(zip(_INT_FIELDS, ints))
+    return core.make_message(framed, expert_id=expert_id, weight=weight, **cols)

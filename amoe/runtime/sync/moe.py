@@ -11,7 +11,7 @@ import torch
 
 from amoe import core
 from amoe.runtime.sync.batch import LayerBatch
-from amoe.runtime.sync.exchange import COMBINE, Exchanger, Parcel, Tag
+from amoe.runtime.sync.exchange import COMBINE, Exchanger, Parcel, Tag, frame
 from amoe.runtime.sync.stats import SyncStats
 
 
@@ -41,10 +41,10 @@ class Routed:
 def send_dispatch(ex: Exchanger, tag: Tag, routed: Routed, plan: DispatchPlan) -> None:
     """Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device."""
     for dest in plan.sizes:
-        data, meta = plan.rows_for(
+        body, meta = plan.rows_for(
             dest, tag.block, routed.moe_input, routed.topk_weights, routed.request_ids, routed.positions
         )
-        ex.send(dest, tag, data, meta)
+        ex.send(dest, tag, rows=meta, framed=body)
 
 
 def serve_experts(
@@ -55,8 +55,8 @@ def serve_experts(
         parcels = ex.gather(tag, sources)
     outputs = run_experts(executor, tag.block, parcels, hidden, stats)
     back = Tag(tag.iteration, tag.block, COMBINE, tag.micro)
-    for src, out in outputs.items():
-        ex.send(src, back, out)
+    for src, body in outputs.items():
+        ex.send(src, back, framed=body)
 
 
 def receive_combine(
@@ -87,7 +87,8 @@ class DispatchPlan:
     def rows_for(
         self, dest: int, block: int, moe_input, topk_weights, request_ids, positions
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The payload for device `dest`: inputs [n, H] and per-row metadata (expert, weight, slot, who)."""
+        """The message body for device `dest` (exchange.frame: [1 + n, H], inputs in rows 1..) and per-row
+        metadata (expert, weight, slot, who)."""
         lo = self.offsets[dest]
         flat = self.order[lo : lo + self.sizes[dest]]  # [n]
         row, k = flat // self.shape[1], flat % self.shape[1]
@@ -102,7 +103,9 @@ class DispatchPlan:
             "slot": k + 1,
             "weight": topk_weights.reshape(-1)[flat],
         }
-        return moe_input[row], meta
+        body = frame(row.numel(), moe_input)
+        torch.index_select(moe_input, 0, row, out=body[1:])
+        return body, meta
 
     def combine(self, parcels: dict[int, Parcel], like: torch.Tensor) -> torch.Tensor:
         """Each device's outputs (in the order sent) → expert_out [N, K, H] in router order."""
@@ -120,27 +123,38 @@ class DispatchPlan:
 def run_experts(
     executor, block: int, parcels: dict[int, Parcel], hidden: int, stats: SyncStats
 ) -> dict[int, torch.Tensor]:
-    """Every hosted expert once on all rows received for it (from all sources); outputs per source, in the
-    order the source sent its rows."""
+    """Every hosted expert once on all rows received for it (from all sources) → per source, its message body
+    (exchange.frame: [1 + n, H]) with the outputs in the order the source sent its rows."""
     srcs = sorted(parcels)
     sizes = [parcels[s].num_rows for s in srcs]
     x = torch.cat([parcels[s].data for s in srcs]) if srcs else torch.zeros(0, hidden)  # [M, H]
     fields = ("expert_id", "weight", "request_id", "position")
     meta = {k: torch.cat([parcels[s].meta[k] for s in srcs]) for k in fields}
-    out = x.new_zeros(x.shape[0], hidden)
+    # One buffer holds every source's body back to back: source i's rows land one row (its tag row) after the
+    # rows of sources before it, so each expert's output is written once, straight into the message it leaves in.
+    body = x.new_empty(x.shape[0] + len(srcs), hidden)
+    shift = torch.repeat_interleave(torch.arange(1, len(srcs) + 1), torch.tensor(sizes, dtype=torch.int64))
     experts = meta["expert_id"]
-    for e in torch.unique(experts).tolist():  # ascending expert id; experts without rows do not run
-        idx = (experts == e).nonzero().flatten()
+    present = torch.unique(experts).tolist()  # ascending expert id; experts without rows do not run
+    for e in present:
+        whole = len(present) == 1  # one expert got every row (EP's usual case): its input needs no gather
+        idx = torch.arange(x.shape[0]) if whole else (experts == e).nonzero().flatten()
         batch = LayerBatch(
             kind="expert",
             block=block,
             index=e,
             request_ids=meta["request_id"][idx],
             positions=meta["position"][idx],
-            x=x[idx],
+            x=x if whole else x[idx],
             weights=meta["weight"][idx].float(),
         )
         with stats.busy():
-            out[idx] = executor.run(batch)
+            out = executor.run(batch)
+        body.index_copy_(0, idx + shift[idx], out.to(body.dtype))
         stats.count_expert_rows(block, e, idx.numel())
-    return dict(zip(srcs, out.split(sizes)))
+    bodies, start = {}, 0
+    for src, n in zip(srcs, sizes):
+        bodies[src] = body[start : start + 1 + n]
+        bodies[src][0] = 0
+        start += 1 + n
+    return bodies
