@@ -107,7 +107,7 @@ class Emulation:
 
     def expert_executor(self) -> EmulatedExpertExecutor:
         return EmulatedExpertExecutor(
-            self.profile, self.gpu, self.clock(), self.host, self.model_config.hidden_size, self.dtype
+            self.profile, self.gpu, self.clock(), self.host, self.model_config.hidden_size
         )
 
     def attention_executor(
@@ -130,15 +130,8 @@ class Emulation:
             kv_blocks=kv_blocks or self.kv_blocks(block_size),
             block_size=block_size,
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
-            dtype=self.dtype,
             decode_only=self.config.decode_only,
         )
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The placeholder rows' dtype: the profile's activation width, so the host moves the bytes the emulated
-        GPUs would (BF16: half of float32's copying on the 2 cores every runtime shares)."""
-        return _ACTIVATION_DTYPES[self.profile.bytes_per_activation]
 
 
 class EmulatedExpertExecutor:
@@ -255,7 +248,6 @@ class _PlaceholderSampler:
         return [self.token] * len(params)
 
 
-_ACTIVATION_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 # What AttentionExecutor.__init__ reads from a model: the lm_head's dtype (for its KV cache).
 _WEIGHTLESS = SimpleNamespace(head=SimpleNamespace(lm_head=torch.empty(0)))
 
