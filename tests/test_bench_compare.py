@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from amoe.bench.compare_report import busy_summary
+from amoe.bench.compare_report import busy_summary, throughput_at_itl
 from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
 from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
@@ -125,3 +125,17 @@ def test_scaling_compares_each_modes_best_on_16_and_8_gpus():
     assert scaling(points) == {"aep_16gpu_over_8gpu": 1.9, "ep_16gpu_over_8gpu": 1.1}
     assert scaling([pt("main", "aep", 5)]) == {}
     assert "16e8gpu" in {s.group for g in PRESETS["full"].extra for s in g}
+
+
+def test_throughput_at_itl_reads_the_curve_between_load_points():
+    sweep = [
+        {"rate": 1.0, "throughput": 100.0, "itl_ms_mean": 8.0},
+        {"rate": 2.0, "throughput": 200.0, "itl_ms_mean": 14.0},
+        {"rate": 3.0, "throughput": 210.0, "itl_ms_mean": 30.0},
+        {"rate": 4.0, "throughput": 0.0, "itl_ms_mean": None},  # a point that measured nothing
+    ]
+    assert throughput_at_itl(sweep, 11.0) == pytest.approx(150.0)  # halfway from 8 to 14 ms
+    assert throughput_at_itl(sweep, 14.0) == pytest.approx(200.0)
+    assert throughput_at_itl(sweep, 22.0) == pytest.approx(205.0)
+    assert throughput_at_itl(sweep, 99.0) == pytest.approx(210.0)
+    assert throughput_at_itl(sweep, 5.0) == 0.0  # faster than any measured point: nothing to claim
