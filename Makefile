@@ -47,6 +47,7 @@ bench: install
 	$(PY) bench/offline.py
 	$(PY) bench/scheduler.py
 	$(PY) bench/transport.py
+	$(PY) bench/metrics_endpoint.py
 
 clean:
 	rm -rf build *.egg-info amoe/*.so

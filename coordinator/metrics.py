@@ -9,6 +9,7 @@ runtime; `CounterOffsets` keeps them monotonic here when a runtime restarts and 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -20,10 +21,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 OUTCOMES = ("success", "error", "aborted")  # per endpoint, as the API answered
 REASONS = ("stop", "length", "abort", "error", "rejected")  # why a request ended
@@ -48,6 +49,11 @@ RUNTIME_GAUGES = (
 RUNTIME_COUNTERS = (
     ("amoe_runtime_busy_seconds", "busy_s", "Time the executor spent running layers"),
     ("amoe_runtime_idle_seconds", "idle_s", "Time the runtime loop waited for a batch (stall time)"),
+    (
+        "amoe_runtime_uptime_seconds",
+        "uptime_s",
+        "Time the runtime has run, as of the report busy_s came with",
+    ),
     ("amoe_runtime_received_tokens", "tokens_in", "Rows received by the receptor"),
     ("amoe_runtime_sent_tokens", "tokens_out", "Rows sent by the dispatcher"),
     ("amoe_runtime_sent_messages", "messages_out", "Messages sent by the dispatcher"),
@@ -115,7 +121,44 @@ class CoordinatorMetrics:
         self.finished.labels(reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return text_format(self.registry)
+
+
+_PLAIN_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_TEXT_TYPES = frozenset(("counter", "gauge", "histogram", "summary"))
+
+
+def text_format(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text format of `registry`, byte for byte what prometheus_client's `generate_latest` writes
+    for the families amoe exports (plain names, no `_created` samples), in a fraction of its time.
+
+    Why not `generate_latest`: it validates and escapes every metric and label name of every sample, for UTF-8
+    names; at 6 runtimes that was most of a /metrics request. amoe's names are plain (metric names are checked
+    here once per family, label names are fixed in this module); label values are still escaped.
+    """
+    out = []
+    for metric in registry.collect():
+        if metric.type not in _TEXT_TYPES or not _PLAIN_NAME.fullmatch(metric.name):
+            raise ValueError(
+                f"text_format writes plain-named counters, gauges and histograms, not {metric!r}"
+            )
+        name = f"{metric.name}_total" if metric.type == "counter" else metric.name
+        doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n")
+        for sample in metric.samples:
+            value = floatToGoString(sample.value)
+            if sample.labels:
+                labels = ",".join([f'{k}="{_escape_value(v)}"' for k, v in sorted(sample.labels.items())])
+                out.append(f"{sample.name}{{{labels}}} {value}\n")
+            else:
+                out.append(f"{sample.name} {value}\n")
+    return "".join(out).encode()
+
+
+def _escape_value(value: str) -> str:
+    if "\\" in value or "\n" in value or '"' in value:
+        value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
 
 
 class RequestClock:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from amoe.bench.compare import busy_fractions
 from amoe.bench.compare_report import busy_summary, throughput_at_itl
 from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
 from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
@@ -30,13 +31,24 @@ def test_parse_metrics_sums_series_and_quantiles():
             "amoe_request_ttft_seconds_count 4.0",
             'amoe_runtime_busy_seconds_total{runtime="0",role="attention"} 2.5',
             'amoe_runtime_busy_seconds_total{runtime="3",role="expert"} 1.5',
+            'amoe_runtime_uptime_seconds_total{runtime="0",role="attention"} 4.0',
         ]
     )
     s = parse_metrics(text, t=1.0)
     assert (s.tokens, s.queue_tokens, s.itl_count) == (120.0, 12.0, 10.0)
     assert (s.ttft_sum, s.ttft_count) == (0.5, 4.0)
     assert s.busy == {"attention 0": 2.5, "expert 3": 1.5}
+    assert s.uptime == {"attention 0": 4.0}
     assert histogram_quantile(0.5, Scrape(0.0), s) == pytest.approx(0.1 + 0.1 * (1 / 6))
+
+
+def test_busy_fraction_is_read_on_the_runtimes_clock():
+    # Scrapes 3 s apart carry reports 2 s apart (a heartbeat late at one end): busy 1.8 s of those 2 s is 0.9,
+    # where the scrapes' clock would say 0.6. A runtime with no new report in the window has no fraction.
+    first, last = Scrape(10.0), Scrape(13.0)
+    first.busy, first.uptime = {"attention 0": 5.0, "expert 1": 2.0}, {"attention 0": 7.5, "expert 1": 7.5}
+    last.busy, last.uptime = {"attention 0": 6.8, "expert 1": 2.0}, {"attention 0": 9.5, "expert 1": 7.5}
+    assert busy_fractions(first, last) == {"attention 0": 0.9}
 
 
 def test_busy_summary_and_host_cpu():

@@ -1,18 +1,16 @@
 """A real Prometheus (Debian's `prometheus`, on loopback, scraping every second) scrapes a live `amoe serve` with
 6 runtimes under a steady load: every PromQL expression of every dashboard panel returns series, the dashboard
-names only exported metrics, counters only grow, /metrics stays fast and bounded; `amoe queues` shows the queues.
+names only exported metrics, counters only grow, /metrics stays bounded; `amoe queues` shows the queues.
 """
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import json
 import os
 import re
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -248,22 +246,9 @@ def test_counters_only_increase(live):
     )
 
 
-def test_metrics_endpoint_is_fast_and_bounded(live):
-    # A new connection per request: on a kept-alive one, a server socket without TCP_NODELAY adds the client's
-    # delayed ACK (~40 ms) to any response written in two parts; that is the transport, not this endpoint.
-    host, port = live.server.url.removeprefix("http://").rsplit(":", 1)
-    timings = []
-    for _ in range(20):
-        start = time.perf_counter()
-        conn = http.client.HTTPConnection(host, int(port), timeout=5)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-        timings.append(time.perf_counter() - start)
-        time.sleep(0.02)
-    median = statistics.median(timings)
-    print(f"/metrics under load, 6 runtimes: median {median * 1e3:.1f} ms, max {max(timings) * 1e3:.1f} ms")
-    assert median < 0.05
+def test_metrics_endpoint_is_bounded(live):
+    # Its speed under this load is a target of bench/metrics_endpoint.py, not of a timed test on a shared machine.
+    text = httpx.get(f"{live.server.url}/metrics", timeout=10).text
     num_series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     assert num_series <= series_bound(*SHAPE, per_layer=True)
     assert live.prom.scalar('scrape_samples_scraped{job="amoe"}') <= series_bound(*SHAPE, per_layer=True)

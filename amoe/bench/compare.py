@@ -197,9 +197,7 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
         itl_ms_p50=_ms(histogram_quantile(0.5, first, last), scale),
         itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
         ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
-        # Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's
-        # work around it): how busy the emulated devices were, read from them rather than inferred from ITL.
-        busy={k: round((v - first.busy.get(k, 0.0)) / wall_s, 3) for k, v in sorted(last.busy.items())},
+        busy=busy_fractions(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
         # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md).
         host_cores=round((last.cpu_s - first.cpu_s) / wall_s, 2)
@@ -208,6 +206,19 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
     )
     return point
+
+
+def busy_fractions(first, last) -> dict[str, float]:
+    """Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's work
+    around it): how busy the emulated devices were, read from them rather than inferred from ITL. Divided by the
+    runtime's own uptime between the two reports the scrapes carry, not by the scrapes' wall time: reports arrive
+    every heartbeat (0.5 s), which over a short window would otherwise skew the fraction either way."""
+    out = {}
+    for key, busy in sorted(last.busy.items()):
+        elapsed = last.uptime.get(key, 0.0) - first.uptime.get(key, 0.0)
+        if elapsed > 0:  # no new report within the window: no measurement, rather than a made-up one
+            out[key] = round((busy - first.busy.get(key, 0.0)) / elapsed, 3)
+    return out
 
 
 def _mean_ms(first, last, name: str, scale: float) -> float | None:

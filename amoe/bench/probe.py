@@ -26,6 +26,7 @@ TOKENS = "amoe_coordinator_generation_tokens_total"
 ITL = "amoe_request_itl_seconds"
 TTFT = "amoe_request_ttft_seconds"
 BUSY = "amoe_runtime_busy_seconds_total"
+UPTIME = "amoe_runtime_uptime_seconds_total"
 QUEUE = "amoe_runtime_queue_depth_tokens"
 RUNNING = "amoe_requests_running"
 
@@ -44,6 +45,9 @@ class Scrape:
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
     busy: dict[str, float] = field(default_factory=dict)  # "role runtime" → seconds the runtime ran layers
+    uptime: dict[str, float] = field(
+        default_factory=dict
+    )  # "role runtime" → its uptime when it reported busy
     cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
 
 
@@ -74,6 +78,8 @@ def parse_metrics(text: str, t: float) -> Scrape:
             s.ttft_count += value
         elif name == BUSY and (key := _runtime_key(labels)):
             s.busy[key] = value
+        elif name == UPTIME and (key := _runtime_key(labels)):
+            s.uptime[key] = value
     return s
 
 

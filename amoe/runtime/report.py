@@ -34,6 +34,7 @@ class RuntimeReporter:
         self.is_attention = isinstance(executor, AttentionExecutor)
         # A new value per start: the coordinator tells a restart from a counter that merely stalled.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self._started = time.monotonic()
         self._num_blocks = executor.cfg.num_blocks if self.is_attention else None
         num_experts = executor.cfg.num_experts if self.is_attention else 0
         # The attention executor may count routing itself (`routed`); then it is read, not counted twice.
@@ -79,6 +80,9 @@ class RuntimeReporter:
                 role="attention" if self.is_attention else "expert",
                 incarnation=self.incarnation,
                 busy_s=self._busy_s,
+                # Read with busy_s: Δbusy_s / Δuptime_s between two reports is the busy fraction, exact however
+                # late the reports travel (a scraper's own clock would add the heartbeat period's jitter).
+                uptime_s=time.monotonic() - self._started,
                 batch_rows={
                     "buckets": list(BATCH_ROWS_BUCKETS),
                     "counts": {kind: list(counts) for kind, counts in self._hist.items()},

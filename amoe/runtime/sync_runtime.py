@@ -41,6 +41,7 @@ class SyncRuntime:
         self.device = self._device(spec.model_dir)
         self.executor = self.device.attention  # what the control plane talks to (None on an expert device)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -104,6 +105,7 @@ class SyncRuntime:
             "mode": self.mode,
             "incarnation": self.incarnation,
             "busy_s": snap["busy_s"],
+            "uptime_s": time.monotonic() - self._started,  # read with busy_s: see RuntimeReporter.report
             "idle_s": snap["idle_s"],
             "wait_s": snap["wait_s"],
             "stall_fraction": snap["stall_fraction"],
