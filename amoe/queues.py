@@ -54,13 +54,13 @@ class Runtime:
     pool_parts: float = 0.0
     busy_s: float = 0.0
     idle_s: float = 0.0
+    uptime_s: float = 0.0  # the runtime's clock when it made the report busy_s and idle_s came in
 
 
 @dataclass
 class Snapshot:
     """What one /metrics page says about the queues."""
 
-    time: float
     runtimes: dict[int, Runtime] = field(default_factory=dict)
     experts: dict[tuple[int, int], float] = field(default_factory=dict)  # (block, expert) -> tokens
     attention: dict[tuple[int, int], float] = field(default_factory=dict)  # (block, rank) -> tokens
@@ -87,7 +87,7 @@ def parse(text: str) -> Snapshot:
     """The queue view of a Prometheus text page (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    snap = Snapshot(time.monotonic())
+    snap = Snapshot()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             _take(snap, sample.name, sample.labels, sample.value)
@@ -113,6 +113,8 @@ def _take(snap: Snapshot, name: str, labels: dict[str, str], value: float) -> No
         rt.busy_s = value
     elif name == "amoe_runtime_idle_seconds_total":
         rt.idle_s = value
+    elif name == "amoe_runtime_uptime_seconds_total":
+        rt.uptime_s = value
 
 
 def render(snap: Snapshot, previous: Snapshot | None, url: str, interval: float, width: int = 100) -> str:
@@ -136,7 +138,7 @@ def _runtime_table(snap: Snapshot, previous: Snapshot | None, width: int) -> lis
     bar_width = max(width - len(rows[0]) - 1, 10)
     deepest = max((rt.depth for rt in snap.runtimes.values()), default=0.0) or 1.0
     for runtime, rt in sorted(snap.runtimes.items()):
-        busy, stall = _shares(rt, previous.runtimes.get(runtime) if previous else None, snap, previous)
+        busy, stall = _shares(rt, previous.runtimes.get(runtime) if previous else None)
         bar = "#" * round(bar_width * rt.depth / deepest)
         rows.append(
             f"{runtime:>7}  {rt.role:<9}  {rt.depth:>7.0f}  {rt.pool_parts:>6.0f}  {busy:>5}  {stall:>5}  {bar}"
@@ -146,15 +148,14 @@ def _runtime_table(snap: Snapshot, previous: Snapshot | None, width: int) -> lis
     return rows
 
 
-def _shares(
-    rt: Runtime, before: Runtime | None, snap: Snapshot, previous: Snapshot | None
-) -> tuple[str, str]:
-    """Busy and stall share of the wall time since the last frame ("-" on the first)."""
-    if before is None or previous is None or snap.time <= previous.time:
+def _shares(rt: Runtime, before: Runtime | None) -> tuple[str, str]:
+    """Busy and stall share of the runtime's time between the reports two frames show ("-" on the first, or
+    when no new report came): on the runtime's clock, as reports arrive a heartbeat apart, not with each frame."""
+    if before is None or rt.uptime_s <= before.uptime_s:
         return "-", "-"
-    wall = snap.time - previous.time
-    busy = max(rt.busy_s - before.busy_s, 0.0) / wall
-    stall = max(rt.idle_s - before.idle_s, 0.0) / wall
+    elapsed = rt.uptime_s - before.uptime_s
+    busy = max(rt.busy_s - before.busy_s, 0.0) / elapsed
+    stall = max(rt.idle_s - before.idle_s, 0.0) / elapsed
     return f"{min(busy, 1):.0%}", f"{min(stall, 1):.0%}"
 
 

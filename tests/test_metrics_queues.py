@@ -16,9 +16,10 @@ from amoe.errors import ConfigError
 from coordinator.metrics import CoordinatorMetrics
 
 
-def page(per_layer: bool = True, busy: float = 0.5) -> str:
+def page(per_layer: bool = True, busy: float = 0.5, uptime: float = 10.0) -> str:
     expert = attention_report(runtime=1, comm=False)
     expert.update(role="expert", routed=None, depth={("expert", 0, 3): 7, ("expert", 1, 3): 2}, busy_s=busy)
+    expert["uptime_s"] = uptime
     attention = attention_report(runtime=0)
     return CoordinatorMetrics(FakeBackend([attention, expert]), per_layer=per_layer).render().decode()
 
@@ -60,9 +61,8 @@ def test_a_grid_too_wide_lists_the_deepest_queues():
 
 
 def test_refreshing_frames_show_busy_and_stall_shares(monkeypatch, capsys):
-    pages = iter([page(busy=0.5), page(busy=1.0)])
-    clock = iter([100.0, 102.0])
-    monkeypatch.setattr(queues.time, "monotonic", lambda: next(clock))
+    # The frames are --interval 3 s apart, the reports they show 2 s apart: the share is of the runtime's 2 s.
+    pages = iter([page(busy=0.5, uptime=10.0), page(busy=1.0, uptime=12.0)])
 
     def fetch(url, api_key=None):
         return queues.parse(next(pages))
@@ -75,12 +75,12 @@ def test_refreshing_frames_show_busy_and_stall_shares(monkeypatch, capsys):
     sleep.calls = 0
     monkeypatch.setattr(queues, "fetch", fetch)
     monkeypatch.setattr(queues.time, "sleep", sleep)
-    args = argparse.Namespace(url="http://h:1/", interval=2.0, once=False, api_key=None)
+    args = argparse.Namespace(url="http://h:1/", interval=3.0, once=False, api_key=None)
     with pytest.raises(KeyboardInterrupt):
         queues.run_queues(args)
     first, second = capsys.readouterr().out.split("amoe queues")[1:]
     row = next(line for line in second.splitlines() if line.split()[:2] == ["1", "expert"])
-    assert row.split()[4] == "25%"  # 0.5 s more busy over 2 s
+    assert row.split()[4] == "25%"  # 0.5 s more busy over the runtime's 2 s
     assert next(line for line in first.splitlines() if line.split()[:2] == ["1", "expert"]).split()[4] == "-"
 
 
