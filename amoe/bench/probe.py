@@ -45,9 +45,7 @@ class Scrape:
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
     busy: dict[str, float] = field(default_factory=dict)  # "role runtime" → seconds the runtime ran layers
-    uptime: dict[str, float] = field(
-        default_factory=dict
-    )  # "role runtime" → its uptime when it reported busy
+    uptime: dict[str, float] = field(default_factory=dict)  # "role runtime" → its age when it reported busy
     cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
 
 
