@@ -49,11 +49,7 @@ RUNTIME_GAUGES = (
 RUNTIME_COUNTERS = (
     ("amoe_runtime_busy_seconds", "busy_s", "Time the executor spent running layers"),
     ("amoe_runtime_idle_seconds", "idle_s", "Time the runtime loop waited for a batch (stall time)"),
-    (
-        "amoe_runtime_uptime_seconds",
-        "uptime_s",
-        "Time the runtime has run, as of the report busy_s came with",
-    ),
+    ("amoe_runtime_uptime_seconds", "uptime_s", "Runtime's age at the report busy_s came in"),
     ("amoe_runtime_received_tokens", "tokens_in", "Rows received by the receptor"),
     ("amoe_runtime_sent_tokens", "tokens_out", "Rows sent by the dispatcher"),
     ("amoe_runtime_sent_messages", "messages_out", "Messages sent by the dispatcher"),
@@ -125,7 +121,7 @@ class CoordinatorMetrics:
 
 
 _PLAIN_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_TEXT_TYPES = frozenset(("counter", "gauge", "histogram", "summary"))
+_TEXT_TYPES = frozenset(("counter", "gauge", "histogram"))  # the kinds amoe exports
 
 
 def text_format(registry: CollectorRegistry) -> bytes:
