@@ -1,7 +1,8 @@
-"""amoe: serving Mixture-of-Experts models with asynchronous expert parallelism."""
+"""amoe: serving Mixture-of-Experts models with asynchronous expert parallelism.
 
-# torch first: amoe._core links against libc10 and needs it loaded.
-import torch  # noqa: F401
+`import amoe` stays light (no torch): the coordinator and the CLI's help never load a model. Torch comes with
+amoe.core (the C++ extension) and amoe.model.
+"""
 
 __version__ = "0.1.0"
 
@@ -9,7 +10,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import amoe` stays cheap for processes (coordinator, C++ tests) that never build an engine.
+    # Lazy: `from amoe import LLM` builds the engine's imports only when asked for.
     if name == "LLM":
         from amoe.llm import LLM
 

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from amoe import __version__
 from amoe.errors import AmoeError, RequestError
 from amoe.log import setup_logging
-from amoe.queues import add_queues_command  # light: its heavy imports are in its run function
+from amoe.queue_viewer import add_queues_command  # light: its heavy imports are in its run function
 
 logger = logging.getLogger(__name__)
 

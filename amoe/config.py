@@ -11,6 +11,11 @@ from pathlib import Path
 
 from amoe.errors import ConfigError
 
+# The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
+POLICIES = ("defrag", "mtfs", "flfs")
+# Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -31,7 +36,7 @@ class ModelSection:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
 
     def __post_init__(self) -> None:
-        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.dtype", self.dtype, DTYPE_NAMES)
         if self.max_model_len is not None:
             _positive("model.max_model_len", self.max_model_len)
 
@@ -41,12 +46,12 @@ class CacheSection:
     """The paged KV cache of each attention rank."""
 
     block_size: int = 16
-    num_blocks: int = 512
+    num_kv_blocks: int = 512
     max_num_seqs: int = 256  # requests decoding at once on one attention rank
 
     def __post_init__(self) -> None:
         _positive("cache.block_size", self.block_size)
-        _positive("cache.num_blocks", self.num_blocks)
+        _positive("cache.num_kv_blocks", self.num_kv_blocks)
         _positive("cache.max_num_seqs", self.max_num_seqs)
 
 
@@ -73,13 +78,15 @@ class SchedulerSection:
     """The per-runtime layer scheduler (AMoE §3.4)."""
 
     policy: str = "defrag"
-    lookahead: int = 4  # K of Algorithm 1: blocks looked ahead
+    lookahead: int = (
+        4  # K of Algorithm 1: blocks looked ahead (the paper gives no value; 4 is what amoe serves with)
+    )
     decay: float = 0.5  # δ of Algorithm 1
     attn_batch_cap: int = 256  # rows per attention batch
     expert_batch_cap: int = 512  # rows per expert batch
 
     def __post_init__(self) -> None:
-        _choice("scheduler.policy", self.policy, ("defrag", "mtfs", "flfs"))
+        _choice("scheduler.policy", self.policy, POLICIES)
         if self.lookahead < 0:
             raise ConfigError(f"scheduler.lookahead must be >= 0; got {self.lookahead}")
         if not 0.0 <= self.decay <= 1.0:
@@ -182,7 +189,7 @@ class AmoeConfig:
     server: ServerSection = field(default_factory=ServerSection)
 
     def replace(self, **sections: dict) -> AmoeConfig:
-        """A copy with some fields of some sections changed, e.g. replace(cache={"num_blocks": 64})."""
+        """A copy with some fields of some sections changed, e.g. replace(cache={"num_kv_blocks": 64})."""
         changed = {}
         for name, values in sections.items():
             if name not in _SECTIONS:

@@ -1,16 +1,18 @@
-"""Thin typed layer over the C++ core (`amoe._core`): engine configs, placement, messages, communicators."""
+"""Thin typed layer over the C++ core (`amoe._core`): engine configs, messages, communicators, and the hand-off
+of a layer's outputs to the engine. The one module that loads the extension."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+# torch first: amoe._core links against libc10 and needs it loaded.
 import torch
 
 from amoe import _core
+from amoe.config import SchedulerSection
+from amoe.placement import Placement
 
 ATTN, EXPERT = 0, 1
-POLICIES = ("defrag", "mtfs", "flfs")
 PLANES = ("inline", "gloo", "nccl")  # tensor planes of ZmqCommunicator (docs/communicator.md)
 
 Batch = _core.Batch
@@ -21,32 +23,7 @@ LoopbackHub = _core.LoopbackHub
 Message = _core.Message
 Scheduler = _core.Scheduler
 ZmqCommunicator = _core.ZmqCommunicator
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which runtime serves each attention DP rank and each expert (the same expert id in every block)."""
-
-    attn_runtime: tuple[int, ...]
-    expert_runtime: tuple[int, ...]
-
-    @classmethod
-    def disaggregated(cls, num_attn_ranks: int, num_expert_ranks: int, num_experts: int) -> Placement:
-        """Runtimes 0..A-1 run attention; the experts go round-robin over runtimes A..A+M-1 (paper §3.3)."""
-        return cls(
-            attn_runtime=tuple(range(num_attn_ranks)),
-            expert_runtime=tuple(num_attn_ranks + e % num_expert_ranks for e in range(num_experts)),
-        )
-
-    @property
-    def num_runtimes(self) -> int:
-        return max(self.attn_runtime + self.expert_runtime) + 1
-
-    def experts_of(self, runtime: int) -> list[int]:
-        return [e for e, r in enumerate(self.expert_runtime) if r == runtime]
-
-    def attn_rank_of(self, runtime: int) -> int | None:
-        return self.attn_runtime.index(runtime) if runtime in self.attn_runtime else None
+group_by_destination = _core.group_by_destination
 
 
 def engine_config(
@@ -57,15 +34,11 @@ def engine_config(
     num_experts: int,
     top_k: int,
     hidden: int,
-    policy: str = "defrag",
-    lookahead: int = 3,
-    decay: float = 0.5,
-    attn_cap: int = 256,
-    expert_cap: int = 512,
+    scheduler: SchedulerSection | None = None,
 ) -> EngineConfig:
-    """The EngineConfig of one runtime in a placement; validated here so mistakes raise at build time."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {POLICIES}")
+    """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
+    defaults when None); validated here so mistakes raise at build time."""
+    sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
     rank = placement.attn_rank_of(runtime)
@@ -75,8 +48,8 @@ def engine_config(
     cfg.num_blocks, cfg.num_experts, cfg.top_k, cfg.hidden = num_blocks, num_experts, top_k, hidden
     cfg.expert_runtime = list(placement.expert_runtime)
     cfg.attn_runtime = list(placement.attn_runtime)
-    cfg.policy, cfg.lookahead, cfg.decay = policy, lookahead, decay
-    cfg.attn_cap, cfg.expert_cap = attn_cap, expert_cap
+    cfg.policy, cfg.lookahead, cfg.decay = sched.policy, sched.lookahead, sched.decay
+    cfg.attn_cap, cfg.expert_cap = sched.attn_batch_cap, sched.expert_batch_cap
     cfg.validate()
     return cfg
 
@@ -113,12 +86,30 @@ def make_message(data: torch.Tensor, **rows: Sequence[int] | Sequence[float] | t
     )
 
 
+def enter(engine: Engine, rows) -> None:
+    """New rows for ATTN (0, rank): `rows` has per-row lists request_ids, token_ids, positions, chunk_starts and
+    chunk_lens (amoe.runtime.requests.Rows)."""
+    engine.add_tokens(
+        torch.tensor(rows.request_ids, dtype=torch.int64),
+        torch.tensor(rows.token_ids, dtype=torch.int64),
+        torch.tensor(rows.positions, dtype=torch.int64),
+        torch.tensor(rows.chunk_starts, dtype=torch.int64),
+        torch.tensor(rows.chunk_lens, dtype=torch.int64),
+    )
+
+
 def submit(engine: Engine, batch: Batch, outputs) -> None:
-    """Hands a layer's outputs back to the engine: expert `out [N, H]`; attention
-    `(residual, moe_input, topk_ids, topk_weights)`; head: nothing (its tokens re-enter via add_tokens)."""
+    """Hands a layer's outputs on, like every layer: expert `out [N, H]`; attention `(residual, moe_input,
+    topk_ids, topk_weights)`; head: its HeadOutput, whose continuing tokens re-enter ATTN (0, rank)."""
     if batch.kind == "expert":
         engine.submit_expert(batch, outputs)
-    elif outputs is None:
-        engine.submit_head(batch)
-    else:
+    elif batch.kind == "attn":
         engine.submit_attention(batch, *outputs)
+    else:
+        rows = outputs.next
+        engine.submit_head(
+            batch,
+            torch.tensor(rows.request_ids, dtype=torch.int64),
+            torch.tensor(rows.token_ids, dtype=torch.int64),
+            torch.tensor(rows.positions, dtype=torch.int64),
+        )

@@ -41,7 +41,7 @@ class RequestOutput:
 class _Pending:
     """One prompt being generated: its tokens so far and, with a tokenizer, its text so far."""
 
-    request_id: str
+    request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -62,7 +62,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
         """model: a Hugging Face Mixtral directory (None: the tiny random-weight demo model); engine_options:
-        fields of amoe.engine.config.EngineConfig (block_size, num_blocks, max_num_seqs, dtype, seed, ...)."""
+        fields of amoe.engine.config.EngineConfig (block_size, num_kv_blocks, max_num_seqs, dtype, seed, ...)."""
         if model is None:
             from amoe.model.make import default_model_path  # builds the demo model on first use only
 
@@ -101,7 +101,7 @@ class LLM:
             token_ids, text = self.tokenizer.encode(prompt), prompt
         else:
             token_ids, text = list(prompt), None
-        request_id = str(next(self._ids))
+        request_id = next(self._ids)
         self.engine.add_request(request_id, token_ids, params)
         detokenizer = (
             IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
@@ -134,7 +134,7 @@ class LLM:
 
     def _to_output(self, pending: _Pending) -> RequestOutput:
         completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)
-        return RequestOutput(pending.request_id, pending.prompt, pending.prompt_token_ids, [completion])
+        return RequestOutput(str(pending.request_id), pending.prompt, pending.prompt_token_ids, [completion])
 
     @staticmethod
     def _params_per_prompt(

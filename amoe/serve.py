@@ -104,7 +104,7 @@ class AmoeServer:
         return backend, backend.engine.max_model_len, backend.engine.model_config.vocab_size
 
     async def _start_cluster(self, model_dir: Path):
-        from amoe.backends.cluster import ClusterBackend
+        from coordinator.cluster_backend import ClusterBackend
 
         par, ex = self.config.parallel, self.config.executor
         if par.mode == "ep":
@@ -122,7 +122,7 @@ class AmoeServer:
         backend = ClusterBackend(self.config, model_dir)
         self.backend = backend
         await backend.start()
-        return backend, backend.max_model_len, backend.model_config.vocab_size
+        return backend, backend.max_model_len, backend.vocab_size
 
     async def _serve(self, app, sock: socket.socket) -> None:
         server_config = self.config.server

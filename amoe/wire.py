@@ -17,7 +17,7 @@ import msgspec
 
 from amoe.errors import TransportError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WireError(TransportError):
@@ -32,13 +32,16 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="t"):
 
 
 class Hello(_Msg, tag=1):
-    """A runtime loaded its weights and bound its data endpoint."""
+    """A runtime loaded its weights and bound its data endpoint; what the coordinator needs to know of the model
+    comes from here, so the coordinator never reads model code."""
 
     runtime: int
     role: str  # "attention" | "expert"
     pid: int
     endpoint: str  # its communicator's data endpoint, for the peer table
-    kv_blocks: int = 0  # attention only
+    num_kv_blocks: int  # KV blocks of its attention rank (0 on an expert runtime)
+    max_model_len: int  # tokens a request may reach on it (model length, configured limit, KV capacity)
+    vocab_size: int
 
 
 class Ready(_Msg, tag=2):
@@ -169,9 +172,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     config: dict[str, Any]  # AmoeConfig.to_dict()
     parent_pid: int
     data_bind: str = "ipc"  # where the communicator binds: "ipc" or "tcp://host:0"
-    store_host: str | None = None  # the TCPStore for gloo / nccl rendezvous
-    store_port: int | None = None
-    store_prefix: str = ""
+    store_path: str | None = None  # gloo / nccl rendezvous: a FileStore in the coordinator's private run dir
     startup_timeout_s: float = 300.0
 
 

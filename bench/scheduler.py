@@ -13,7 +13,9 @@ import time
 import torch
 
 from amoe import core
-from amoe.runtime import policies
+from amoe.config import POLICIES, SchedulerSection
+from amoe.placement import Placement
+from amoe.testing import policies
 
 SIZES = [(32, 8), (56, 8), (61, 256)]
 
@@ -90,11 +92,12 @@ def fragment_messages(num_tokens, per_message, top_k, num_experts, hidden, rng, 
 def bench_receptor(num_tokens, per_message, top_k, hidden, cap, seed):
     rng = random.Random(seed)
     num_experts = 8
-    placement = core.Placement.disaggregated(1, 1, num_experts)
+    placement = Placement.disaggregated(1, 1, num_experts)
     hub = core.LoopbackHub(placement.num_runtimes)
     cfg = core.engine_config(
-        0, placement, num_blocks=4, num_experts=num_experts, top_k=top_k, hidden=hidden, attn_cap=cap
-    )
+        0, placement, num_blocks=4, num_experts=num_experts, top_k=top_k, hidden=hidden,
+        scheduler=SchedulerSection(attn_batch_cap=cap),
+    )  # fmt: skip
     engine = core.Engine(cfg, hub.communicator(0))
     for msg in fragment_messages(num_tokens, per_message, top_k, num_experts, hidden, rng):
         hub.send(0, msg)
@@ -112,9 +115,10 @@ def bench_receptor(num_tokens, per_message, top_k, hidden, cap, seed):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", default="defrag", choices=core.POLICIES)
-    ap.add_argument("--lookahead", type=int, default=3)
-    ap.add_argument("--decay", type=float, default=0.5)
+    default = SchedulerSection()  # the served defaults
+    ap.add_argument("--policy", default=default.policy, choices=POLICIES)
+    ap.add_argument("--lookahead", type=int, default=default.lookahead)
+    ap.add_argument("--decay", type=float, default=default.decay)
     ap.add_argument("--decisions", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--per-message", type=int, default=64)

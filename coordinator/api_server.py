@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-import amoe
+from amoe import __version__
 from coordinator.auth import ApiKeyMiddleware
 from coordinator.backend import Backend
 from coordinator.load_balancer import LoadBalancer
@@ -64,6 +65,7 @@ class _Served:
     tokenizer: Tokenizer
     model: ModelInfo
     created: int
+    request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
 
 
 def create_app(
@@ -80,9 +82,13 @@ def create_app(
     metrics = CoordinatorMetrics(backend, per_layer=metrics_per_layer)
     balancer = LoadBalancer(backend.kv_usage, backend.block_size, max_waiting)
     served = _Served(
-        RequestRunner(backend, balancer, metrics, make_detokenizer), tokenizer, model, int(time.time())
+        RequestRunner(backend, balancer, metrics, make_detokenizer),
+        tokenizer,
+        model,
+        int(time.time()),
+        itertools.count(1),
     )
-    app = FastAPI(title="amoe", version=amoe.__version__, description="OpenAI-compatible API of amoe")
+    app = FastAPI(title="amoe", version=__version__, description="OpenAI-compatible API of amoe")
     app.state.served = served
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
@@ -109,7 +115,7 @@ def _add_info_routes(app: FastAPI, served: _Served) -> None:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": amoe.__version__}
+        return {"version": __version__}
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
@@ -129,7 +135,7 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
     async def generate(body, request: Request, endpoint: str, prepare, stream_events, complete) -> Response:
         # Completions and chat differ only in how a request is prepared and how its output is shaped.
         with _count_rejections(runner, endpoint):
-            req = prepare(body, served.tokenizer, served.model)
+            req = prepare(body, served.tokenizer, served.model, next(served.request_ids))
             rank = await _unless_disconnected(request, runner.admit(req))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -168,7 +174,7 @@ async def _complete(runner: RequestRunner, req: PreparedRequest, rank: int, mode
     state = await _generate(runner, req, rank, "completions")
     choice = CompletionChoice(text=state.text, finish_reason=state.finish_reason)
     return CompletionResponse(
-        id=req.request_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
     )
 
 
@@ -176,7 +182,7 @@ async def _chat(runner: RequestRunner, req: PreparedRequest, rank: int, model: s
     state = await _generate(runner, req, rank, "chat")
     choice = ChatChoice(message=AssistantMessage(content=state.text), finish_reason=state.finish_reason)
     return ChatCompletionResponse(
-        id=req.request_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
     )
 
 
@@ -192,11 +198,11 @@ async def _completion_events(
     state = None
     async for text, state in runner.run(req, rank, "completions"):
         choice = CompletionChoice(text=text, finish_reason=state.finish_reason)
-        chunk = CompletionResponse(id=req.request_id, created=created, model=model, choices=[choice])
+        chunk = CompletionResponse(id=req.response_id, created=created, model=model, choices=[choice])
         yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
     if include_usage and state is not None:
         final = CompletionResponse(
-            id=req.request_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
         )
         yield _event(final.model_dump())
 
@@ -209,7 +215,7 @@ async def _chat_events(
 
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        body = ChatCompletionChunk(id=req.request_id, created=created, model=model, choices=[choice])
+        body = ChatCompletionChunk(id=req.response_id, created=created, model=model, choices=[choice])
         payload = body.model_dump(exclude=exclude)
         payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # as OpenAI: absent, not null
         return _event(payload)
@@ -223,7 +229,7 @@ async def _chat_events(
             yield chunk(DeltaMessage(), state.finish_reason)
     if include_usage and state is not None:
         final = ChatCompletionChunk(
-            id=req.request_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
         )
         yield _event(final.model_dump())
 

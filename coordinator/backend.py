@@ -41,7 +41,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         """Stream a request's new tokens; closing the iterator early aborts the request and frees its KV.
 
@@ -49,7 +49,7 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: int) -> None:
         """Stop a request and free its KV blocks; its stream, if still read, ends with finish_reason "abort".
 
         Unknown or finished ids are ignored.

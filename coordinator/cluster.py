@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import zmq.asyncio
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
+from amoe.placement import runtime_roles
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,10 @@ class RuntimeProc:
     id: int
     role: str  # "attention" | "expert"
     proc: subprocess.Popen
-    endpoint: str | None = None  # set by Hello
-    kv_blocks: int = 0
+    endpoint: str | None = None  # set by Hello, with the three below
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
     kv_free: int = 0  # the latest of its heartbeat and token reports
     ready: bool = False
     last_seen: float = field(default_factory=time.monotonic)
@@ -76,19 +78,16 @@ class ClusterManager:
         self,
         config: AmoeConfig,
         model_dir: str | Path,
-        num_experts: int,
         on_tokens: Callable[[wire.TokenOut], None],
         on_death: Callable[[str], None],
         *,
         control_bind: str = "ipc",
         startup_timeout_s: float = 300.0,
     ) -> None:
-        from amoe.runtime.build import placement  # no torch import: the coordinator stays light
-
         self.config = config
         self.model_dir = str(model_dir)
         # aep / pingpong: A attention + M expert runtimes; ep: N runtimes that each take requests and host experts.
-        self.roles = list(placement(config, num_experts).roles)
+        self.roles = list(runtime_roles(config.parallel))
         self._on_tokens = on_tokens
         self._on_death = on_death
         self._control_bind = control_bind
@@ -100,8 +99,7 @@ class ClusterManager:
         self.num_dropped = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._store: Any = None
-        self._tmpdir: str | None = None
+        self._tmpdir: str | None = None  # the private run directory (0700): control socket, rendezvous file
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._started = False
@@ -135,29 +133,27 @@ class ClusterManager:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._tmpdir = tempfile.mkdtemp(prefix="amoe-")  # private (0700): only this user's processes
         if self._control_bind == "ipc":
-            self._tmpdir = tempfile.mkdtemp(prefix="amoe-")  # private (0700): only this user's processes
             endpoint = f"ipc://{self._tmpdir}/control"
             self._sock.bind(endpoint)
         else:
             host = self._control_bind.removeprefix("tcp://").rsplit(":", 1)[0]
             port = self._sock.bind_to_random_port(f"tcp://{host}")
             endpoint = f"tcp://{host}:{port}"
-        if self.config.transport.plane != "inline":
-            self._store = _tcp_store()
         logger.debug("control plane on %s", endpoint)
         return endpoint
 
     def _spawn_all(self, endpoint: str) -> None:
-        prefix = uuid.uuid4().hex
         data_bind = "ipc" if self._control_bind == "ipc" else self._control_bind.rsplit(":", 1)[0] + ":0"
+        # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
+        # the network for it and the coordinator needs no torch.
+        store = os.path.join(self._tmpdir, "rendezvous") if self.config.transport.plane != "inline" else None
         for runtime, role in enumerate(self.roles):
             spec = wire.WorkerSpec(
                 runtime=runtime, role=role, coordinator=endpoint, model_dir=self.model_dir,
-                config=self.config.to_dict(), parent_pid=os.getpid(), data_bind=data_bind,
-                store_host=None if self._store is None else "127.0.0.1",
-                store_port=None if self._store is None else self._store.port,
-                store_prefix=prefix, startup_timeout_s=self._startup_timeout_s,
+                config=self.config.to_dict(), parent_pid=os.getpid(), data_bind=data_bind, store_path=store,
+                startup_timeout_s=self._startup_timeout_s,
             )  # fmt: skip
             proc = subprocess.Popen(
                 [sys.executable, "-m", "amoe.runtime.worker"], stdin=subprocess.PIPE, close_fds=True
@@ -208,9 +204,14 @@ class ClusterManager:
         elif isinstance(msg, wire.Heartbeat):
             runtime.stats = wire.unflatten_stats(msg.stats)
             if "kv_used_blocks" in msg.stats:
-                runtime.kv_free = runtime.kv_blocks - msg.stats["kv_used_blocks"]
+                runtime.kv_free = runtime.num_kv_blocks - msg.stats["kv_used_blocks"]
         elif isinstance(msg, wire.Hello):
-            runtime.endpoint, runtime.kv_blocks, runtime.kv_free = msg.endpoint, msg.kv_blocks, msg.kv_blocks
+            runtime.endpoint, runtime.num_kv_blocks, runtime.kv_free = (
+                msg.endpoint,
+                msg.num_kv_blocks,
+                msg.num_kv_blocks,
+            )
+            runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
             loaded = sum(r.endpoint is not None for r in self.runtimes)
             logger.info(
                 "%s loaded its weights (pid %d) [%d/%d]", runtime.name, msg.pid, loaded, len(self.runtimes)
@@ -277,17 +278,9 @@ class ClusterManager:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self._store = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-def _tcp_store() -> Any:
-    """The rendezvous for gloo / nccl process groups, on a free port (never a fixed one)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _exit_text(code: int) -> str:

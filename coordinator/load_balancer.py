@@ -24,7 +24,7 @@ class OverloadedError(AmoeError):
 
 @dataclass
 class _Waiter:
-    request_id: str
+    request_id: int
     num_blocks: int
     future: asyncio.Future
 
@@ -37,7 +37,7 @@ class LoadBalancer:
         self._block_size = block_size
         self._max_waiting = max_waiting
         self._reserved: dict[int, int] = {}  # rank -> blocks reserved by admitted requests
-        self._bindings: dict[str, tuple[int, int]] = {}  # request_id -> (rank, reserved blocks)
+        self._bindings: dict[int, tuple[int, int]] = {}  # request_id -> (rank, reserved blocks)
         self._waiting: deque[_Waiter] = deque()
         self._closed = False
 
@@ -49,7 +49,7 @@ class LoadBalancer:
     def num_running(self) -> int:
         return len(self._bindings)
 
-    def running_ids(self) -> list[str]:
+    def running_ids(self) -> list[int]:
         return list(self._bindings)
 
     def close(self) -> None:
@@ -63,7 +63,7 @@ class LoadBalancer:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def rank_of(self, request_id: str) -> int | None:
+    def rank_of(self, request_id: int) -> int | None:
         binding = self._bindings.get(request_id)
         return None if binding is None else binding[0]
 
@@ -75,13 +75,13 @@ class LoadBalancer:
         """
         return [kv.total_blocks - self._reserved.get(rank, 0) for rank, kv in enumerate(self._kv_usage())]
 
-    def try_admit(self, request_id: str, num_tokens: int) -> int | None:
+    def try_admit(self, request_id: int, num_tokens: int) -> int | None:
         """Bind and reserve on the rank with the most free blocks, or None if no rank fits (and nobody waits)."""
         if self._waiting:
             return None  # FIFO: a newcomer must not overtake a waiting request
         return self._bind(request_id, self.blocks_needed(num_tokens))
 
-    async def admit(self, request_id: str, num_tokens: int) -> int:
+    async def admit(self, request_id: int, num_tokens: int) -> int:
         """The rank the request is bound to; waits for KV space; raises OverloadedError when the queue is full."""
         if self._closed:
             raise OverloadedError("the server is shutting down")
@@ -110,7 +110,7 @@ class LoadBalancer:
             self._forget_waiter(waiter)
             raise
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: int) -> None:
         """Return a finished or aborted request's reservation and admit whoever now fits; idempotent."""
         binding = self._bindings.pop(request_id, None)
         if binding is None:
@@ -119,7 +119,7 @@ class LoadBalancer:
         self._reserved[rank] -= num_blocks
         self._wake_waiters()
 
-    def _bind(self, request_id: str, num_blocks: int) -> int | None:
+    def _bind(self, request_id: int, num_blocks: int) -> int | None:
         free = self.free_blocks()
         if not free:
             return None

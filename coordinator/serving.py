@@ -32,7 +32,7 @@ class RequestRunner:
         self.metrics = metrics
         self._make_detokenizer = make_detokenizer
         # Requests admitted but not yet run: their clocks, from admit() to run() or release().
-        self._clocks: dict[str, RequestClock] = {}
+        self._clocks: dict[int, RequestClock] = {}
 
     def abort_all(self) -> None:
         """End of a drain: fail waiting requests and abort running ones (their streams end with "abort")."""
@@ -55,7 +55,7 @@ class RequestRunner:
         self._clocks[req.request_id] = clock
         return rank
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: int) -> None:
         """Free an admitted request's reservation, whether or not it ever ran; idempotent."""
         self._clocks.pop(request_id, None)
         self.balancer.release(request_id)
@@ -89,7 +89,12 @@ class RequestRunner:
             reason = state.finish_reason or "error"
         except (asyncio.CancelledError, GeneratorExit):
             outcome, reason = "aborted", "abort"
-            logger.info("%s aborted after %d tokens", req.request_id, state.num_output_tokens)
+            logger.info(
+                "request %d (%s) aborted after %d tokens",
+                req.request_id,
+                req.response_id,
+                state.num_output_tokens,
+            )
             raise
         finally:
             self.release(req.request_id)

@@ -33,20 +33,25 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    request_id: str
+    request_id: int  # the one id of the request from here to the runtimes' wire (unique per server)
+    response_id: str  # what the client sees as the response's "id" (OpenAI style: "cmpl-...", "chatcmpl-...")
     prompt_token_ids: list[int]
     max_tokens: int
     sampling_params: Any  # amoe.sampling_params.SamplingParams
     stop: list[str]
 
 
-def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> PreparedRequest:
+def prepare_completion(
+    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+) -> PreparedRequest:
     _check_common(req, model)
     prompt_ids = _completion_prompt_ids(req.prompt, tokenizer, model)
-    return _prepare(req, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model)
+    return _prepare(req, request_id, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model)
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> PreparedRequest:
+def prepare_chat(
+    req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+) -> PreparedRequest:
     _check_common(req, model)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", "messages")
@@ -61,7 +66,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelI
     prompt_ids = tokenizer.encode(text, add_bos=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _prepare(req, "chatcmpl", prompt_ids, max_tokens, None, model, param)
+    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, param)
 
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> None:
@@ -103,6 +108,7 @@ def _check_text(text: str, param: str) -> None:
 
 def _prepare(
     req: CompletionRequest | ChatCompletionRequest,
+    request_id: int,
     kind: str,
     prompt_ids: list[int],
     max_tokens: int | None,
@@ -128,7 +134,8 @@ def _prepare(
         )
     stop = _stop_strings(req.stop)
     return PreparedRequest(
-        request_id=f"{kind}-{uuid.uuid4().hex}",
+        request_id=request_id,
+        response_id=f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
         sampling_params=_sampling_params(req, max_tokens, stop),

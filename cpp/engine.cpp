@@ -113,12 +113,20 @@ void Engine::add_tokens(const at::Tensor& request_ids, const at::Tensor& token_i
                         const at::Tensor& positions, const at::Tensor& chunk_starts,
                         const at::Tensor& chunk_lens) {
   AMOE_CHECK_ARG(cfg_.is_attention, "add_tokens is for attention runtimes");
+  enter_block0(request_ids, token_ids, positions, chunk_starts, chunk_lens);
+}
+
+// Rows for ATTN (0, rank) of this attention runtime: per row its request, token id, position and chunk.
+void Engine::enter_block0(const at::Tensor& request_ids, const at::Tensor& token_ids,
+                          const at::Tensor& positions, const at::Tensor& chunk_starts,
+                          const at::Tensor& chunk_lens) {
   const int64_t n = token_ids.numel();
   for (const at::Tensor* t : {&request_ids, &positions, &chunk_starts, &chunk_lens}) {
     AMOE_CHECK_ARG(t->dim() == 1 && t->numel() == n,
-                   "add_tokens: every array must be 1-D with " << n << " rows");
+                   "token rows: every array must be 1-D with " << n << " rows");
   }
   AMOE_CHECK_ARG(token_ids.dim() == 1, "token_ids must be 1-D");
+  if (n == 0) return;
   auto rq = request_ids.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
   auto cs = chunk_starts.to(at::kLong).contiguous(), cl = chunk_lens.to(at::kLong).contiguous();
   std::vector<RowMeta> rows(n);
@@ -158,7 +166,9 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
   }
   if (!got) return nullptr;
   // Assembly reads only the drained rows and the immutable config: no lock, so the receptor keeps going.
-  return std::make_shared<Batch>(queues_.assemble(std::move(d)));
+  auto batch = std::make_shared<Batch>(queues_.assemble(std::move(d)));
+  batch->is_head = batch->layer.kind == kAttn && batch->layer.block == cfg_.num_blocks;
+  return batch;
 }
 
 void Engine::push_job(Job job) {
@@ -204,10 +214,13 @@ void Engine::submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual,
                std::move(topk_weights)});
 }
 
-void Engine::submit_head(std::shared_ptr<Batch> batch) {
+void Engine::submit_head(std::shared_ptr<Batch> batch, const at::Tensor& request_ids,
+                         const at::Tensor& token_ids, const at::Tensor& positions) {
   AMOE_CHECK_ARG(batch && batch->layer.kind == kAttn && batch->layer.block == cfg_.num_blocks,
                  "submit_head needs a head batch (ATTN block num_blocks)");
-  // Sampling and stop decisions are Python's: the next tokens come back through add_tokens().
+  // The head's output is the next decode row of each request that goes on (sampling and stop decisions are
+  // Python's): it re-enters block 0 here as one-row chunks, like any layer's output entering the next layer.
+  enter_block0(request_ids, token_ids, positions, positions, at::ones_like(positions, at::kLong));
 }
 
 void Engine::dispatcher_loop() {

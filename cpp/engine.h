@@ -57,7 +57,9 @@ class Engine {
   void submit_expert(std::shared_ptr<Batch> batch, at::Tensor out);
   void submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual, at::Tensor moe_input,
                         at::Tensor topk_ids, at::Tensor topk_weights);
-  void submit_head(std::shared_ptr<Batch> batch);
+  // The head's continuing requests (request id, sampled token, its position) re-enter ATTN (0, rank).
+  void submit_head(std::shared_ptr<Batch> batch, const at::Tensor& request_ids, const at::Tensor& token_ids,
+                   const at::Tensor& positions);
 
   EngineStats stats();
   const EngineConfig& config() const { return cfg_; }
@@ -68,6 +70,8 @@ class Engine {
     at::Tensor out, residual, topk_ids, topk_weights;  // expert: out; attention: all four (out = moe_input)
   };
 
+  void enter_block0(const at::Tensor& request_ids, const at::Tensor& token_ids, const at::Tensor& positions,
+                    const at::Tensor& chunk_starts, const at::Tensor& chunk_lens);
   void receptor_loop();
   void dispatcher_loop();
   void push_job(Job job);

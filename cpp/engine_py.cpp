@@ -223,7 +223,11 @@ void register_engine(py::module_& m) {
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch",
                                             "Rows drained from one μ-queue, assembled contiguously.")
       .def_property_readonly("layer", [](const Batch& b) { return layer_tuple(b.layer); })
-      .def_property_readonly("kind", [](const Batch& b) { return b.layer.kind == kAttn ? "attn" : "expert"; })
+      .def_property_readonly("kind",
+                             [](const Batch& b) {
+                               if (b.layer.kind == kExpert) return "expert";
+                               return b.is_head ? "head" : "attn";
+                             })
       .def_property_readonly("block", [](const Batch& b) { return b.layer.block; })
       .def_property_readonly("index", [](const Batch& b) { return b.layer.index; })
       .def_property_readonly("top_k", [](const Batch& b) { return b.top_k; })
@@ -241,7 +245,7 @@ void register_engine(py::module_& m) {
       .def_property_readonly("expert_out", [](const Batch& b) { return opt(b.expert_out); })
       .def_property_readonly("expert_ids", [](const Batch& b) { return opt(b.expert_ids); })
       .def("__repr__", [](const Batch& b) {
-        return "Batch(" + std::string(b.layer.kind == kAttn ? "attn" : "expert") +
+        return "Batch(" + std::string(b.layer.kind == kAttn ? (b.is_head ? "head" : "attn") : "expert") +
                ", block=" + std::to_string(b.layer.block) + ", index=" + std::to_string(b.layer.index) +
                ", rows=" + std::to_string(b.num_rows()) + ")";
       });
@@ -292,8 +296,11 @@ void register_engine(py::module_& m) {
            py::arg("moe_input"), py::arg("topk_ids"), py::arg("topk_weights"),
            py::call_guard<py::gil_scoped_release>(),  // may dispatch inline and take engine locks
            "Hands an attention batch's outputs to the dispatcher.")
-      .def("submit_head", &Engine::submit_head, py::arg("batch"),
-           "Marks a head batch done (sampling is Python's).")
+      .def(
+          "submit_head", &Engine::submit_head, py::arg("batch"), py::arg("request_ids"), py::arg("token_ids"),
+          py::arg("positions"),
+          py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
+          "Hands a head batch's output on: each continuing request's sampled token re-enters ATTN (0, rank).")
       .def(
           "stats",
           [](Engine& e) {

@@ -16,7 +16,9 @@ void EngineConfig::validate() const {
       static_cast<int>(expert_runtime.size()) == num_experts,
       "expert_runtime needs one runtime per expert (" << num_experts << "), got " << expert_runtime.size());
   AMOE_CHECK_ARG(!attn_runtime.empty(), "attn_runtime must list at least one attention rank");
-  AMOE_CHECK_ARG(attn_cap > 0 && expert_cap > 0, "batch caps must be positive");
+  AMOE_CHECK_ARG(
+      !policy.empty() && lookahead >= 0 && decay >= 0 && attn_cap > 0 && expert_cap > 0,
+      "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
                    "attn_rank " << attn_rank << " has no entry in attn_runtime");

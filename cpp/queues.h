@@ -28,11 +28,13 @@ struct EngineConfig {
   int64_t hidden = 0;               // activation width H
   std::vector<int> expert_runtime;  // [num_experts] runtime hosting expert e
   std::vector<int> attn_runtime;    // [num_attn_ranks] runtime serving attention rank r
-  std::string policy = "defrag";
-  int lookahead = 3;
-  double decay = 0.5;
-  int64_t attn_cap = 256;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
-  int64_t expert_cap = 512;  // rows per expert batch
+  // Scheduling: no defaults here. amoe.core.engine_config fills them from the config's scheduler section (the
+  // one home of policy names and defaults); validate() refuses a config that left them unset.
+  std::string policy;      // defrag | mtfs | flfs
+  int lookahead = -1;      // K of Algorithm 1
+  double decay = -1.0;     // δ of Algorithm 1
+  int64_t attn_cap = 0;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
+  int64_t expert_cap = 0;  // rows per expert batch
 
   void validate() const;
 };
@@ -114,6 +116,7 @@ struct Batch {
   at::Tensor residual;        // [N, H] (attention block > 0, head)
   at::Tensor expert_out;  // [N, K, H] weighted expert outputs in ascending expert id (attention block > 0)
   at::Tensor expert_ids;  // int64 [N, K] ascending (attention block > 0)
+  bool is_head = false;   // ATTN block num_blocks: the final norm, lm_head and sampler
   int64_t num_rows() const { return static_cast<int64_t>(meta.size()); }
 };
 

@@ -155,8 +155,9 @@ void register_scheduler(py::module_& m) {
       .def(py::init([](int num_blocks, int num_cols, const std::string& policy, int lookahead, double decay) {
              return new Scheduler(num_blocks, num_cols, parse_policy(policy), lookahead, decay);
            }),
-           py::arg("num_blocks"), py::arg("num_cols"), py::arg("policy") = "defrag", py::arg("lookahead") = 3,
-           py::arg("decay") = 0.5)
+           // No defaults: policy names and defaults live in the config's scheduler section only.
+           py::arg("num_blocks"), py::arg("num_cols"), py::arg("policy"), py::arg("lookahead"),
+           py::arg("decay"))
       .def("add", &Scheduler::add, py::arg("block"), py::arg("col"), py::arg("delta"),
            "Changes one queue's depth by delta rows.")
       .def("set", &Scheduler::set, py::arg("block"), py::arg("col"), py::arg("depth"),

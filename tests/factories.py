@@ -20,9 +20,9 @@ def reference_tokens(checkpoint: Path, prompts: list[list[int]], params) -> list
 
     engine = LocalEngine(checkpoint, EngineConfig())
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        engine.add_request(i, prompt, params)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-    return [out[str(i)] for i in range(len(prompts))]
+    return [out[i] for i in range(len(prompts))]

@@ -1,16 +1,9 @@
-"""Test-only helpers of the metrics tests: a Backend over InProcessCluster (virtual runtimes in one process, with
-real `Engine.stats()` reports), a server process around it, and a steady load generator.
-
-The live metrics test prefers the real `amoe serve` (runtime processes); it falls back to `python
-tests/metrics_support.py serve ...` — the same coordinator (AmoeServer, create_app, /metrics) over this backend —
-when the C++ core in this checkout has no ZeroMQ communicator yet.
-"""
+"""Test-only helpers of the metrics tests: the real `amoe serve` as a child process, a steady load generator, and
+prepared runtime reports for a backend that hands them out."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import itertools
 import os
 import re
 import signal
@@ -18,160 +11,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from amoe.errors import EngineDeadError
 from amoe.runtime.report import BATCH_ROWS_BUCKETS
-from coordinator.backend import Backend, RankKV, TokenDelta
+from coordinator.backend import RankKV
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class InProcBackend(Backend):
-    """The coordinator's Backend over InProcessCluster; runtime_stats() reads every runtime's live report."""
-
-    def __init__(self, model_dir: str | Path, num_attn_ranks: int, num_expert_ranks: int, **cluster: Any):
-        self._args = (model_dir, num_attn_ranks, num_expert_ranks)
-        self._cluster_kwargs = cluster
-        self._block_size = cluster.get("block_size", 16)
-        self.cluster: Any = None
-        self.reporters: list[Any] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._status = "created"
-        self._wire_ids = itertools.count(1)
-        self._streams: dict[int, asyncio.Queue] = {}  # wire id -> deltas; event-loop thread only
-        self._ids: dict[str, tuple[int, int]] = {}  # request id -> (rank, wire id)
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    async def start(self) -> None:
-        from amoe.runtime.inproc import InProcessCluster
-        from amoe.runtime.report import RuntimeReporter
-
-        self._loop = asyncio.get_running_loop()
-        self.cluster = await asyncio.to_thread(InProcessCluster, *self._args, **self._cluster_kwargs)
-        for runtime, (engine, executor) in enumerate(zip(self.cluster.engines, self.cluster.executors)):
-            self.reporters.append(RuntimeReporter(runtime, engine, executor))
-            if hasattr(executor, "on_output"):
-                executor.on_output = self._post_outputs
-        self.cluster.executors[:] = self.reporters  # the loops run the reporters, which run the executors
-        self.cluster.start()
-        self._status = "ok"
-
-    @property
-    def attention(self) -> list[Any]:
-        return [self.reporters[r].executor for r in self.cluster.placement.attn_runtime]
-
-    async def shutdown(self) -> None:
-        if self.cluster is not None and self._status == "ok":
-            self._status = "stopped"
-            await asyncio.to_thread(self.cluster.stop)
-        for queue in self._streams.values():
-            queue.put_nowait(TokenDelta(finish_reason="abort"))
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
-    ) -> AsyncIterator[TokenDelta]:
-        if self._status != "ok":
-            raise EngineDeadError(f"not serving ({self._status})")
-        wire_id = next(self._wire_ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[wire_id], self._ids[request_id] = queue, (rank, wire_id)
-        self.attention[rank].add_request(wire_id, prompt_token_ids, sampling_params)
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.is_finished
-                yield delta
-        finally:
-            self._streams.pop(wire_id, None)
-            if not finished:
-                self.abort(request_id)
-            self._ids.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        rank, wire_id = self._ids.pop(request_id, (None, None))
-        if wire_id is not None:
-            self.attention[rank].abort(wire_id)
-
-    def health(self) -> dict[str, Any]:
-        return {"status": self._status}
-
-    def kv_usage(self) -> list[RankKV]:
-        if self.cluster is None:
-            return []
-        return [RankKV(ex.blocks.num_free_blocks, ex.blocks.num_total_blocks) for ex in self.attention]
-
-    def runtime_stats(self) -> list[dict]:
-        return [reporter.report() for reporter in self.reporters]
-
-    def _post_outputs(self, outputs: list[tuple[int, list[int], str | None]]) -> None:
-        # Called on a runtime's loop thread after a head step: hand the deltas to the event loop.
-        self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _deliver(self, outputs: list[tuple[int, list[int], str | None]]) -> None:
-        for wire_id, tokens, reason in outputs:
-            queue = self._streams.get(wire_id)
-            if queue is not None:
-                queue.put_nowait(TokenDelta(list(tokens), reason))
-
-
-def serve_inproc(argv: list[str]) -> int:
-    """`amoe serve`'s coordinator over InProcBackend: same flags, same start-up line."""
-    import argparse
-
-    from amoe.config import add_config_flags, config_from_args
-    from amoe.log import setup_logging
-    from amoe.serve import AmoeServer
-    from amoe.tokenizer import Tokenizer
-    from coordinator.validation import ModelInfo
-
-    parser = argparse.ArgumentParser()
-    add_config_flags(parser)
-    config = config_from_args(parser.parse_args(argv))
-    setup_logging()
-
-    class Server(AmoeServer):
-        async def _start_backend(self, model_dir: Path):
-            par, cache = self.config.parallel, self.config.cache
-            backend = InProcBackend(
-                model_dir,
-                par.attn_ranks,
-                par.expert_ranks,
-                kv_blocks=cache.num_blocks,
-                block_size=cache.block_size,
-            )
-            self.backend = backend
-            await backend.start()
-            cfg = backend.cluster.model_config
-            max_len = min(cfg.max_position_embeddings, cache.num_blocks * cache.block_size)
-            return Tokenizer.from_dir(model_dir), backend, ModelInfo(model_dir.name, max_len, cfg.vocab_size)
-
-    asyncio.run(Server(config).run())
-    return 0
-
-
-def cluster_available() -> bool:
-    """Whether `amoe serve` can start runtime processes in this checkout (the C++ core has the communicator)."""
-    from amoe import _core
-
-    return (REPO / "amoe" / "backends" / "cluster.py").exists() and hasattr(_core, "ZmqCommunicator")
-
-
 class ServerProcess:
-    """A coordinator process (the real `amoe serve`, or the in-process fallback); `url` once it listens."""
+    """The real `amoe serve` as a child process (its runtimes with it); `url` once it listens."""
 
-    def __init__(self, model_dir: Path, *flags: str, real: bool | None = None) -> None:
-        self.real = cluster_available() if real is None else real
-        prog = ["-m", "amoe", "serve"] if self.real else [str(REPO / "tests" / "metrics_support.py"), "serve"]
-        cmd = [sys.executable, *prog, "--model", str(model_dir), "--port", "0", *flags]
+    def __init__(self, model_dir: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", "0", *flags]
         env = {**os.environ, "AMOE_LOG_LEVEL": "INFO", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             cmd,
@@ -321,7 +176,3 @@ class Load:
                 except httpx.HTTPError as exc:
                     self.errors.append(f"{type(exc).__name__}: {exc}")
                     time.sleep(0.1)
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-    sys.exit(serve_inproc(sys.argv[2:]))

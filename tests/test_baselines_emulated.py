@@ -7,20 +7,24 @@ import statistics
 
 import pytest
 
+from amoe.config import ExecutorSection
 from amoe.emulation import cost_model
-from amoe.emulation.executor import Emulation, EmulationConfig
+from amoe.emulation.executor import Emulation
 from amoe.emulation.profiles import model_profile
+from amoe.emulation.shapes import model_config_of
 from amoe.runtime.sync import t_total
-from amoe.runtime.sync.inproc import SyncCluster
 from amoe.sampling_params import SamplingParams
+from amoe.testing.sync_inproc import SyncCluster
 
 
 def emulation(routing: str, time_scale: float, num_blocks: int = 4, num_experts: int = 8) -> Emulation:
     """Mixtral 8x7B-MQA shapes on an A100 80GB, with fewer blocks (and experts) so iterations are short."""
-    cfg = model_profile("mixtral-8x7b-mqa", 2).to_model_config()
+    cfg = model_config_of(model_profile("mixtral-8x7b-mqa", 2))
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, num_experts=num_experts)
-    config = EmulationConfig(gpu="a100-80g", top_k=2, time_scale=time_scale, routing=routing, wire_hidden=16)
-    return Emulation(config, model_config=cfg)
+    executor = ExecutorSection(
+        kind="emulated", gpu="a100-80g", top_k=2, time_scale=time_scale, routing=routing
+    )
+    return Emulation(executor, cfg, wire_hidden=16)
 
 
 def test_t_total_formula():
@@ -35,7 +39,7 @@ def test_pingpong_iteration_time_agrees_with_t_total():
     scale, m, rows = 200.0, 2, 16
     em = emulation("uniform", scale, num_experts=4)
     cluster = SyncCluster(
-        mode="pingpong", num_attn=1, num_expert=4, micro_batches=m, emulation=em, kv_blocks=4096
+        mode="pingpong", num_attn=1, num_expert=4, micro_batches=m, emulation=em, num_kv_blocks=4096
     )
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     reqs = [cluster.submit([5, 6, 7, 8], params) for _ in range(m * rows)]  # all join the first iteration
@@ -58,7 +62,7 @@ def test_pingpong_iteration_time_agrees_with_t_total():
 
 def _ep_stall(routing: str) -> float:
     em = emulation(routing, time_scale=40.0)
-    cluster = SyncCluster(mode="ep", num_devices=4, emulation=em, kv_blocks=4096)
+    cluster = SyncCluster(mode="ep", num_devices=4, emulation=em, num_kv_blocks=4096)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     # 512 prefill rows per device: the experts run past their knee, where rows cost time and skew shows.
     reqs = [cluster.submit(list(range(3, 259)), params) for _ in range(8)]

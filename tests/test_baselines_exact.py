@@ -11,8 +11,8 @@ from factories import random_prompts, reference_tokens
 
 from amoe.errors import EngineDeadError
 from amoe.runtime.sync import run_sync_loop
-from amoe.runtime.sync.inproc import SyncCluster
 from amoe.sampling_params import SamplingParams
+from amoe.testing.sync_inproc import SyncCluster
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
 CONFIGS = [
@@ -62,7 +62,8 @@ def test_a_silent_peer_raises_engine_dead_instead_of_hanging(tiny_checkpoint, mo
     device = cluster.devices[0]  # device 1 never runs
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"peer\(s\) \[1\]"):
-        run_sync_loop(mode, device, cluster.hub.communicator(0), threading.Event(), timeout_s=0.5)
+        comm = cluster.hub.communicator(0)
+        run_sync_loop(mode, device, comm, threading.Event(), lambda out: None, timeout_s=0.5)
     assert time.monotonic() - start < 5
 
 

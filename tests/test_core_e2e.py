@@ -4,9 +4,9 @@ loopback communicator gives the reference engine's greedy tokens, under every sc
 import pytest
 from factories import random_prompts, reference_tokens
 
-from amoe import core
-from amoe.runtime.inproc import InProcessCluster
+from amoe.config import POLICIES, SchedulerSection
 from amoe.sampling_params import SamplingParams
+from amoe.testing.inproc import InProcessCluster
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10)
 
@@ -18,12 +18,13 @@ def prompts_and_reference(tiny_checkpoint):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", core.POLICIES)
-@pytest.mark.parametrize("caps", [{}, {"attn_cap": 8, "expert_cap": 3}])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("caps", [{}, {"attn_batch_cap": 8, "expert_batch_cap": 3}])
 def test_greedy_tokens_match_the_reference_engine(tiny_checkpoint, prompts_and_reference, policy, caps):
     prompts, reference = prompts_and_reference
+    scheduler = SchedulerSection(policy=policy, **caps)
     with InProcessCluster(
-        tiny_checkpoint, num_attn_ranks=2, num_expert_ranks=3, policy=policy, **caps
+        tiny_checkpoint, num_attn_ranks=2, num_expert_ranks=3, scheduler=scheduler
     ) as cluster:
         assert cluster.generate(prompts, PARAMS, timeout=60) == reference
         stats = cluster.stats()

@@ -8,17 +8,20 @@ import pytest
 import torch
 
 from amoe import core
+from amoe.config import POLICIES, SchedulerSection
+from amoe.placement import Placement
 
 H, K, E, NB = 4, 2, 6, 3
 
 
 def cluster(policy="defrag", num_attn=2, num_expert=3, **caps):
-    placement = core.Placement.disaggregated(num_attn, num_expert, E)
+    placement = Placement.disaggregated(num_attn, num_expert, E)
     hub = core.LoopbackHub(placement.num_runtimes)
+    sched = SchedulerSection(policy=policy, **caps)
     engines = [
         core.Engine(
             core.engine_config(
-                r, placement, num_blocks=NB, num_experts=E, top_k=K, hidden=H, policy=policy, **caps
+                r, placement, num_blocks=NB, num_experts=E, top_k=K, hidden=H, scheduler=sched
             ),
             hub.communicator(r),
         )
@@ -140,9 +143,9 @@ def reference(tokens):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("policy", core.POLICIES)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_threads_run_a_fake_model_end_to_end(policy):
-    placement, hub, engines = cluster(policy, attn_cap=3, expert_cap=2)
+    placement, hub, engines = cluster(policy, attn_batch_cap=3, expert_batch_cap=2)
     results, stop = {}, threading.Event()
 
     def loop(engine):
@@ -156,7 +159,8 @@ def test_threads_run_a_fake_model_end_to_end(policy):
                 h = batch.residual + batch.expert_out.sum(1)
                 for i, rid in enumerate(batch.request_ids.tolist()):
                     results[(rid, batch.positions[i].item())] = h[i]
-                engine.submit_head(batch)
+                none = torch.zeros(0, dtype=torch.long)
+                engine.submit_head(batch, none, none, none)  # no request goes on
             else:
                 engine.submit_attention(batch, *fake_attention(batch))
 
@@ -190,6 +194,49 @@ def test_threads_run_a_fake_model_end_to_end(policy):
         s = e.stats()
         assert s["pool_entries"] == 0 and s["errors"] == 0 and not any(s["depth"].values())
         assert sum(s["dropped"].values()) == 0
+
+
+def test_head_output_reenters_block_zero_like_a_layer_output():
+    """submit_head hands each continuing request's sampled token on to ATTN (0, rank), a one-row chunk at its
+    position; requests that finished (left out) enter nothing."""
+    placement, hub, engines = cluster()
+    attn = engines[0]  # rank 0, not started: the head batch is made by hand from three one-row chunks
+    attn.ingest(
+        core.make_message(
+            torch.zeros(3, H),
+            request_id=[5, 6, 7],
+            kind=[core.ATTN] * 3,
+            block=[NB] * 3,
+            index=[0] * 3,
+            position=[3, 8, 1],
+        )
+    )
+    for part in range(1, K + 1):
+        attn.ingest(
+            core.make_message(
+                torch.zeros(3, H),
+                request_id=[5, 6, 7],
+                kind=[core.ATTN] * 3,
+                block=[NB] * 3,
+                index=[0] * 3,
+                position=[3, 8, 1],
+                slot=[part] * 3,
+                expert_id=[part] * 3,
+            )
+        )
+    head = attn.next_batch(0)
+    assert head.kind == "head" and head.block == NB and len(head) == 3
+    attn.submit_head(head, torch.tensor([7, 5]), torch.tensor([42, 43]), torch.tensor([2, 4]))
+    entered = attn.next_batch(0)
+    assert (entered.kind, entered.block, entered.index) == ("attn", 0, 0)
+    assert sorted(
+        zip(entered.request_ids.tolist(), entered.token_ids.tolist(), entered.positions.tolist())
+    ) == [
+        (5, 43, 4),
+        (7, 42, 2),
+    ]
+    assert entered.cu_rows.tolist() == [0, 1, 2] and sorted(entered.context_lens.tolist()) == [3, 5]
+    assert attn.next_batch(0) is None  # request 6 finished: nothing of it entered
 
 
 @pytest.mark.timeout(30)

@@ -10,13 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amoe import core
+from amoe.config import POLICIES, SchedulerSection
+from amoe.placement import Placement
 
 H = 3
 ATTN_RANK = 1
 
 
 def attention_engine(top_k, num_experts, num_blocks, attn_cap=256, policy="defrag"):
-    placement = core.Placement(attn_runtime=(1, 0), expert_runtime=tuple(2 for _ in range(num_experts)))
+    placement = Placement(attn_runtime=(1, 0), expert_runtime=tuple(2 for _ in range(num_experts)))
     hub = core.LoopbackHub(3)
     cfg = core.engine_config(
         0,
@@ -25,8 +27,7 @@ def attention_engine(top_k, num_experts, num_blocks, attn_cap=256, policy="defra
         num_experts=num_experts,
         top_k=top_k,
         hidden=H,
-        policy=policy,
-        attn_cap=attn_cap,
+        scheduler=SchedulerSection(policy=policy, attn_batch_cap=attn_cap),
     )
     return core.Engine(cfg, hub.communicator(0)), hub
 
@@ -131,7 +132,7 @@ def check_batches(batches, complete, top_k, attn_cap):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=attention_streams(), attn_cap=st.integers(1, 8), policy=st.sampled_from(core.POLICIES))
+@given(stream=attention_streams(), attn_cap=st.integers(1, 8), policy=st.sampled_from(POLICIES))
 def test_attention_parts_merge_exactly_once(stream, attn_cap, policy):
     top_k, num_experts, num_blocks, parts, cuts, complete, incomplete = stream
     engine, _ = attention_engine(top_k, num_experts, num_blocks, attn_cap, policy)
@@ -156,15 +157,16 @@ def test_attention_parts_merge_exactly_once(stream, attn_cap, policy):
         st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(0, 9)), min_size=1, max_size=40
     ),
     cap=st.integers(1, 10),
-    policy=st.sampled_from(core.POLICIES),
+    policy=st.sampled_from(POLICIES),
     seed=st.integers(0, 2**16),
 )
 def test_expert_rows_reach_their_queue_once(rows, cap, policy, seed):
     """Rows for (block, expert): hosted ones come out once, in arrival order per queue; others are dropped."""
-    placement = core.Placement(attn_runtime=(0,), expert_runtime=(1, 2, 1, 2, 1, 1))
+    placement = Placement(attn_runtime=(0,), expert_runtime=(1, 2, 1, 2, 1, 1))
     cfg = core.engine_config(
-        1, placement, num_blocks=3, num_experts=6, top_k=2, hidden=H, policy=policy, expert_cap=cap
-    )
+        1, placement, num_blocks=3, num_experts=6, top_k=2, hidden=H,
+        scheduler=SchedulerSection(policy=policy, expert_batch_cap=cap),
+    )  # fmt: skip
     engine = core.Engine(cfg, core.LoopbackHub(3).communicator(1))
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(len(rows) + 1), min(3, len(rows) + 1)))

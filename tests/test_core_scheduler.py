@@ -5,9 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amoe import core
-from amoe.runtime import policies
+from amoe.config import POLICIES, SchedulerSection
+from amoe.placement import Placement
+from amoe.testing import policies
 
-POLICY = st.sampled_from(core.POLICIES)
+POLICY = st.sampled_from(POLICIES)
 DECAY = st.one_of(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0]), st.floats(0.0, 2.0, allow_nan=False))
 
 
@@ -59,7 +61,7 @@ def test_incremental_updates_match_python(grid, policy, lookahead, decay, ops):
 
 
 def test_empty_grid_picks_nothing():
-    s = core.Scheduler(4, 3, "defrag")
+    s = core.Scheduler(4, 3, "defrag", 4, 0.5)
     assert s.pick() is None
     s.add(2, 1, 5)
     assert s.pick() == (2, 1)
@@ -83,13 +85,32 @@ def test_flfs_and_mtfs():
 
 def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="policy"):
-        core.Scheduler(2, 2, "fifo")
+        core.Scheduler(2, 2, "fifo", 4, 0.5)
     with pytest.raises(ValueError, match="grid"):
-        core.Scheduler(0, 2)
-    s = core.Scheduler(2, 2)
+        core.Scheduler(0, 2, "defrag", 4, 0.5)
+    s = core.Scheduler(2, 2, "defrag", 4, 0.5)
     with pytest.raises(ValueError, match="outside"):
         s.add(2, 0, 1)
     with pytest.raises(ValueError, match="negative"):
         s.add(0, 0, -1)
     with pytest.raises(ValueError, match="shape"):
         s.set_depths([[1, 2, 3]])
+
+
+def test_scheduling_defaults_live_in_the_config_only():
+    """The C++ side has no defaults of its own: an engine built from the config's scheduler section uses its
+    values (lookahead 4, what amoe serves with), and one left unset by hand is refused."""
+    assert SchedulerSection().lookahead == 4
+    cfg = core.engine_config(
+        0, Placement.disaggregated(1, 1, 2), num_blocks=2, num_experts=2, top_k=1, hidden=4
+    )
+    default = SchedulerSection()
+    assert (cfg.policy, cfg.lookahead, cfg.decay) == (default.policy, default.lookahead, default.decay)
+    assert (cfg.attn_cap, cfg.expert_cap) == (default.attn_batch_cap, default.expert_batch_cap)
+    unset = core.EngineConfig()
+    unset.num_blocks, unset.num_experts, unset.hidden = 2, 2, 4
+    unset.expert_runtime, unset.attn_runtime = [1, 1], [0]
+    with pytest.raises(ValueError, match="scheduling settings unset"):
+        unset.validate()
+    for policy in POLICIES:  # every name the config accepts, the C++ scheduler knows
+        assert core.Scheduler(2, 2, policy, default.lookahead, default.decay).policy == policy

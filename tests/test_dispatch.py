@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amoe import _core
+from amoe import core
 
 
 def group_by_destination_reference(dest: list[int], num_dest: int) -> tuple[list[int], list[int]]:
@@ -22,7 +22,7 @@ def group_by_destination_reference(dest: list[int], num_dest: int) -> tuple[list
 )
 def test_matches_python_reference(case):
     num_dest, dest = case
-    perm, offsets = _core.group_by_destination(torch.tensor(dest, dtype=torch.int64), num_dest)
+    perm, offsets = core.group_by_destination(torch.tensor(dest, dtype=torch.int64), num_dest)
     want_perm, want_offsets = group_by_destination_reference(dest, num_dest)
     assert perm.tolist() == want_perm
     assert offsets.tolist() == want_offsets
@@ -30,7 +30,7 @@ def test_matches_python_reference(case):
 
 def test_rows_of_each_destination_keep_their_order():
     dest = torch.tensor([3, 1, 3, 0, 1, 3])
-    perm, offsets = _core.group_by_destination(dest, 4)
+    perm, offsets = core.group_by_destination(dest, 4)
     rows_of_3 = perm[offsets[3] : offsets[4]].tolist()
     assert rows_of_3 == [0, 2, 5]
 
@@ -47,5 +47,5 @@ def test_rows_of_each_destination_keep_their_order():
 )
 def test_bad_input_is_a_value_error_with_location(dest, num_dest, message):
     with pytest.raises(ValueError, match=message) as info:
-        _core.group_by_destination(dest, num_dest)
+        core.group_by_destination(dest, num_dest)
     assert "dispatch.cpp:" in str(info.value)

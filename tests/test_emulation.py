@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from amoe import core
+from amoe.config import ExecutorSection
 from amoe.emulation import cost_model as cm
 from amoe.emulation.clock import EmulatedClock
-from amoe.emulation.executor import Emulation, EmulationConfig
+from amoe.emulation.executor import Emulation
 from amoe.emulation.profiles import (
     CALIBRATION_POINTS,
     FIG3_KNEE_ROWS,
@@ -31,9 +30,10 @@ from amoe.emulation.routing import (
     hottest_to_mean,
     row_keys,
 )
+from amoe.emulation.shapes import model_config_of
 from amoe.errors import ConfigError
-from amoe.runtime.loop import run_loop
 from amoe.sampling_params import SamplingParams
+from amoe.testing.inproc import InProcessCluster
 
 MIXTRAL = model_profile("mixtral-8x7b-mqa", top_k=1)
 A100_40 = gpu_profile("a100-40g")
@@ -54,7 +54,7 @@ def test_profile_with_fewer_blocks():
     g = gpu_profile("a100-80g")
     assert cm.expert_layer_time(short, g, 128) == cm.expert_layer_time(MIXTRAL, g, 128)
     assert cm.decode_attention_time(short, g, 64, 512) == cm.decode_attention_time(MIXTRAL, g, 64, 512)
-    assert short.to_model_config().num_blocks == 4
+    assert model_config_of(short).num_blocks == 4
     for bad in ("mixtral-8x7b-mqa:0", "mixtral-8x7b-mqa:33", "mixtral-8x7b-mqa:x"):
         with pytest.raises(ConfigError):
             model_profile(bad)
@@ -236,63 +236,45 @@ def test_hold_sleeps_scaled_time_and_accounts_busy():
         EmulatedClock(time_scale=0)
 
 
+def emulated(**executor) -> ExecutorSection:
+    return ExecutorSection(kind="emulated", routing="skew-exp", **executor)
+
+
 def test_emulation_config_validation():
+    """The emulation reads the config's executor section: one place validates its settings."""
     for bad in (
         {"gpu": "v100"},
-        {"model": "gpt-5"},
+        {"profile": "gpt-5"},
         {"time_scale": 0},
         {"routing": "model"},
-        {"host": "sglang"},
-        {"model": "mixtral-8x7b-mqa", "top_k": 9},
+        {"host_overhead": "sglang"},
+        {"profile": "mixtral-8x7b-mqa", "top_k": 9},
     ):
         with pytest.raises(ConfigError):
-            EmulationConfig(**bad)
-    em = Emulation(EmulationConfig(model="mixtral-8x7b-16e", wire_hidden=32))
+            ExecutorSection(kind="emulated", **{"routing": "skew-exp", **bad})
+    with pytest.raises(ConfigError, match="kind"):
+        Emulation(ExecutorSection(profile="mixtral-8x7b-16e"))
+    em = Emulation(emulated(profile="mixtral-8x7b-16e"), wire_hidden=32)
     assert (em.model_config.num_experts, em.model_config.top_k, em.model_config.hidden_size) == (16, 1, 32)
     assert em.profile.hidden_size == 4096  # costs use the real shapes
 
 
 @pytest.mark.timeout(60)
 def test_emulated_cluster_runs_requests_to_max_tokens():
-    config = EmulationConfig(gpu="h100", model="mixtral-8x7b-mqa", top_k=2, wire_hidden=16, time_scale=0.5)
-    em = Emulation(config)
+    em = Emulation(emulated(gpu="h100", profile="mixtral-8x7b-mqa", top_k=2, time_scale=0.5))
     cfg = em.model_config
-    placement = core.Placement.disaggregated(1, 2, cfg.num_experts)
-    hub = core.LoopbackHub(placement.num_runtimes)
-    engines, executors = [], []
-    for runtime in range(placement.num_runtimes):
-        ecfg = core.engine_config(
-            runtime, placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts, top_k=cfg.top_k,
-            hidden=cfg.hidden_size,
-        )  # fmt: skip
-        engine = core.Engine(ecfg, hub.communicator(runtime))
-        executors.append(em.attention_executor(engine) if ecfg.is_attention else em.expert_executor())
-        engines.append(engine)
-    stop = threading.Event()
-    threads = [
-        threading.Thread(target=run_loop, args=(e, x, stop), daemon=True) for e, x in zip(engines, executors)
-    ]
-    for engine in engines:
-        engine.start()
-    for thread in threads:
-        thread.start()
-    try:
-        attn = executors[0]
+    with InProcessCluster(emulation=em, num_attn_ranks=1, num_expert_ranks=2) as cluster:
         params = SamplingParams(max_tokens=3, temperature=0.8)
-        reqs = [attn.add_request(i + 1, [5, 6, 7, 8], params) for i in range(4)]
-        assert all(r.done.wait(30) for r in reqs)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-        for engine in engines:
-            engine.stop()
-    assert all(r.output == [attn.sampler.token] * 3 and r.finish_reason == "length" for r in reqs)
-    assert attn.sampler.token not in cfg.stop_token_ids
-    assert attn.kv_used_blocks == 0
-    assert attn.kv_capacity_tokens > 1_000_000  # an H100's memory, not a test-sized cache
+        outputs = cluster.generate([[5, 6, 7, 8]] * 4, params, timeout=30)
+        (attn,) = cluster.attention
+    token = attn.compute.token
+    assert outputs == [[token] * 3] * 4
+    assert token not in cfg.stop_token_ids
+    assert attn.requests.kv_used_blocks == 0
+    blocks = attn.requests.blocks
+    assert blocks.num_total_blocks * blocks.block_size > 1_000_000  # an H100's memory, not a test-sized cache
     assert int(attn.routed.sum()) == 4 * (4 + 2) * cfg.num_blocks * cfg.top_k  # prompt rows + 2 decode rows
-    stats = [x.stats() for x in executors]
+    stats = [x.stats() for x in cluster.executors]
     assert stats[0]["kinds"]["attention"]["rows"] == 4 * (4 + 2) * cfg.num_blocks
     assert sum(s["kinds"]["expert"]["rows"] for s in stats[1:]) == 4 * (4 + 2) * cfg.num_blocks * 2
     assert all(s["busy_s"] > 0 for s in stats)

@@ -22,17 +22,17 @@ def _run(engine, prompts, params=GREEDY, start_after=None):
     """Drive the engine to completion; prompt i joins after start_after[i] steps. → {id: (tokens, reason)}."""
     start_after = start_after or {}
     params = params if isinstance(params, list) else [params] * len(prompts)
-    results = {str(i): ([], None) for i in range(len(prompts))}
+    results = {i: ([], None) for i in range(len(prompts))}
     step = 0
     while step <= max(start_after.values(), default=0) or engine.has_unfinished():
         for i, prompt in enumerate(prompts):
             if start_after.get(i, 0) == step:
-                engine.add_request(str(i), prompt, params[i])
+                engine.add_request(i, prompt, params[i])
         for out in engine.step():
             tokens, _ = results[out.request_id]
             results[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
         step += 1
-    return [results[str(i)] for i in range(len(prompts))]
+    return [results[i] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_requests_joining_while_others_decode(engine_factory, alone):
 def test_small_budgets_and_preemption_keep_tokens(engine_factory, alone):
     prompts, expected = alone
     # 12 blocks of 4 slots cannot hold all six requests at full length: some are preempted and recomputed.
-    engine = engine_factory(block_size=4, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=40)
+    engine = engine_factory(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=40)
     assert _run(engine, prompts) == expected
     assert engine.blocks.num_free_blocks == 12 and not engine.has_unfinished()
 
@@ -108,13 +108,13 @@ def test_seeded_sampling_is_independent_of_the_batch(engine_factory):
 
 def test_abort_frees_kv(engine_factory):
     engine = engine_factory()
-    engine.add_request("a", [1, 2, 3], GREEDY)
-    engine.add_request("b", [1, 2, 3, 4], GREEDY)
+    engine.add_request(1, [1, 2, 3], GREEDY)
+    engine.add_request(2, [1, 2, 3, 4], GREEDY)
     engine.step()
     assert engine.blocks.num_free_blocks < engine.blocks.num_total_blocks
-    assert engine.abort("a").finish_reason == "abort"
-    assert engine.abort("a") is None
-    engine.abort("b")
+    assert engine.abort(1).finish_reason == "abort"
+    assert engine.abort(1) is None
+    engine.abort(2)
     assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks and not engine.has_unfinished()
     assert engine.step() == []
 
@@ -125,14 +125,14 @@ def test_abort_frees_kv(engine_factory):
 )
 def test_bad_prompts_are_request_errors(engine_factory, prompt, message):
     with pytest.raises(RequestError, match=message):
-        engine_factory().add_request("x", prompt, GREEDY)
+        engine_factory().add_request(7, prompt, GREEDY)
 
 
 def test_duplicate_id_and_bad_options(engine_factory):
     engine = engine_factory()
-    engine.add_request("x", [1, 2], GREEDY)
+    engine.add_request(7, [1, 2], GREEDY)
     with pytest.raises(RequestError, match="already in use"):
-        engine.add_request("x", [1, 2], GREEDY)
+        engine.add_request(7, [1, 2], GREEDY)
     with pytest.raises(ConfigError, match="unknown engine option 'blocks'"):
         EngineConfig.from_options(blocks=3)
     with pytest.raises(ConfigError, match="block_size must be a positive integer"):

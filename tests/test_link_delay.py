@@ -17,7 +17,8 @@ from amoe import core
 from amoe.config import AmoeConfig
 from amoe.emulation.links import runtime_nodes
 from amoe.emulation.profiles import gpu_profile, model_profile
-from amoe.runtime import build, worker
+from amoe.runtime import build
+from amoe.runtime import comm as runtime_comm
 
 LATE = 0.15  # how late a message may come on a busy machine
 EARLY = 0.002  # clock slack between time.monotonic and the communicator's steady_clock
@@ -230,7 +231,7 @@ def test_runtime_communicator_sets_delays_only_when_emulated(monkeypatch, kind):
     config = emulated("aep", 2, 2, 2)
     if kind == "torch":
         config = config.replace(executor={"kind": "torch", "routing": "model"})
-    em = build.emulation(config, None) if build.is_emulated(config) else None
+    em = build.emulation(config, None)  # None for torch
     spec = SimpleNamespace(runtime=1, data_bind="ipc")
-    comm = worker.communicator(spec, 4, config, em)
+    comm = runtime_comm.communicator(spec, 4, config, em)
     assert comm.delays == (build.link_delays(config, em, 1) if em is not None else None)

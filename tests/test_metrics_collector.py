@@ -11,15 +11,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from metrics_support import FakeBackend, InProcBackend, attention_report, series_bound
+from metrics_support import FakeBackend, attention_report, series_bound
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from amoe.runtime.inproc import InProcessCluster
-from amoe.runtime.report import BATCH_ROWS_BUCKETS, RuntimeReporter
+from amoe.config import AmoeConfig
+from amoe.runtime.report import BATCH_ROWS_BUCKETS
 from amoe.sampling_params import SamplingParams
+from amoe.testing.inproc import InProcessCluster
 from coordinator.api_server import create_app
 from coordinator.backend import RankKV
+from coordinator.cluster_backend import ClusterBackend
 from coordinator.metrics import REASONS, CoordinatorMetrics, text_format
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -91,10 +93,7 @@ def test_a_restart_never_makes_a_counter_go_backwards():
 
 @pytest.fixture
 def cluster(tiny_checkpoint):
-    c = InProcessCluster(tiny_checkpoint, 2, 4, kv_blocks=256, block_size=16)
-    reporters = [RuntimeReporter(i, e, x) for i, (e, x) in enumerate(zip(c.engines, c.executors))]
-    c.executors[:] = reporters
-    c.reporters = reporters
+    c = InProcessCluster(tiny_checkpoint, 2, 4, num_kv_blocks=256, block_size=16, report=True)
     with c:
         yield c
 
@@ -111,7 +110,8 @@ class RecordingBackend:
         return self.last
 
     def kv_usage(self) -> list[RankKV]:
-        return [RankKV(x.blocks.num_free_blocks, x.blocks.num_total_blocks) for x in self.cluster.attention]
+        blocks = [x.requests.blocks for x in self.cluster.attention]
+        return [RankKV(b.num_free_blocks, b.num_total_blocks) for b in blocks]
 
 
 def layer_labels(runtime: int, layer: tuple[str, int, int]) -> dict[str, str]:
@@ -269,7 +269,10 @@ def model_dir(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_request_metrics_follow_the_requests(model_dir):
     async def run() -> tuple[dict, list[int]]:
-        backend = InProcBackend(model_dir, 2, 2, kv_blocks=64)
+        config = AmoeConfig().replace(
+            parallel={"attn_ranks": 2, "expert_ranks": 2}, cache={"num_kv_blocks": 64}
+        )
+        backend = ClusterBackend(config, model_dir)  # the real launcher: four runtime processes
         await backend.start()
         try:
             app = create_app(backend, _tokenizer(model_dir), _model_info(), _detokenizer(model_dir))

@@ -10,7 +10,7 @@ import sys
 import pytest
 from metrics_support import FakeBackend, attention_report
 
-from amoe import queues
+from amoe import queue_viewer as queues
 from amoe.config import AmoeConfig, ServerSection, add_config_flags, config_from_args
 from amoe.errors import ConfigError
 from coordinator.metrics import CoordinatorMetrics

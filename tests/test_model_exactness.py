@@ -121,20 +121,20 @@ def _assert_matches(tokens, logits, refs, label):
 def test_each_prompt_alone_matches_transformers(oracle_case):
     model_dir, prompts, refs = oracle_case
     for i, prompt in enumerate(prompts):
-        engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_blocks=64))
+        engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_kv_blocks=64))
         tokens, logits = _run_engine(engine, [prompt])
         _assert_matches(tokens, logits, [refs[i]], f"alone[{i}]")
 
 
 def test_batched_prompts_match_transformers(oracle_case):
     model_dir, prompts, refs = oracle_case
-    engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_blocks=128))
+    engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_kv_blocks=128))
     tokens, logits = _run_engine(engine, prompts)
     _assert_matches(tokens, logits, refs, "batched")
 
 
 def test_requests_joining_mid_decode_match_transformers(oracle_case):
     model_dir, prompts, refs = oracle_case
-    engine = LocalEngine(model_dir, EngineConfig(block_size=16, num_blocks=32))
+    engine = LocalEngine(model_dir, EngineConfig(block_size=16, num_kv_blocks=32))
     tokens, logits = _run_engine(engine, prompts, start_after={0: 0, 1: 5, 2: 9})
     _assert_matches(tokens, logits, refs, "staggered")

@@ -10,7 +10,7 @@ from amoe.sampling_params import SamplingParams
 PARAMS = wire.WireSampling(8, 0.7, 40, 0.9, 1234, [2], True)
 
 MESSAGES = [
-    wire.Hello(3, "expert", 4242, "ipc:///tmp/x/data", 0),
+    wire.Hello(3, "expert", 4242, "ipc:///tmp/x/data", num_kv_blocks=0, max_model_len=4096, vocab_size=32000),
     wire.Ready(1),
     wire.Failed(2, "ModelLoadError: missing tensor"),
     wire.Heartbeat(0, {"busy_s": 1.5, "depth": [["attn", 0, 0, 3]], "comm": {"dropped": {"garbage": 1}}}),

@@ -119,7 +119,7 @@ def test_emulated_profile_serves_max_tokens():
     assert [a["usage"]["completion_tokens"] for a in answers] == [7, 3]
     assert answers[0]["model"] == "mixtral-8x7b-mqa"
     assert health["executor"]["time_scale"] == 2.0
-    # Memory, not cache.num_blocks, bounds the KV cache of an emulated A100 80GB: millions of tokens.
+    # Memory, not cache.num_kv_blocks, bounds the KV cache of an emulated A100 80GB: millions of tokens.
     assert health["kv"][0]["total_blocks"] * 16 > 1_000_000
 
 

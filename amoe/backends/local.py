@@ -48,7 +48,7 @@ class LocalBackend(Backend):
         self._error: BaseException | None = None
         self._status = "created"
         self._kv = RankKV(free_blocks=0, total_blocks=0)  # snapshot written by the engine thread only
-        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its deltas; event-loop thread only
+        self._streams: dict[int, asyncio.Queue] = {}  # request id -> its deltas; event-loop thread only
 
     @property
     def block_size(self) -> int:
@@ -98,7 +98,7 @@ class LocalBackend(Backend):
         return [self._kv]
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         self._check_alive()
         if rank != 0:
@@ -121,7 +121,7 @@ class LocalBackend(Backend):
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: int) -> None:
         self._submit(("abort", request_id))
 
     def _check_alive(self) -> None:
@@ -195,7 +195,7 @@ class LocalBackend(Backend):
 
     # ---- back on the event loop
 
-    def _deliver(self, deltas: list[tuple[str, Any]]) -> None:
+    def _deliver(self, deltas: list[tuple[int, Any]]) -> None:
         for request_id, delta in deltas:
             queue = self._streams.get(request_id)
             if queue is not None:  # else aborted meanwhile

@@ -2,8 +2,10 @@
 
 `profiles` holds every number and its source; `cost_model` turns shapes into step times; `routing` is the
 `--routing uniform|skew-exp[:λ]` override; `clock` holds a runtime for emulated time × time scale; `executor` has
-the emulated executors the runtime loop runs like the torch ones (imported on use: it pulls in the runtime);
-`links` places runtimes on nodes and prices the hold each peer's messages get in flight.
+the emulated expert executor and the emulated attention compute, which the runtime composes with its real request
+state exactly as it does the torch compute (imported on use: it needs torch); `shapes` turns profiles into the
+runtime's model shapes and back; `links` places runtimes on nodes and prices the hold each peer's messages get in
+flight.
 See docs/emulation.md.
 """
 

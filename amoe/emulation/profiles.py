@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from amoe.errors import ConfigError
-from amoe.model.config import ModelConfig
 
 GB = 1e9  # datasheets quote bandwidth in decimal GB/s
 GIB = 2**30  # and memory sizes in binary GiB (nvidia-smi: 40960 MiB on an A100 40GB)
@@ -153,50 +152,6 @@ class ModelProfile:
     @property
     def shared_params(self) -> int:
         return 3 * self.hidden_size * self.shared_intermediate * self.num_shared_experts
-
-    def to_model_config(self) -> ModelConfig:
-        """A ModelConfig with this profile's runtime-visible shapes (hidden, blocks, experts, top-k, vocab)."""
-        return ModelConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.expert_intermediate,
-            num_blocks=self.num_blocks,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            max_position_embeddings=self.max_position_embeddings,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
-            dtype="bfloat16",
-        )
-
-
-def profile_from_config(cfg: ModelConfig, name: str = "checkpoint") -> ModelProfile:
-    """The cost profile of a Mixtral-style checkpoint's shapes (BF16), e.g. to emulate a local test model."""
-    attn, kv, flops = gqa_attention(
-        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts
-    )
-    return ModelProfile(
-        name=name,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_blocks=cfg.num_blocks,
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        expert_intermediate=cfg.intermediate_size,
-        attn_params=attn,
-        kv_bytes_per_token=kv,
-        attn_flops_per_context_token=flops,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        source="shapes of a local checkpoint",
-    )
 
 
 def gqa_attention(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, num_experts: int):

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from amoe.errors import ConfigError
 
@@ -91,8 +90,9 @@ def hottest_to_mean(num_experts: int, top_k: int, lam: float, rows: int = 1_000_
     return float(counts.max() / counts.mean())
 
 
-def row_keys(request_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor) -> np.ndarray:
-    """One uint64 key per row from (request id, position): what a token's routing draw is keyed by."""
+def row_keys(request_ids, positions) -> np.ndarray:
+    """One uint64 key per row from (request id, position) arrays (numpy, or CPU tensors): what a token's routing
+    draw is keyed by."""
     rid = np.asarray(request_ids).astype(np.uint64)
     pos = np.asarray(positions).astype(np.uint64)
     return _splitmix64(rid) ^ pos
@@ -127,13 +127,6 @@ class RouterOverride:
         ids = _gumbel_top_k(self._log_p[block], noise, self.top_k)  # [n, K]
         w = self.popularity[block][ids]
         return ids.astype(np.int64), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
-
-    def route_tensors(
-        self, block: int, n: int, keys: np.ndarray | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """route() as torch tensors: topk_ids int64 [n, K], topk_weights float32 [n, K]."""
-        ids, weights = self.route(block, n, keys)
-        return torch.from_numpy(ids), torch.from_numpy(weights)
 
     def _gumbel_noise(self, block: int, n: int, keys: np.ndarray | None) -> np.ndarray:
         if keys is None:

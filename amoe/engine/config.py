@@ -17,7 +17,7 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's dtype
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
-    num_blocks: int = 512
+    num_kv_blocks: int = 512
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     seed: int = 0  # seeds the generators of requests that bring no seed
@@ -25,7 +25,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer; got {value!r}")
@@ -50,7 +50,7 @@ class EngineConfig:
             dtype=config.model.dtype,
             max_model_len=config.model.max_model_len,
             block_size=config.cache.block_size,
-            num_blocks=config.cache.num_blocks,
+            num_kv_blocks=config.cache.num_kv_blocks,
             max_num_seqs=config.cache.max_num_seqs,
             **overrides,
         )

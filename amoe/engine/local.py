@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
+from amoe.device import torch_dtype
 from amoe.engine.config import EngineConfig
 from amoe.engine.model_runner import ModelRunner
 from amoe.engine.request import EngineOutput, Request
@@ -20,7 +19,8 @@ from amoe.engine.scheduler import ScheduledChunk, Scheduler
 from amoe.errors import RequestError
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
-from amoe.model.sampler import Sampler
+from amoe.model.sampler import Sampler, make_generator
+from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,32 +32,33 @@ class LocalEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_config: ModelConfig = load_model_config(model_dir)
-        dtype = _torch_dtype(self.config.dtype or self.model_config.dtype)
+        dtype = torch_dtype(self.config.dtype or self.model_config.dtype)
         self.runner = ModelRunner(
-            model_dir, self.model_config, self.config.num_blocks, self.config.block_size, dtype
+            model_dir, self.model_config, self.config.num_kv_blocks, self.config.block_size, dtype
         )
-        self.blocks = BlockManager(self.config.num_blocks, self.config.block_size)
+        self.blocks = BlockManager(self.config.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler()
         # A request must fit the cache alone, so the cache size also bounds its length.
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
-            self.config.num_blocks * self.config.block_size,
+            self.config.num_kv_blocks * self.config.block_size,
         )
-        self._requests: dict[str, Request] = {}
-        self._seed_source = torch.Generator().manual_seed(self.config.seed)
+        self._requests: dict[int, Request] = {}
+        self._seeds = SeedSource(self.config.seed)
         logger.info("[engine] local engine ready: %s, max_model_len %d", model_dir, self.max_model_len)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self, request_id: int, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
         """Queue a request; it prefills in the next step that has room for its whole prompt."""
         params = params or SamplingParams()
         if request_id in self._requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids)
-        request = Request(request_id, list(prompt_token_ids), params, generator=self._generator(params))
+            raise RequestError(f"request id {request_id} is already in use")
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
+        generator = make_generator(params, self._seeds.resolve(params))
+        request = Request(request_id, list(prompt_token_ids), params, generator=generator)
         self._requests[request_id] = request
         self.scheduler.add(request)
 
@@ -72,7 +73,7 @@ class LocalEngine:
         tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
         return [self._postprocess(chunk, token) for chunk, token in zip(chunks, tokens)]
 
-    def abort(self, request_id: str) -> EngineOutput | None:
+    def abort(self, request_id: int) -> EngineOutput | None:
         """Stop a request now and free its KV; unknown or finished ids are ignored."""
         request = self._requests.pop(request_id, None)
         if request is None:
@@ -96,35 +97,11 @@ class LocalEngine:
         return EngineOutput(request.request_id, [token], finished=reason is not None, finish_reason=reason)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if not params.ignore_eos and token in self.model_config.stop_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the limit is {self.max_model_len} "
-                "(model length and KV cache size)"
-            )
-
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.is_greedy:
-            return None
-        seed = params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        return torch.Generator().manual_seed(seed)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return stop_reason(
+            request.params,
+            token,
+            num_output=len(request.output_token_ids),
+            num_tokens=request.num_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model_config.stop_token_ids,
+        )

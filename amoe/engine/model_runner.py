@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from amoe import _core
+from amoe import core
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import PagedKVCache
@@ -28,7 +28,7 @@ class ModelRunner:
     """Owns the attention layers, every expert layer, the head and the KV cache of a single-process engine."""
 
     def __init__(
-        self, model_dir: str | Path, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self, model_dir: str | Path, cfg: ModelConfig, num_kv_blocks: int, block_size: int, dtype: torch.dtype
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
@@ -37,7 +37,9 @@ class ModelRunner:
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
             model_dir, cfg, range(cfg.num_experts), dtype
         )
-        self.kv = PagedKVCache(cfg.num_blocks, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.kv = PagedKVCache(
+            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
@@ -78,7 +80,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """x [N, H] routed to K experts each → weighted expert outputs [N, K, H] (slot k ↔ topk_ids[:, k])."""
         n, k = topk_ids.shape
-        perm, offsets = _core.group_by_destination(topk_ids.flatten(), self.cfg.num_experts)  # [N*K], [E+1]
+        perm, offsets = core.group_by_destination(topk_ids.flatten(), self.cfg.num_experts)  # [N*K], [E+1]
         grouped_x = x.index_select(0, perm // k)  # [N*K, H], rows of expert 0 first, then expert 1, ...
         grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
         grouped_out = torch.empty_like(grouped_x)

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
 class Request:
     """Tokens so far, how many of them are in the KV cache, and the request's own sampling generator."""
 
-    request_id: str
+    request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
@@ -46,7 +46,7 @@ class Request:
 class EngineOutput:
     """What one step produced for one request: its new tokens, and whether and why it finished."""
 
-    request_id: str
+    request_id: int
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from amoe.device import torch_dtype
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
 from amoe.model.config import ModelConfig
@@ -109,7 +110,7 @@ def load_attention_rank_weights(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
 ) -> W.AttentionRankWeights:
     """Embedding, attention + router of every block, final norm and lm_head; no expert tensor is read."""
-    dtype = dtype or cfg.torch_dtype
+    dtype = dtype or torch_dtype(cfg.dtype)
     with CheckpointReader(model_dir) as reader:
         embed = reader.read(W.EMBED, (cfg.vocab_size, cfg.hidden_size), dtype)
         blocks = [_read_attention_block(reader, cfg, b, dtype) for b in range(cfg.num_blocks)]
@@ -130,7 +131,7 @@ def load_expert_weights(
     dtype: torch.dtype | None = None,
 ) -> dict[tuple[int, int], W.ExpertWeights]:
     """The given experts of the given blocks (default: every block), keyed by (block, expert)."""
-    dtype = dtype or cfg.torch_dtype
+    dtype = dtype or torch_dtype(cfg.dtype)
     experts = sorted(set(experts))
     bad = [e for e in experts if not 0 <= e < cfg.num_experts]
     if bad:

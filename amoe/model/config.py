@@ -8,15 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from amoe.config import DTYPE_NAMES
 from amoe.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("mixtral",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -76,12 +74,8 @@ class ModelConfig:
         for name, value in specials:
             if value is not None and (not isinstance(value, int) or not 0 <= value < self.vocab_size):
                 raise ValueError(f"{name} {value!r} is outside the vocabulary [0, {self.vocab_size})")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ class PagedKVCache:
     def __init__(
         self,
         num_layers: int,
-        num_blocks: int,
+        num_kv_blocks: int,
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -30,8 +30,8 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.num_kv_blocks = num_kv_blocks
+        shape = (num_kv_blocks * block_size, num_kv_heads, head_dim)
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -56,14 +56,16 @@ class BlockManager:
     Slots are allocated when a chunk enters block 0 (AMoE §3.2), so later layers reuse the same table.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+    def __init__(self, num_kv_blocks: int, block_size: int) -> None:
+        if num_kv_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_kv_blocks and block_size must be positive, got {num_kv_blocks}, {block_size}"
+            )
         self.block_size = block_size
-        self._num_total = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._tables: dict[str, list[int]] = {}
-        self._lengths: dict[str, int] = {}
+        self._num_total = num_kv_blocks
+        self._free: deque[int] = deque(range(num_kv_blocks))
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,13 +75,13 @@ class BlockManager:
     def num_total_blocks(self) -> int:
         return self._num_total
 
-    def has(self, request_id: str) -> bool:
+    def has(self, request_id: int) -> bool:
         return request_id in self._tables
 
-    def num_tokens(self, request_id: str) -> int:
+    def num_tokens(self, request_id: int) -> int:
         return self._lengths[request_id]
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: int) -> list[int]:
         return self._tables[request_id]
 
     def blocks_needed(self, current_tokens: int, new_tokens: int) -> int:
@@ -91,13 +93,13 @@ class BlockManager:
         """Whether a new request of `num_tokens` fits now."""
         return self.blocks_needed(0, num_tokens) <= len(self._free)
 
-    def can_append(self, request_id: str, num_tokens: int) -> bool:
+    def can_append(self, request_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(self._lengths[request_id], num_tokens) <= len(self._free)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+    def allocate(self, request_id: int, num_tokens: int) -> list[int]:
         """Start a block table for a new request; returns the flat slots of its first `num_tokens` tokens."""
         if request_id in self._tables:
-            raise ValueError(f"request {request_id!r} already holds KV blocks")
+            raise ValueError(f"request {request_id} already holds KV blocks")
         self._tables[request_id] = []
         self._lengths[request_id] = 0
         try:
@@ -106,15 +108,15 @@ class BlockManager:
             del self._tables[request_id], self._lengths[request_id]
             raise
 
-    def append(self, request_id: str, num_tokens: int) -> list[int]:
+    def append(self, request_id: int, num_tokens: int) -> list[int]:
         """Grow a request by `num_tokens`; returns their flat slots. Never over-commits."""
         if request_id not in self._tables:
-            raise KeyError(f"request {request_id!r} holds no KV blocks")
+            raise KeyError(f"request {request_id} holds no KV blocks")
         start = self._lengths[request_id]
         needed = self.blocks_needed(start, num_tokens)
         if needed > len(self._free):
             raise KVCacheFullError(
-                f"KV cache full: request {request_id!r} needs {needed} more blocks, {len(self._free)} free"
+                f"KV cache full: request {request_id} needs {needed} more blocks, {len(self._free)} free"
             )
         table = self._tables[request_id]
         table.extend(self._free.popleft() for _ in range(needed))
@@ -122,7 +124,7 @@ class BlockManager:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: int) -> None:
         """Return a request's blocks; freeing an unknown request is a no-op (abort may race with finish)."""
         table = self._tables.pop(request_id, None)
         self._lengths.pop(request_id, None)

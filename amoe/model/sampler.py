@@ -53,3 +53,15 @@ class Sampler:
         uniform = torch.cat([torch.rand(1, generator=g) for g in generators])  # [S]
         choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
         return sorted_ids.gather(1, choice).squeeze(1)
+
+
+def make_generator(params: SamplingParams, seed: int | None) -> torch.Generator | None:
+    """A sampled request's own generator (greedy requests draw nothing): seeded, or nondeterministic for None."""
+    if params.is_greedy:
+        return None
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # nondeterministic, as asked
+    else:
+        generator.manual_seed(seed)
+    return generator

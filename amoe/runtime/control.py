@@ -1,5 +1,5 @@
 """The runtime's side of the control plane: a DEALER socket to the coordinator's ROUTER, the commands it carries
-(AddRequest, Abort, Shutdown) applied to the executor, heartbeats with the runtime stats, and token reports.
+(AddRequest, Abort, Shutdown) applied to the runtime, heartbeats with the runtime stats, and token reports.
 
 Threads: the worker's main thread owns the control socket (commands in, Hello / Ready / Heartbeat out); the loop
 thread owns a second DEALER that only sends TokenOut after each head step. ZeroMQ sockets are not thread-safe, so
@@ -68,17 +68,16 @@ class Channel:
         self.sock.close()
 
 
-def token_reporter(channel: Channel, runtime: int, executor: Any) -> Callable[[list], None]:
-    """The executor's on_output: one TokenOut per head step (called on the loop thread, which owns channel)."""
+def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
+    """The loop's `publish`: one TokenOut per head step (called on the loop thread, which owns channel)."""
 
-    def report(outputs: list[tuple[int, list[int], str | None]]) -> None:
-        if not outputs:
+    def publish(out: Any) -> None:  # a HeadOutput
+        if not out.tokens:
             return
-        rids, tokens, reasons = (list(col) for col in zip(*outputs))
-        free = executor.blocks.num_free_blocks
-        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, kv_free_blocks=free))
+        rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
+        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, kv_free_blocks=out.kv_free_blocks))
 
-    return report
+    return publish
 
 
 def serve_commands(channel: Channel, runtime: Any) -> None:
@@ -99,16 +98,15 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
 
 
 def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
-    executor = runtime.executor
     if isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention":
         logger.warning("runtime %d: %s sent to an expert runtime ignored", runtime.id, type(msg).__name__)
     elif isinstance(msg, wire.AddRequest):
         try:
-            executor.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
+            runtime.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
         except AmoeError as exc:  # a bad request fails alone; the runtime serves on
             _report_end(channel, runtime, msg.request_id, "error", f"{type(exc).__name__}: {exc}")
     elif isinstance(msg, wire.Abort):
-        if not executor.abort(msg.request_id):
+        if not runtime.abort(msg.request_id):
             # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
             _report_end(channel, runtime, msg.request_id, "abort")
     else:
@@ -118,5 +116,5 @@ def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
 def _report_end(
     channel: Channel, runtime: Any, request_id: int, reason: str, error: str | None = None
 ) -> None:
-    free = runtime.executor.blocks.num_free_blocks
+    free = runtime.kv_free_blocks
     channel.send(wire.TokenOut(runtime.id, [request_id], [[]], [reason], kv_free_blocks=free, error=error))

@@ -1,22 +1,25 @@
-"""Executors: run the layer a batch names. Experts are stateless; the attention executor also owns its rank's
-KV cache, block manager, sampler and the state of the requests bound to the rank."""
+"""Executors: run the layer a batch names. Experts are stateless. An attention rank is two parts composed: its
+requests (amoe.runtime.requests.RankRequests: admission, KV blocks, stop rules, re-entry of sampled tokens) and its
+compute — `TorchAttention` here (attention + head + sampler over a paged KV cache), or an emulated GPU's timed hold
+(amoe.emulation.executor.EmulatedAttention). Either compute offers:
+
+    attend(batch, request_ids, requests) -> (residual, moe_input, topk_ids, topk_weights)   # blocks 0..B-1
+    sample(batch, reqs) -> one token id per chunk                                             # the head
+"""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from amoe import core
-from amoe.errors import RequestError
 from amoe.model.attention import AttnInput
 from amoe.model.config import ModelConfig
-from amoe.model.kv_cache import BlockManager, PagedKVCache
+from amoe.model.kv_cache import PagedKVCache
 from amoe.model.layers import AttentionRank, ExpertLayer
 from amoe.model.sampler import Sampler
-from amoe.sampling_params import SamplingParams
+from amoe.runtime.requests import RankRequest, RankRequests
 
 
 class ExpertExecutor:
@@ -30,109 +33,66 @@ class ExpertExecutor:
         return self.layers[(batch.block, batch.index)](batch.x, batch.weights)  # [N, H]
 
 
-@dataclass
-class RankRequest:
-    """A request bound to this attention rank."""
-
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None = None  # seeded sampling: the same draws whatever shares the batch
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    aborted: bool = False  # its tokens are still in flight; it ends (and frees its KV) at the head
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-# (request id, new token ids, finish reason or None) per request of one head step
-Outputs = list[tuple[int, list[int], str | None]]
-
-
 class AttentionExecutor:
-    """Attention of every block, the head and the sampler for the requests of one DP rank."""
+    """An attention DP rank as the runtime loop runs it: its requests, and the compute that runs their layers.
 
-    def __init__(
-        self,
-        engine: core.Engine,
-        model: AttentionRank,
-        cfg: ModelConfig,
-        kv_blocks: int,
-        block_size: int,
-        max_model_len: int,
-    ) -> None:
-        self.engine = engine
-        self.model = model
-        self.cfg = cfg
-        self.blocks = BlockManager(kv_blocks, block_size)
-        self.kv = PagedKVCache(
-            cfg.num_blocks, kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.head.lm_head.dtype
-        )
-        self.sampler = Sampler()
-        self.max_model_len = max_model_len
-        # add_request / abort come from a control thread while the loop thread samples: the lock keeps
-        # `requests` and each request's aborted flag consistent. Blocks are touched by the loop thread only.
-        self._lock = threading.Lock()
-        self.requests: dict[int, RankRequest] = {}
-        self.on_output: Callable[[Outputs], None] | None = None  # called on the loop thread after a head step
-        # Tokens routed per (block, expert), for the runtime stats.
+    run(batch) returns what core.submit hands on: for blocks 0..B-1 the attention outputs, for the head a
+    HeadOutput (the tokens that go on re-enter block 0; the sampled tokens leave the runtime).
+    """
+
+    def __init__(self, requests: RankRequests, compute: Any, cfg: ModelConfig) -> None:
+        self.requests = requests
+        self.compute = compute
+        self.num_blocks = cfg.num_blocks
+        # Tokens routed per (block, expert), for the runtime stats; only ever grows, so a racing read is safe.
         self.routed = torch.zeros(cfg.num_blocks, cfg.num_experts, dtype=torch.int64)
-
-    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
-        """Bind a request to this rank; its prompt enters ATTN (0, rank) as one chunk. Any thread."""
-        req = self._bind(request_id, prompt, params)
-        n = len(prompt)
-        self._add_tokens([request_id], prompt, [0] * n if n else [], n)
-        return req
-
-    def _bind(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
-        """Validate and register a request (no tokens enter yet)."""
-        self._validate(request_id, prompt)
-        req = RankRequest(list(prompt), params, generator=_generator(params))
-        with self._lock:
-            self.requests[request_id] = req
-        return req
-
-    def abort(self, request_id: int) -> bool:
-        """Mark a request aborted; False if it is unknown or finished. Its KV is freed when its token next
-        reaches the head (earlier, its rows in flight would write into freed, maybe reused, slots)."""
-        with self._lock:
-            req = self.requests.get(request_id)
-            if req is None:
-                return False
-            req.aborted = True
-            return True
-
-    @property
-    def kv_used_blocks(self) -> int:
-        return self.blocks.num_total_blocks - self.blocks.num_free_blocks
 
     @torch.inference_mode()
     def run(self, batch: core.Batch):
-        inp = self._attn_input(batch)
-        if batch.block < self.cfg.num_blocks:
-            out = self.model.layers[batch.block](inp, self.kv)
-            self.routed[batch.block] += torch.bincount(out.topk_ids.flatten(), minlength=self.cfg.num_experts)
-            return out.residual, out.moe_input, out.topk_ids, out.topk_weights
-        logits = self.model.head(inp.residual, inp.expert_out, inp.expert_ids, inp.cu_rows)  # [R, V]
-        self._sample(batch, logits)
-        return None
+        rids = batch.request_ids[batch.cu_rows[:-1]].tolist()  # [R] one per chunk
+        if batch.block == self.num_blocks:
+            tokens = self.compute.sample(batch, self.requests.of(rids))
+            return self.requests.advance(rids, tokens, batch.context_lens.tolist())
+        if batch.block == 0:  # KV slots are taken when a chunk enters block 0 (paper §3.2)
+            lens = (batch.cu_rows[1:] - batch.cu_rows[:-1]).tolist()
+            self.requests.enter(rids, batch.context_lens.tolist(), lens)
+        out = self.compute.attend(batch, rids, self.requests)
+        self.routed[batch.block] += torch.bincount(out[2].flatten(), minlength=self.routed.shape[1])
+        return out
 
-    def _attn_input(self, batch: core.Batch) -> AttnInput:
-        cu = batch.cu_rows.tolist()
-        rids = batch.request_ids[batch.cu_rows[:-1]].tolist()  # [R]
-        if batch.block == 0:  # KV slots are allocated when a chunk enters block 0 (paper §3.2)
-            for rid, lo, hi in zip(rids, cu, cu[1:]):
-                key = str(rid)
-                if self.blocks.has(key):
-                    self.blocks.append(key, hi - lo)
-                else:
-                    self.blocks.allocate(key, hi - lo)
-        tables = [self.blocks.block_table(str(rid)) for rid in rids]
+    def stats(self) -> dict:
+        """The compute's own counters (an emulated GPU's clock), if it keeps any."""
+        return self.compute.stats() if hasattr(self.compute, "stats") else {}
+
+
+class TorchAttention:
+    """Attention of every block, the head and the sampler of one rank, in torch, over the rank's paged KV cache."""
+
+    def __init__(self, model: AttentionRank, cfg: ModelConfig, num_kv_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        dtype = model.head.lm_head.dtype
+        self.kv = PagedKVCache(
+            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
+        self.sampler = Sampler()
+
+    def attend(self, batch: core.Batch, request_ids: list[int], requests: RankRequests):
+        out = self.model.layers[batch.block](self._input(batch, request_ids, requests), self.kv)
+        return out.residual, out.moe_input, out.topk_ids, out.topk_weights
+
+    def sample(self, batch: core.Batch, reqs: list[RankRequest]) -> list[int]:
+        logits = self.model.head(batch.residual, batch.expert_out, batch.expert_ids, batch.cu_rows)  # [R, V]
+        return self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+
+    def _input(self, batch: core.Batch, request_ids: list[int], requests: RankRequests) -> AttnInput:
+        tables = [requests.block_table(rid) for rid in request_ids]
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [R, max_blocks]
         lens = batch.cu_rows[1:] - batch.cu_rows[:-1]  # [R]
-        chunk_of_row = torch.repeat_interleave(torch.arange(len(rids)), lens)  # [N]
-        bs = self.blocks.block_size
-        pos = batch.positions
+        chunk_of_row = torch.repeat_interleave(torch.arange(len(request_ids)), lens)  # [N]
+        bs, pos = self.block_size, batch.positions
         slot_mapping = block_tables[chunk_of_row, pos // bs] * bs + pos % bs  # [N]
         return AttnInput(
             positions=pos,
@@ -145,66 +105,3 @@ class AttentionExecutor:
             expert_out=batch.expert_out,
             expert_ids=batch.expert_ids,
         )
-
-    def _sample(self, batch: core.Batch, logits: torch.Tensor) -> None:
-        rids = batch.request_ids[batch.cu_rows[:-1]].tolist()
-        with self._lock:
-            reqs = [self.requests[r] for r in rids]
-        tokens = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        go_on, go_tokens, go_pos, outputs = [], [], [], []
-        with self._lock:
-            for rid, req, token, ctx in zip(rids, reqs, tokens, batch.context_lens.tolist()):
-                new = [] if req.aborted else [token]
-                req.output += new
-                req.finish_reason = "abort" if req.aborted else self._finish_reason(req, token, ctx + 1)
-                outputs.append((rid, new, req.finish_reason))
-                if req.finish_reason is None:
-                    go_on.append(rid)
-                    go_tokens.append(token)
-                    go_pos.append(ctx)
-                else:
-                    self.blocks.free(str(rid))
-                    del self.requests[rid]
-                    req.done.set()
-        if go_on:
-            self._add_tokens(go_on, go_tokens, go_pos, 1)
-        if self.on_output is not None:
-            self.on_output(outputs)
-
-    def _validate(self, request_id: int, prompt: list[int]) -> None:
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if len(prompt) > self.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; the limit is {self.max_model_len}")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if request_id in self.requests:
-            raise RequestError(f"request id {request_id} is already in use on this rank")
-
-    def _finish_reason(self, req: RankRequest, token: int, num_tokens: int) -> str | None:
-        if (
-            not req.params.ignore_eos and token in self.cfg.stop_token_ids
-        ) or token in req.params.stop_token_ids:
-            return "stop"
-        if len(req.output) >= req.params.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _add_tokens(self, rids: list[int], tokens: list[int], starts: list[int], chunk_len: int) -> None:
-        n = len(tokens)
-        rows = torch.tensor(rids if chunk_len == 1 else rids * n)
-        positions = torch.tensor(starts) + (torch.arange(n) if chunk_len > 1 else 0)
-        self.engine.add_tokens(
-            rows, torch.tensor(tokens), positions, torch.tensor(starts), torch.full((n,), chunk_len)
-        )
-
-
-def _generator(params: SamplingParams) -> torch.Generator | None:
-    if params.is_greedy:
-        return None
-    generator = torch.Generator()
-    if params.seed is None:
-        generator.seed()  # nondeterministic, as asked
-    else:
-        generator.manual_seed(params.seed)
-    return generator

@@ -1,8 +1,8 @@
 """The runtime report of docs/CONTRACTS.md ("Runtime stats"): `Engine.stats()` plus what only Python knows.
 
-`RuntimeReporter` wraps a runtime's executor (it is itself an executor, so `run_loop(engine, reporter, stop)`):
-it times each layer (`busy_s`), counts the tokens the router sends to each (block, expert) (`routed`) and the rows
-of each executed batch (`batch_rows`, a histogram). `report()` is cheap and may be called from another thread (the
+`RuntimeReporter` wraps a runtime's executor (it is itself an executor, so `run_loop(engine, reporter, ...)`):
+it times each layer (`busy_s`) and counts the rows of each executed batch (`batch_rows`, a histogram); an attention
+rank's routing counts (`routed`) and KV use come from its executor. `report()` is cheap and may be called from another thread (the
 heartbeat). On the wire the layer maps travel flattened (`amoe.wire.flatten_stats`).
 """
 
@@ -13,8 +13,6 @@ import os
 import threading
 import time
 from typing import Any
-
-import torch
 
 from amoe import core
 from amoe.runtime.executors import AttentionExecutor
@@ -31,44 +29,27 @@ class RuntimeReporter:
         self.engine = engine
         self.executor = executor
         self.comm = comm
-        self.is_attention = isinstance(executor, AttentionExecutor)
+        self.attention = executor if isinstance(executor, AttentionExecutor) else None
         # A new value per start: the coordinator tells a restart from a counter that merely stalled.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self._started = time.monotonic()
-        self._num_blocks = executor.cfg.num_blocks if self.is_attention else None
-        num_experts = executor.cfg.num_experts if self.is_attention else 0
-        # The attention executor may count routing itself (`routed`); then it is read, not counted twice.
-        self._own_routed = self.is_attention and not hasattr(executor, "routed")
-        self._routed = torch.zeros(self._num_blocks or 0, num_experts, dtype=torch.int64)  # [blocks, experts]
         self._busy_s = 0.0
-        kinds = ("attn", "head") if self.is_attention else ("expert",)
+        kinds = ("attn", "head") if self.attention is not None else ("expert",)
         self._hist = {kind: [0] * (len(BATCH_ROWS_BUCKETS) + 1) for kind in kinds}  # last: overflow
         self._hist_sum = dict.fromkeys(kinds, 0)
         # Guards the counters above: the loop thread writes them, the heartbeat thread reads a consistent set.
         self._lock = threading.Lock()
 
-    def __getattr__(self, name: str) -> Any:
-        """Everything else is the wrapped executor's (add_request, abort, blocks...): a drop-in replacement."""
-        if name == "executor":  # not set yet (during __init__)
-            raise AttributeError(name)
-        return getattr(self.executor, name)
-
     def run(self, batch: core.Batch):
-        """Run the wrapped executor on `batch`, counting its time, rows and routing."""
+        """Run the wrapped executor on `batch`, counting its time and rows."""
         start = time.perf_counter()
         out = self.executor.run(batch)
         busy = time.perf_counter() - start
         rows = int(batch.request_ids.shape[0])
-        kind = self._kind(batch)
-        routed = None
-        if kind == "attn" and self._own_routed:  # out = (residual, moe_input, topk_ids [N, K], topk_weights)
-            routed = torch.bincount(out[2].reshape(-1), minlength=self._routed.shape[1])  # [experts]
         with self._lock:
             self._busy_s += busy
-            self._hist[kind][bisect.bisect_left(BATCH_ROWS_BUCKETS, rows)] += 1
-            self._hist_sum[kind] += rows
-            if routed is not None:
-                self._routed[batch.block] += routed
+            self._hist[batch.kind][bisect.bisect_left(BATCH_ROWS_BUCKETS, rows)] += 1
+            self._hist_sum[batch.kind] += rows
         return out
 
     def report(self) -> dict[str, Any]:
@@ -77,7 +58,7 @@ class RuntimeReporter:
         with self._lock:
             stats.update(
                 runtime=self.runtime,
-                role="attention" if self.is_attention else "expert",
+                role="attention" if self.attention is not None else "expert",
                 incarnation=self.incarnation,
                 busy_s=self._busy_s,
                 # Read with busy_s: Δbusy_s / Δuptime_s between two reports is the busy fraction, exact however
@@ -89,19 +70,11 @@ class RuntimeReporter:
                     "sum": dict(self._hist_sum),
                 },
             )
-            if self._own_routed:
-                stats["routed"] = self._routed.tolist()
-        if self.is_attention:
-            if not self._own_routed:  # its counts only grow: a read racing an update sees the old or new one
-                stats["routed"] = self.executor.routed.tolist()
-            blocks = self.executor.blocks
+        if self.attention is not None:
+            stats["routed"] = self.attention.routed.tolist()  # only grows: a racing read sees old or new
+            blocks = self.attention.requests.blocks
             stats["kv_total_blocks"] = blocks.num_total_blocks
             stats["kv_used_blocks"] = blocks.num_total_blocks - blocks.num_free_blocks
         if self.comm is not None:
             stats["comm"] = self.comm.stats()
         return stats
-
-    def _kind(self, batch: core.Batch) -> str:
-        if batch.kind == "expert":
-            return "expert"
-        return "head" if batch.block == self._num_blocks else "attn"

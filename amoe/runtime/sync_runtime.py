@@ -1,9 +1,9 @@
 """A runtime process of `--parallel ep|pingpong`: one device of the synchronous baselines (docs/baselines.md,
 "Hook for the process runtime") behind the same control plane as an AEP runtime.
 
-The worker's main thread drives it exactly like `worker.Runtime` (Hello, Welcome, `start`, commands, heartbeats,
-`stop`): `executor` is the attention executor, so AddRequest / Abort / the KV report need nothing mode-specific.
-The loop thread runs `run_sync_loop` over the ZeroMQ communicator instead of the C++ engine's μ-queues.
+The worker's main thread drives it exactly like the AEP runtime (amoe/runtime/aep_runtime.py: Hello, Welcome,
+`start`, commands, heartbeats, `stop`). The loop thread runs `run_sync_loop` over the ZeroMQ communicator instead of
+the C++ engine's μ-queues.
 """
 
 from __future__ import annotations
@@ -12,13 +12,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
 from amoe.runtime import build
-from amoe.runtime.sync import SyncDevice, TokenInbox, run_sync_loop
+from amoe.runtime.comm import communicator
+from amoe.runtime.requests import HeadOutput, RankRequest
+from amoe.runtime.sync import SyncDevice, run_sync_loop
+from amoe.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +31,15 @@ class SyncRuntime:
     """One device of ep (attention rank + its experts) or pingpong (attention rank, or expert device)."""
 
     def __init__(self, spec: wire.WorkerSpec) -> None:
-        from amoe.runtime.worker import communicator  # the worker module owns process set-up
-
         self.id, self.role = spec.runtime, spec.role
         self.config = AmoeConfig.from_dict(spec.config)
         self.mode = self.config.parallel.mode
-        self.emulation = (
-            build.emulation(self.config, spec.model_dir) if build.is_emulated(self.config) else None
-        )
-        self.model_config = cfg = build.runtime_model_config(self.config, spec.model_dir)
+        self.emulation = build.emulation(self.config, spec.model_dir)
+        self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
         self.placement = place = build.placement(self.config, cfg.num_experts)
-        self.comm = communicator(spec, len(place.roles), self.config, self.emulation)
+        self.comm = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
-        self.executor = self.device.attention  # what the control plane talks to (None on an expert device)
+        self.attention = self.device.attention  # None on an expert device
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self._started = time.monotonic()
         self._stop = threading.Event()
@@ -49,32 +49,49 @@ class SyncRuntime:
     def _device(self, model_dir: str) -> SyncDevice:
         cfg, place, em = self.model_config, self.placement, self.emulation
         hosted = place.experts_of(self.id)
-        inbox = TokenInbox() if self.id in place.attn else None
+        rank = place.attn_rank_of(self.id)
         attention = experts = None
-        if inbox is not None:
+        if rank is not None:
             local = len(hosted) if self.mode == "ep" else 0  # EP: the experts share the GPU's memory
-            attention = build.attention_executor(self.config, model_dir, cfg, inbox, em, local)
-        if self.id in place.hosts:
+            attention = build.attention_executor(self.config, model_dir, cfg, em, local)
+        if hosted:
             experts = build.expert_executor(self.config, model_dir, cfg, hosted, em)
         return SyncDevice(
-            self.id, cfg, place.expert_device, attn_devices=place.attn, expert_devices=place.hosts,
-            attention=attention, experts=experts, inbox=inbox,
-            attn_rank=place.attn.index(self.id) if inbox is not None else 0,
+            self.id, cfg, place.expert_runtime, attn_devices=place.attn_runtime, expert_devices=place.hosts,
+            attention=attention, experts=experts, attn_rank=rank or 0,
             max_batch_rows=self.config.scheduler.attn_batch_cap,
         )  # fmt: skip
 
-    @property
-    def kv_blocks(self) -> int:
-        return self.executor.blocks.num_total_blocks if self.executor is not None else 0
+    # ---- what the control plane asks of a runtime (the AEP runtime offers the same)
 
-    def start(self, endpoints: list[str], on_output) -> None:
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.attention.requests.blocks.num_total_blocks if self.attention is not None else 0
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.attention.requests.kv_free_blocks if self.attention is not None else 0
+
+    @property
+    def max_model_len(self) -> int:
+        if self.attention is not None:
+            return self.attention.requests.max_model_len
+        return self.model_config.max_position_embeddings
+
+    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
+        return self.device.add_request(request_id, prompt, params)
+
+    def abort(self, request_id: int) -> bool:
+        return self.device.abort(request_id)
+
+    def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
         self.comm.connect(endpoints)
-        if self.executor is not None:
-            self.device.on_output = on_output
-        self._thread = threading.Thread(target=self._loop, name=f"amoe-{self.mode}-{self.id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(publish,), name=f"amoe-{self.mode}-{self.id}", daemon=True
+        )
         self._thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, publish: Callable[[HeadOutput], None]) -> None:
         par, timeout = self.config.parallel, self.config.transport.timeout_s
         try:
             run_sync_loop(
@@ -82,6 +99,7 @@ class SyncRuntime:
                 self.device,
                 self.comm,
                 self._stop,
+                publish,
                 micro_batches=par.micro_batches,
                 timeout_s=timeout,
             )
@@ -112,11 +130,11 @@ class SyncRuntime:
             "iterations": snap["iterations"],
             "comm": self.comm.stats(),
         }
-        if self.executor is not None:
-            blocks = self.executor.blocks
+        if self.attention is not None:
+            blocks = self.attention.requests.blocks
             report["kv_total_blocks"] = blocks.num_total_blocks
             report["kv_used_blocks"] = blocks.num_total_blocks - blocks.num_free_blocks
-            report["routed"] = self.executor.routed.tolist()
+            report["routed"] = self.attention.routed.tolist()
             report["waiting_chunks"] = len(self.device.inbox)  # the synchronous modes' only queue
         if self.emulation is not None:
             parts = (("attention", self.device.attention), ("experts", self.device.experts))

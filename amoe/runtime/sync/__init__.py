@@ -4,14 +4,13 @@ C++ μ-queue scheduler. See docs/baselines.md."""
 
 from amoe.runtime.sync.batch import TokenInbox
 from amoe.runtime.sync.device import SyncDevice
-from amoe.runtime.sync.ep import ep_placement, run_ep_loop
+from amoe.runtime.sync.ep import run_ep_loop
 from amoe.runtime.sync.loops import run_sync_loop
 from amoe.runtime.sync.pingpong import run_pingpong_loop, t_total
 
 __all__ = [
     "SyncDevice",
     "TokenInbox",
-    "ep_placement",
     "run_ep_loop",
     "run_pingpong_loop",
     "run_sync_loop",

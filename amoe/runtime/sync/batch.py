@@ -1,9 +1,9 @@
 """Batches of the synchronous modes: the inbox where new prompts and sampled tokens wait for the next iteration,
 admission at the iteration boundary, and the batch objects the executors run.
 
-The executors of amoe/runtime/executors.py (and the emulated ones) are reused unchanged: `TokenInbox` stands in
-for the C++ engine's `add_tokens` (the attention executor puts prompts and re-entering tokens there), and
-`LayerBatch` carries the attributes of `core.Batch` that `run(batch)` reads.
+The executors of amoe/runtime/executors.py (torch or emulated compute) are reused unchanged: `TokenInbox` takes
+the rows the C++ engine would take at block 0 (prompts, and the tokens a head step hands on), and `LayerBatch`
+carries the attributes of `core.Batch` that `run(batch)` reads.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from amoe.model.kv_cache import BlockManager
+from amoe.runtime.requests import Rows
 
 
 @dataclass
@@ -31,22 +32,22 @@ class Chunk:
 
 
 class TokenInbox:
-    """Chunks waiting for the next iteration; `add_tokens` has the signature of core.Engine.add_tokens."""
+    """Chunks waiting for the next iteration."""
 
     def __init__(self) -> None:
         # add_request runs on control threads, the loop thread re-enters sampled tokens and admits: one lock.
         self._lock = threading.Condition()
         self._chunks: list[Chunk] = []
 
-    def add_tokens(self, rows, token_ids, positions, starts, chunk_lens) -> None:
-        """rows [n] request id per row, token_ids [n], positions [n], starts [n], chunk_lens [n]."""
-        rids, tokens, lens = rows.tolist(), token_ids.tolist(), chunk_lens.tolist()
-        firsts = starts.tolist()
+    def add(self, rows: Rows) -> None:
+        """Rows for block 0, grouped back into their chunks."""
         chunks, i = [], 0
-        while i < len(rids):
-            n = lens[i]
-            chunks.append(Chunk(rids[i], tokens[i : i + n], firsts[i]))
+        while i < len(rows):
+            n = rows.chunk_lens[i]
+            chunks.append(Chunk(rows.request_ids[i], rows.token_ids[i : i + n], rows.chunk_starts[i]))
             i += n
+        if not chunks:
+            return
         with self._lock:
             self._chunks += chunks
             self._lock.notify_all()
@@ -64,7 +65,7 @@ class TokenInbox:
         """The chunks joining this iteration: decode steps first (their requests hold KV already), then new
         prompts in arrival order, while KV blocks and the row budget last. The rest wait for a later iteration."""
         with self._lock:
-            waiting = sorted(self._chunks, key=lambda c: not blocks.has(str(c.request_id)))  # stable
+            waiting = sorted(self._chunks, key=lambda c: not blocks.has(c.request_id))  # stable
             taken, kept = _fit(waiting, blocks, max_rows)
             self._chunks = kept
         return taken
@@ -74,8 +75,7 @@ def _fit(chunks: list[Chunk], blocks: BlockManager, max_rows: int | None) -> tup
     free, rows = blocks.num_free_blocks, 0
     taken, kept = [], []
     for c in chunks:
-        key = str(c.request_id)
-        held = blocks.num_tokens(key) if blocks.has(key) else 0
+        held = blocks.num_tokens(c.request_id) if blocks.has(c.request_id) else 0
         need = blocks.blocks_needed(held, c.num_rows)
         fits = need <= free and (max_rows is None or rows + c.num_rows <= max_rows or not taken)
         if fits:

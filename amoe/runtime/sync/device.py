@@ -1,8 +1,8 @@
 """One device of a synchronous mode: an attention DP rank, a set of experts, or both (EP).
 
 Requests enter and leave exactly as on an AEP attention runtime: `add_request` / `abort` (any thread) go to the
-attention executor, whose prompts and sampled tokens land in the device's `TokenInbox` until the next iteration
-admits them; finished tokens leave through `on_output` (called on the loop thread after each head step).
+attention rank's requests, whose prompts and sampled tokens land in the device's `TokenInbox` until the next
+iteration admits them; each head step's HeadOutput goes back up to the loop, which publishes it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from amoe.model.config import ModelConfig
-from amoe.runtime.executors import Outputs, RankRequest
+from amoe.runtime.requests import HeadOutput, RankRequest
 from amoe.runtime.sync.batch import Chunk, LayerBatch, TokenInbox
 from amoe.runtime.sync.stats import SyncStats
 from amoe.sampling_params import SamplingParams
@@ -19,9 +19,9 @@ from amoe.sampling_params import SamplingParams
 class SyncDevice:
     """A runtime of `--parallel ep|pingpong`: its executors, its inbox and its stats.
 
-    `attention` is an AttentionExecutor (or the emulated one) built with `inbox` as its engine; `experts` runs
-    the experts this device hosts (`expert_device[e] == rank`). Either may be None (pingpong), not both.
-    `attn_devices` / `expert_devices`: the ranks that run attention / host experts (in EP both are every rank).
+    `attention` is an AttentionExecutor (torch or emulated compute); `experts` runs the experts this device hosts
+    (`expert_device[e] == rank`). Either may be None (pingpong), not both. `attn_devices` / `expert_devices`: the
+    ranks that run attention / host experts (in EP both are every rank).
     """
 
     def __init__(
@@ -34,18 +34,16 @@ class SyncDevice:
         expert_devices: tuple[int, ...],
         attention=None,
         experts=None,
-        inbox: TokenInbox | None = None,
         attn_rank: int = 0,
         max_batch_rows: int | None = None,
     ) -> None:
         if attention is None and experts is None:
             raise ValueError("a device needs an attention executor, experts, or both")
-        if attention is not None and inbox is None:
-            raise ValueError("an attention device needs the TokenInbox its executor was built with")
         self.rank, self.cfg, self.expert_device = rank, cfg, tuple(expert_device)
         self.attn_devices, self.expert_devices = tuple(attn_devices), tuple(expert_devices)
         self.all_devices = tuple(sorted(set(self.attn_devices) | set(self.expert_devices)))
-        self.attention, self.experts, self.inbox = attention, experts, inbox
+        self.attention, self.experts = attention, experts
+        self.inbox = TokenInbox() if attention is not None else None
         self.attn_rank = attn_rank
         self.max_batch_rows = max_batch_rows
         self.hosted_experts = [e for e, d in enumerate(self.expert_device) if d == rank]
@@ -57,22 +55,16 @@ class SyncDevice:
             return "ep"
         return "attention" if self.attention is not None else "expert"
 
-    # Requests: the AttentionExecutor's API, so a control plane drives any mode the same way.
+    # Requests: what the control plane asks of any runtime.
 
     def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
         """Bind a request to this device's attention rank; it joins at the next iteration. Any thread."""
-        return self.attention.add_request(request_id, prompt, params)
+        req, rows = self.attention.requests.add(request_id, prompt, params)
+        self.inbox.add(rows)
+        return req
 
     def abort(self, request_id: int) -> bool:
-        return self.attention.abort(request_id)
-
-    @property
-    def on_output(self):
-        return self.attention.on_output
-
-    @on_output.setter
-    def on_output(self, callback) -> None:  # Callable[[Outputs], None], called on the loop thread
-        self.attention.on_output = callback
+        return self.attention.requests.abort(request_id)
 
     # Steps of an iteration, run by the loops in ep.py / pingpong.py.
 
@@ -80,17 +72,17 @@ class SyncDevice:
         """The chunks that join this iteration (none on an expert-only device)."""
         if self.attention is None:
             return []
-        return self.inbox.admit(self.attention.blocks, self.max_batch_rows)
+        return self.inbox.admit(self.attention.requests.blocks, self.max_batch_rows)
 
     def attend(self, batch: LayerBatch) -> tuple[torch.Tensor, ...]:
         """attention(batch.block) → (residual, moe_input, topk_ids, topk_weights)."""
         with self.stats.busy():
             return self.attention.run(batch)
 
-    def head(self, batch: LayerBatch) -> None:
-        """Final merge, norm, lm_head and sampling; tokens re-enter the inbox, outputs go to on_output."""
+    def head(self, batch: LayerBatch) -> HeadOutput:
+        """Final merge, norm, lm_head and sampling; the tokens that go on wait in the inbox for the next
+        iteration, the HeadOutput goes back to the loop to be published."""
         with self.stats.busy():
-            self.attention.run(batch)
-
-
-__all__ = ["Outputs", "SyncDevice"]
+            out = self.attention.run(batch)
+        self.inbox.add(out.next)
+        return out

@@ -10,10 +10,12 @@ routing every device waits at the combine barrier for the device of the hottest 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from amoe import core
+from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
@@ -21,16 +23,12 @@ from amoe.runtime.sync.iterate import serve_iterations
 from amoe.runtime.sync.moe import DispatchPlan, Routed, receive_combine, send_dispatch, serve_experts
 
 
-def ep_placement(num_devices: int, num_experts: int) -> tuple[int, ...]:
-    """expert_device[e] = e mod N: experts spread evenly, attention DP rank d on device d."""
-    return tuple(e % num_devices for e in range(num_experts))
-
-
 @torch.inference_mode()
 def run_ep_loop(
     device: SyncDevice,
     comm: core.Communicator,
     stop: threading.Event,
+    publish: Callable[[HeadOutput], None],
     *,
     timeout_s: float = 10.0,
     poll_s: float = 0.005,
@@ -38,10 +36,14 @@ def run_ep_loop(
     """Serve as one EP device until any device's `stop` is set. Raises EngineDeadError when a peer is silent
     for `timeout_s` at a barrier."""
     ex = Exchanger(comm, device.rank, timeout_s)
-    serve_iterations(device, ex, stop, lambda it, chunks: _iteration(device, ex, it, chunks), poll_s)
+
+    def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
+        return _iteration(device, ex, it, chunks)
+
+    serve_iterations(device, ex, stop, iteration, publish, poll_s)
 
 
-def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) -> None:
+def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) -> list[HeadOutput]:
     """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head."""
     batch = attention_batch(chunks, device.attn_rank) if chunks else None
     carried = ()  # (residual, expert_out, expert_ids) of the previous block
@@ -50,8 +52,7 @@ def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) 
         residual, routed = _attend(device, step)
         expert_out = _moe(device, ex, Tag(it, block, DISPATCH), routed)
         carried = (residual, expert_out, routed.topk_ids)
-    if batch is not None:
-        device.head(batch.at_block(device.cfg.num_blocks, *carried))
+    return [device.head(batch.at_block(device.cfg.num_blocks, *carried))] if batch is not None else []
 
 
 def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor | None, Routed]:

@@ -15,19 +15,27 @@ import threading
 import time
 from collections.abc import Callable
 
+from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.exchange import BEGIN, Exchanger, Tag
 
 logger = logging.getLogger(__name__)
 
-Iteration = Callable[[int, list[Chunk]], None]  # (iteration number, admitted chunks)
+# (iteration number, admitted chunks) -> the head steps' outputs
+Iteration = Callable[[int, list[Chunk]], list[HeadOutput]]
 
 
 def serve_iterations(
-    device: SyncDevice, ex: Exchanger, stop: threading.Event, run_iteration: Iteration, poll_s: float
+    device: SyncDevice,
+    ex: Exchanger,
+    stop: threading.Event,
+    run_iteration: Iteration,
+    publish: Callable[[HeadOutput], None],
+    poll_s: float,
 ) -> None:
-    """Iterate until some device's `stop` is set; EngineDeadError if a peer goes silent."""
+    """Iterate until some device's `stop` is set, publishing what each head step sampled; EngineDeadError if a
+    peer goes silent."""
     for it in itertools.count():
         chunks = device.admit()
         rows = sum(c.num_rows for c in chunks)
@@ -41,8 +49,10 @@ def serve_iterations(
             device.stats.add_idle(time.perf_counter() - start)
             continue
         device.stats.add_wait(time.perf_counter() - start)  # the BEGIN barrier of a working iteration
-        run_iteration(it, chunks)
+        outputs = run_iteration(it, chunks)
         device.stats.end_iteration(time.perf_counter() - start, rows)
+        for out in outputs:
+            publish(out)  # where sampled tokens leave the device
 
 
 def _begin(ex: Exchanger, device: SyncDevice, it: int, rows: int, stopping: bool) -> tuple[int, bool]:

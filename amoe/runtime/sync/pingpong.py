@@ -10,10 +10,12 @@ with T_a ≈ T_e both pools stay busy and one iteration takes `t_total(...)` (th
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from amoe import core
+from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch, split_micro_batches
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
@@ -34,6 +36,7 @@ def run_pingpong_loop(
     device: SyncDevice,
     comm: core.Communicator,
     stop: threading.Event,
+    publish: Callable[[HeadOutput], None],
     *,
     micro_batches: int = 2,
     timeout_s: float = 10.0,
@@ -46,10 +49,10 @@ def run_pingpong_loop(
     ex = Exchanger(comm, device.rank, timeout_s)
     role = _attention_iteration if device.attention is not None else _expert_iteration
 
-    def iteration(it: int, chunks: list[Chunk]) -> None:
-        role(device, ex, it, chunks, micro_batches)
+    def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
+        return role(device, ex, it, chunks, micro_batches)
 
-    serve_iterations(device, ex, stop, iteration, poll_s)
+    serve_iterations(device, ex, stop, iteration, publish, poll_s)
 
 
 class _MicroBatch:
@@ -60,10 +63,13 @@ class _MicroBatch:
         self.residual = self.plan = self.routed = None
 
 
-def _attention_iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int) -> None:
+def _attention_iteration(
+    device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int
+) -> list[HeadOutput]:
     """Block 0 of every micro-batch, then for each block: wait for micro-batch i's experts, run its next
     attention (or head) and send it on, while the experts work on micro-batch i+1."""
     mbs = [_MicroBatch(c, device.attn_rank) for c in split_micro_batches(chunks, m)]
+    outputs = []
     for i, mb in enumerate(mbs):
         _attend_and_send(device, ex, mb, mb.batch, Tag(it, 0, DISPATCH, i))
     last = device.cfg.num_blocks
@@ -73,7 +79,8 @@ def _attention_iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: lis
             if block < last:
                 _attend_and_send(device, ex, mb, step, Tag(it, block, DISPATCH, i))
             elif step is not None:
-                device.head(step)
+                outputs.append(device.head(step))
+    return outputs
 
 
 def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block: int) -> LayerBatch | None:
@@ -96,9 +103,12 @@ def _attend_and_send(
     send_dispatch(ex, tag, mb.routed, mb.plan)
 
 
-def _expert_iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int) -> None:
-    """Lock-step: (block, micro-batch) in the order the attention side sends them."""
+def _expert_iteration(
+    device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int
+) -> list[HeadOutput]:
+    """Lock-step: (block, micro-batch) in the order the attention side sends them; no head runs here."""
     for block in range(device.cfg.num_blocks):
         for i in range(m):
             tag = Tag(it, block, DISPATCH, i)
             serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)
+    return []

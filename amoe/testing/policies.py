@@ -35,9 +35,7 @@ def flfs(depths: list[list[int]]) -> tuple[int, int] | None:
     return None
 
 
-def pick(
-    policy: str, depths: list[list[int]], lookahead: int = 3, decay: float = 0.5
-) -> tuple[int, int] | None:
+def pick(policy: str, depths: list[list[int]], lookahead: int, decay: float) -> tuple[int, int] | None:
     if policy == "defrag":
         return defrag(depths, lookahead, decay)
     if policy == "mtfs":

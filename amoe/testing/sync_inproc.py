@@ -1,5 +1,5 @@
 """The synchronous modes in one process: every device a Python thread running its loop, wired by the loopback
-communicator (like runtime/inproc.InProcessCluster for AEP). For tests and the benchmark harness."""
+communicator (like amoe.testing.inproc.InProcessCluster for AEP). For tests and the benchmark harness."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from amoe import core
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.layers import build_attention_rank, build_expert_layers
-from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, RankRequest
-from amoe.runtime.sync.batch import TokenInbox
+from amoe.placement import Placement
+from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
+from amoe.runtime.requests import RankRequest, RankRequests
 from amoe.runtime.sync.device import SyncDevice
-from amoe.runtime.sync.ep import ep_placement
 from amoe.runtime.sync.loops import run_sync_loop
 from amoe.sampling_params import SamplingParams
 
@@ -41,7 +41,7 @@ class SyncCluster:
         num_expert: int = 2,
         micro_batches: int = 2,
         emulation=None,
-        kv_blocks: int = 256,
+        num_kv_blocks: int = 256,
         block_size: int = 16,
         max_batch_rows: int | None = None,
         dtype: torch.dtype | None = None,
@@ -56,49 +56,44 @@ class SyncCluster:
         self.model_dir, self.dtype = model_dir, dtype
         cfg = emulation.model_config if emulation is not None else load_model_config(model_dir)
         self.model_config: ModelConfig = cfg
-        self.kv_blocks, self.block_size = kv_blocks, block_size
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.options = {"timeout_s": timeout_s, "poll_s": poll_s}
         if mode == "pingpong":
             self.options["micro_batches"] = micro_batches
-            place = core.Placement.disaggregated(num_attn, num_expert, cfg.num_experts)
-            attn, experts, expert_device = (
-                place.attn_runtime,
-                tuple(range(num_attn, num_attn + num_expert)),
-                place.expert_runtime,
-            )
+            place = Placement.disaggregated(num_attn, num_expert, cfg.num_experts)
         else:
-            attn = experts = tuple(range(num_devices))
-            expert_device = ep_placement(num_devices, cfg.num_experts)
-        self.devices = [
-            self._device(rank, attn, experts, expert_device, max_batch_rows)
-            for rank in sorted(set(attn) | set(experts))
-        ]
+            place = Placement.expert_parallel(num_devices, cfg.num_experts)
+        self.devices = [self._device(rank, place, max_batch_rows) for rank in range(place.num_runtimes)]
         self.hub = core.LoopbackHub(len(self.devices))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors: dict[int, BaseException] = {}
         self._ids = itertools.count(1)
 
-    def _device(self, rank, attn, experts, expert_device, max_batch_rows) -> SyncDevice:
-        cfg = self.model_config
-        hosted = [e for e, d in enumerate(expert_device) if d == rank]
-        inbox = TokenInbox() if rank in attn else None
+    def _device(self, rank: int, place: Placement, max_batch_rows: int | None) -> SyncDevice:
+        hosted = place.experts_of(rank)
+        attn_rank = place.attn_rank_of(rank)
         return SyncDevice(
-            rank, cfg, expert_device, attn_devices=attn, expert_devices=experts,
-            attention=self._attention_executor(inbox) if inbox is not None else None,
-            experts=self._expert_executor(hosted) if rank in experts else None,
-            inbox=inbox, attn_rank=attn.index(rank) if rank in attn else 0, max_batch_rows=max_batch_rows,
+            rank, self.model_config, place.expert_runtime, attn_devices=place.attn_runtime,
+            expert_devices=place.hosts,
+            attention=self._attention_executor() if attn_rank is not None else None,
+            experts=self._expert_executor(hosted) if hosted else None,
+            attn_rank=attn_rank or 0, max_batch_rows=max_batch_rows,
         )  # fmt: skip
 
-    def _attention_executor(self, inbox: TokenInbox):
-        if self.emulation is not None:
-            return self.emulation.attention_executor(
-                inbox, kv_blocks=self.kv_blocks, block_size=self.block_size
-            )
+    def _attention_executor(self) -> AttentionExecutor:
         cfg = self.model_config
-        max_len = min(cfg.max_position_embeddings, self.kv_blocks * self.block_size)
+        requests = RankRequests(
+            vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=min(cfg.max_position_embeddings, self.num_kv_blocks * self.block_size),
+        )  # fmt: skip
+        if self.emulation is not None:
+            return AttentionExecutor(requests, self.emulation.attention(), cfg)
         model = build_attention_rank(self.model_dir, cfg, self.dtype)
-        return AttentionExecutor(inbox, model, cfg, self.kv_blocks, self.block_size, max_len)
+        return AttentionExecutor(
+            requests, TorchAttention(model, cfg, self.num_kv_blocks, self.block_size), cfg
+        )
 
     def _expert_executor(self, hosted: list[int]):
         if self.emulation is not None:
@@ -120,7 +115,9 @@ class SyncCluster:
 
     def _serve(self, device: SyncDevice) -> None:
         try:
-            run_sync_loop(self.mode, device, self.hub.communicator(device.rank), self._stop, **self.options)
+            comm = self.hub.communicator(device.rank)
+            # Each request's state (output, done) is what wait() reads, so nothing more is published.
+            run_sync_loop(self.mode, device, comm, self._stop, lambda out: None, **self.options)
         except BaseException as exc:  # noqa: BLE001 - surfaced to callers of generate() as EngineDeadError
             logger.warning("[sync] device %d died: %s: %s", device.rank, type(exc).__name__, exc)
             self.errors[device.rank] = exc

@@ -1,5 +1,8 @@
 """ClusterBackend: the coordinator's API over runtime processes (one per attention DP rank and per expert rank).
 
+The coordinator never reads model code: what it needs of the model (max model length, vocabulary, KV blocks per
+rank) arrives in each runtime's Hello.
+
 A request bound to DP rank r is sent to attention runtime r as AddRequest; its tokens come back as TokenOut after
 each head step and are fed to the request's stream. Everything runs on the API's event loop (the cluster manager's
 socket is a zmq.asyncio one), so no locks here.
@@ -12,19 +15,16 @@ from the total reported to the load balancer, so admission never over-commits a 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError
-from amoe.runtime import build
+from amoe.request_rules import SeedSource
 from coordinator.backend import Backend, RankKV, TokenDelta
 from coordinator.cluster import ClusterManager
 
@@ -33,9 +33,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    request_id: str
     rank: int
-    num_blocks: int  # what the load balancer reserved for it
+    num_kv_blocks: int  # what the load balancer reserved for it
     queue: asyncio.Queue
 
 
@@ -45,24 +44,29 @@ class ClusterBackend(Backend):
 
     def __init__(self, config: AmoeConfig, model_dir: str | Path, *, control_bind: str = "ipc") -> None:
         self.config = config
-        # Emulated runs take the shapes (and the KV capacity behind max_model_len) from the GPU / model profiles.
-        self.model_config = build.runtime_model_config(config, model_dir)
-        self.max_model_len = build.deployment_max_model_len(config, model_dir)
         self.cluster = ClusterManager(
-            config, model_dir, self.model_config.num_experts, self._on_tokens, self._on_death,
-            control_bind=control_bind,
-        )  # fmt: skip
+            config, model_dir, self._on_tokens, self._on_death, control_bind=control_bind
+        )
         self._status = "created"
-        self._wire_ids = itertools.count(1)
-        self._streams: dict[int, _Stream] = {}  # wire id → stream of a running request
-        self._ids: dict[str, int] = {}  # API request id → wire id
-        self._aborting: dict[int, tuple[int, int]] = {}  # wire id → (rank, blocks) until the rank frees them
+        self._streams: dict[int, _Stream] = {}  # request id → stream of a running request
+        self._aborting: dict[
+            int, tuple[int, int]
+        ] = {}  # request id → (rank, blocks) until the rank frees them
         # Unseeded sampled requests get seeds drawn like LocalEngine's, so the same arrivals give the same tokens.
-        self._seed_source = torch.Generator().manual_seed(0)
+        self._seeds = SeedSource(0)
 
     @property
     def block_size(self) -> int:
         return self.config.cache.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens a request may reach on every attention rank (as the runtimes reported it)."""
+        return min(r.max_model_len for r in self.cluster.attn_runtimes)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cluster.attn_runtimes[0].vocab_size
 
     async def start(self) -> None:
         self._status = "starting"
@@ -86,20 +90,19 @@ class ClusterBackend(Backend):
     # ---- requests
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         self._check_alive()
         num_ranks = len(self.cluster.attn_runtimes)
         if not 0 <= rank < num_ranks:
             raise ValueError(f"no attention rank {rank}; there are {num_ranks}")
-        if request_id in self._ids:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        wire_id = next(self._wire_ids)
+        if request_id in self._streams or request_id in self._aborting:
+            raise RequestError(f"request id {request_id} is already in use")
         blocks = -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
-        stream = _Stream(request_id, rank, blocks, asyncio.Queue())
-        self._streams[wire_id], self._ids[request_id] = stream, wire_id
-        params = wire.to_wire_sampling(sampling_params, self._seed(sampling_params))
-        self.cluster.send(rank, wire.AddRequest(wire_id, list(prompt_token_ids), params))
+        stream = _Stream(rank, blocks, asyncio.Queue())
+        self._streams[request_id] = stream
+        params = wire.to_wire_sampling(sampling_params, self._seeds.resolve(sampling_params))
+        self.cluster.send(rank, wire.AddRequest(request_id, list(prompt_token_ids), params))
         finished = False
         try:
             while not finished:
@@ -112,31 +115,24 @@ class ClusterBackend(Backend):
         finally:
             if not finished:  # the consumer left early (client gone, stop string): free the KV now
                 self.abort(request_id)
-            self._ids.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        wire_id = self._ids.pop(request_id, None)
-        stream = self._streams.pop(wire_id, None) if wire_id is not None else None
+    def abort(self, request_id: int) -> None:
+        stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        self._aborting[wire_id] = (stream.rank, stream.num_blocks)
-        self.cluster.send(stream.rank, wire.Abort(wire_id))
+        self._aborting[request_id] = (stream.rank, stream.num_kv_blocks)
+        self.cluster.send(stream.rank, wire.Abort(request_id))
         stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
 
-    def _seed(self, params: Any) -> int | None:
-        if params.is_greedy or params.seed is not None:
-            return params.seed
-        return int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-
     def _on_tokens(self, msg: wire.TokenOut) -> None:
-        for wire_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
+        for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
             if reason is not None:
-                self._aborting.pop(wire_id, None)
-            stream = self._streams.get(wire_id)
+                self._aborting.pop(request_id, None)
+            stream = self._streams.get(request_id)
             if stream is None:
                 continue  # aborted meanwhile
             if reason is not None:
-                del self._streams[wire_id]
+                del self._streams[request_id]
             if reason == "error":
                 stream.queue.put_nowait(RequestError(msg.error or "the runtime rejected the request"))
             else:
@@ -163,7 +159,7 @@ class ClusterBackend(Backend):
         for rank, blocks in self._aborting.values():
             held[rank] += blocks
         return [
-            RankKV(free_blocks=r.kv_free, total_blocks=r.kv_blocks - held[i]) for i, r in enumerate(ranks)
+            RankKV(free_blocks=r.kv_free, total_blocks=r.num_kv_blocks - held[i]) for i, r in enumerate(ranks)
         ]
 
     def health(self) -> dict[str, Any]:
@@ -181,7 +177,7 @@ class ClusterBackend(Backend):
             report["error"] = self.cluster.failure
         report["runtimes"] = [r.describe() for r in self.cluster.runtimes]
         report["kv"] = [
-            {"rank": rank, "free_blocks": r.kv_free, "total_blocks": r.kv_blocks}
+            {"rank": rank, "free_blocks": r.kv_free, "total_blocks": r.num_kv_blocks}
             for rank, r in enumerate(self.cluster.attn_runtimes)
         ]
         return report

@@ -1,0 +1,87 @@
+"""Which runtime does what: the one Placement of every `--parallel` mode (AMoE §3.3).
+
+Torch-free, so the coordinator can ask which runtimes to start without reading the model: the roles depend only on
+the parallel section; which runtime hosts which expert also needs the model's number of experts, which the runtimes
+know when they start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from amoe.config import ParallelSection
+from amoe.errors import ConfigError
+
+ATTENTION, EXPERT = "attention", "expert"
+
+
+def runtime_roles(parallel: ParallelSection) -> tuple[str, ...]:
+    """The role of each runtime, by runtime id: aep and pingpong run A attention runtimes, then M expert runtimes;
+    ep runs N runtimes that each take requests (role "attention") and host their share of the experts."""
+    if parallel.mode == "ep":
+        return (ATTENTION,) * parallel.attn_ranks
+    return (ATTENTION,) * parallel.attn_ranks + (EXPERT,) * parallel.expert_ranks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """attn_runtime[r] serves attention DP rank r; expert_runtime[e] hosts expert e of every block."""
+
+    attn_runtime: tuple[int, ...]
+    expert_runtime: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.attn_runtime or not self.expert_runtime:
+            raise ConfigError("a placement needs at least one attention rank and one expert")
+        if len(set(self.attn_runtime)) != len(self.attn_runtime):
+            raise ConfigError(f"two attention ranks share a runtime: {self.attn_runtime}")
+        if min(self.attn_runtime + self.expert_runtime) < 0:
+            raise ConfigError("runtime ids must be >= 0")
+
+    @classmethod
+    def of(cls, parallel: ParallelSection, num_experts: int) -> Placement:
+        """The placement `--parallel` asks for, for a model of `num_experts` experts."""
+        if parallel.mode == "ep":
+            return cls.expert_parallel(parallel.attn_ranks, num_experts)
+        return cls.disaggregated(parallel.attn_ranks, parallel.expert_ranks, num_experts)
+
+    @classmethod
+    def disaggregated(cls, num_attn_ranks: int, num_expert_ranks: int, num_experts: int) -> Placement:
+        """Runtimes 0..A-1 run attention; expert e goes to runtime A + e mod M (paper §3.3)."""
+        if num_expert_ranks > num_experts:
+            raise ConfigError(
+                f"parallel.expert_ranks ({num_expert_ranks}) exceeds the model's {num_experts} experts"
+            )
+        return cls(
+            attn_runtime=tuple(range(num_attn_ranks)),
+            expert_runtime=tuple(num_attn_ranks + e % num_expert_ranks for e in range(num_experts)),
+        )
+
+    @classmethod
+    def expert_parallel(cls, num_devices: int, num_experts: int) -> Placement:
+        """EP: device d is attention DP rank d and hosts the experts e with e mod N == d."""
+        return cls(
+            attn_runtime=tuple(range(num_devices)),
+            expert_runtime=tuple(e % num_devices for e in range(num_experts)),
+        )
+
+    @property
+    def num_runtimes(self) -> int:
+        return max(self.attn_runtime + self.expert_runtime) + 1
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """By runtime id: "attention" for a runtime that takes requests (in EP it also hosts experts)."""
+        attn = set(self.attn_runtime)
+        return tuple(ATTENTION if r in attn else EXPERT for r in range(self.num_runtimes))
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        """The runtimes that host experts, in id order."""
+        return tuple(sorted(set(self.expert_runtime)))
+
+    def experts_of(self, runtime: int) -> list[int]:
+        return [e for e, r in enumerate(self.expert_runtime) if r == runtime]
+
+    def attn_rank_of(self, runtime: int) -> int | None:
+        return self.attn_runtime.index(runtime) if runtime in self.attn_runtime else None

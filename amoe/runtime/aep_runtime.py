@@ -1,0 +1,111 @@
+"""One AEP runtime (`--parallel aep`): its C++ engine, executor (torch or emulated), communicator and loop thread.
+
+The worker's main thread drives it (amoe/runtime/worker.py): build, `start(endpoints, publish)`, then requests and
+heartbeats from the control plane until `stop()`. The loop thread runs `run_loop`; sampled tokens leave through
+`publish`, the function the worker hands to `start`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from amoe import core, wire
+from amoe.config import AmoeConfig
+from amoe.errors import EngineDeadError
+from amoe.runtime import build
+from amoe.runtime.comm import communicator
+from amoe.runtime.loop import run_loop
+from amoe.runtime.report import RuntimeReporter
+from amoe.runtime.requests import HeadOutput, RankRequest
+from amoe.sampling_params import SamplingParams
+
+
+class Runtime:
+    """One AEP runtime: attention rank r (requests enter here) or a set of experts."""
+
+    def __init__(self, spec: wire.WorkerSpec) -> None:
+        self.id, self.role = spec.runtime, spec.role
+        self.config = AmoeConfig.from_dict(spec.config)
+        self.emulation = build.emulation(self.config, spec.model_dir)
+        self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
+        self.placement = build.placement(self.config, cfg.num_experts)
+        self.comm = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
+        self.engine = core.Engine(
+            core.engine_config(
+                self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts,
+                top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
+            ),
+            self.comm,
+        )  # fmt: skip
+        if self.role == "attention":
+            self.attention = build.attention_executor(self.config, spec.model_dir, cfg, self.emulation)
+            executor = self.attention
+        else:
+            self.attention = None
+            experts = self.placement.experts_of(self.id)
+            executor = build.expert_executor(self.config, spec.model_dir, cfg, experts, self.emulation)
+        self.executor = executor
+        self.reporter = RuntimeReporter(self.id, self.engine, executor, self.comm)  # times each layer
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ---- what the control plane asks of a runtime (the synchronous runtime offers the same)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.attention.requests.blocks.num_total_blocks if self.attention is not None else 0
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.attention.requests.kv_free_blocks if self.attention is not None else 0
+
+    @property
+    def max_model_len(self) -> int:
+        if self.attention is not None:
+            return self.attention.requests.max_model_len
+        return self.model_config.max_position_embeddings
+
+    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
+        """Bind a request to this attention rank; its prompt enters ATTN (0, rank). Control thread."""
+        req, rows = self.attention.requests.add(request_id, prompt, params)
+        core.enter(self.engine, rows)
+        return req
+
+    def abort(self, request_id: int) -> bool:
+        return self.attention.requests.abort(request_id)
+
+    def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
+        self.comm.connect(endpoints)
+        self.engine.start()
+        self._thread = threading.Thread(
+            target=self._loop, args=(publish,), name=f"amoe-loop-{self.id}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, publish: Callable[[HeadOutput], None]) -> None:
+        try:
+            run_loop(self.engine, self.reporter, self._stop, publish)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread as Failed, then exit
+            self.error = exc
+
+    def check(self) -> None:
+        """Raise if the loop thread died."""
+        if self.error is not None:
+            raise EngineDeadError(f"the runtime loop failed: {type(self.error).__name__}: {self.error}")
+
+    def stats(self) -> dict[str, Any]:
+        """The runtime report of docs/CONTRACTS.md "Runtime stats"."""
+        report = self.reporter.report()
+        if self.emulation is not None:
+            report["emulated"] = self.executor.stats()
+        return report
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        self.engine.stop()
+        self.comm.close()  # says goodbye, so peers tell a clean stop from a death

@@ -1,0 +1,36 @@
+"""A runtime process's communicator: the ZeroMQ data endpoint, the gloo / nccl group for two-phase transfers, and
+(emulated runs) the hold each peer's messages get in flight. Shared by the AEP and the synchronous runtimes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from amoe import core, wire
+from amoe.config import AmoeConfig
+from amoe.runtime import build
+
+
+def communicator(spec: wire.WorkerSpec, num_runtimes: int, config: AmoeConfig, em: Any = None) -> Any:
+    """This runtime's ZmqCommunicator; with an emulation `em`, its links hold messages for their time in flight."""
+    plane = config.transport.plane
+    group = None if plane == "inline" else _process_group(spec, num_runtimes, plane)
+    comm = core.ZmqCommunicator(
+        spec.runtime, num_runtimes, bind=spec.data_bind, plane=plane, process_group=group,
+        timeout_s=config.transport.timeout_s,
+    )  # fmt: skip
+    if em is not None:
+        # Loopback delivers at once; an emulated GPU's messages should take the time its links would.
+        comm.set_link_delays(*build.link_delays(config, em, spec.runtime))
+    return comm
+
+
+def _process_group(spec: wire.WorkerSpec, num_runtimes: int, plane: str) -> Any:
+    """The gloo / nccl group of every runtime, met through a file in the coordinator's private run directory
+    (nothing listens on the network for it)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=spec.startup_timeout_s)
+    store = dist.FileStore(spec.store_path, num_runtimes)
+    dist.init_process_group(plane, store=store, rank=spec.runtime, world_size=num_runtimes, timeout=timeout)
+    return dist.group.WORLD

@@ -1,0 +1,175 @@
+"""The requests of one attention DP rank: admission and validation, abort, KV blocks, stop rules, and the rows that
+enter block 0 (a prompt, or each sampled token that goes on). No computation happens here: the rank's compute
+(torch, or an emulated GPU) runs the layers, this object decides what the results mean for each request.
+
+Threads: `add` and `abort` come from a control thread; everything else runs on the loop thread. The lock keeps the
+request table and each request's aborted flag consistent between them; KV blocks are touched by the loop thread
+only (slots are taken when a chunk enters block 0, AMoE §3.2).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from amoe.errors import RequestError
+from amoe.model.kv_cache import BlockManager
+from amoe.model.sampler import make_generator
+from amoe.request_rules import check_prompt, stop_reason
+from amoe.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Token rows for ATTN (0, rank), one entry per row: a prompt chunk, or one decode token per request."""
+
+    request_ids: list[int]
+    token_ids: list[int]
+    positions: list[int]
+    chunk_starts: list[int]
+    chunk_lens: list[int]
+
+    @classmethod
+    def chunk(cls, request_id: int, token_ids: list[int], start: int) -> Rows:
+        """One request's chunk of consecutive tokens from position `start`."""
+        n = len(token_ids)
+        return cls([request_id] * n, list(token_ids), list(range(start, start + n)), [start] * n, [n] * n)
+
+    @classmethod
+    def decode(cls, request_ids: list[int], token_ids: list[int], positions: list[int]) -> Rows:
+        """One token per request, each its own chunk."""
+        return cls(request_ids, token_ids, positions, list(positions), [1] * len(positions))
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass
+class RankRequest:
+    """A request bound to this attention rank."""
+
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None  # seeded sampling: the same draws whatever shares the batch
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False  # its tokens are still in flight; it ends (and frees its KV) at the head
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+# (request id, new token ids, finish reason or None) per request of one head step
+Outputs = list[tuple[int, list[int], str | None]]
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """What a head step hands on: the sampled tokens that go on re-enter block 0 (`next`), and what leaves the
+    runtime for the coordinator (`tokens`), with the rank's free KV blocks after the finished ones let go."""
+
+    next: Rows
+    tokens: Outputs
+    kv_free_blocks: int
+
+
+class RankRequests:
+    """The state of the requests bound to one attention DP rank."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        skip_prefill: bool = False,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.blocks = BlockManager(num_kv_blocks, block_size)
+        # Emulated decode-only runs (AMoE §5): a prompt's KV counts as written, so only its last token enters,
+        # as a decode row whose context is the whole prompt; its KV is reserved when that row reaches block 0.
+        self.skip_prefill = skip_prefill
+        self._lock = threading.Lock()  # see the module docstring
+        self._requests: dict[int, RankRequest] = {}
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.blocks.num_total_blocks - self.blocks.num_free_blocks
+
+    def add(self, request_id: int, prompt: list[int], params: SamplingParams) -> tuple[RankRequest, Rows]:
+        """Validate and register a request; returns it and the rows that enter ATTN (0, rank). Any thread."""
+        check_prompt(prompt, self.vocab_size, self.max_model_len)
+        req = RankRequest(list(prompt), params, generator=make_generator(params, params.seed))
+        with self._lock:
+            if request_id in self._requests:
+                raise RequestError(f"request id {request_id} is already in use on this rank")
+            self._requests[request_id] = req
+        if self.skip_prefill:
+            return req, Rows.chunk(request_id, prompt[-1:], len(prompt) - 1)
+        return req, Rows.chunk(request_id, prompt, 0)
+
+    def abort(self, request_id: int) -> bool:
+        """Mark a request aborted; False if it is unknown or finished. Its KV is freed when its token next
+        reaches the head (earlier, its rows in flight would write into freed, maybe reused, slots)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return False
+            req.aborted = True
+            return True
+
+    def enter(self, request_ids: list[int], chunk_ends: list[int], chunk_lens: list[int]) -> None:
+        """KV slots for chunks entering block 0: a new request takes blocks for everything up to its chunk's end
+        (with skip_prefill, the prompt it did not compute), a running one grows by its chunk. Loop thread."""
+        for rid, end, n in zip(request_ids, chunk_ends, chunk_lens):
+            if self.blocks.has(rid):
+                self.blocks.append(rid, n)
+            else:
+                self.blocks.allocate(rid, end)
+
+    def block_table(self, request_id: int) -> list[int]:
+        return self.blocks.block_table(request_id)
+
+    def of(self, request_ids: list[int]) -> list[RankRequest]:
+        """The requests behind a head batch's chunks, in order."""
+        with self._lock:
+            return [self._requests[r] for r in request_ids]
+
+    def advance(self, request_ids: list[int], tokens: list[int], context_lens: list[int]) -> HeadOutput:
+        """Record one sampled token per request (whose context held `context_lens` tokens): stop rules decide
+        who finishes (freeing their KV); the others' tokens go on to block 0. Loop thread."""
+        go_on, go_tokens, go_pos, outputs = [], [], [], []
+        with self._lock:
+            for rid, token, ctx in zip(request_ids, tokens, context_lens):
+                req = self._requests[rid]
+                new = [] if req.aborted else [token]
+                req.output += new
+                req.finish_reason = "abort" if req.aborted else self._stop_reason(req, token, ctx + 1)
+                outputs.append((rid, new, req.finish_reason))
+                if req.finish_reason is None:
+                    go_on.append(rid)
+                    go_tokens.append(token)
+                    go_pos.append(ctx)
+                else:
+                    self.blocks.free(rid)
+                    del self._requests[rid]
+                    req.done.set()
+        return HeadOutput(Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks)
+
+    def _stop_reason(self, req: RankRequest, token: int, num_tokens: int) -> str | None:
+        return stop_reason(
+            req.params,
+            token,
+            num_output=len(req.output),
+            num_tokens=num_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
