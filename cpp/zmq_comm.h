@@ -120,6 +120,8 @@ class ZmqCommunicator : public Communicator {
   void send_or_park(Peer& peer, Outgoing&& out);
   void retry_backlogs();
   bool try_send(Peer& peer, Outgoing& out);
+  void send_payload_frame(Peer& peer, const Outgoing& out);
+  void post_send(const Outgoing& out);
   void drain_inbound();
   void drain_monitor();
   // One arrival (frames: zmq_msg_t*), handled by transfer kind; read_*() validate, false: dropped.
