@@ -225,95 +225,129 @@ at::Tensor int64_tensor(const std::vector<int64_t>& v) {
   return t;
 }
 
+// Row r of a chunk: the chunk's metadata at its position, as the row's slot 0.
+RowMeta chunk_row(const RowMeta& head, int32_t r) {
+  RowMeta m = head;
+  m.position = head.chunk_start + r;
+  m.slot = 0;
+  m.expert_id = -1;
+  m.weight = 0.f;
+  return m;
+}
+
+// Fills order (K entries) with a row's expert slots s (its part 1 + s) by ascending expert id: the order
+// Hugging Face sums expert outputs in (insertion sort: K is small). parts = the row's 1 + K parts.
+void sort_expert_slots(const Part* parts, std::vector<int>* order) {
+  std::vector<int>& o = *order;
+  const int k = static_cast<int>(o.size());
+  for (int s = 0; s < k; ++s) {
+    int j = s;
+    for (; j > 0 && parts[1 + o[j - 1]].expert_id > parts[1 + s].expert_id; --j) o[j] = o[j - 1];
+    o[j] = s;
+  }
+}
+
+// request_ids, positions and attn_ranks [N] from the rows' metadata.
+void set_row_ids(Batch* b) {
+  const int64_t n = b->num_rows();
+  b->request_ids = at::empty({n}, at::kLong);
+  b->positions = at::empty({n}, at::kLong);
+  b->attn_ranks = at::empty({n}, at::kLong);
+  int64_t* req = b->request_ids.data_ptr<int64_t>();
+  int64_t* pos = b->positions.data_ptr<int64_t>();
+  int64_t* rank = b->attn_ranks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const RowMeta& m = b->meta[i];
+    req[i] = static_cast<int64_t>(m.request_id);
+    pos[i] = m.position;
+    rank[i] = m.attn_rank;
+  }
+}
+
 }  // namespace
 
 Batch LayerQueues::assemble(Drained&& d) const {
-  Batch b;
+  Batch b = d.layer.kind == kExpert ? assemble_expert(d) : assemble_attention(d);
   b.layer = d.layer;
   b.top_k = cfg_.top_k;
+  set_row_ids(&b);
+  return b;
+}
+
+// EXPERT (b, e): one row per token part, its activation and top-k weight.
+Batch LayerQueues::assemble_expert(const Drained& d) const {
   const int64_t n = d.num_rows;
+  Batch b;
   b.meta.reserve(n);
-  std::vector<int64_t> req(n), pos(n), rank(n);
-  if (d.layer.kind == kExpert) {
-    std::vector<const TensorRef*> refs(n);
-    auto w = at::empty({n}, at::kFloat);
-    float* wp = w.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      const RowMeta& m = d.rows[i].meta;
-      b.meta.push_back(m);
-      req[i] = static_cast<int64_t>(m.request_id);
-      pos[i] = m.position;
-      rank[i] = m.attn_rank;
-      wp[i] = m.weight;
-      refs[i] = &d.rows[i].ref;
-    }
-    const at::Tensor& first = d.rows[0].ref.t;
-    b.x = at::empty({n, cfg_.hidden}, first.options());
-    gather_rows(refs, b.x);
-    b.weights = w;
-  } else {
-    const int64_t num_chunks = static_cast<int64_t>(d.chunks.size());
-    const int k = cfg_.top_k;
-    const bool ids = d.layer.block == 0;
-    std::vector<int64_t> cu(num_chunks + 1, 0), ctx(num_chunks);
-    std::vector<const TensorRef*> slot0;
-    std::vector<const TensorRef*> experts;
-    std::vector<int64_t> eids;
-    slot0.reserve(n);
-    if (!ids) {
-      experts.reserve(n * k);
-      eids.reserve(n * k);
-    }
-    std::vector<int> order(k);  // a row's expert slots by ascending expert id
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const Chunk& ch = d.chunks[c];
-      cu[c + 1] = cu[c] + ch.head.chunk_len;
-      ctx[c] = ch.head.chunk_start + ch.head.chunk_len;
-      for (int32_t r = 0; r < ch.head.chunk_len; ++r) {
-        RowMeta m = ch.head;
-        m.position = ch.head.chunk_start + r;
-        m.slot = 0;
-        m.expert_id = -1;
-        m.weight = 0.f;
-        const int64_t i = static_cast<int64_t>(b.meta.size());
-        b.meta.push_back(m);
-        req[i] = static_cast<int64_t>(m.request_id);
-        pos[i] = m.position;
-        rank[i] = m.attn_rank;
-        const Part* p = &ch.parts[static_cast<int64_t>(r) * ch.parts_per_row];
-        slot0.push_back(&p[0].ref);
-        if (ids) continue;
-        // Ascending expert id: the order Hugging Face sums expert outputs in (insertion sort: K is small).
-        for (int s = 0; s < k; ++s) {
-          int j = s;
-          for (; j > 0 && p[1 + order[j - 1]].expert_id > p[1 + s].expert_id; --j) order[j] = order[j - 1];
-          order[j] = s;
-        }
-        for (int s : order) {
-          experts.push_back(&p[1 + s].ref);
-          eids.push_back(p[1 + s].expert_id);
-        }
-      }
-    }
-    b.cu_rows = int64_tensor(cu);
-    b.context_lens = int64_tensor(ctx);
-    const at::Tensor& first = slot0[0]->t;
-    if (ids) {
-      b.token_ids = at::empty({n}, at::kLong);
-      gather_rows(slot0, b.token_ids);
-    } else {
-      b.residual = at::empty({n, cfg_.hidden}, first.options());
-      gather_rows(slot0, b.residual);
-      auto eo = at::empty({n * k, cfg_.hidden}, first.options());
-      gather_rows(experts, eo);
-      b.expert_out = eo.view({n, k, cfg_.hidden});
-      b.expert_ids = int64_tensor(eids).view({n, k});
+  std::vector<const TensorRef*> refs(n);
+  b.weights = at::empty({n}, at::kFloat);
+  float* wp = b.weights.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    b.meta.push_back(d.rows[i].meta);
+    wp[i] = d.rows[i].meta.weight;
+    refs[i] = &d.rows[i].ref;
+  }
+  b.x = at::empty({n, cfg_.hidden}, d.rows[0].ref.t.options());
+  gather_rows(refs, b.x);
+  return b;
+}
+
+// ATTN (b, r): whole chunks, one row per position. Block 0 gathers token ids; later blocks the residual and
+// the K expert outputs.
+Batch LayerQueues::assemble_attention(const Drained& d) const {
+  const int64_t n = d.num_rows;
+  const int64_t num_chunks = static_cast<int64_t>(d.chunks.size());
+  Batch b;
+  b.meta.reserve(n);
+  std::vector<int64_t> cu(num_chunks + 1, 0), ctx(num_chunks);
+  std::vector<const TensorRef*> slot0;  // per row: its token id (block 0) or residual
+  slot0.reserve(n);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const Chunk& ch = d.chunks[c];
+    cu[c + 1] = cu[c] + ch.head.chunk_len;
+    ctx[c] = ch.head.chunk_start + ch.head.chunk_len;
+    for (int32_t r = 0; r < ch.head.chunk_len; ++r) {
+      b.meta.push_back(chunk_row(ch.head, r));
+      slot0.push_back(&ch.parts[static_cast<int64_t>(r) * ch.parts_per_row].ref);
     }
   }
-  b.request_ids = int64_tensor(req);
-  b.positions = int64_tensor(pos);
-  b.attn_ranks = int64_tensor(rank);
+  b.cu_rows = int64_tensor(cu);
+  b.context_lens = int64_tensor(ctx);
+  if (d.layer.block == 0) {
+    b.token_ids = at::empty({n}, at::kLong);
+    gather_rows(slot0, b.token_ids);
+  } else {
+    b.residual = at::empty({n, cfg_.hidden}, slot0[0]->t.options());
+    gather_rows(slot0, b.residual);
+    gather_expert_outputs(d.chunks, &b);
+  }
   return b;
+}
+
+// expert_out [N, K, H] (dtype and device of the residual) and expert_ids [N, K]: each row's K expert parts in
+// ascending expert id. b's rows are the chunks' rows, in order.
+void LayerQueues::gather_expert_outputs(const std::vector<Chunk>& chunks, Batch* b) const {
+  const int64_t n = b->num_rows();
+  const int k = cfg_.top_k;
+  std::vector<const TensorRef*> refs;
+  std::vector<int64_t> eids;
+  refs.reserve(n * k);
+  eids.reserve(n * k);
+  std::vector<int> order(k);
+  for (const Chunk& ch : chunks) {
+    for (int32_t r = 0; r < ch.head.chunk_len; ++r) {
+      const Part* p = &ch.parts[static_cast<int64_t>(r) * ch.parts_per_row];
+      sort_expert_slots(p, &order);
+      for (int s : order) {
+        refs.push_back(&p[1 + s].ref);
+        eids.push_back(p[1 + s].expert_id);
+      }
+    }
+  }
+  auto eo = at::empty({n * k, cfg_.hidden}, b->residual.options());
+  gather_rows(refs, eo);
+  b->expert_out = eo.view({n, k, cfg_.hidden});
+  b->expert_ids = int64_tensor(eids).view({n, k});
 }
 
 }  // namespace amoe

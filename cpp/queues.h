@@ -166,6 +166,9 @@ class LayerQueues {
   int queue_index(const LayerId& l) const;  // -1 when not hosted
   void enqueue_chunk(int q, Chunk&& c);
   void ingest_attention_row(int q, const RowMeta& m, const at::Tensor& data, int64_t row);
+  Batch assemble_expert(const Drained& d) const;
+  Batch assemble_attention(const Drained& d) const;
+  void gather_expert_outputs(const std::vector<Chunk>& chunks, Batch* b) const;
 
   EngineConfig cfg_;
   int num_cols_;

@@ -283,40 +283,46 @@ bool ZmqCommunicator::try_send(Peer& peer, Outgoing& out) {
     fail_peer(out.dest, zmq_error("send failed"));
     return true;
   }
-  if (has_payload_frame) {
-    zmq_msg_t m1;
-    const size_t nbytes = out.th.nbytes;
-    if (nbytes >= kZeroCopyMin) {
-      // Zero copy: ZeroMQ reads the tensor's memory and drops this reference when it is done with it.
-      auto* hold = new at::Tensor(out.data);
-      zmq_msg_init_data(&m1, hold->data_ptr(), nbytes, &release_tensor, hold);
-    } else {
-      zmq_msg_init_size(&m1, nbytes);
-      if (nbytes > 0) std::memcpy(zmq_msg_data(&m1), out.data.data_ptr(), nbytes);
-    }
-    // The first frame got in, so the rest of a multipart message is accepted without waiting.
-    if (zmq_msg_send(&m1, peer.sock, 0) < 0) zmq_msg_close(&m1);
-  }
+  // The first frame got in, so the rest of a multipart message is accepted without waiting.
+  if (has_payload_frame) send_payload_frame(peer, out);
   if (!is_message) return true;
   messages_out_.fetch_add(1, std::memory_order_relaxed);
   bytes_out_.fetch_add(static_cast<int64_t>(out.th.nbytes), std::memory_order_relaxed);
-  if (out.th.kind == kTwoPhaseTransfer && out.th.nbytes > 0) {
-    // Posted after the metadata: a receiver that must match the send (NCCL) learns about it first.
-    auto p = std::make_shared<Pending>();
-    p->peer = out.dest;
-    p->nbytes = out.th.nbytes;
-    p->deadline = Clock::now() + timeout_;
-    try {
-      p->transfer = plane_->send(out.data, out.dest, out.th.tag);
-    } catch (const std::exception& e) {
-      transfer_errors_.fetch_add(1, std::memory_order_relaxed);
-      fail_peer(out.dest, std::string("posting a send failed: ") + e.what());
-      return true;
-    }
-    in_flight_send_.fetch_add(1, std::memory_order_relaxed);
-    send_lanes_[out.dest]->push(std::move(p));
-  }
+  // Posted after the metadata: a receiver that must match the send (NCCL) learns about it first.
+  if (out.th.kind == kTwoPhaseTransfer && out.th.nbytes > 0) post_send(out);
   return true;
+}
+
+// Inline: the payload as frame 1 of the multipart message whose frame 0 was just sent (under peer.mu, like
+// try_send()).
+void ZmqCommunicator::send_payload_frame(Peer& peer, const Outgoing& out) {
+  zmq_msg_t m1;
+  const size_t nbytes = out.th.nbytes;
+  if (nbytes >= kZeroCopyMin) {
+    // Zero copy: ZeroMQ reads the tensor's memory and drops this reference when it is done with it.
+    auto* hold = new at::Tensor(out.data);
+    zmq_msg_init_data(&m1, hold->data_ptr(), nbytes, &release_tensor, hold);
+  } else {
+    zmq_msg_init_size(&m1, nbytes);
+    if (nbytes > 0) std::memcpy(zmq_msg_data(&m1), out.data.data_ptr(), nbytes);
+  }
+  if (zmq_msg_send(&m1, peer.sock, 0) < 0) zmq_msg_close(&m1);
+}
+
+// Two-phase: the payload's send on the tensor plane, completed by the peer's send lane.
+void ZmqCommunicator::post_send(const Outgoing& out) {
+  auto p = std::make_shared<Pending>();
+  p->peer = out.dest;
+  p->nbytes = out.th.nbytes;
+  p->deadline = Clock::now() + timeout_;
+  try {
+    p->transfer = plane_->send(out.data, out.dest, out.th.tag);
+  } catch (const std::exception& e) {
+    transfer_errors_.fetch_add(1, std::memory_order_relaxed);
+    return fail_peer(out.dest, std::string("posting a send failed: ") + e.what());
+  }
+  in_flight_send_.fetch_add(1, std::memory_order_relaxed);
+  send_lanes_[out.dest]->push(std::move(p));
 }
 
 // ---- errors and statistics (any thread) ----

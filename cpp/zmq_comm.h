@@ -120,9 +120,17 @@ class ZmqCommunicator : public Communicator {
   void send_or_park(Peer& peer, Outgoing&& out);
   void retry_backlogs();
   bool try_send(Peer& peer, Outgoing& out);
+  void send_payload_frame(Peer& peer, const Outgoing& out);
+  void post_send(const Outgoing& out);
   void drain_inbound();
   void drain_monitor();
+  // One arrival (frames: zmq_msg_t*), handled by transfer kind; read_*() validate, false: dropped.
   void handle_inbound(std::vector<void*>& frames, size_t num_frames);
+  bool read_transfer_header(void* frame0, TransferHeader* th);
+  void handle_hello_bye(const TransferHeader& th, size_t frame0_bytes, size_t num_frames);
+  bool read_message(const TransferHeader& th, void* frame0, Message* msg);
+  void handle_two_phase(const TransferHeader& th, void* frame0, size_t num_frames);
+  void handle_inline(const TransferHeader& th, std::vector<void*>& frames, size_t num_frames);
   void deliver(Message msg);
   Clock::time_point link_ready(const MessageHeader& h, Clock::time_point now);
   Clock::time_point earliest_ready() const;
@@ -131,6 +139,7 @@ class ZmqCommunicator : public Communicator {
   void check_deadlines();
   void finish(const std::shared_ptr<Pending>& p, bool ok, const std::string& error);
   void drop(DropKind kind, const std::string& why);
+  bool reject(DropKind kind, const std::string& why);  // drop(), then false
   void fail_peer(int peer, const std::string& why);
   void wake_io();
 

@@ -30,6 +30,31 @@ std::vector<int64_t> shape_of(const MessageHeader& h) {
   return h.hidden > 0 ? std::vector<int64_t>{h.num_rows, h.hidden} : std::vector<int64_t>{h.num_rows};
 }
 
+// The tensor of an inline payload frame (a zmq_msg_t*) of h's shape and dtype. A large one is wrapped, not
+// copied: the tensor then owns the ZeroMQ message, and *frame is set to nullptr.
+at::Tensor payload_tensor(void** frame, const MessageHeader& h) {
+  auto* m1 = static_cast<zmq_msg_t*>(*frame);
+  const size_t len1 = zmq_msg_size(m1);
+  void* payload = zmq_msg_data(m1);
+  const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(h.dtype));
+  // libzmq puts a large payload 8 bytes past a malloc boundary: aligned for every dtype we carry (<= 8
+  // bytes).
+  if (len1 >= kZeroCopyMin && reinterpret_cast<uintptr_t>(payload) % 8 == 0) {
+    // Zero copy: the tensor owns the ZeroMQ message and closes it when the last reference goes.
+    *frame = nullptr;
+    return at::from_blob(
+        payload, shape_of(h),
+        [m1](void*) {
+          zmq_msg_close(m1);
+          delete m1;
+        },
+        options);
+  }
+  auto data = at::empty(shape_of(h), options);
+  if (len1 > 0) std::memcpy(data.data_ptr(), payload, len1);
+  return data;
+}
+
 }  // namespace
 
 // ---- the I/O thread ----
@@ -111,6 +136,11 @@ void ZmqCommunicator::drop(DropKind kind, const std::string& why) {
   }
 }
 
+bool ZmqCommunicator::reject(DropKind kind, const std::string& why) {
+  drop(kind, why);
+  return false;
+}
+
 void ZmqCommunicator::drain_inbound() {
   std::vector<void*> frames;  // zmq_msg_t*, closed by handle_inbound unless it keeps them
   for (int i = 0; i < kBurst; ++i) {
@@ -144,92 +174,111 @@ void ZmqCommunicator::drain_inbound() {
   }
 }
 
+// The transfer header names the kind; each kind checks the rest of its frames. A handler that keeps a frame
+// (a zero-copy payload) nulls its slot.
 void ZmqCommunicator::handle_inbound(std::vector<void*>& frames, size_t num_frames) {
   auto* m0 = static_cast<zmq_msg_t*>(frames[0]);
+  TransferHeader th;
+  if (!read_transfer_header(m0, &th)) return;
+  const int fd = zmq_msg_get(m0, ZMQ_SRCFD);
+  if (fd >= 0) fd_rank_[fd] = th.src;  // the disconnect monitor names a connection only by its fd
+  switch (th.kind) {
+    case kHelloTransfer:
+    case kByeTransfer:
+      return handle_hello_bye(th, zmq_msg_size(m0), num_frames);
+    case kTwoPhaseTransfer:
+      return handle_two_phase(th, m0, num_frames);
+    case kInlineTransfer:
+      return handle_inline(th, frames, num_frames);
+    default:
+      return drop(kInconsistent, "unknown transfer kind " + std::to_string(th.kind));
+  }
+}
+
+// Frame 0's transfer header into *th, from a peer; false when dropped.
+bool ZmqCommunicator::read_transfer_header(void* frame0, TransferHeader* th) {
+  auto* m0 = static_cast<zmq_msg_t*>(frame0);
   const auto* f0 = static_cast<const char*>(zmq_msg_data(m0));
   const size_t len0 = zmq_msg_size(m0);
   if (len0 < sizeof(TransferHeader)) {
     const bool prefix = len0 > 0 && std::memcmp(f0, &kTransferMagic, std::min<size_t>(len0, 4)) == 0;
-    return drop(prefix ? kTruncated : kGarbage, "a frame shorter than the transfer header");
+    return reject(prefix ? kTruncated : kGarbage, "a frame shorter than the transfer header");
   }
-  TransferHeader th;
-  std::memcpy(&th, f0, sizeof(th));
-  if (th.magic != kTransferMagic) return drop(kGarbage, "bad transfer magic");
-  if (th.version != kTransferVersion)
-    return drop(kVersion, "transfer protocol version " + std::to_string(th.version));
-  if (th.src < 0 || th.src >= num_runtimes_ || th.src == rank_)
-    return drop(kInconsistent, "sender rank " + std::to_string(th.src) + " is not a peer");
-  const int fd = zmq_msg_get(m0, ZMQ_SRCFD);
-  if (fd >= 0) fd_rank_[fd] = th.src;
-  if (th.kind == kHelloTransfer || th.kind == kByeTransfer) {
-    if (len0 != sizeof(th) || num_frames != 1) return drop(kInconsistent, "a hello/bye with a body");
-    std::lock_guard<std::mutex> lock(peers_mu_);  // stats() reads the departed set
-    auto it = std::find(departed_.begin(), departed_.end(), th.src);
-    if (th.kind == kByeTransfer && it == departed_.end()) departed_.push_back(th.src);
-    if (th.kind == kHelloTransfer && it != departed_.end()) departed_.erase(it);
-    return;
-  }
-  if (th.kind != kInlineTransfer && th.kind != kTwoPhaseTransfer)
-    return drop(kInconsistent, "unknown transfer kind " + std::to_string(th.kind));
+  std::memcpy(th, f0, sizeof(*th));
+  if (th->magic != kTransferMagic) return reject(kGarbage, "bad transfer magic");
+  if (th->version != kTransferVersion)
+    return reject(kVersion, "transfer protocol version " + std::to_string(th->version));
+  if (th->src < 0 || th->src >= num_runtimes_ || th->src == rank_)
+    return reject(kInconsistent, "sender rank " + std::to_string(th->src) + " is not a peer");
+  return true;
+}
+
+// A peer connected (hello) or is closing in order (bye): no message, only the departed set changes.
+void ZmqCommunicator::handle_hello_bye(const TransferHeader& th, size_t frame0_bytes, size_t num_frames) {
+  if (frame0_bytes != sizeof(th) || num_frames != 1) return drop(kInconsistent, "a hello/bye with a body");
+  std::lock_guard<std::mutex> lock(peers_mu_);  // stats() reads the departed set
+  auto it = std::find(departed_.begin(), departed_.end(), th.src);
+  if (th.kind == kByeTransfer && it == departed_.end()) departed_.push_back(th.src);
+  if (th.kind == kHelloTransfer && it != departed_.end()) departed_.erase(it);
+}
+
+// The message header and row records that follow frame 0's transfer header, into *msg (data left undefined);
+// false when dropped. Once accepted, th.nbytes is the payload size they describe.
+bool ZmqCommunicator::read_message(const TransferHeader& th, void* frame0, Message* msg) {
+  auto* m0 = static_cast<zmq_msg_t*>(frame0);
+  const auto* f0 = static_cast<const char*>(zmq_msg_data(m0));
+  const size_t len0 = zmq_msg_size(m0);
   if (len0 < kMetaBytes) {
     const bool prefix =
         std::memcmp(f0 + sizeof(th), &kMessageMagic, std::min<size_t>(len0 - sizeof(th), 4)) == 0;
-    return drop(prefix ? kTruncated : kGarbage, "a frame shorter than the message header");
+    return reject(prefix ? kTruncated : kGarbage, "a frame shorter than the message header");
   }
   MessageHeader h;
   std::memcpy(&h, f0 + sizeof(th), sizeof(h));
-  if (h.magic != kMessageMagic) return drop(kGarbage, "bad message magic");
+  if (h.magic != kMessageMagic) return reject(kGarbage, "bad message magic");
   if (h.version != kMessageVersion || h.row_size != sizeof(RowMeta))
-    return drop(kVersion, "message layout version " + std::to_string(h.version) + ", row size " +
-                              std::to_string(h.row_size));
+    return reject(kVersion, "message layout version " + std::to_string(h.version) + ", row size " +
+                                std::to_string(h.row_size));
   if (h.num_rows < 0 || h.hidden < 0 || h.src_runtime != th.src)
-    return drop(kInconsistent, "negative sizes or a sender mismatch");
+    return reject(kInconsistent, "negative sizes or a sender mismatch");
   const uint64_t rows = static_cast<uint64_t>(h.num_rows);
   const size_t row_bytes = len0 - kMetaBytes;
-  if (rows > row_bytes / sizeof(RowMeta)) return drop(kTruncated, "fewer row records than num_rows");
-  if (row_bytes != rows * sizeof(RowMeta)) return drop(kInconsistent, "more row records than num_rows");
+  if (rows > row_bytes / sizeof(RowMeta)) return reject(kTruncated, "fewer row records than num_rows");
+  if (row_bytes != rows * sizeof(RowMeta)) return reject(kInconsistent, "more row records than num_rows");
   size_t itemsize = 0;
-  if (!item_size(h.dtype, &itemsize)) return drop(kInconsistent, "unknown dtype " + std::to_string(h.dtype));
+  if (!item_size(h.dtype, &itemsize))
+    return reject(kInconsistent, "unknown dtype " + std::to_string(h.dtype));
   uint64_t expected = 0;
   if (__builtin_mul_overflow(rows, static_cast<uint64_t>(std::max<int64_t>(h.hidden, 1)), &expected) ||
       __builtin_mul_overflow(expected, static_cast<uint64_t>(itemsize), &expected) ||
       expected > kMaxTransferBytes)
-    return drop(kInconsistent, "an impossible payload size");
-  if (th.nbytes != expected) return drop(kInconsistent, "byte length disagrees with dtype and shape");
+    return reject(kInconsistent, "an impossible payload size");
+  if (th.nbytes != expected) return reject(kInconsistent, "byte length disagrees with dtype and shape");
+  msg->header = h;
+  msg->rows.resize(rows);
+  if (rows > 0) std::memcpy(msg->rows.data(), f0 + kMetaBytes, rows * sizeof(RowMeta));
+  return true;
+}
 
+// Two-phase: frame 0 alone; the payload comes over the tensor plane, into a receive posted here.
+void ZmqCommunicator::handle_two_phase(const TransferHeader& th, void* frame0, size_t num_frames) {
   Message msg;
-  msg.header = h;
-  msg.rows.resize(rows);
-  if (rows > 0) std::memcpy(msg.rows.data(), f0 + kMetaBytes, rows * sizeof(RowMeta));
-  const auto dtype = static_cast<at::ScalarType>(h.dtype);
-  if (th.kind == kTwoPhaseTransfer) {
-    if (num_frames != 1) return drop(kInconsistent, "a two-phase transfer with extra frames");
-    if (!plane_) return drop(kInconsistent, "a two-phase transfer on an inline communicator");
-    return post_recv(th, std::move(msg));
-  }
+  if (!read_message(th, frame0, &msg)) return;
+  if (num_frames != 1) return drop(kInconsistent, "a two-phase transfer with extra frames");
+  if (!plane_) return drop(kInconsistent, "a two-phase transfer on an inline communicator");
+  post_recv(th, std::move(msg));
+}
+
+// Inline: the payload is frame 1, so the message is complete on arrival.
+void ZmqCommunicator::handle_inline(const TransferHeader& th, std::vector<void*>& frames, size_t num_frames) {
+  Message msg;
+  if (!read_message(th, frames[0], &msg)) return;
   if (num_frames < 2) return drop(kTruncated, "an inline transfer without its payload frame");
   if (num_frames > 2) return drop(kInconsistent, "an inline transfer with extra frames");
-  auto* m1 = static_cast<zmq_msg_t*>(frames[1]);
-  const size_t len1 = zmq_msg_size(m1);
-  if (len1 != expected)
-    return drop(len1 < expected ? kTruncated : kInconsistent, "payload bytes disagree with the header");
-  void* payload = zmq_msg_data(m1);
-  // libzmq puts a large payload 8 bytes past a malloc boundary: aligned for every dtype we carry (<= 8
-  // bytes).
-  if (len1 >= kZeroCopyMin && reinterpret_cast<uintptr_t>(payload) % 8 == 0) {
-    // Zero copy: the tensor owns the ZeroMQ message and closes it when the last reference goes.
-    frames[1] = nullptr;
-    msg.data = at::from_blob(
-        payload, shape_of(h),
-        [m1](void*) {
-          zmq_msg_close(m1);
-          delete m1;
-        },
-        at::TensorOptions().dtype(dtype));
-  } else {
-    msg.data = at::empty(shape_of(h), at::TensorOptions().dtype(dtype));
-    if (len1 > 0) std::memcpy(msg.data.data_ptr(), payload, len1);
-  }
+  const size_t len1 = zmq_msg_size(static_cast<zmq_msg_t*>(frames[1]));
+  if (len1 != th.nbytes)
+    return drop(len1 < th.nbytes ? kTruncated : kInconsistent, "payload bytes disagree with the header");
+  msg.data = payload_tensor(&frames[1], msg.header);
   messages_in_.fetch_add(1, std::memory_order_relaxed);
   bytes_in_.fetch_add(static_cast<int64_t>(len1), std::memory_order_relaxed);
   deliver(std::move(msg));
