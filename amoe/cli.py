@@ -84,8 +84,7 @@ def _chat_prompts(llm: Any, prompts: list[str]) -> list[list[int]]:
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise RequestError(f"{llm.model_dir} has no tokenizer, which --chat needs")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    return [tokenizer.encode(t, add_bos=False) for t in texts]  # the template already wrote the BOS token
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
 
 
 def add_serve_command(sub: Any) -> None:

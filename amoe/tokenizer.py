@@ -27,6 +27,16 @@ TEMPLATE_FILE = "chat_template.jinja"  # where newer transformers versions save 
 # Mixtral's special tokens and ids.
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)
+# The special tokens transformers names and hands to chat templates (bos_token etc.).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 _MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # the specials plus the byte-level alphabet
 # How many prompt tokens the incremental detokenizer decodes as context, as vLLM does.
 _DETOK_CONTEXT = 5
@@ -34,25 +44,32 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer: encode, decode and chat template, for byte-level and sentencepiece-style BPE."""
+    """A checkpoint's tokenizer: encode, decode and chat template, for byte-level and sentencepiece-style BPE.
+
+    Prompts encode exactly as transformers 5 encodes them for the same checkpoint: `encode` is `tokenizer(text)`
+    (tokenizer.json's post-processor adds the special tokens) and `encode_chat` is
+    `apply_chat_template(messages, tokenize=True)` (the template writes them).
+    """
 
     def __init__(
         self,
         backend: tokenizers.Tokenizer,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
+        special_tokens: dict[str, str] | None = None,
         chat_template: str | None = None,
         model_max_length: int | None = None,
         source: str = "<memory>",
     ) -> None:
+        # transformers switches off tokenizer.json's truncation and padding for a plain call: a file saved for
+        # training would otherwise cut long prompts short or pad them.
+        backend.no_truncation()
+        backend.no_padding()
         self.backend = backend
-        self.bos_token = bos_token
-        self.eos_token = eos_token
+        self.special_tokens = dict(special_tokens or {})  # "bos_token" etc., as the chat template sees them
         self.chat_template = chat_template
         self.model_max_length = model_max_length
         self.source = source
-        self.bos_token_id = self._special_id(bos_token)
-        self.eos_token_id = self._special_id(eos_token)
+        self.bos_token_id = self._special_id(self.bos_token)
+        self.eos_token_id = self._special_id(self.eos_token)
         self.byte_token_ids = _byte_fallback_ids(backend)
         self._template = _compile_template(chat_template, source) if chat_template else None
 
@@ -62,28 +79,45 @@ class Tokenizer:
         path = Path(path)
         backend = _load_backend(path / TOKENIZER_FILE)
         config = _load_config(path / CONFIG_FILE)
-        template = _chat_template(config, path)
-        return cls(
+        tokenizer = cls(
             backend,
-            bos_token=_token_text(config.get("bos_token", _default_special(backend, BOS_TOKEN))),
-            eos_token=_token_text(config.get("eos_token", _default_special(backend, EOS_TOKEN))),
-            chat_template=template,
+            special_tokens=_named_special_tokens(config),
+            chat_template=_chat_template(config, path),
             model_max_length=_int_or_none(config.get("model_max_length")),
             source=str(path),
         )
+        tokenizer._warn_if_config_disagrees(config)
+        return tokenizer
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. by a chat template) are recognized."""
-        # The post-processor is bypassed so that add_bos alone decides, whatever tokenizer.json says.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
-        return ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, as transformers' `tokenizer(text, add_special_tokens=...)` gives them.
+
+        The special tokens added are tokenizer.json's post-processor's (a BOS for Llama/Mistral-style tokenizers,
+        none for Qwen-style ones or a file without a post-processor); special tokens written in the text are
+        recognized either way.
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat, as transformers' `apply_chat_template(..., tokenize=True)` gives them."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        # The template writes every special token it wants (its own BOS too): the post-processor adds none.
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
@@ -96,12 +130,10 @@ class Tokenizer:
         if self._template is None:
             raise RequestError(f"{self.source}: the tokenizer has no chat_template")
         try:
+            # As in transformers: the config's named special tokens, which the caller's arguments override.
+            context = {**self.special_tokens, **kwargs}
             return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **kwargs,
+                context, messages=list(messages), add_generation_prompt=add_generation_prompt
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template: the conversation is invalid
             raise RequestError(f"chat template: {e}") from e
@@ -113,6 +145,24 @@ class Tokenizer:
         if token_id is None:
             raise ModelLoadError(f"{self.source}: special token {token!r} is not in the vocabulary")
         return token_id
+
+    def _warn_if_config_disagrees(self, config: dict[str, Any]) -> None:
+        """transformers 5 ignores add_bos_token / add_eos_token once there is a tokenizer.json; say so if they differ."""
+        leading, trailing = _added_special_ids(self.backend)
+        for key, token_id, ids in (
+            ("add_bos_token", self.bos_token_id, leading),
+            ("add_eos_token", self.eos_token_id, trailing),
+        ):
+            wanted = config.get(key)
+            if isinstance(wanted, bool) and token_id is not None and wanted != (token_id in ids):
+                logger.warning(
+                    "[tokenizer] %s: tokenizer_config.json has %s=%s but tokenizer.json's post-processor %s it; "
+                    "following tokenizer.json, as transformers 5 does",
+                    self.source,
+                    key,
+                    str(wanted).lower(),
+                    "does not add" if wanted else "adds",
+                )
 
 
 class IncrementalDetokenizer:
@@ -195,7 +245,7 @@ def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
     )
     # The trainer breaks ties in pair counts by the pair itself, so merges do not depend on thread count.
     backend.train_from_iterator(_corpus().splitlines(keepends=True), trainer)
-    # HF's encode(text) adds special tokens through the post-processor; ours adds bos in encode().
+    # As in Mixtral's tokenizer.json: the post-processor starts every encoded prompt with <s>.
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 1)]
     )
@@ -286,6 +336,24 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The config's named special tokens; like transformers, no defaults (a bare tokenizer.json has none)."""
+    tokens = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    return {name: token for name, token in tokens.items() if token is not None}
+
+
+def _added_special_ids(backend: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
+    """The special token ids the post-processor puts before and after a text."""
+    try:
+        encoding = backend.encode("a", add_special_tokens=True)
+    except Exception:  # a word-level vocabulary without "a" cannot tell; this only feeds a warning
+        return [], []
+    mask, ids = encoding.special_tokens_mask, encoding.ids
+    first = mask.index(0) if 0 in mask else len(ids)
+    last = len(mask) - mask[::-1].index(0) if 0 in mask else len(ids)
+    return ids[:first], ids[last:]
+
+
 def _token_text(token: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with "content"."""
     if isinstance(token, dict):
@@ -299,10 +367,6 @@ def _byte_fallback_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
         return frozenset()
     ids = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
     return frozenset(i for i in ids if i is not None)
-
-
-def _default_special(backend: tokenizers.Tokenizer, token: str) -> str | None:
-    return token if backend.token_to_id(token) is not None else None
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -17,9 +17,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = (
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+    """Prompt token ids as the checkpoint's own tokenizer gives them (amoe.tokenizer.Tokenizer has it)."""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,9 @@ def prepare_chat(
     for m in messages:
         _check_text(m["content"], "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # a checkpoint's template may reject e.g. a system message
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
-    # The template writes the BOS token itself, as Hugging Face chat templates do.
-    prompt_ids = tokenizer.encode(text, add_bos=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, param)
@@ -90,7 +90,7 @@ def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) 
         prompt = prompt[0]
     if isinstance(prompt, str):
         _check_text(prompt, "prompt")
-        return tokenizer.encode(prompt, add_bos=True)
+        return tokenizer.encode(prompt)  # with the special tokens the checkpoint's tokenizer adds
     if not prompt:
         raise bad_request("'prompt' must not be empty", "prompt")
     bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)

@@ -15,11 +15,13 @@ BLOCK = 16
 
 
 class CharTokenizer:
-    def encode(self, text, add_bos=True):
-        return ([1] if add_bos else []) + [ord(c) for c in text]
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return self.encode(
+            "".join(f"<{m['role']}>{m['content']}" for m in messages), add_special_tokens=False
+        )
 
 
 class CharDetokenizer:

@@ -94,7 +94,9 @@ def test_token_id_prompts_equal_the_local_engine(client, llm):
 def test_chat_uses_the_checkpoint_template_and_equals_the_local_engine(client, llm, model_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+    prompt_ids = tokenizer.encode_chat(messages)
+    assert prompt_ids == tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert prompt_ids.count(tokenizer.bos_token_id) == 1  # the template writes <s>; no second one is added
     expected = greedy(llm, prompt_ids, 10)
     got = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0)
     assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"

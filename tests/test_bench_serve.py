@@ -98,9 +98,9 @@ def test_id_prompts_have_the_exact_length_and_are_reproducible():
 def test_text_prompts_reach_the_length_with_a_tokenizer(model_dir):
     tokenizer = Tokenizer.from_dir(model_dir)
     for r in make_requests(make_workload("medium"), 10, prompt_format="text", tokenizer=tokenizer):
-        num_tokens = len(tokenizer.encode(r.prompt, add_bos=False))
+        num_tokens = len(tokenizer.encode(r.prompt))  # as the server counts it: with the BOS it adds
         shorter = " ".join(r.prompt.split()[:-1])
-        assert num_tokens >= r.prompt_len > len(tokenizer.encode(shorter, add_bos=False))
+        assert num_tokens >= r.prompt_len > len(tokenizer.encode(shorter))
 
 
 @pytest.mark.parametrize("spec", ["long", "sharegpt:/no/such/file.json"])
@@ -131,6 +131,18 @@ def test_sharegpt_takes_the_first_human_turn_and_estimates_reply_tokens(tmp_path
     assert all(r.output_len == round(20 * 1.3) and r.prompt_len == round(12 * 1.3) for r in requests)
     # More requests than usable conversations: they are reused.
     assert len(make_requests(make_workload(f"sharegpt:{path}"), 7, max_model_len=100)) == 7
+
+
+def test_sharegpt_counts_prompts_as_served_and_replies_as_generated(tmp_path, model_dir):
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompt, reply = "Why is the sky blue today?", "Because of Rayleigh scattering, mostly."
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([_conversation(prompt, reply)]))
+    (request,) = make_requests(make_workload(f"sharegpt:{path}"), 1, tokenizer=tokenizer)
+    # The server encodes the prompt with the <s> its tokenizer adds; the model generates the reply without one.
+    assert request.prompt_len == len(tokenizer.encode(prompt, add_special_tokens=False)) + 1
+    assert request.prompt_len == len(tokenizer.encode(prompt))
+    assert request.output_len == len(tokenizer.encode(reply, add_special_tokens=False))
 
 
 # --- metrics ----------------------------------------------------------------------------------------------------

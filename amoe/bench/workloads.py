@@ -55,7 +55,7 @@ _FILLER_TEXT = (
 class Tokenizer(Protocol):
     """What the benchmark needs from a tokenizer (amoe.tokenizer.Tokenizer has it)."""
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -150,17 +150,21 @@ def _text_prompt(length: int, rng: np.random.Generator, tokenizer: Tokenizer | N
     lo, hi = 1, len(words)
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(tokenizer.encode(" ".join(words[:mid]), add_bos=False)) >= length:
+        if count_tokens(" ".join(words[:mid]), tokenizer, is_prompt=True) >= length:
             hi = mid
         else:
             lo = mid + 1
     return " ".join(words[:lo])
 
 
-def count_tokens(text: str, tokenizer: Tokenizer | None) -> int:
-    """Tokens in `text`: exact with a tokenizer, else estimated as words × 1.3."""
+def count_tokens(text: str, tokenizer: Tokenizer | None, is_prompt: bool = False) -> int:
+    """Tokens in `text`: exact with a tokenizer, else estimated as words × 1.3.
+
+    A prompt counts as the server encodes it, with the special tokens its tokenizer adds (e.g. a BOS); a reply
+    counts as generated, without them.
+    """
     if tokenizer is not None:
-        return len(tokenizer.encode(text, add_bos=False))
+        return len(tokenizer.encode(text, add_special_tokens=is_prompt))
     return round(len(text.split()) * TOKENS_PER_WORD)
 
 
@@ -179,8 +183,8 @@ def sharegpt_requests(
     """
     entries = _load_json_list(path)
 
-    def count(text: str) -> int:
-        return count_tokens(text, tokenizer)
+    def count(text: str, is_prompt: bool) -> int:
+        return count_tokens(text, tokenizer, is_prompt)
 
     chosen: list[RequestSpec] = []
     for index in rng.permutation(len(entries)).tolist():
@@ -208,13 +212,13 @@ def _load_json_list(path: Path) -> list[Any]:
 
 
 def _sharegpt_request(
-    entry: Any, count: Callable[[str], int], max_model_len: int | None
+    entry: Any, count: Callable[[str, bool], int], max_model_len: int | None
 ) -> RequestSpec | None:
     pair = next(_human_gpt_pairs(entry), None)
     if pair is None:
         return None
     prompt, reply = pair
-    prompt_len, output_len = count(prompt), count(reply)
+    prompt_len, output_len = count(prompt, True), count(reply, False)
     if prompt_len < _MIN_SHAREGPT_TOKENS or output_len < _MIN_SHAREGPT_TOKENS:
         return None
     if max_model_len is not None and prompt_len + output_len > max_model_len:
