@@ -48,6 +48,7 @@ bench: install
 	$(PY) bench/scheduler.py
 	$(PY) bench/transport.py
 	$(PY) bench/metrics_endpoint.py
+	$(PY) bench/fuzz_api.py
 
 clean:
 	rm -rf build *.egg-info amoe/*.so

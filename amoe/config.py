@@ -156,8 +156,17 @@ class ServerSection:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # Bearer key every endpoint but /health asks for; it may also come from a file (first line) or AMOE_API_KEY,
+    # so it need not show in `ps`.
     api_key: str | None = None
+    api_key_file: str | None = None
     max_waiting: int = 256  # requests queued for KV space before the API answers 503
+    max_body_bytes: int = 16 * 1024 * 1024  # a bigger request body gets 413 before it is parsed
+    request_timeout_s: float = 3600.0  # a request's deadline, queueing included: then it ends with an error
+    stall_timeout_s: float = 60.0  # a running request that produces no token for this long ends with an error
+    abort_timeout_s: float = (
+        30.0  # an abort no runtime confirms frees the request's KV after this long anyway
+    )
     served_model_name: str | None = None  # None: the model directory's name
     drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
@@ -168,6 +177,10 @@ class ServerSection:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535]; got {self.port}")
         _positive("server.max_waiting", self.max_waiting)
+        for name in ("max_body_bytes", "request_timeout_s", "stall_timeout_s", "abort_timeout_s"):
+            _positive(f"server.{name}", getattr(self, name))
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ConfigError("give server.api_key or server.api_key_file, not both")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("server.served_model_name must not be empty")
         if self.drain_timeout_s < 0:
@@ -254,6 +267,7 @@ _ALIASES = {
     ("server", "host"): "--host",
     ("server", "port"): "--port",
     ("server", "api_key"): "--api-key",
+    ("server", "api_key_file"): "--api-key-file",
 }
 
 

@@ -35,9 +35,11 @@ def engine_config(
     top_k: int,
     hidden: int,
     scheduler: SchedulerSection | None = None,
+    track_requests: bool = False,
 ) -> EngineConfig:
     """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
-    defaults when None); validated here so mistakes raise at build time."""
+    defaults when None); validated here so mistakes raise at build time. `track_requests`: an attention
+    runtime that holds request state drops rows of requests it does not hold (docs/engine.md)."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -50,6 +52,7 @@ def engine_config(
     cfg.attn_runtime = list(placement.attn_runtime)
     cfg.policy, cfg.lookahead, cfg.decay = sched.policy, sched.lookahead, sched.decay
     cfg.attn_cap, cfg.expert_cap = sched.attn_batch_cap, sched.expert_batch_cap
+    cfg.track_requests = track_requests and cfg.is_attention
     cfg.validate()
     return cfg
 
@@ -100,16 +103,21 @@ def enter(engine: Engine, rows) -> None:
 
 def submit(engine: Engine, batch: Batch, outputs) -> None:
     """Hands a layer's outputs on, like every layer: expert `out [N, H]`; attention `(residual, moe_input,
-    topk_ids, topk_weights)`; head: its HeadOutput, whose continuing tokens re-enter ATTN (0, rank)."""
-    if batch.kind == "expert":
+    topk_ids, topk_weights)`; head: its HeadOutput, whose continuing tokens re-enter ATTN (0, rank) and whose
+    finished requests are no longer held. A batch that failed (a HeadOutput from a non-head layer) hands nothing
+    on: its requests are forgotten, with whatever of them still waits here."""
+    if isinstance(outputs, torch.Tensor):
         engine.submit_expert(batch, outputs)
-    elif batch.kind == "attn":
+    elif isinstance(outputs, tuple):
         engine.submit_attention(batch, *outputs)
-    else:
+    elif batch.kind == "head":
         rows = outputs.next
         engine.submit_head(
             batch,
             torch.tensor(rows.request_ids, dtype=torch.int64),
             torch.tensor(rows.token_ids, dtype=torch.int64),
             torch.tensor(rows.positions, dtype=torch.int64),
+            torch.tensor(outputs.finished, dtype=torch.int64),
         )
+    else:
+        engine.forget(torch.tensor(outputs.finished, dtype=torch.int64), purge=True)

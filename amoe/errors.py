@@ -22,4 +22,13 @@ class EngineDeadError(AmoeError):
 
 
 class RequestError(AmoeError):
-    """A request is malformed or cannot be served (bad prompt, bad sampling parameters)."""
+    """A request is malformed or cannot be served (bad prompt, bad sampling parameters); `param` names the
+    request field at fault when there is one (the API reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailed(AmoeError):
+    """The engine failed while serving one request; that request fails alone (a server error, not the client's)."""

@@ -12,6 +12,7 @@ from typing import Any
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
 from amoe.errors import RequestError
+from amoe.request_rules import StopMatcher
 from amoe.sampling_params import SamplingParams
 from amoe.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
@@ -46,6 +47,7 @@ class _Pending:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    stops: StopMatcher
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_cut: int | None = None  # where the text ends when a stop string ended the request
@@ -106,7 +108,7 @@ class LLM:
         detokenizer = (
             IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
         )
-        return _Pending(request_id, text, token_ids, params, detokenizer)
+        return _Pending(request_id, text, token_ids, params, detokenizer, StopMatcher(params.stop))
 
     def _absorb(self, pending: _Pending, new_token_ids: list[int], finish_reason: str | None) -> None:
         """Add a step's tokens and text; a stop string in the new text ends the request (text cut before it)."""
@@ -115,22 +117,13 @@ class LLM:
         if pending.detokenizer is None:
             return
         for token in new_token_ids:
-            delta = pending.detokenizer.add(token)
-            if delta and pending.params.stop and self._find_stop(pending, len(delta)):
+            cut = pending.stops.feed(pending.detokenizer.add(token))
+            if cut is not None:  # a stop string ends the request: the text is cut before it
+                pending.stop_cut, pending.finish_reason = cut, "stop"
+                self.engine.abort(pending.request_id)
                 return
         if finish_reason is not None:
             pending.detokenizer.flush()
-
-    def _find_stop(self, pending: _Pending, delta_len: int) -> bool:
-        """Earlier text held no stop string, so a new one must overlap the latest delta."""
-        text = pending.detokenizer.text
-        hits = [text.find(s, max(0, len(text) - delta_len - len(s) + 1)) for s in pending.params.stop]
-        hits = [i for i in hits if i >= 0]
-        if not hits:
-            return False
-        pending.stop_cut, pending.finish_reason = min(hits), "stop"
-        self.engine.abort(pending.request_id)
-        return True
 
     def _to_output(self, pending: _Pending) -> RequestOutput:
         completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)

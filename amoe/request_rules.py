@@ -59,3 +59,64 @@ class SeedSource:
         if params.is_greedy or params.seed is not None:
             return params.seed
         return self._rng.getrandbits(_SEED_BITS)
+
+
+class StopMatcher:
+    """Finds the first stop string in text fed piece by piece, in time linear in the text: one Knuth-Morris-Pratt
+    automaton per stop string, advanced once per new character (never rescanning what came before).
+
+    `pending` is how many characters at the end of the text so far could still grow into a stop string: a stream
+    holds them back until it knows.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in self._stops]
+        self._state = [0] * len(self._stops)  # per stop: its longest prefix that ends the text so far
+        self._seen = 0  # characters fed
+
+    @property
+    def pending(self) -> int:
+        return max(self._state, default=0)
+
+    def feed(self, text: str) -> int | None:
+        """Add text; where (in all the text fed so far) the first stop string to complete starts, or None.
+
+        The first to complete wins; of several completing at the same character, the longest. Nothing more
+        should be fed after a match.
+        """
+        if not self._stops:
+            return None
+        stops, fail, state = self._stops, self._fail, self._state
+        for i, char in enumerate(text):
+            match = None
+            for j, stop in enumerate(stops):
+                k = state[j]
+                while k and stop[k] != char:
+                    k = fail[j][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    start = self._seen + i + 1 - k
+                    match = start if match is None else min(match, start)
+                    k = fail[j][k - 1]
+                state[j] = k
+            if match is not None:
+                self._seen += i + 1
+                return match
+        self._seen += len(text)
+        return None
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper prefix of pattern[:i + 1] that is also its
+    suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail

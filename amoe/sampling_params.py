@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 
 from amoe.errors import RequestError
 
+# Ranges every engine can honour: a seed travels as an int64, counts as int32; below _SAMPLING_EPS a temperature
+# is greedy (as in vLLM: dividing logits by a denormal would overflow them).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+_SAMPLING_EPS = 1e-5
+MAX_STOP_STRINGS = (
+    64  # the stop check is linear in the output, and proportional to the stop strings' total size
+)
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,26 +40,41 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise RequestError(
+                f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}", "max_tokens"
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature"
+            )
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise RequestError(
+                f"top_k must be -1 or 0 (off) or in [1, {INT32_MAX}], got {self.top_k!r}", "top_k"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise RequestError(f"seed must be an integer or None, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise RequestError(f"seed must be a 64-bit signed integer or null, got {self.seed!r}", "seed")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise RequestError(
+                f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters", "stop"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            _is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
+        ):
+            raise RequestError(
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers in [0, {INT32_MAX}]",
+                "stop_token_ids",
+            )
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _SAMPLING_EPS
 
 
 def _is_int(value: object) -> bool:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from amoe.config import AmoeConfig
+from amoe import envs
+from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
 from coordinator.api_server import abort_all, create_app
 from coordinator.backend import Backend
@@ -42,6 +43,7 @@ class AmoeServer:
         self._uvicorn: _UvicornServer | None = None
 
     async def run(self) -> None:
+        self._api_key = api_key(self.config.server)  # a missing key file fails here, before anything starts
         model_dir = _model_dir(self.config)
         # Bind first: a port in use fails in a moment, before any model load or runtime process.
         sock = _bind(self.config.server.host, self.config.server.port)
@@ -63,9 +65,8 @@ class AmoeServer:
                 tokenizer,
                 model,
                 _detokenizer_factory(tokenizer),
-                api_key=self.config.server.api_key,
-                max_waiting=self.config.server.max_waiting,
-                metrics_per_layer=self.config.server.metrics_per_layer,
+                server=self.config.server,
+                api_key=self._api_key,
             )
             await self._serve(app, sock)
         finally:
@@ -191,6 +192,24 @@ class _UvicornServer(uvicorn.Server):
             name = signal.Signals(sig).name
             logger.info("%s: draining (up to %.1f s for in-flight requests)", name, self._drain_timeout_s)
             self.should_exit = True
+
+
+def api_key(server: ServerSection) -> str | None:
+    """The API key: --api-key, else the first line of --api-key-file, else $AMOE_API_KEY (the last two keep it
+    out of `ps`); None when none is set."""
+    if server.api_key:
+        return server.api_key
+    if server.api_key_file:
+        try:
+            key = Path(server.api_key_file).read_text().strip().splitlines()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read server.api_key_file {server.api_key_file}: {exc.strerror}"
+            ) from None
+        if not key or not key[0].strip():
+            raise ConfigError(f"server.api_key_file {server.api_key_file} is empty")
+        return key[0].strip()
+    return envs.AMOE_API_KEY
 
 
 def _model_dir(config: AmoeConfig) -> Path:

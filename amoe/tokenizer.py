@@ -109,7 +109,9 @@ class Tokenizer:
         none for Qwen-style ones or a file without a post-processor); special tokens written in the text are
         recognized either way.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a server tokenizing a huge prompt on a
+        # worker thread must not freeze its event loop. One input gives exactly encode's ids.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

@@ -11,9 +11,10 @@ Heartbeat, TokenOut. Token tensors never travel here: they go runtime to runtime
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from amoe.errors import TransportError
 
@@ -28,6 +29,17 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="t"):
     """Base: array-like (no field names on the wire), tagged by a small int that msgpack encodes in one byte."""
 
 
+# Ranges are part of the types: a message whose numbers are out of range does not decode (it is dropped and
+# counted like garbage), so nothing downstream sees a negative count, an id that overflows, or a NaN.
+Count = Annotated[int, Meta(ge=0, le=2**62)]
+RuntimeId = Annotated[int, Meta(ge=0, le=65535)]
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Seconds = Annotated[float, Meta(ge=0, le=1e12)]
+Role = Literal["attention", "expert"]
+FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
+
+
 # ---- runtime → coordinator
 
 
@@ -35,44 +47,54 @@ class Hello(_Msg, tag=1):
     """A runtime loaded its weights and bound its data endpoint; what the coordinator needs to know of the model
     comes from here, so the coordinator never reads model code."""
 
-    runtime: int
-    role: str  # "attention" | "expert"
-    pid: int
-    endpoint: str  # its communicator's data endpoint, for the peer table
-    num_kv_blocks: int  # KV blocks of its attention rank (0 on an expert runtime)
-    max_model_len: int  # tokens a request may reach on it (model length, configured limit, KV capacity)
-    vocab_size: int
+    runtime: RuntimeId
+    role: Role
+    pid: Count
+    endpoint: Annotated[
+        str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)
+    ]  # its data endpoint, for the peer table
+    num_kv_blocks: Count  # KV blocks of its attention rank (0 on an expert runtime)
+    max_model_len: Annotated[int, Meta(ge=1, le=2**31 - 1)]  # tokens a request may reach on it
+    vocab_size: Annotated[int, Meta(ge=1, le=2**31 - 1)]
 
 
 class Ready(_Msg, tag=2):
     """Connected to every peer; the engine and the loop run."""
 
-    runtime: int
+    runtime: RuntimeId
 
 
 class Failed(_Msg, tag=3):
     """Start-up or the loop failed; the runtime exits after sending this."""
 
-    runtime: int
-    error: str
+    runtime: RuntimeId
+    error: Annotated[str, Meta(max_length=65536)]
 
 
 class Heartbeat(_Msg, tag=4):
-    """Every ~0.5 s: the runtime stats of docs/CONTRACTS.md, layer maps flattened by `flatten_stats`."""
+    """Every ~0.5 s: the runtime stats of docs/CONTRACTS.md, layer maps flattened by `flatten_stats` (checked
+    against `RuntimeReport` before anything reads them)."""
 
-    runtime: int
+    runtime: RuntimeId
     stats: dict[str, Any]
 
 
 class TokenOut(_Msg, tag=5):
-    """Tokens an attention runtime sampled in one head step (or the end of aborted requests)."""
+    """Tokens an attention runtime sampled in one head step, or the end of requests (aborted, rejected by the
+    runtime, or failed in a batch — which any runtime may report)."""
 
-    runtime: int
-    request_ids: list[int]
-    token_ids: list[list[int]]  # per request: its new tokens (empty for an abort)
-    finish_reasons: list[str | None]  # "stop" | "length" | "abort" | "error" | None
-    kv_free_blocks: int
-    error: str | None = None  # why a request failed (finish_reason "error")
+    runtime: RuntimeId
+    request_ids: list[RequestId]
+    token_ids: list[list[TokenId]]  # per request: its new tokens (empty when it ended without one)
+    finish_reasons: list[FinishReason | None]
+    kv_free_blocks: Count
+    error: Annotated[str, Meta(max_length=65536)] | None = (
+        None  # why ("rejected": the request; "error": the runtime)
+    )
+
+    def __post_init__(self) -> None:
+        if not len(self.request_ids) == len(self.token_ids) == len(self.finish_reasons):
+            raise ValueError("request_ids, token_ids and finish_reasons differ in length")
 
 
 # ---- coordinator → runtime
@@ -81,29 +103,30 @@ class TokenOut(_Msg, tag=5):
 class Welcome(_Msg, tag=16):
     """The peer table: every runtime's data endpoint, indexed by runtime id."""
 
-    endpoints: list[str]
+    endpoints: list[Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]]
 
 
 class WireSampling(msgspec.Struct, array_like=True, frozen=True):
-    """The token-level part of SamplingParams (stop strings stay with the coordinator's detokenizer)."""
+    """The token-level part of SamplingParams (stop strings stay with the coordinator's detokenizer); the runtime
+    validates it again as SamplingParams."""
 
     max_tokens: int
     temperature: float
     top_k: int
     top_p: float
     seed: int | None
-    stop_token_ids: list[int]
+    stop_token_ids: list[TokenId]
     ignore_eos: bool
 
 
 class AddRequest(_Msg, tag=17):
-    request_id: int
-    prompt: list[int]
+    request_id: RequestId
+    prompt: list[TokenId]
     params: WireSampling
 
 
 class Abort(_Msg, tag=18):
-    request_id: int
+    request_id: RequestId
 
 
 class Shutdown(_Msg, tag=19):
@@ -130,7 +153,7 @@ def decode(frame: bytes | memoryview) -> Message:
         raise WireError(f"protocol version {frame[0]}, expected {PROTOCOL_VERSION}")
     try:
         return _decoder.decode(frame[1:])
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:  # ValueError: a __post_init__ check
         raise WireError(f"undecodable frame: {exc}") from None
 
 
@@ -185,6 +208,67 @@ def decode_spec(data: bytes | str) -> WorkerSpec:
         return msgspec.json.decode(data, type=WorkerSpec)
     except msgspec.DecodeError as exc:
         raise WireError(f"bad worker spec: {exc}") from None
+
+
+# ---- the runtime report a Heartbeat carries (docs/CONTRACTS.md "Runtime stats"), as far as anyone reads it
+
+LayerValue = tuple[Literal["attn", "expert"], Annotated[int, Meta(ge=0, le=65535)], Annotated[int, Meta(ge=0, le=65535)], Annotated[float, Meta(ge=0, le=1e18)]]  # fmt: skip
+
+
+class _Report(msgspec.Struct, forbid_unknown_fields=False):
+    """Base: fields beyond the declared ones are allowed (and unread)."""
+
+
+class BatchRows(_Report):
+    buckets: list[Seconds]
+    counts: dict[str, list[Count]]
+    sum: dict[str, Count]
+
+
+class CommReport(_Report):
+    dropped: dict[str, Count] = {}
+    failed_peers: list[RuntimeId] = []
+    departed_peers: list[RuntimeId] = []
+
+
+class RuntimeReport(_Report):
+    """What the coordinator reads of a runtime's heartbeat stats: every number in range, every map well formed."""
+
+    runtime: RuntimeId
+    role: Role
+    incarnation: Annotated[str, Meta(max_length=256)] = ""
+    busy_s: Seconds = 0.0
+    idle_s: Seconds = 0.0
+    uptime_s: Seconds = 0.0
+    polls: Count = 0
+    pool_entries: Count = 0
+    pool_parts: Count = 0
+    dispatch_pending: Count = 0
+    tokens_in: Count = 0
+    tokens_out: Count = 0
+    messages_out: Count = 0
+    errors: Count = 0
+    kv_used_blocks: Count = 0
+    kv_total_blocks: Count = 0
+    depth: list[LayerValue] = []
+    batches: list[LayerValue] = []
+    rows: list[LayerValue] = []
+    dropped: dict[str, Count] = {}
+    routed: list[list[Count]] = []
+    batch_rows: BatchRows | None = None
+    comm: CommReport | None = None
+
+
+def check_report(runtime: int, stats: dict[str, Any]) -> dict[str, Any]:
+    """The heartbeat's stats with its layer maps unflattened, if they are a well-formed report of `runtime`;
+    WireError otherwise."""
+    try:
+        report = msgspec.convert(stats, RuntimeReport)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"malformed runtime report: {exc}") from None
+    if report.runtime != runtime:
+        raise WireError(f"a report of runtime {report.runtime} in a heartbeat of runtime {runtime}")
+    return unflatten_stats(stats)
 
 
 # Engine.stats() keys some maps by layer tuple (kind, block, index); msgpack maps want plain keys.

@@ -17,11 +17,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from amoe import __version__
-from coordinator.auth import ApiKeyMiddleware
+from amoe.config import ServerSection
+from amoe.errors import AmoeError
+from coordinator.auth import ApiKeyMiddleware, authorized
 from coordinator.backend import Backend
+from coordinator.body_limit import BodyLimitMiddleware
 from coordinator.load_balancer import LoadBalancer
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.openai_errors import ApiError, ErrorResponse, from_exception, install_error_handlers
+from coordinator.openai_errors import (
+    ApiError,
+    ErrorResponse,
+    from_exception,
+    install_error_handlers,
+    internal_error,
+)
 from coordinator.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -44,7 +53,7 @@ from coordinator.validation import ModelInfo, PreparedRequest, Tokenizer, prepar
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503, 504)
 }
 
 
@@ -66,6 +75,7 @@ class _Served:
     model: ModelInfo
     created: int
     request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
+    api_key: str | None
 
 
 def create_app(
@@ -74,26 +84,27 @@ def create_app(
     model: ModelInfo,
     make_detokenizer: Callable[[list[int]], Detokenizer],
     *,
+    server: ServerSection | None = None,
     api_key: str | None = None,
-    max_waiting: int = 256,
-    metrics_per_layer: bool = True,
 ) -> FastAPI:
-    """The FastAPI app for a started backend; the caller owns the backend's lifetime."""
-    metrics = CoordinatorMetrics(backend, per_layer=metrics_per_layer)
-    balancer = LoadBalancer(backend.kv_usage, backend.block_size, max_waiting)
-    served = _Served(
-        RequestRunner(backend, balancer, metrics, make_detokenizer),
-        tokenizer,
-        model,
-        int(time.time()),
-        itertools.count(1),
+    """The FastAPI app for a started backend; the caller owns the backend's lifetime. `server` is the config's
+    server section (limits and timeouts); `api_key` the resolved key, if any."""
+    server = server or ServerSection()
+    metrics = CoordinatorMetrics(backend, per_layer=server.metrics_per_layer)
+    balancer = LoadBalancer(backend.kv_usage, backend.block_size, server.max_waiting)
+    runner = RequestRunner(
+        backend, balancer, metrics, make_detokenizer, server.request_timeout_s, server.stall_timeout_s
     )
+    served = _Served(runner, tokenizer, model, int(time.time()), itertools.count(1), api_key)
     app = FastAPI(title="amoe", version=__version__, description="OpenAI-compatible API of amoe")
     app.state.served = served
-    install_error_handlers(app)
+    install_error_handlers(app, on_invalid=lambda request: _count_invalid(runner, request))
     app.add_exception_handler(ClientDisconnected, _client_gone)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=server.max_body_bytes
+    )  # outermost: before anything reads
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
     return app
@@ -108,10 +119,14 @@ def _add_info_routes(app: FastAPI, served: _Served) -> None:
     backend, balancer = served.runner.backend, served.runner.balancer
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         report = dict(backend.health())
+        code = 200 if report.get("status") in ("ok", "degraded") else 503
+        if served.api_key and not authorized(request.scope, served.api_key):
+            # Open to load balancers' probes, but the details (pids, errors) are for the key holder.
+            return JSONResponse({"status": report.get("status")}, status_code=code)
         report.update(running=balancer.num_running, waiting=balancer.num_waiting)
-        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+        return JSONResponse(report, status_code=code)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -134,8 +149,10 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
 
     async def generate(body, request: Request, endpoint: str, prepare, stream_events, complete) -> Response:
         # Completions and chat differ only in how a request is prepared and how its output is shaped.
-        with _count_rejections(runner, endpoint):
-            req = prepare(body, served.tokenizer, served.model, next(served.request_ids))
+        request_id = next(served.request_ids)
+        with _count_rejections(runner, endpoint, request_id):
+            # Tokenizing and templating off the event loop: a huge prompt must not freeze every other stream.
+            req = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, request_id)
             rank = await _unless_disconnected(request, runner.admit(req))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -152,13 +169,27 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
         return await generate(body, request, "chat", prepare_chat, _chat_events, _chat)
 
 
+def _count_invalid(runner: RequestRunner, request: Request) -> None:
+    """A request body that failed validation is a rejected request of its endpoint."""
+    endpoint = _ENDPOINTS.get(request.url.path)
+    if endpoint is not None:
+        runner.metrics.reject(endpoint, "rejected")
+
+
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
 @contextlib.contextmanager
-def _count_rejections(runner: RequestRunner, endpoint: str):
+def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
     try:
         yield
-    except Exception as exc:
+    except (ApiError, AmoeError, ClientDisconnected) as exc:
         runner.metrics.reject(endpoint, "abort" if isinstance(exc, ClientDisconnected) else "rejected")
         raise
+    except Exception as exc:  # a bug preparing or admitting this request: it fails alone, with a 500
+        runner.metrics.reject(endpoint, "error")
+        logger.exception("request %d failed before it ran", request_id)
+        raise internal_error(exc) from None
 
 
 async def _generate(runner: RequestRunner, req: PreparedRequest, rank: int, endpoint: str) -> RequestState:

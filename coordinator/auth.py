@@ -1,4 +1,5 @@
-"""Bearer API-key check for every endpoint but /health, as a pure ASGI middleware.
+"""Bearer API-key check for every endpoint but /health (which shows details only to the key holder), as a pure
+ASGI middleware.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware, which wraps `receive` and would hide a client's disconnect
 from streaming responses.
@@ -26,5 +27,13 @@ class ApiKeyMiddleware:
         await error.response()(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self._expected)  # constant time: no key guessing by timing
+        return hmac.compare_digest(_given(scope), self._expected)  # constant time: no key guessing by timing
+
+
+def authorized(scope, api_key: str) -> bool:
+    """Whether the request carries the key (for what open paths show only to the key holder)."""
+    return hmac.compare_digest(_given(scope), f"Bearer {api_key}".encode())
+
+
+def _given(scope) -> bytes:
+    return dict(scope["headers"]).get(b"authorization", b"")

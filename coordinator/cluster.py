@@ -51,7 +51,9 @@ class RuntimeProc:
     vocab_size: int = 0
     kv_free: int = 0  # the latest of its heartbeat and token reports
     ready: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # any message (the control thread is alive)
+    polls: int = 0  # the loop thread's progress counter, from heartbeats
+    progressed: float = field(default_factory=time.monotonic)  # when it last moved (the loop is alive)
     stats: dict[str, Any] | None = None
 
     @property
@@ -68,6 +70,7 @@ class RuntimeProc:
             "exit": None if code is None else _exit_text(code),
             "ready": self.ready,
             "heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
+            "loop_progress_age_s": round(time.monotonic() - self.progressed, 3),
         }
 
 
@@ -145,14 +148,16 @@ class ClusterManager:
         return endpoint
 
     def _spawn_all(self, endpoint: str) -> None:
-        data_bind = "ipc" if self._control_bind == "ipc" else self._control_bind.rsplit(":", 1)[0] + ":0"
+        tcp_host = self._control_bind.rsplit(":", 1)[0]
         # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
         # the network for it and the coordinator needs no torch.
         store = os.path.join(self._tmpdir, "rendezvous") if self.config.transport.plane != "inline" else None
         for runtime, role in enumerate(self.roles):
             spec = wire.WorkerSpec(
                 runtime=runtime, role=role, coordinator=endpoint, model_dir=self.model_dir,
-                config=self.config.to_dict(), parent_pid=os.getpid(), data_bind=data_bind, store_path=store,
+                config=self.config.to_dict(), parent_pid=os.getpid(), store_path=store,
+                # ipc sockets live in the private run directory: only this user's processes can reach them
+                data_bind=f"ipc://{self._tmpdir}/rt{runtime}.data" if self._control_bind == "ipc" else f"{tcp_host}:0",
                 startup_timeout_s=self._startup_timeout_s,
             )  # fmt: skip
             proc = subprocess.Popen(
@@ -188,23 +193,44 @@ class ClusterManager:
         while True:
             frames = await self._sock.recv_multipart()
             try:
-                msg = wire.decode(frames[-1])
-                runtime = self.runtimes[msg.runtime]
-            except (wire.WireError, IndexError, AttributeError) as exc:
-                self.num_dropped += 1
-                logger.warning("dropped a control message (%d so far): %s", self.num_dropped, exc)
-                continue
-            runtime.last_seen = time.monotonic()
-            self._handle(runtime, msg)
+                runtime, msg = self._check(frames)
+                runtime.last_seen = time.monotonic()
+                self._handle(runtime, msg)
+            except wire.WireError as exc:
+                self._drop(str(exc))
+            except Exception as exc:  # noqa: BLE001 - no message may stop the reader: that would kill the cluster
+                logger.exception("a control message could not be handled")
+                self._drop(f"{type(exc).__name__}: {exc}")
+
+    def _check(self, frames: list[bytes]) -> tuple[RuntimeProc, wire.Message]:
+        """The sender and its message, if the message is valid and really comes from that runtime's sockets
+        ("rt<id>" or "rt<id>.out"); WireError otherwise."""
+        if len(frames) != 2:
+            raise wire.WireError(f"{len(frames)} frames, expected the identity and one message")
+        identity = frames[0].decode("ascii", "replace").removesuffix(".out")
+        msg = wire.decode(frames[1])
+        if isinstance(msg, (wire.Welcome, wire.AddRequest, wire.Abort, wire.Shutdown)):
+            raise wire.WireError(f"a {type(msg).__name__} is no runtime's message")
+        if identity != f"rt{msg.runtime}" or not 0 <= msg.runtime < len(self.runtimes):
+            raise wire.WireError(f"a message of runtime {msg.runtime} on socket {frames[0]!r}")
+        runtime = self.runtimes[msg.runtime]
+        if isinstance(msg, wire.Hello) and msg.role != runtime.role:
+            raise wire.WireError(f"{runtime.name} said hello as a {msg.role} runtime")
+        if isinstance(msg, wire.Heartbeat):
+            msg = wire.Heartbeat(msg.runtime, wire.check_report(msg.runtime, msg.stats))
+        return runtime, msg
+
+    def _drop(self, why: str) -> None:
+        self.num_dropped += 1
+        logger.warning("dropped a control message (%d so far): %s", self.num_dropped, why)
 
     def _handle(self, runtime: RuntimeProc, msg: wire.Message) -> None:
         if isinstance(msg, wire.TokenOut):
-            runtime.kv_free = msg.kv_free_blocks
+            if runtime.role == "attention":
+                runtime.kv_free = min(msg.kv_free_blocks, runtime.num_kv_blocks)
             self._on_tokens(msg)
         elif isinstance(msg, wire.Heartbeat):
-            runtime.stats = wire.unflatten_stats(msg.stats)
-            if "kv_used_blocks" in msg.stats:
-                runtime.kv_free = runtime.num_kv_blocks - msg.stats["kv_used_blocks"]
+            self._beat(runtime, msg.stats)
         elif isinstance(msg, wire.Hello):
             runtime.endpoint, runtime.num_kv_blocks, runtime.kv_free = (
                 msg.endpoint,
@@ -217,9 +243,22 @@ class ClusterManager:
                 "%s loaded its weights (pid %d) [%d/%d]", runtime.name, msg.pid, loaded, len(self.runtimes)
             )
         elif isinstance(msg, wire.Ready):
-            runtime.ready = True
+            runtime.ready, runtime.progressed = True, time.monotonic()  # its loop starts now
         elif isinstance(msg, wire.Failed):
             self._fail(f"{runtime.name} failed: {msg.error}")
+
+    def _beat(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
+        """A heartbeat's report: stats for /metrics, KV in use, the loop's progress, and peers it lost."""
+        runtime.stats = stats
+        if runtime.role == "attention":
+            runtime.kv_free = max(0, runtime.num_kv_blocks - stats.get("kv_used_blocks", 0))
+        polls = stats.get("polls", 0)
+        if polls != runtime.polls:
+            runtime.polls, runtime.progressed = polls, time.monotonic()
+        lost = stats.get("comm", {}).get("failed_peers", [])
+        if lost and runtime.ready:
+            names = ", ".join(self.runtimes[p].name for p in lost if p < len(self.runtimes))
+            self._fail(f"{runtime.name} lost its data link to {names}")
 
     # ---- death
 
@@ -235,6 +274,11 @@ class ClusterManager:
                     self._fail(f"{r.name} (pid {r.proc.pid}) {_exit_text(code)}")
                 elif r.ready and now - r.last_seen > self._heartbeat_timeout_s:
                     self._fail(f"{r.name} (pid {r.proc.pid}) sent nothing for {now - r.last_seen:.1f} s")
+                elif r.ready and now - r.progressed > self._heartbeat_timeout_s:
+                    # Heartbeats come from the control thread; only the loop's own counter shows it still runs.
+                    self._fail(
+                        f"{r.name} (pid {r.proc.pid}): its loop made no progress for {now - r.progressed:.1f} s"
+                    )
 
     def _fail(self, reason: str) -> None:
         if self.failure is not None or self._stopping:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 from amoe import wire
 from amoe.config import AmoeConfig
-from amoe.errors import EngineDeadError, RequestError
+from amoe.errors import EngineDeadError, RequestError, RequestFailed
 from amoe.request_rules import SeedSource
 from coordinator.backend import Backend, RankKV, TokenDelta
 from coordinator.cluster import ClusterManager
@@ -65,6 +66,11 @@ class ClusterBackend(Backend):
         return min(r.max_model_len for r in self.cluster.attn_runtimes)
 
     @property
+    def control_dropped(self) -> int:
+        """Control-plane messages dropped so far (for /metrics)."""
+        return self.cluster.num_dropped
+
+    @property
     def vocab_size(self) -> int:
         return self.cluster.attn_runtimes[0].vocab_size
 
@@ -99,10 +105,15 @@ class ClusterBackend(Backend):
         if request_id in self._streams or request_id in self._aborting:
             raise RequestError(f"request id {request_id} is already in use")
         blocks = -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
+        params = wire.to_wire_sampling(sampling_params, self._seeds.resolve(sampling_params))
+        message = wire.AddRequest(request_id, list(prompt_token_ids), params)
         stream = _Stream(rank, blocks, asyncio.Queue())
         self._streams[request_id] = stream
-        params = wire.to_wire_sampling(sampling_params, self._seeds.resolve(sampling_params))
-        self.cluster.send(rank, wire.AddRequest(request_id, list(prompt_token_ids), params))
+        try:
+            self.cluster.send(self.cluster.attn_runtimes[rank].id, message)
+        except BaseException:  # nothing was sent: nothing to abort, and no stream entry may be left behind
+            del self._streams[request_id]
+            raise
         finished = False
         try:
             while not finished:
@@ -120,23 +131,39 @@ class ClusterBackend(Backend):
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        self._aborting[request_id] = (stream.rank, stream.num_kv_blocks)
-        self.cluster.send(stream.rank, wire.Abort(request_id))
+        self._abort_at_rank(request_id, stream)
         stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
+
+    def _abort_at_rank(self, request_id: int, stream: _Stream) -> None:
+        """Abort at the request's attention rank and hold its blocks back until the rank confirms. The rank frees
+        an unconfirmable abort's KV after server.abort_timeout_s (and confirms); the hold outlives that by as
+        much again, in case the rank itself is gone."""
+        deadline = time.monotonic() + 2 * self.config.server.abort_timeout_s
+        self._aborting[request_id] = (stream.rank, stream.num_kv_blocks, deadline)
+        self.cluster.send(self._runtime_of(stream), wire.Abort(request_id))
 
     def _on_tokens(self, msg: wire.TokenOut) -> None:
         for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
-            if reason is not None:
-                self._aborting.pop(request_id, None)
             stream = self._streams.get(request_id)
+            if reason is not None and (stream is None or msg.runtime == self._runtime_of(stream)):
+                self._aborting.pop(request_id, None)  # its own attention rank ended it: the KV is free there
             if stream is None:
                 continue  # aborted meanwhile
             if reason is not None:
                 del self._streams[request_id]
-            if reason == "error":
+            if reason == "rejected":  # the runtime found the request itself invalid
                 stream.queue.put_nowait(RequestError(msg.error or "the runtime rejected the request"))
+            elif reason == "error":  # a runtime failed while serving it: it fails alone
+                if msg.runtime != self._runtime_of(stream):  # an expert runtime: its rank still holds it
+                    self._abort_at_rank(request_id, stream)
+                stream.queue.put_nowait(
+                    RequestFailed(msg.error or "a runtime failed while serving the request")
+                )
             else:
                 stream.queue.put_nowait(TokenDelta(list(tokens), reason))
+
+    def _runtime_of(self, stream: _Stream) -> int:
+        return self.cluster.attn_runtimes[stream.rank].id
 
     def _on_death(self, reason: str) -> None:
         self._status = "dead"
@@ -154,13 +181,22 @@ class ClusterBackend(Backend):
     # ---- reports
 
     def kv_usage(self) -> list[RankKV]:
+        self._expire_aborts()
         ranks = self.cluster.attn_runtimes
         held = [0] * len(ranks)
-        for rank, blocks in self._aborting.values():
+        for rank, blocks, _ in self._aborting.values():
             held[rank] += blocks
         return [
             RankKV(free_blocks=r.kv_free, total_blocks=r.num_kv_blocks - held[i]) for i, r in enumerate(ranks)
         ]
+
+    def _expire_aborts(self) -> None:
+        """An abort no runtime confirmed within server.abort_timeout_s stops holding its blocks back: the runtime
+        frees an unconfirmed abort's KV after the same time (amoe/runtime/requests.py), and nothing waits forever."""
+        now = time.monotonic()
+        for request_id in [r for r, (_, _, deadline) in self._aborting.items() if now > deadline]:
+            logger.warning("request %d: its abort was never confirmed; releasing its KV blocks", request_id)
+            del self._aborting[request_id]
 
     def health(self) -> dict[str, Any]:
         report: dict[str, Any] = {"status": self._status, "mode": self.config.parallel.mode}

@@ -252,6 +252,7 @@ class RuntimeCollector:
         for rank, kv in enumerate(_kv_usage(self._backend)):
             fam.kv_used.add_metric([str(rank)], kv.total_blocks - kv.free_blocks)
             fam.kv_total.add_metric([str(rank)], kv.total_blocks)
+        fam.control_dropped.add_metric([], getattr(self._backend, "control_dropped", 0))
         return fam.all()
 
     def _add_report(self, fam: _Families, report: dict[str, Any]) -> None:
@@ -380,6 +381,10 @@ class _Families:
             "Tokens the routers sent to each (block, expert)",
             labels=["block", "expert"],
         )
+        self.control_dropped = CounterMetricFamily(
+            "amoe_coordinator_control_dropped_messages",
+            "Control-plane messages the coordinator dropped (malformed, out of range, or from the wrong socket)",
+        )
         self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
         self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
 
@@ -387,7 +392,7 @@ class _Families:
         return [
             self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
-            self.routed, self.kv_used, self.kv_total,
+            self.routed, self.kv_used, self.kv_total, self.control_dropped,
         ]  # fmt: skip
 
 

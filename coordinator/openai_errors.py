@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from amoe.errors import AmoeError, EngineDeadError, RequestError
+from amoe.errors import AmoeError, EngineDeadError, RequestError, RequestFailed
 from coordinator.load_balancer import OverloadedError
 from coordinator.protocol import ErrorInfo, ErrorResponse
 
@@ -47,13 +48,20 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, OverloadedError):
         return ApiError(503, str(exc), type="server_error", code="overloaded")
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, f"the request failed: {exc}", type="server_error", code="request_failed")
     logger.exception("unexpected error", exc_info=exc)
-    return ApiError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+    return internal_error(exc)
+
+
+def internal_error(exc: Exception) -> ApiError:
+    """The 500 of a bug that hit one request (logged where it happened, with the request's id)."""
+    return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -61,19 +69,29 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union reports one error per member: the one that is not a mere type mismatch says what is wrong
+    # (a list of 65 stop strings is "too long", not "not a string").
+    first = min(errors, key=lambda e: str(e.get("type", "")).endswith("_type"))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "missing":
         return f"missing required parameter '{'.'.join(loc)}'", ".".join(loc) or None
-    param = ".".join(loc) or None
-    where = f"parameter '{param}'" if param else "request body"
+    param = loc[0] if loc else None
+    where = f"parameter '{'.'.join(loc)}'" if loc else "request body"
     return f"invalid {where}: {first.get('msg')}", param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Turn FastAPI's 422s, HTTP errors and stray exceptions into OpenAI-shaped bodies."""
+def _union_tag(part: object) -> bool:
+    """pydantic's name of a union member in an error location ("constrained-str", "list[int]"), not a field."""
+    return isinstance(part, str) and ("[" in part or "-" in part)
+
+
+def install_error_handlers(
+    app: FastAPI, on_invalid: Callable[[Request], None] = lambda request: None
+) -> None:
+    """Turn FastAPI's 422s, HTTP errors and stray exceptions into OpenAI-shaped bodies; `on_invalid` hears of
+    every body that fails validation (the API counts them as rejected requests)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -87,6 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        on_invalid(request)
         message, param = _describe_validation(exc)
         return bad_request(message, param).response()
 

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from amoe.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+
 # Strict: OpenAI rejects "max_tokens": "5" or "stream": 1, so wrong JSON types must not be silently coerced.
 _STRICT = ConfigDict(strict=True, extra="ignore")
+# Request bodies keep their unknown fields, so parameters amoe does not implement can be refused by name
+# (coordinator/validation.py, UNSUPPORTED) rather than silently ignored.
+_REQUEST = ConfigDict(strict=True, extra="allow")
+
+# Every number the engine takes is bounded here, so no value can overflow on its way to a runtime.
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -18,15 +39,16 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = _STRICT
+    model_config = _REQUEST
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    max_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: Count | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -57,7 +79,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
 
 
 class Usage(BaseModel):

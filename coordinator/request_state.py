@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from amoe.request_rules import StopMatcher
+
 
 class Detokenizer(Protocol):
     """Turns token ids, one at a time, into newly completed text (amoe.tokenizer.IncrementalDetokenizer)."""
@@ -18,8 +20,7 @@ class RequestState:
 
     def __init__(self, detokenizer: Detokenizer, stop: list[str], num_prompt_tokens: int) -> None:
         self._detokenizer = detokenizer
-        self._stop = stop
-        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._stops = StopMatcher(stop)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self.text = ""
@@ -35,11 +36,11 @@ class RequestState:
         if self.is_finished:
             return
         self.num_output_tokens += len(token_ids)
-        start = max(0, len(self.text) - self._max_stop_len + 1)  # a match may begin in the old text
-        self.text += "".join(self._detokenizer.add(t) for t in token_ids)
+        new = "".join(self._detokenizer.add(t) for t in token_ids)
         if finish_reason is not None:
-            self.text += self._detokenizer.flush()  # an incomplete last character comes out as U+FFFD
-        cut = self._find_stop(start)
+            new += self._detokenizer.flush()  # an incomplete last character comes out as U+FFFD
+        self.text += new
+        cut = self._stops.feed(new)  # linear in the output: only the new text is scanned
         if cut is not None:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
@@ -48,23 +49,9 @@ class RequestState:
 
     def take_text(self) -> str:
         """New text that can be sent now: all of it once finished, else all but a possible stop-string prefix."""
-        end = len(self.text) if self.is_finished else len(self.text) - self._stop_prefix_len()
+        end = len(self.text) if self.is_finished else len(self.text) - self._stops.pending
         if end <= self._sent:
             return ""
         chunk = self.text[self._sent : end]
         self._sent = end
         return chunk
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest end of the text that could still grow into a stop string (held back)."""
-        longest = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
-
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None

@@ -15,6 +15,49 @@ DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
 
+# Parameters OpenAI or vLLM accept that amoe does not implement, each with the values that ask for nothing (what
+# SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends repetition_penalty 1.0): those are
+# accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "suffix": (None, ""),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+}
+
 
 class Tokenizer(Protocol):
     """Prompt token ids as the checkpoint's own tokenizer gives them (amoe.tokenizer.Tokenizer has it)."""
@@ -77,10 +120,26 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
             param="model",
             code="model_not_found",
         )
-    if req.n != 1:
+    _check_unsupported(req)
+    if req.n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    for name, value in (req.model_extra or {}).items():
+        noops = UNSUPPORTED.get(name)
+        if noops is not None and not any(_same(value, noop) for noop in noops):
+            raise bad_request(f"'{name}' is not supported by amoe (only its default, {noops[-1]!r})", name)
+
+
+def _same(value: Any, noop: Any) -> bool:
+    """Equal, with booleans and null only equal to themselves: in Python 0 == False, but "logprobs": 0 asks for
+    something "logprobs": false does not."""
+    if isinstance(value, bool) or isinstance(noop, bool) or value is None or noop is None:
+        return value is noop
+    return value == noop
 
 
 def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> list[int]:
@@ -95,7 +154,9 @@ def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) 
         raise bad_request("'prompt' must not be empty", "prompt")
     bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+        raise bad_request(
+            f"'prompt' holds token id {bad}, outside the vocabulary [0, {model.vocab_size})", "prompt"
+        )
     return list(prompt)
 
 
@@ -138,7 +199,7 @@ def _prepare(
         response_id=f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop),
+        sampling_params=_sampling_params(req, max_tokens, stop, model),
         stop=stop,
     )
 
@@ -152,14 +213,24 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, stop: list[str]) -> Any:
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, stop: list[str], model: ModelInfo
+) -> Any:
+    stop_ids = req.stop_token_ids or []
+    bad = next((t for t in stop_ids if t >= model.vocab_size), None)
+    if bad is not None:
+        raise bad_request(
+            f"'stop_token_ids' holds token id {bad}, outside the vocabulary [0, {model.vocab_size})",
+            "stop_token_ids",
+        )
     given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             stop=stop,
+            stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             **{name: value for name, value in given.items() if value is not None},
         )
     except RequestError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), exc.param) from None

@@ -116,7 +116,8 @@ void Engine::add_tokens(const at::Tensor& request_ids, const at::Tensor& token_i
   enter_block0(request_ids, token_ids, positions, chunk_starts, chunk_lens);
 }
 
-// Rows for ATTN (0, rank) of this attention runtime: per row its request, token id, position and chunk.
+// Rows for ATTN (0, rank) of this attention runtime: per row its request, token id, position and chunk. Their
+// requests are held from here on (request tracking) until they finish or are forgotten.
 void Engine::enter_block0(const at::Tensor& request_ids, const at::Tensor& token_ids,
                           const at::Tensor& positions, const at::Tensor& chunk_starts,
                           const at::Tensor& chunk_lens) {
@@ -142,10 +143,25 @@ void Engine::enter_block0(const at::Tensor& request_ids, const at::Tensor& token
     m.weight = 0.f;
     m.attn_rank = cfg_.attn_rank;
   }
-  ingest(make_message(std::move(rows), token_ids.to(at::kLong).contiguous()));
+  Message msg = make_message(std::move(rows), token_ids.to(at::kLong).contiguous());
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // the tracked set, pool and queues are shared with the receptor
+    for (const RowMeta& m : msg.rows) queues_.admit(m.request_id);
+    queues_.ingest(std::move(msg));
+  }
+  ready_cv_.notify_all();
+}
+
+void Engine::forget(const at::Tensor& request_ids, bool purge) {
+  auto ids = request_ids.to(at::kLong).contiguous();
+  std::vector<uint64_t> gone(ids.numel());
+  for (int64_t i = 0; i < ids.numel(); ++i) gone[i] = static_cast<uint64_t>(ids.data_ptr<int64_t>()[i]);
+  std::lock_guard<std::mutex> lock(mu_);  // the tracked set, pool and queues are shared with the receptor
+  queues_.forget(gone, purge);
 }
 
 std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
+  polls_.fetch_add(1, std::memory_order_relaxed);
   Drained d;
   bool got = false;
   {
@@ -215,11 +231,14 @@ void Engine::submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual,
 }
 
 void Engine::submit_head(std::shared_ptr<Batch> batch, const at::Tensor& request_ids,
-                         const at::Tensor& token_ids, const at::Tensor& positions) {
+                         const at::Tensor& token_ids, const at::Tensor& positions,
+                         const at::Tensor& finished) {
   AMOE_CHECK_ARG(batch && batch->layer.kind == kAttn && batch->layer.block == cfg_.num_blocks,
                  "submit_head needs a head batch (ATTN block num_blocks)");
   // The head's output is the next decode row of each request that goes on (sampling and stop decisions are
   // Python's): it re-enters block 0 here as one-row chunks, like any layer's output entering the next layer.
+  // Finished requests have no rows anywhere else (all their parts met at the head): forgetting them suffices.
+  forget(finished, /*purge=*/false);
   enter_block0(request_ids, token_ids, positions, positions, at::ones_like(positions, at::kLong));
 }
 
@@ -334,6 +353,7 @@ EngineStats Engine::stats() {
     s.pool_parts = queues_.pool_parts();
     s.tokens_in = queues_.rows_in();
     s.drops = queues_.drops();
+    s.tracked_requests = queues_.num_tracked();
     s.idle_s = static_cast<double>(idle_ns_) * 1e-9;
   }
   {
@@ -343,6 +363,7 @@ EngineStats Engine::stats() {
   s.tokens_out = tokens_out_.load(std::memory_order_relaxed);
   s.messages_out = messages_out_.load(std::memory_order_relaxed);
   s.errors = errors_.load(std::memory_order_relaxed);
+  s.polls = polls_.load(std::memory_order_relaxed);
   return s;
 }
 

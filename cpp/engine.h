@@ -26,6 +26,8 @@ struct EngineStats {
   int64_t pool_entries = 0, pool_parts = 0;
   int64_t tokens_in = 0, tokens_out = 0, messages_out = 0;
   int64_t dispatch_pending = 0, errors = 0;
+  int64_t tracked_requests = 0;  // requests held (track_requests)
+  int64_t polls = 0;             // calls of next_batch(): the loop's progress
   DropCounts drops;
   double idle_s = 0;  // time next_batch() waited with nothing to run
 };
@@ -57,9 +59,13 @@ class Engine {
   void submit_expert(std::shared_ptr<Batch> batch, at::Tensor out);
   void submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual, at::Tensor moe_input,
                         at::Tensor topk_ids, at::Tensor topk_weights);
-  // The head's continuing requests (request id, sampled token, its position) re-enter ATTN (0, rank).
+  // The head's continuing requests (request id, sampled token, its position) re-enter ATTN (0, rank); the
+  // finished ones are no longer held (request tracking).
   void submit_head(std::shared_ptr<Batch> batch, const at::Tensor& request_ids, const at::Tensor& token_ids,
-                   const at::Tensor& positions);
+                   const at::Tensor& positions, const at::Tensor& finished);
+  // Requests that ended elsewhere (a failed batch, an abort that timed out): their later rows are dropped,
+  // and with purge their parts and chunks still waiting here too.
+  void forget(const at::Tensor& request_ids, bool purge);
 
   EngineStats stats();
   const EngineConfig& config() const { return cfg_; }
@@ -100,6 +106,10 @@ class Engine {
   std::thread receptor_, dispatcher_;
 
   std::atomic<int64_t> tokens_out_{0}, messages_out_{0}, errors_{0};  // relaxed counters
+  // Calls of next_batch(): the loop thread's heartbeat. A loop wedged in Python stops it while the control
+  // thread goes on reporting, which is how the coordinator tells a stuck runtime from a slow one. Relaxed
+  // counter.
+  std::atomic<int64_t> polls_{0};
 };
 
 }  // namespace amoe

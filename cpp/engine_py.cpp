@@ -131,6 +131,7 @@ py::dict stats_dict(const EngineStats& s) {
   drops["misrouted"] = s.drops.misrouted;
   drops["bad_row"] = s.drops.bad_row;
   drops["duplicate"] = s.drops.duplicate;
+  drops["unknown_request"] = s.drops.unknown_request;
   py::dict d;
   d["depth"] = depth;
   d["batches"] = batches;
@@ -142,6 +143,8 @@ py::dict stats_dict(const EngineStats& s) {
   d["messages_out"] = s.messages_out;
   d["dispatch_pending"] = s.dispatch_pending;
   d["errors"] = s.errors;
+  d["tracked_requests"] = s.tracked_requests;
+  d["polls"] = s.polls;
   d["dropped"] = drops;
   d["idle_s"] = s.idle_s;
   return d;
@@ -218,6 +221,7 @@ void register_engine(py::module_& m) {
       .def_readwrite("decay", &EngineConfig::decay)
       .def_readwrite("attn_cap", &EngineConfig::attn_cap)
       .def_readwrite("expert_cap", &EngineConfig::expert_cap)
+      .def_readwrite("track_requests", &EngineConfig::track_requests)
       .def("validate", &EngineConfig::validate);
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch",
@@ -298,9 +302,13 @@ void register_engine(py::module_& m) {
            "Hands an attention batch's outputs to the dispatcher.")
       .def(
           "submit_head", &Engine::submit_head, py::arg("batch"), py::arg("request_ids"), py::arg("token_ids"),
-          py::arg("positions"),
+          py::arg("positions"), py::arg("finished"),
           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
-          "Hands a head batch's output on: each continuing request's sampled token re-enters ATTN (0, rank).")
+          "Hands a head batch's output on: each continuing request's sampled token re-enters ATTN (0, rank); "
+          "the finished requests are no longer held.")
+      .def("forget", &Engine::forget, py::arg("request_ids"), py::arg("purge") = true,
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
+           "Stops holding requests that ended elsewhere; with purge, drops their waiting parts and chunks.")
       .def(
           "stats",
           [](Engine& e) {

@@ -80,6 +80,10 @@ void LayerQueues::ingest(Message&& msg) {
       ++drops_.misrouted;
       continue;
     }
+    if (cfg_.track_requests && m.layer.kind == kAttn && live_.count(m.request_id) == 0) {
+      ++drops_.unknown_request;
+      continue;
+    }
     const bool wants_ids = m.layer.kind == kAttn && m.layer.block == 0;
     if (wants_ids != is_ids) {
       ++drops_.bad_row;
@@ -147,6 +151,40 @@ void LayerQueues::enqueue_chunk(int q, Chunk&& c) {
   mq.chunks.push_back(std::move(c));
   mq.depth += n;
   scheduler_.add(q / num_cols_, q % num_cols_, n);
+}
+
+void LayerQueues::admit(uint64_t request_id) {
+  if (cfg_.track_requests) live_.insert(request_id);
+}
+
+void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
+  for (uint64_t id : request_ids) live_.erase(id);
+  if (!purge || request_ids.empty()) return;
+  const std::unordered_set<uint64_t> gone(request_ids.begin(), request_ids.end());
+  for (auto it = pool_.begin(); it != pool_.end();) {
+    if (gone.count(it->first.request_id)) {
+      pool_parts_ -= it->second.present;
+      it = pool_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (size_t q = 0; q < queues_.size(); ++q) {
+    MuQueue& mq = queues_[q];
+    int64_t removed = 0;
+    for (auto it = mq.chunks.begin(); it != mq.chunks.end();) {
+      if (gone.count(it->head.request_id)) {
+        removed += it->head.chunk_len;
+        it = mq.chunks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (removed > 0) {
+      mq.depth -= removed;
+      scheduler_.add(static_cast<int>(q) / num_cols_, static_cast<int>(q) % num_cols_, -removed);
+    }
+  }
 }
 
 bool LayerQueues::drain(Drained* out) {

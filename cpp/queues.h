@@ -9,6 +9,7 @@
 #include <deque>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "comm.h"
@@ -35,6 +36,10 @@ struct EngineConfig {
   double decay = -1.0;     // δ of Algorithm 1
   int64_t attn_cap = 0;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
   int64_t expert_cap = 0;  // rows per expert batch
+  // An attention runtime that tracks its requests accepts rows only of requests that entered here
+  // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
+  // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
+  bool track_requests = false;
 
   void validate() const;
 };
@@ -137,10 +142,11 @@ struct PoolKeyHash {
 };
 
 struct DropCounts {
-  int64_t bad_message = 0;  // malformed header / tensor shape
-  int64_t misrouted = 0;    // a row for a layer this runtime does not host
-  int64_t bad_row = 0;      // inconsistent chunk / slot / position
-  int64_t duplicate = 0;    // a part that already arrived
+  int64_t bad_message = 0;      // malformed header / tensor shape
+  int64_t misrouted = 0;        // a row for a layer this runtime does not host
+  int64_t bad_row = 0;          // inconsistent chunk / slot / position
+  int64_t duplicate = 0;        // a part that already arrived
+  int64_t unknown_request = 0;  // a row of a request this runtime does not hold (track_requests)
 };
 
 class LayerQueues {
@@ -153,6 +159,11 @@ class LayerQueues {
   bool drain(Drained* out);
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
+  // Request tracking (cfg.track_requests): admit marks a request held; forget ends it, and with purge also
+  // drops its parts waiting in the pool and its chunks waiting in the queues.
+  void admit(uint64_t request_id);
+  void forget(const std::vector<uint64_t>& request_ids, bool purge);
+  int64_t num_tracked() const { return static_cast<int64_t>(live_.size()); }
 
   int64_t depth_total() const { return scheduler_.total(); }
   int64_t pool_entries() const { return static_cast<int64_t>(pool_.size()); }
@@ -176,6 +187,7 @@ class LayerQueues {
   Scheduler scheduler_;
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
+  std::unordered_set<uint64_t> live_;  // requests held, when cfg_.track_requests
   int64_t pool_parts_ = 0;
   int64_t rows_in_ = 0;
   DropCounts drops_;

@@ -127,6 +127,7 @@ class ZmqCommunicator : public Communicator {
   // One arrival (frames: zmq_msg_t*), handled by transfer kind; read_*() validate, false: dropped.
   void handle_inbound(std::vector<void*>& frames, size_t num_frames);
   bool read_transfer_header(void* frame0, TransferHeader* th);
+  bool claim_rank(int fd, int rank);  // the first connection to speak for a rank owns it
   void handle_hello_bye(const TransferHeader& th, size_t frame0_bytes, size_t num_frames);
   bool read_message(const TransferHeader& th, void* frame0, Message* msg);
   void handle_two_phase(const TransferHeader& th, void* frame0, size_t num_frames);
@@ -154,6 +155,7 @@ class ZmqCommunicator : public Communicator {
   void* pull_ = nullptr;        // inbound; owned by the I/O thread once connect() starts it
   void* monitor_ = nullptr;     // pull_'s disconnect events; owned like pull_
   std::map<int, int> fd_rank_;  // connection fd -> the peer that sent on it (I/O thread only)
+  std::map<int, int> rank_fd_;  // peer -> the connection that speaks for it (I/O thread only)
   std::vector<std::pair<int, Clock::time_point>> lost_;  // peers whose connection dropped, judged later
   std::vector<std::unique_ptr<Peer>>
       peers_;         // outbound, one per runtime (nullptr for itself); set by connect()

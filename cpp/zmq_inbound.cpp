@@ -122,6 +122,7 @@ void ZmqCommunicator::drain_monitor() {
     if (id != ZMQ_EVENT_DISCONNECTED || it == fd_rank_.end()) continue;
     // Judged a moment later: a goodbye sent just before the connection closed may still be on its way.
     lost_.emplace_back(it->second, Clock::now() + std::chrono::milliseconds(kIdleTickMs));
+    rank_fd_.erase(it->second);  // a replacement of that peer may claim its rank on a new connection
     fd_rank_.erase(it);
   }
 }
@@ -174,14 +175,29 @@ void ZmqCommunicator::drain_inbound() {
   }
 }
 
+// A rank belongs to the first connection that speaks for it, until that connection closes: frames claiming it
+// on any other connection are dropped, so a stray or hostile connection can neither pose as a peer nor, by
+// closing, get that peer reported lost. The disconnect monitor names a connection only by its fd.
+bool ZmqCommunicator::claim_rank(int fd, int rank) {
+  if (fd < 0) return true;  // no fd to tell connections apart (never on ipc or tcp)
+  auto owner = rank_fd_.find(rank);
+  if (owner == rank_fd_.end()) {
+    rank_fd_[rank] = fd;
+    fd_rank_[fd] = rank;
+    return true;
+  }
+  if (owner->second == fd) return true;
+  drop(kInconsistent, "a second connection speaks for rank " + std::to_string(rank));
+  return false;
+}
+
 // The transfer header names the kind; each kind checks the rest of its frames. A handler that keeps a frame
 // (a zero-copy payload) nulls its slot.
 void ZmqCommunicator::handle_inbound(std::vector<void*>& frames, size_t num_frames) {
   auto* m0 = static_cast<zmq_msg_t*>(frames[0]);
   TransferHeader th;
   if (!read_transfer_header(m0, &th)) return;
-  const int fd = zmq_msg_get(m0, ZMQ_SRCFD);
-  if (fd >= 0) fd_rank_[fd] = th.src;  // the disconnect monitor names a connection only by its fd
+  if (!claim_rank(zmq_msg_get(m0, ZMQ_SRCFD), th.src)) return;
   switch (th.kind) {
     case kHelloTransfer:
     case kByeTransfer:

@@ -1,10 +1,12 @@
 """The API layer against a scripted backend: API keys, the 503 queue bound, engine death, stop-string aborts."""
 
 import asyncio
+import re
 
 import httpx
 import pytest
 
+from amoe.config import ServerSection
 from amoe.errors import EngineDeadError
 from coordinator.api_server import create_app
 from coordinator.backend import Backend, RankKV, TokenDelta
@@ -41,6 +43,7 @@ class ScriptedBackend(Backend):
         self.gate: asyncio.Event | None = None
         self.dead = False
         self.die_after: int | None = None  # tokens generated before the engine "dies"
+        self.delay = 0.0  # seconds per token
         self.active: set[str] = set()
         self.aborted: list[str] = []
 
@@ -63,7 +66,7 @@ class ScriptedBackend(Backend):
             for i in range(sampling_params.max_tokens):
                 if self.gate is not None:
                     await self.gate.wait()
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.delay)
                 if i == self.die_after:
                     self.dead = True
                 if self.dead:
@@ -124,7 +127,7 @@ def test_a_full_waiting_queue_answers_503_and_waiters_run_later():
 
     async def scenario():
         backend.gate = asyncio.Event()
-        async with make_client(backend, max_waiting=1) as client:
+        async with make_client(backend, server=ServerSection(max_waiting=1)) as client:
             body = completion(max_tokens=61)
             first = asyncio.create_task(client.post("/v1/completions", json=body))
             await asyncio.sleep(0.05)
@@ -207,3 +210,165 @@ def test_a_stop_string_aborts_the_backend_request():
 
     run(scenario())
     assert len(backend.aborted) == 2 and not backend.active
+
+
+# ---- parameters amoe does not implement: refused by name, their no-op values accepted
+
+UNSUPPORTED_CASES = [
+    ("logprobs", 2),
+    ("logprobs", 0),  # 0 asks for the sampled token's logprob: not the same as false
+    ("top_logprobs", 3),
+    ("echo", True),
+    ("best_of", 3),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0),
+    ("repetition_penalty", 1.2),
+    ("min_p", 0.1),
+    ("logit_bias", {"50": 10}),
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("suffix", "tail"),
+    ("guided_json", {"type": "object"}),
+    ("use_beam_search", True),
+]
+NOOPS = {
+    "logprobs": None,
+    "top_logprobs": 0,
+    "echo": False,
+    "best_of": 1,
+    "n": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "tools": [],
+    "tool_choice": "none",
+    "suffix": None,
+    "stop_token_ids": [3],  # supported, not a no-op
+    "some_field_no_client_sends": 7,  # unknown fields may be ignored
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("param", "value"), UNSUPPORTED_CASES, ids=[f"{p}={v}" for p, v in UNSUPPORTED_CASES]
+)
+def test_unsupported_parameters_are_refused_by_name(param, value):
+    async def scenario():
+        async with make_client(ScriptedBackend()) as client:
+            for path, body in (("/v1/completions", completion()), ("/v1/chat/completions", chat_body())):
+                response = await client.post(path, json={**body, param: value})
+                assert response.status_code == 400, (path, response.text)
+                error = response.json()["error"]
+                assert error["param"] == param and "not supported" in error["message"]
+
+    run(scenario())
+
+
+@pytest.mark.timeout(20)
+def test_no_op_values_and_what_benchmark_clients_send_are_accepted():
+    # What `vllm bench serve` sends for the openai-completions backend, and the openai SDK's explicit nulls.
+    vllm_bench = {
+        **completion(max_tokens=3),
+        "repetition_penalty": 1.0,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+    async def scenario():
+        async with make_client(ScriptedBackend()) as client:
+            assert (await client.post("/v1/completions", json={**completion(), **NOOPS})).status_code == 200
+            chat = {**chat_body(), **NOOPS, "logprobs": False, "parallel_tool_calls": True}
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+            streamed = await client.post("/v1/completions", json=vllm_bench)
+            assert streamed.status_code == 200 and '"usage"' in streamed.text
+
+    run(scenario())
+
+
+def chat_body(**extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+# ---- a failure at any stage fails that request alone, logged with its id
+
+
+class FlakyTokenizer(CharTokenizer):
+    def encode(self, text, add_special_tokens=True):
+        if "boom-tokenize" in text:
+            raise RuntimeError("tokenizer bug")
+        return super().encode(text, add_special_tokens)
+
+
+class FlakyDetokenizer(CharDetokenizer):
+    def add(self, token_id):
+        if token_id == ord("c"):
+            raise RuntimeError("detokenizer bug")
+        return super().add(token_id)
+
+
+class FlakyBackend(ScriptedBackend):
+    async def generate(self, request_id, prompt_token_ids, sampling_params, rank=0):
+        if prompt_token_ids[-1] == ord("R"):
+            raise RuntimeError("backend bug")
+        async for delta in super().generate(request_id, prompt_token_ids, sampling_params, rank):
+            yield delta
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("stage", ["tokenize", "admission", "runtime", "detokenize"])
+def test_a_failure_at_any_stage_fails_that_request_alone(stage, caplog):
+    backend = FlakyBackend(total_blocks=64, script="abcdefgh" if stage == "detokenize" else "abababab")
+    app = create_app(backend, FlakyTokenizer(), ModelInfo(MODEL, 64, 100_000), lambda ids: FlakyDetokenizer())
+    if stage == "admission":
+        balancer = app.state.served.runner.balancer
+        admit = balancer.admit
+
+        async def flaky_admit(request_id, num_tokens):
+            if num_tokens == 11:  # the doomed request's size
+                raise RuntimeError("balancer bug")
+            return await admit(request_id, num_tokens)
+
+        balancer.admit = flaky_admit
+    prompt = {"tokenize": "boom-tokenize", "admission": "xyzxyz", "runtime": "R", "detokenize": "hi"}[stage]
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+            doomed = client.post("/v1/completions", json=completion(prompt=prompt, max_tokens=4))
+            fine = client.post("/v1/completions", json=completion(prompt="ok", max_tokens=4))
+            doomed, fine = await asyncio.gather(doomed, fine)
+            if stage == "detokenize":  # the detokenizer fails every request: check the first alone
+                fine = None
+            health = await client.get("/health")
+            return doomed, fine, health
+
+    doomed, fine, health = run(scenario())
+    assert doomed.status_code == 500 and doomed.json()["error"]["type"] == "server_error", doomed.text
+    assert fine is None or fine.status_code == 200
+    assert health.status_code == 200 and health.json()["running"] == 0
+    assert any(re.search(r"request \d+", r.getMessage()) and r.exc_info for r in caplog.records), caplog.text
+
+
+@pytest.mark.timeout(20)
+def test_a_request_past_its_deadline_ends_with_504():
+    backend = ScriptedBackend(total_blocks=64)
+
+    async def scenario():
+        backend.gate = asyncio.Event()  # never set: no token ever comes
+        async with make_client(backend, server=ServerSection(stall_timeout_s=0.3)) as client:
+            stalled = await client.post("/v1/completions", json=completion())
+        assert stalled.status_code == 504 and "no token" in stalled.json()["error"]["message"]
+        backend.gate, backend.delay = None, 0.05
+        async with make_client(backend, server=ServerSection(request_timeout_s=0.5)) as client:
+            response = await client.post("/v1/completions", json=completion(max_tokens=50))  # 2.5 s of tokens
+        assert response.status_code == 504 and "deadline" in response.json()["error"]["message"]
+
+    run(scenario())
+    assert not backend.active  # every stream was closed, so the backend aborted it

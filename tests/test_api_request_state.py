@@ -1,5 +1,9 @@
 """Request output state: incremental text, stop strings cut at their start, held-back text while streaming."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from amoe.request_rules import StopMatcher
 from coordinator.request_state import RequestState
 
 
@@ -57,3 +61,38 @@ def test_engine_finish_reason_kept_when_no_stop_string_matches():
     state = RequestState(CharDetokenizer(), ["zz"], num_prompt_tokens=1)
     state.append(ids("abz"), "stop")  # eos
     assert state.finish_reason == "stop" and state.take_text() == "abz"
+
+
+# ---- the stop check is one automaton step per new character; it must agree with the plain definition
+
+
+def naive_stop(text: str, stops: list[str]) -> int | None:
+    """Where the stop string that ends first starts (of several ending together, the longest)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if s and text[:end].endswith(s)]
+        if starts:
+            return min(starts)
+    return None
+
+
+def naive_pending(text: str, stops: list[str]) -> int:
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=40),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
+def test_stop_matcher_agrees_with_the_definition(text, stops, cuts):
+    matcher = StopMatcher(stops)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    found, fed = None, ""
+    for lo, hi in zip(bounds, bounds[1:]):
+        found = matcher.feed(text[lo:hi])
+        fed = text[:hi]
+        if found is not None:
+            break
+        assert matcher.pending == naive_pending(fed, stops)
+    assert found == naive_stop(text, stops)

@@ -32,7 +32,10 @@ def _peer(rank: int, store_path: str, conn) -> None:
     if rank == 0:
         _receiver(comm, conn)
     elif rank == 1 and script == "announce-and-stay-silent":
-        # Phase 1 without phase 2: metadata for a two-phase transfer whose send is never posted.
+        # Phase 1 without phase 2: metadata for a two-phase transfer whose send is never posted. Rank 1's own
+        # connection goes first (a rank belongs to one connection at a time), then a raw one speaks for it.
+        comm.close()
+        time.sleep(1.0)  # rank 0 sees the goodbye and the disconnect
         ctx = zmq.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.connect(endpoints[0])
@@ -40,7 +43,6 @@ def _peer(rank: int, store_path: str, conn) -> None:
         raw.send(patched(f0, 6, "<B", TWO_PHASE))
         conn.recv()  # "done"; the raw socket stays open, so only the timeout can tell
         raw.close(linger=0)
-        comm.close()
         return
     elif rank == 1 and script == "stream":
         i = 0

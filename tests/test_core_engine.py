@@ -160,7 +160,7 @@ def test_threads_run_a_fake_model_end_to_end(policy):
                 for i, rid in enumerate(batch.request_ids.tolist()):
                     results[(rid, batch.positions[i].item())] = h[i]
                 none = torch.zeros(0, dtype=torch.long)
-                engine.submit_head(batch, none, none, none)  # no request goes on
+                engine.submit_head(batch, none, none, none, none)  # no request goes on
             else:
                 engine.submit_attention(batch, *fake_attention(batch))
 
@@ -226,7 +226,9 @@ def test_head_output_reenters_block_zero_like_a_layer_output():
         )
     head = attn.next_batch(0)
     assert head.kind == "head" and head.block == NB and len(head) == 3
-    attn.submit_head(head, torch.tensor([7, 5]), torch.tensor([42, 43]), torch.tensor([2, 4]))
+    attn.submit_head(
+        head, torch.tensor([7, 5]), torch.tensor([42, 43]), torch.tensor([2, 4]), torch.tensor([6])
+    )
     entered = attn.next_batch(0)
     assert (entered.kind, entered.block, entered.index) == ("attn", 0, 0)
     assert sorted(

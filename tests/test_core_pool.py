@@ -220,7 +220,7 @@ def test_malformed_input_is_dropped_and_counted():
     engine.ingest(core.make_message(x, **{**kw, "position": [4], "chunk_start": [0], "chunk_len": [2]}))
     engine.ingest(core.make_message(torch.tensor([5]), **kw))  # token ids for block 1
     drops = engine.stats()["dropped"]
-    assert drops == {"bad_message": 1, "misrouted": 1, "bad_row": 3, "duplicate": 0}
+    assert drops == {"bad_message": 1, "misrouted": 1, "bad_row": 3, "duplicate": 0, "unknown_request": 0}
     assert engine.next_batch(0) is None
 
 
@@ -285,3 +285,54 @@ def test_receptor_thread_with_many_senders():
     assert got == want
     check_batches(batches, complete, top_k, 16)
     assert engine.next_batch(0) is None and not engine.running
+
+
+def tracking_engine():
+    placement = Placement(attn_runtime=(0,), expert_runtime=(1, 1))
+    cfg = core.engine_config(
+        0, placement, num_blocks=2, num_experts=2, top_k=1, hidden=H, track_requests=True
+    )
+    return core.Engine(cfg, core.LoopbackHub(2).communicator(0))
+
+
+def parts(rid, block, position=3):
+    """Both parts (residual, one expert output) of a one-row chunk of `rid` at ATTN (block, 0)."""
+    kw = dict(request_id=[rid], kind=[core.ATTN], block=[block], index=[0], position=[position])
+    return [
+        core.make_message(torch.zeros(1, H), **kw),
+        core.make_message(torch.zeros(1, H), slot=[1], expert_id=[1], weight=[1.0], **kw),
+    ]
+
+
+def test_a_tracking_rank_drops_rows_of_requests_it_does_not_hold():
+    """Rows of a request that never entered here, or that finished, are dropped and counted, never queued; a
+    request the rank holds goes through; forgetting one drops its waiting parts and queued chunks too."""
+    engine = tracking_engine()
+    for msg in parts(99, 1):  # never entered
+        engine.ingest(msg)
+    assert engine.stats()["dropped"]["unknown_request"] == 2 and engine.next_batch(0) is None
+    one = torch.tensor([1])
+    engine.add_tokens(torch.tensor([7]), torch.tensor([5]), torch.tensor([3]), torch.tensor([3]), one)
+    assert engine.next_batch(0).request_ids.tolist() == [7] and engine.stats()["tracked_requests"] == 1
+    for msg in parts(7, 1):
+        engine.ingest(msg)
+    assert engine.next_batch(0).layer == ("attn", 1, 0)
+    first, second = parts(7, 2)  # the head's parts: one waits in the pool, then the request is forgotten
+    engine.ingest(first)
+    assert engine.stats()["pool_entries"] == 1
+    engine.forget(torch.tensor([7]))
+    stats = engine.stats()
+    assert stats["pool_entries"] == 0 and stats["pool_parts"] == 0 and stats["tracked_requests"] == 0
+    engine.ingest(second)  # a late part of a forgotten request
+    assert engine.stats()["dropped"]["unknown_request"] == 3 and engine.next_batch(0) is None
+    # A queued chunk is purged too, and the queue depth follows.
+    engine.add_tokens(
+        torch.tensor([8, 8]),
+        torch.tensor([5, 6]),
+        torch.tensor([0, 1]),
+        torch.tensor([0, 0]),
+        torch.tensor([2, 2]),
+    )
+    assert sum(engine.stats()["depth"].values()) == 2
+    engine.forget(torch.tensor([8]))
+    assert sum(engine.stats()["depth"].values()) == 0 and engine.next_batch(0) is None

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from amoe.errors import AmoeError, EngineDeadError
+from amoe.errors import AmoeError, EngineDeadError, RequestFailed
 from coordinator.backend import Backend, RankKV, TokenDelta
 
 logger = logging.getLogger(__name__)
@@ -141,11 +141,25 @@ class LocalBackend(Backend):
         try:
             while (commands := self._wait_for_work()) is not None:
                 self._apply(commands)
-                outputs = self._engine.step() if self._engine.has_unfinished() else []
+                outputs = self._step()
                 self._snapshot_kv()  # before publishing: whoever these outputs wake sees the KV they left
                 self._publish(outputs)
         except BaseException as exc:  # noqa: BLE001 - any engine failure must fail requests, not hang them
             self._die(exc)
+
+    def _step(self) -> list[Any]:
+        """One engine step; if it raises, the requests it was running fail (their KV freed) and the engine
+        serves on: one bad step must not take every later request down."""
+        if not self._engine.has_unfinished():
+            return []
+        try:
+            return self._engine.step()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            failed = self._engine.abort_all()
+            logger.exception("an engine step failed; failing requests %s", failed)
+            error = RequestFailed(f"{type(exc).__name__}: {exc}")
+            self._post(self._deliver, [(rid, _RequestFailed(error)) for rid in failed])
+            return []
 
     def _wait_for_work(self) -> list[tuple] | None:
         """The pending commands, after sleeping while idle; None once stopping."""
@@ -170,6 +184,10 @@ class LocalBackend(Backend):
                 self._engine.add_request(request_id, prompt_token_ids, params)
             except AmoeError as exc:  # a bad request fails alone; the engine serves on
                 self._post(self._deliver, [(request_id, _RequestFailed(exc))])
+            except Exception as exc:  # noqa: BLE001 - so does one whose admission hits a bug
+                logger.exception("request %d failed on admission", request_id)
+                error = RequestFailed(f"{type(exc).__name__}: {exc}")
+                self._post(self._deliver, [(request_id, _RequestFailed(error))])
 
     def _publish(self, outputs: list[Any]) -> None:
         deltas = [

@@ -24,9 +24,12 @@ _KEEP_LINES = 200  # of the server's log, for the error message when it dies
 class ServerProcess:
     """`with ServerProcess(flags) as url:` — one `amoe serve` for the duration of the block."""
 
-    def __init__(self, flags: list[str], startup_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, flags: list[str], startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
         self.flags = flags
         self.startup_timeout_s = startup_timeout_s
+        self.env = env or {}  # extra environment variables
         self.proc: subprocess.Popen | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=_KEEP_LINES)
         self.url: str | None = None
@@ -34,7 +37,7 @@ class ServerProcess:
     def __enter__(self) -> str:
         cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *self.flags]
         logger.info("[compare] starting: amoe serve %s", " ".join(self.flags))
-        env = {**os.environ, "AMOE_LOG_LEVEL": os.environ.get("AMOE_LOG_LEVEL", "INFO")}
+        env = {**os.environ, "AMOE_LOG_LEVEL": os.environ.get("AMOE_LOG_LEVEL", "INFO"), **self.env}
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

@@ -82,6 +82,13 @@ class LocalEngine:
         request.finish_reason = "abort"
         return EngineOutput(request_id, [], finished=True, finish_reason="abort")
 
+    def abort_all(self) -> list[int]:
+        """Abort every request (e.g. after a step failed midway); their ids."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from amoe import core, wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
@@ -36,6 +38,7 @@ class Runtime:
             core.engine_config(
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts,
                 top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
+                track_requests=self.role == "attention",
             ),
             self.comm,
         )  # fmt: skip
@@ -76,6 +79,21 @@ class Runtime:
 
     def abort(self, request_id: int) -> bool:
         return self.attention.requests.abort(request_id)
+
+    def expire_aborts(self) -> list[int]:
+        """Aborted requests whose tokens never came back (lost with a failed peer or batch) end after
+        server.abort_timeout_s: the engine forgets them (and drops whatever of them still waits), then their KV
+        is freed (at once, or when the batch running them ends). Control thread; returns their ids."""
+        if self.attention is None:
+            return []
+        requests = self.attention.requests
+        expired = requests.expire_aborts(self.config.server.abort_timeout_s)
+        if expired:
+            self.engine.forget(
+                torch.tensor(expired, dtype=torch.int64), purge=True
+            )  # no batch gets them again
+            requests.collect_expired()
+        return expired
 
     def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
         self.comm.connect(endpoints)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,9 @@ def _process_group(spec: wire.WorkerSpec, num_runtimes: int, plane: str) -> Any:
     (nothing listens on the network for it)."""
     import torch.distributed as dist
 
+    if spec.data_bind.startswith("ipc://"):
+        # One host: gloo's pairs listen on loopback, not on whatever interface the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=spec.startup_timeout_s)
     store = dist.FileStore(spec.store_path, num_runtimes)
     dist.init_process_group(plane, store=store, rank=spec.runtime, world_size=num_runtimes, timeout=timeout)

@@ -75,7 +75,7 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
         if not out.tokens:
             return
         rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
-        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, kv_free_blocks=out.kv_free_blocks))
+        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error))
 
     return publish
 
@@ -87,6 +87,8 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
         runtime.check()
         now = time.monotonic()
         if now >= next_beat:
+            for request_id in runtime.expire_aborts():  # confirmed, so the coordinator stops holding their KV
+                _report_end(channel, runtime, request_id, "abort")
             channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(runtime.stats())))
             next_beat = now + HEARTBEAT_S
         msg = channel.recv(max(0.0, next_beat - time.monotonic()))
@@ -99,18 +101,28 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
 
 def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
     if isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention":
-        logger.warning("runtime %d: %s sent to an expert runtime ignored", runtime.id, type(msg).__name__)
+        channel.num_dropped += 1
+        logger.warning("runtime %d: %s sent to an expert runtime dropped", runtime.id, type(msg).__name__)
     elif isinstance(msg, wire.AddRequest):
-        try:
-            runtime.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
-        except AmoeError as exc:  # a bad request fails alone; the runtime serves on
-            _report_end(channel, runtime, msg.request_id, "error", f"{type(exc).__name__}: {exc}")
+        _add_request(channel, runtime, msg)
     elif isinstance(msg, wire.Abort):
         if not runtime.abort(msg.request_id):
             # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
             _report_end(channel, runtime, msg.request_id, "abort")
     else:
-        logger.warning("runtime %d: unexpected %s ignored", runtime.id, type(msg).__name__)
+        channel.num_dropped += 1
+        logger.warning("runtime %d: unexpected %s dropped", runtime.id, type(msg).__name__)
+
+
+def _add_request(channel: Channel, runtime: Any, msg: wire.AddRequest) -> None:
+    """Admit one request; whatever goes wrong fails that request alone and the runtime serves on."""
+    try:
+        runtime.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
+    except AmoeError as exc:  # the request itself is bad (the runtime trusts no socket)
+        _report_end(channel, runtime, msg.request_id, "rejected", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a bug admitting one request must not stop the runtime
+        logger.exception("runtime %d: request %d failed on admission", runtime.id, msg.request_id)
+        _report_end(channel, runtime, msg.request_id, "error", f"{type(exc).__name__}: {exc}")
 
 
 def _report_end(

@@ -9,6 +9,7 @@ compute — `TorchAttention` here (attention + head + sampler over a paged KV ca
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from amoe.model.kv_cache import PagedKVCache
 from amoe.model.layers import AttentionRank, ExpertLayer
 from amoe.model.sampler import Sampler
 from amoe.runtime.requests import RankRequest, RankRequests
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertExecutor:
@@ -50,6 +53,20 @@ class AttentionExecutor:
     @torch.inference_mode()
     def run(self, batch: core.Batch):
         rids = batch.request_ids[batch.cu_rows[:-1]].tolist()  # [R] one per chunk
+        self.requests.begin_batch(rids)
+        try:
+            return self._run(batch, rids)
+        except Exception as exc:  # noqa: BLE001 - one bad batch fails its own requests, never the runtime
+            logger.exception("attention(%d) failed for requests %s", batch.block, rids)
+            return self.requests.fail(rids, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.requests.end_batch()
+
+    def _run(self, batch: core.Batch, rids: list[int]):
+        if self.requests.faults is not None:  # tests only (AMOE_FAULTS)
+            prompts = [r.prompt for r in self.requests.of(rids)]
+            self.requests.faults.check("attend", prompts)
+            self.requests.faults.check("wedge", prompts)
         if batch.block == self.num_blocks:
             tokens = self.compute.sample(batch, self.requests.of(rids))
             return self.requests.advance(rids, tokens, batch.context_lens.tolist())

@@ -2,14 +2,16 @@
 enter block 0 (a prompt, or each sampled token that goes on). No computation happens here: the rank's compute
 (torch, or an emulated GPU) runs the layers, this object decides what the results mean for each request.
 
-Threads: `add` and `abort` come from a control thread; everything else runs on the loop thread. The lock keeps the
-request table and each request's aborted flag consistent between them; KV blocks are touched by the loop thread
-only (slots are taken when a chunk enters block 0, AMoE §3.2).
+Threads: `add`, `abort`, `expire_aborts` and `collect_expired` come from a control thread; everything else runs on
+the loop thread. The lock guards the request table, each request's abort state and the block manager between them
+(slots are taken when a chunk enters block 0, AMoE §3.2). A request in the batch the loop thread is running keeps
+its KV until the batch ends, so a batch never writes into slots freed under it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,7 @@ from amoe.errors import RequestError
 from amoe.model.kv_cache import BlockManager
 from amoe.model.sampler import make_generator
 from amoe.request_rules import check_prompt, stop_reason
+from amoe.runtime.faults import Faults
 from amoe.sampling_params import SamplingParams
 
 
@@ -55,8 +58,13 @@ class RankRequest:
     generator: torch.Generator | None = None  # seeded sampling: the same draws whatever shares the batch
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    aborted: bool = False  # its tokens are still in flight; it ends (and frees its KV) at the head
+    aborted_at: float | None = None  # monotonic time of the abort: its tokens in flight end it at the head
+    expired: bool = False  # its abort was never confirmed in time: it ends at the next batch boundary
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def aborted(self) -> bool:
+        return self.aborted_at is not None
 
 
 # (request id, new token ids, finish reason or None) per request of one head step
@@ -66,11 +74,25 @@ Outputs = list[tuple[int, list[int], str | None]]
 @dataclass(frozen=True)
 class HeadOutput:
     """What a head step hands on: the sampled tokens that go on re-enter block 0 (`next`), and what leaves the
-    runtime for the coordinator (`tokens`), with the rank's free KV blocks after the finished ones let go."""
+    runtime for the coordinator (`tokens`), with the rank's free KV blocks after the finished ones let go.
+
+    A batch whose layer failed ends the same way: no `next`, its requests finished with "error" and why.
+    """
 
     next: Rows
     tokens: Outputs
     kv_free_blocks: int
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, request_ids: list[int], error: str, kv_free_blocks: int = 0) -> HeadOutput:
+        return cls(
+            Rows.decode([], [], []), [(rid, [], "error") for rid in request_ids], kv_free_blocks, error
+        )
+
+    @property
+    def finished(self) -> list[int]:
+        return [rid for rid, _, reason in self.tokens if reason is not None]
 
 
 class RankRequests:
@@ -93,8 +115,10 @@ class RankRequests:
         # Emulated decode-only runs (AMoE §5): a prompt's KV counts as written, so only its last token enters,
         # as a decode row whose context is the whole prompt; its KV is reserved when that row reaches block 0.
         self.skip_prefill = skip_prefill
+        self.faults = Faults.from_env()  # tests only (AMOE_FAULTS)
         self._lock = threading.Lock()  # see the module docstring
         self._requests: dict[int, RankRequest] = {}
+        self._running: set[int] = set()  # the requests of the batch the loop thread runs now
 
     @property
     def kv_free_blocks(self) -> int:
@@ -107,6 +131,8 @@ class RankRequests:
     def add(self, request_id: int, prompt: list[int], params: SamplingParams) -> tuple[RankRequest, Rows]:
         """Validate and register a request; returns it and the rows that enter ATTN (0, rank). Any thread."""
         check_prompt(prompt, self.vocab_size, self.max_model_len)
+        if self.faults is not None:
+            self.faults.check("admit", [prompt])
         req = RankRequest(list(prompt), params, generator=make_generator(params, params.seed))
         with self._lock:
             if request_id in self._requests:
@@ -123,20 +149,63 @@ class RankRequests:
             req = self._requests.get(request_id)
             if req is None:
                 return False
-            req.aborted = True
+            if req.aborted_at is None:
+                req.aborted_at = time.monotonic()
             return True
+
+    def expire_aborts(self, timeout_s: float) -> list[int]:
+        """Requests aborted more than `timeout_s` ago whose tokens never came back to the head (lost with a
+        failed runtime or batch): marked expired. The caller makes the engine forget them (so none of their rows
+        can enter a batch again), then `collect_expired` frees their KV. Any thread."""
+        now = time.monotonic()
+        with self._lock:
+            due = [
+                rid
+                for rid, req in self._requests.items()
+                if req.aborted_at is not None and not req.expired and now - req.aborted_at > timeout_s
+            ]
+            for rid in due:
+                self._requests[rid].expired = True
+        return due
+
+    def collect_expired(self) -> None:
+        """Free the KV of expired requests, except those in the batch running now (it may still write their
+        slots): those go when it ends. Any thread."""
+        with self._lock:
+            for rid in [r for r, req in self._requests.items() if req.expired and r not in self._running]:
+                self._end(rid, "abort")
+
+    def begin_batch(self, request_ids: list[int]) -> None:
+        """The loop thread starts a batch of these requests: their KV stays put until `end_batch`."""
+        with self._lock:
+            self._running = set(request_ids)
+
+    def end_batch(self) -> None:
+        with self._lock:
+            self._running = set()
+        self.collect_expired()
+
+    def fail(self, request_ids: list[int], error: str) -> HeadOutput:
+        """End requests whose batch failed (every row of each was in it): free their KV. Loop thread."""
+        with self._lock:
+            ended = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
+            for rid in ended:
+                self._end(rid, "error")
+        return HeadOutput.failed(ended, error, self.blocks.num_free_blocks)
 
     def enter(self, request_ids: list[int], chunk_ends: list[int], chunk_lens: list[int]) -> None:
         """KV slots for chunks entering block 0: a new request takes blocks for everything up to its chunk's end
         (with skip_prefill, the prompt it did not compute), a running one grows by its chunk. Loop thread."""
-        for rid, end, n in zip(request_ids, chunk_ends, chunk_lens):
-            if self.blocks.has(rid):
-                self.blocks.append(rid, n)
-            else:
-                self.blocks.allocate(rid, end)
+        with self._lock:
+            for rid, end, n in zip(request_ids, chunk_ends, chunk_lens):
+                if self.blocks.has(rid):
+                    self.blocks.append(rid, n)
+                else:
+                    self.blocks.allocate(rid, end)
 
     def block_table(self, request_id: int) -> list[int]:
-        return self.blocks.block_table(request_id)
+        with self._lock:
+            return self.blocks.block_table(request_id)
 
     def of(self, request_ids: list[int]) -> list[RankRequest]:
         """The requests behind a head batch's chunks, in order."""
@@ -159,10 +228,15 @@ class RankRequests:
                     go_tokens.append(token)
                     go_pos.append(ctx)
                 else:
-                    self.blocks.free(rid)
-                    del self._requests[rid]
-                    req.done.set()
+                    self._end(rid, req.finish_reason)
         return HeadOutput(Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks)
+
+    def _end(self, request_id: int, reason: str) -> None:
+        """Under the lock: free a request's KV and drop it."""
+        req = self._requests.pop(request_id)
+        req.finish_reason = req.finish_reason or reason
+        self.blocks.free(request_id)
+        req.done.set()
 
     def _stop_reason(self, req: RankRequest, token: int, num_tokens: int) -> str | None:
         return stop_reason(

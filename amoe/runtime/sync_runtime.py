@@ -84,6 +84,11 @@ class SyncRuntime:
     def abort(self, request_id: int) -> bool:
         return self.device.abort(request_id)
 
+    def expire_aborts(self) -> list[int]:
+        """Nothing expires here: every device leaves an iteration together, so an aborted request always reaches
+        its head within the iteration (or the whole group stops)."""
+        return []
+
     def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
         self.comm.connect(endpoints)
         self._thread = threading.Thread(
@@ -128,6 +133,7 @@ class SyncRuntime:
             "wait_s": snap["wait_s"],
             "stall_fraction": snap["stall_fraction"],
             "iterations": snap["iterations"],
+            "polls": snap["polls"],
             "comm": self.comm.stats(),
         }
         if self.attention is not None:

@@ -61,7 +61,7 @@ class InProcessCluster:
         for runtime in range(self.placement.num_runtimes):
             ecfg = core.engine_config(
                 runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts,
-                top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=scheduler,
+                top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=scheduler, track_requests=True,
             )  # fmt: skip
             engine = core.Engine(ecfg, hub.communicator(runtime))
             if ecfg.is_attention:

@@ -22,6 +22,7 @@ class SyncStats:
         self.wait_s = 0.0  # waiting at a barrier inside a working iteration
         self.idle_s = 0.0  # no device had work: polling between iterations
         self.iterations = 0
+        self.polls = 0  # passes of the loop, idle ones included: its progress, which liveness checks
         self.iteration_wall_s = 0.0
         self.recent: deque[tuple[float, int]] = deque(maxlen=RECENT_ITERATIONS)  # (wall seconds, rows)
         self.expert_rows = torch.zeros(num_blocks, num_experts, dtype=torch.int64)  # rows run per (block, e)
@@ -43,7 +44,9 @@ class SyncStats:
             self._add("wait_s", time.perf_counter() - start)
 
     def add_idle(self, seconds: float) -> None:
-        self._add("idle_s", seconds)
+        with self._lock:
+            self.idle_s += seconds
+            self.polls += 1
 
     def add_wait(self, seconds: float) -> None:
         self._add("wait_s", seconds)
@@ -51,6 +54,7 @@ class SyncStats:
     def end_iteration(self, wall_s: float, rows: int) -> None:
         with self._lock:
             self.iterations += 1
+            self.polls += 1
             self.iteration_wall_s += wall_s
             self.recent.append((wall_s, rows))
 
@@ -67,6 +71,7 @@ class SyncStats:
                 "idle_s": self.idle_s,
                 "stall_fraction": wait / (busy + wait) if busy + wait > 0 else 0.0,
                 "iterations": self.iterations,
+                "polls": self.polls,
                 "iteration_wall_s": self.iteration_wall_s,
                 "iteration_s": [t for t, _ in self.recent],
                 "iteration_rows": [n for _, n in self.recent],

@@ -1,0 +1,43 @@
+"""Fault injection, for the tests that prove one bad request or batch cannot take a runtime down: the debugging
+switch AMOE_FAULTS="stage:token[,stage:token]" makes a runtime fail on purpose for requests whose prompt holds
+`token`. Off (None) unless the variable is set; nothing else reads it.
+
+Stages: `admit` (admission raises), `attend` (an attention batch holding such a request raises), `wedge` (that
+batch never returns: the loop thread is stuck while the control thread goes on, which liveness must notice).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from amoe import envs
+
+STAGES = ("admit", "attend", "wedge")
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by AMOE_FAULTS."""
+
+
+class Faults:
+    def __init__(self, spec: str) -> None:
+        self.tokens: dict[str, set[int]] = {stage: set() for stage in STAGES}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            stage, _, token = item.partition(":")
+            if stage not in STAGES or not token.isdigit():
+                raise ValueError(f"AMOE_FAULTS: expected stage:token with stage in {STAGES}, got {item!r}")
+            self.tokens[stage].add(int(token))
+
+    @classmethod
+    def from_env(cls) -> Faults | None:
+        spec = envs.AMOE_FAULTS
+        return cls(spec) if spec else None
+
+    def check(self, stage: str, prompts: list[list[int]]) -> None:
+        """Fail as `stage` says if any prompt holds one of its tokens."""
+        marked = self.tokens[stage]
+        if not marked or not any(marked.intersection(p) for p in prompts):
+            return
+        if stage == "wedge":
+            threading.Event().wait()  # forever: a loop stuck in a layer
+        raise InjectedFault(f"injected {stage} fault")
