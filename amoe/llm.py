@@ -31,7 +31,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    request_id: str
+    request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -127,7 +127,7 @@ class LLM:
 
     def _to_output(self, pending: _Pending) -> RequestOutput:
         completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)
-        return RequestOutput(str(pending.request_id), pending.prompt, pending.prompt_token_ids, [completion])
+        return RequestOutput(pending.request_id, pending.prompt, pending.prompt_token_ids, [completion])
 
     @staticmethod
     def _params_per_prompt(

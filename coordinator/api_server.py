@@ -102,9 +102,9 @@ def create_app(
     app.add_exception_handler(ClientDisconnected, _client_gone)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(
-        BodyLimitMiddleware, max_bytes=server.max_body_bytes
-    )  # outermost: before anything reads
+    app.add_middleware(  # outermost: before anything reads
+        BodyLimitMiddleware, max_bytes=server.max_body_bytes, on_too_large=lambda path: _count_path(runner, path)
+    )
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
     return app
@@ -171,7 +171,11 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
 
 def _count_invalid(runner: RequestRunner, request: Request) -> None:
     """A request body that failed validation is a rejected request of its endpoint."""
-    endpoint = _ENDPOINTS.get(request.url.path)
+    _count_path(runner, request.url.path)
+
+
+def _count_path(runner: RequestRunner, path: str) -> None:
+    endpoint = _ENDPOINTS.get(path)
     if endpoint is not None:
         runner.metrics.reject(endpoint, "rejected")
 

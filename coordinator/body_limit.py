@@ -6,13 +6,17 @@ Pure ASGI (like the API-key check), so a client's later disconnect still reaches
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from coordinator.openai_errors import ApiError
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, on_too_large: Callable[[str], None] | None = None) -> None:
+        """`on_too_large(path)`: told of each refused body (the API counts it as a rejected request)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.on_too_large = on_too_large
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -39,6 +43,8 @@ class BodyLimitMiddleware:
         await self.app(scope, _replay(chunks, None, receive), send)
 
     async def _too_large(self, scope, receive, send) -> None:
+        if self.on_too_large is not None:
+            self.on_too_large(scope["path"])
         error = ApiError(
             413,
             f"the request body is over the server's limit of {self.max_bytes} bytes",

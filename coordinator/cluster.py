@@ -1,5 +1,5 @@
-"""Cluster manager: spawns the runtime processes of the placement, wires them (control ROUTER, peer table, TCPStore
-for gloo / nccl), tracks their heartbeats and stats, notices a runtime that died, and stops them all.
+"""Cluster manager: spawns the runtime processes of the placement, wires them (control ROUTER, peer table, a
+FileStore in the private run directory for gloo / nccl), tracks their heartbeats and stats, notices a runtime that died, and stops them all.
 
 Everything runs on the API's asyncio event loop: one ROUTER socket (zmq.asyncio), a reader task that decodes
 runtime messages, and a watchdog task that polls each process and its heartbeat age. Runtimes are started in
@@ -191,16 +191,19 @@ class ClusterManager:
 
     async def _read(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                runtime, msg = self._check(frames)
-                runtime.last_seen = time.monotonic()
-                self._handle(runtime, msg)
-            except wire.WireError as exc:
-                self._drop(str(exc))
-            except Exception as exc:  # noqa: BLE001 - no message may stop the reader: that would kill the cluster
-                logger.exception("a control message could not be handled")
-                self._drop(f"{type(exc).__name__}: {exc}")
+            self.receive(await self._sock.recv_multipart())
+
+    def receive(self, frames: list[bytes]) -> None:
+        """Act on one control message [identity, message]; an invalid one is dropped and counted, never raised."""
+        try:
+            runtime, msg = self._check(frames)
+            runtime.last_seen = time.monotonic()
+            self._handle(runtime, msg)
+        except wire.WireError as exc:
+            self.drop(str(exc))
+        except Exception as exc:  # noqa: BLE001 - no message may stop the reader: that would kill the cluster
+            logger.exception("a control message could not be handled")
+            self.drop(f"{type(exc).__name__}: {exc}")
 
     def _check(self, frames: list[bytes]) -> tuple[RuntimeProc, wire.Message]:
         """The sender and its message, if the message is valid and really comes from that runtime's sockets
@@ -218,9 +221,12 @@ class ClusterManager:
             raise wire.WireError(f"{runtime.name} said hello as a {msg.role} runtime")
         if isinstance(msg, wire.Heartbeat):
             msg = wire.Heartbeat(msg.runtime, wire.check_report(msg.runtime, msg.stats))
+            if msg.stats["role"] != runtime.role:
+                raise wire.WireError(f"{runtime.name} reported as a {msg.stats['role']} runtime")
         return runtime, msg
 
-    def _drop(self, why: str) -> None:
+    def drop(self, why: str) -> None:
+        """Count and log a control message that is not acted on."""
         self.num_dropped += 1
         logger.warning("dropped a control message (%d so far): %s", self.num_dropped, why)
 
@@ -255,7 +261,7 @@ class ClusterManager:
         polls = stats.get("polls", 0)
         if polls != runtime.polls:
             runtime.polls, runtime.progressed = polls, time.monotonic()
-        lost = stats.get("comm", {}).get("failed_peers", [])
+        lost = (stats.get("comm") or {}).get("failed_peers") or []
         if lost and runtime.ready:
             names = ", ".join(self.runtimes[p].name for p in lost if p < len(self.runtimes))
             self._fail(f"{runtime.name} lost its data link to {names}")

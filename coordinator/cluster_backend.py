@@ -50,9 +50,8 @@ class ClusterBackend(Backend):
         )
         self._status = "created"
         self._streams: dict[int, _Stream] = {}  # request id → stream of a running request
-        self._aborting: dict[
-            int, tuple[int, int]
-        ] = {}  # request id → (rank, blocks) until the rank frees them
+        # request id → (rank, blocks, deadline): blocks held back until the rank frees them, or the deadline passes
+        self._aborting: dict[int, tuple[int, int, float]] = {}
         # Unseeded sampled requests get seeds drawn like LocalEngine's, so the same arrivals give the same tokens.
         self._seeds = SeedSource(0)
 
@@ -145,7 +144,14 @@ class ClusterBackend(Backend):
     def _on_tokens(self, msg: wire.TokenOut) -> None:
         for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
             stream = self._streams.get(request_id)
-            if reason is not None and (stream is None or msg.runtime == self._runtime_of(stream)):
+            rank = stream.rank if stream is not None else self._aborting.get(request_id, (None,))[0]
+            if rank is None:
+                continue  # finished or aborted and confirmed: a late report changes nothing
+            from_rank = msg.runtime == self.cluster.attn_runtimes[rank].id
+            if not from_rank and reason != "error":  # only a request's own rank samples and ends it
+                self.cluster.drop(f"runtime {msg.runtime} reported tokens of request {request_id} of rank {rank}")
+                continue
+            if reason is not None and from_rank:
                 self._aborting.pop(request_id, None)  # its own attention rank ended it: the KV is free there
             if stream is None:
                 continue  # aborted meanwhile
@@ -154,7 +160,7 @@ class ClusterBackend(Backend):
             if reason == "rejected":  # the runtime found the request itself invalid
                 stream.queue.put_nowait(RequestError(msg.error or "the runtime rejected the request"))
             elif reason == "error":  # a runtime failed while serving it: it fails alone
-                if msg.runtime != self._runtime_of(stream):  # an expert runtime: its rank still holds it
+                if not from_rank:  # an expert runtime: its rank still holds it
                     self._abort_at_rank(request_id, stream)
                 stream.queue.put_nowait(
                     RequestFailed(msg.error or "a runtime failed while serving the request")

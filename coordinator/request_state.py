@@ -16,20 +16,33 @@ class Detokenizer(Protocol):
 
 
 class RequestState:
-    """Text generated so far for one request, cut at the first stop string."""
+    """Text generated so far for one request, cut at the first stop string.
+
+    Linear in the output: the text is kept as pieces (joined once, when asked for) and only the unsent tail is
+    ever sliced, so a long generation costs no repeated copies of everything before it.
+    """
 
     def __init__(self, detokenizer: Detokenizer, stop: list[str], num_prompt_tokens: int) -> None:
         self._detokenizer = detokenizer
         self._stops = StopMatcher(stop)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
-        self.text = ""
-        self._sent = 0  # characters of self.text already handed out
+        self._parts: list[str] = []  # the text, piece by piece
+        self._length = 0  # characters in _parts
+        self._unsent: list[str] = []  # the text's end not yet handed out, piece by piece
+        self._sent = 0  # characters already handed out
         self.finish_reason: str | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """All the text so far (after a stop string: up to it)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def append(self, token_ids: list[int], finish_reason: str | None) -> None:
         """Add the engine's new tokens; a stop string found in the text finishes the request with "stop"."""
@@ -39,19 +52,25 @@ class RequestState:
         new = "".join(self._detokenizer.add(t) for t in token_ids)
         if finish_reason is not None:
             new += self._detokenizer.flush()  # an incomplete last character comes out as U+FFFD
-        self.text += new
         cut = self._stops.feed(new)  # linear in the output: only the new text is scanned
-        if cut is not None:
-            self.text = self.text[:cut]
+        if cut is not None:  # the stop string starts at `cut` in the whole text: keep what comes before it
+            new = new[: max(0, cut - self._length)]
+            self._parts, self._length = [self.text[:cut]], min(cut, self._length)
+            self._unsent = ["".join(self._unsent)[: max(0, cut - self._sent)]]
             self.finish_reason = "stop"
         else:
             self.finish_reason = finish_reason
+        self._parts.append(new)
+        self._unsent.append(new)
+        self._length += len(new)
 
     def take_text(self) -> str:
         """New text that can be sent now: all of it once finished, else all but a possible stop-string prefix."""
-        end = len(self.text) if self.is_finished else len(self.text) - self._stops.pending
+        end = self._length if self.is_finished else self._length - self._stops.pending
         if end <= self._sent:
             return ""
-        chunk = self.text[self._sent : end]
+        unsent = "".join(self._unsent)  # at most what is new since the last call, plus a held-back prefix
+        chunk, rest = unsent[: end - self._sent], unsent[end - self._sent :]
+        self._unsent = [rest] if rest else []
         self._sent = end
         return chunk

@@ -96,3 +96,29 @@ def test_stop_matcher_agrees_with_the_definition(text, stops, cuts):
             break
         assert matcher.pending == naive_pending(fed, stops)
     assert found == naive_stop(text, stops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=40),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    streamed=st.booleans(),
+)
+def test_streamed_and_whole_text_equal_the_text_up_to_the_first_stop(text, stops, cuts, streamed):
+    """Whatever the pieces and however often text is taken, the client gets the text cut at the first stop
+    string, each character once."""
+    state = RequestState(CharDetokenizer(), stops, num_prompt_tokens=1)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    sent = ""
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        state.append(ids(text[lo:hi]), "length" if i == len(bounds) - 2 else None)
+        if streamed:
+            sent += state.take_text()
+        if state.is_finished:
+            break
+    sent += state.take_text()
+    cut = naive_stop(text, stops)
+    want = text if cut is None else text[:cut]
+    assert state.text == want and sent == want
+    assert state.finish_reason == ("stop" if cut is not None else "length" if len(bounds) > 1 else None)

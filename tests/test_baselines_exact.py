@@ -67,18 +67,54 @@ def test_a_silent_peer_raises_engine_dead_instead_of_hanging(tiny_checkpoint, mo
     assert time.monotonic() - start < 5
 
 
+class _DeviceLost(BaseException):
+    """Not an Exception: what takes a device's whole loop thread down (as a crash would), not one batch."""
+
+
 @pytest.mark.timeout(30)
 def test_a_peer_dying_mid_iteration_fails_generate(tiny_checkpoint, prompts_and_reference):
     prompts, _ = prompts_and_reference
     cluster = SyncCluster(tiny_checkpoint, mode="pingpong", num_attn=2, num_expert=2, timeout_s=0.5)
 
-    def broken(batch):
-        raise RuntimeError("expert device lost")
+    def lost(batch):
+        raise _DeviceLost("expert device lost")
 
-    cluster.devices[3].experts.run = broken
+    cluster.devices[3].experts.run = lost
     start = time.monotonic()
     with cluster, pytest.raises(EngineDeadError):
         cluster.generate(prompts, PARAMS, timeout=20)
     assert time.monotonic() - start < 10
-    assert isinstance(cluster.errors[3], RuntimeError)
+    assert isinstance(cluster.errors[3], _DeviceLost)
     assert all(isinstance(cluster.errors[r], EngineDeadError) for r in (0, 1, 2))  # the survivors timed out
+
+
+def _raising_for(request_id: int, run):
+    def run_or_raise(batch, *args):
+        if request_id in batch.request_ids.tolist():
+            raise RuntimeError("injected layer failure")
+        return run(batch, *args)
+
+    return run_or_raise
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[4]], ids=_name)
+@pytest.mark.parametrize("layer", ["attention", "expert"])
+def test_a_failing_layer_fails_its_batch_and_the_group_serves_on(tiny_checkpoint, prompts_and_reference, cfg, layer):
+    """A layer that raises ends the requests of its batch with "error" (freeing their KV); every device stays in
+    the lock-step group, and requests after it get the reference tokens."""
+    prompts, reference = prompts_and_reference
+    with SyncCluster(tiny_checkpoint, timeout_s=10, **cfg) as cluster:
+        bad_id = 1  # the cluster numbers requests from 1
+        if layer == "attention":
+            compute = cluster.attention[0].attention.compute  # inside the executor, which catches what it raises
+            compute.attend = _raising_for(bad_id, compute.attend)
+        else:
+            device = next(d for d in cluster.devices if d.experts is not None)
+            device.experts.run = _raising_for(bad_id, device.experts.run)
+        bad = cluster.submit([1, 5, 3, 4], PARAMS, rank=0)
+        assert bad.done.wait(30) and bad.finish_reason == "error" and not bad.output
+        free = [d.attention.requests.blocks.num_free_blocks for d in cluster.attention]
+        assert free == [cluster.num_kv_blocks] * len(free)
+        assert cluster.generate(prompts, PARAMS, timeout=30) == reference
+        assert not cluster.errors

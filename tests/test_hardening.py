@@ -107,6 +107,7 @@ def run_dir(srv: ServerProcess) -> str:
 
 
 def test_an_oversized_body_gets_413_before_it_is_parsed(server):
+    rejected = total(metrics(server.url), "amoe_requests_finished_total", reason="rejected")
     big = b'{"model": "' + b"x" * (17 * 1024 * 1024) + b'"}'  # over the 16 MiB default
     reply = post(server.url, big)
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
@@ -117,6 +118,7 @@ def test_an_oversized_body_gets_413_before_it_is_parsed(server):
 
     reply = httpx.post(server.url + "/v1/completions", content=chunked(), headers=HEADERS, timeout=60)
     assert reply.status_code == 413
+    assert total(metrics(server.url), "amoe_requests_finished_total", reason="rejected") == rejected + 2
     serves_and_frees_kv(server.url)
 
 
@@ -311,6 +313,35 @@ def test_a_stalled_request_ends_with_an_error_and_frees_its_kv(server):
     serves_and_frees_kv(server.url)
 
 
+@pytest.mark.timeout(120)
+def test_a_request_past_its_deadline_ends_and_an_unconfirmed_abort_stops_holding_kv(model_dir):
+    """The attention runtime stopped (SIGSTOP; its heartbeat timeout is long): a request gets no token, ends with
+    504 at its 2 s deadline, and its abort cannot be confirmed — the coordinator holds its blocks back (the load
+    balancer's view, exported as amoe_kv_total_blocks) for twice the 1 s abort timeout, then lets them go. When the
+    runtime wakes, it frees them too and serves on."""
+    flags = ["--server-request-timeout-s", "2", "--server-abort-timeout-s", "1", "--transport-timeout-s", "60"]
+    srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY})
+    with srv as url:
+        kv_total = lambda: total(metrics(url), "amoe_kv_total_blocks", rank="0")  # noqa: E731
+        blocks = kv_total()
+        pid = runtime_pid(srv, "amoe: attention runtime 0")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            reply = post(url, {**OK_BODY, "max_tokens": 8})
+            assert reply.status_code == 504 and "deadline" in reply.json()["error"]["message"], reply.text
+            assert 1.5 < time.monotonic() - start < 4
+            assert kv_total() == blocks - 1  # held back: 2 + 8 tokens fit one 16-token block
+            deadline = time.monotonic() + 10
+            while kv_total() != blocks:
+                assert time.monotonic() < deadline, "the hold never expired"
+                time.sleep(0.2)
+            assert time.monotonic() - start < 8
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        serves_and_frees_kv(url)
+
+
 def test_health_shows_details_only_with_the_key(server):
     open_report = httpx.get(server.url + "/health", timeout=10).json()
     assert open_report == {"status": "ok"}
@@ -320,7 +351,18 @@ def test_health_shows_details_only_with_the_key(server):
 
 
 def test_nothing_listens_beyond_loopback(server):
+    """TCP only on loopback; every unix socket (control and data plane) in the coordinator's 0700 run directory."""
     assert listening(server) == {"127.0.0.1"}
+    private = run_dir(server)
+    assert os.stat(private).st_mode & 0o777 == 0o700
+    paths = {
+        conn.laddr
+        for proc in tree(server)
+        for conn in proc.net_connections(kind="unix")
+        if conn.laddr  # bound: a listening socket or one it accepted (psutil gives unix sockets no status)
+    }
+    assert {f"{private}/control", f"{private}/rt0.data"} <= paths
+    assert all(os.path.dirname(p) == private for p in paths), paths
 
 
 def listening(srv: ServerProcess) -> set[str]:
@@ -348,12 +390,17 @@ def listening(srv: ServerProcess) -> set[str]:
     ids=["local", "aep-gloo", "ep", "pingpong"],
 )
 def test_every_mode_refuses_seed_overflow_and_listens_on_loopback(model_dir, flags):
-    srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY})
+    """Also, in every mode with runtimes, a batch whose attention layer raises (token 901) fails its requests
+    alone: the synchronous groups stay in lock-step and serve on."""
+    srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY, "AMOE_FAULTS": "attend:901"})
     with srv as url:
         reply = post(url, {**OK_BODY, "seed": 2**64, "temperature": 0.7})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed"
         seeded = post(url, {**OK_BODY, "seed": 2**63 - 1, "temperature": 0.7})
         assert seeded.status_code == 200, seeded.text
+        if "local" not in flags:
+            failed = post(url, {**OK_BODY, "prompt": [1, 901, 4]})
+            assert failed.status_code == 500 and "injected" in failed.json()["error"]["message"], failed.text
         serves_and_frees_kv(url)
         assert listening(srv) == {"127.0.0.1"}
 

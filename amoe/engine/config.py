@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from amoe.config import AmoeConfig
+from amoe.config import DTYPE_NAMES, AmoeConfig, CacheSection
 from amoe.errors import ConfigError
 
 
@@ -16,15 +16,16 @@ class EngineConfig:
 
     dtype: str | None = None  # None: the checkpoint's dtype
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    num_kv_blocks: int = 512
-    max_num_seqs: int = 256
+    # The cache's defaults are the config's (one default per setting).
+    block_size: int = CacheSection.block_size
+    num_kv_blocks: int = CacheSection.num_kv_blocks
+    max_num_seqs: int = CacheSection.max_num_seqs
     max_num_batched_tokens: int = 8192
     seed: int = 0  # seeds the generators of requests that bring no seed
 
     def __post_init__(self) -> None:
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

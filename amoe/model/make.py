@@ -12,9 +12,7 @@ from typing import Any
 
 from amoe import envs
 from amoe.errors import ConfigError
-from amoe.model.checkpoint import write_random_checkpoint
 from amoe.model.presets import preset as preset_config
-from amoe.tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +28,10 @@ def make_model(
     preset: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None, shards: int = 1
 ) -> Path:
     """Write a random-weight model of a named preset to `out_dir`; the same preset and seed give the same bytes."""
+    # Imported here, not at the top: the coordinator finds an existing demo model without loading torch.
+    from amoe.model.checkpoint import write_random_checkpoint
+    from amoe.tokenizer import write_tokenizer
+
     hf_config = {**preset_config(preset), **(overrides or {})}
     out = Path(out_dir)
     _require_empty(out)

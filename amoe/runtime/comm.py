@@ -32,8 +32,10 @@ def _process_group(spec: wire.WorkerSpec, num_runtimes: int, plane: str) -> Any:
     import torch.distributed as dist
 
     if spec.data_bind.startswith("ipc://"):
-        # One host: gloo's pairs listen on loopback, not on whatever interface the hostname resolves to.
+        # One host: gloo's pairs and NCCL's bootstrap / socket transport listen on loopback, not on whatever
+        # interface the hostname resolves to (NCCL's GPU paths, NVLink and shared memory, need no socket).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=spec.startup_timeout_s)
     store = dist.FileStore(spec.store_path, num_runtimes)
     dist.init_process_group(plane, store=store, rank=spec.runtime, world_size=num_runtimes, timeout=timeout)

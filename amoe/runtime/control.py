@@ -89,7 +89,9 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
         if now >= next_beat:
             for request_id in runtime.expire_aborts():  # confirmed, so the coordinator stops holding their KV
                 _report_end(channel, runtime, request_id, "abort")
-            channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(runtime.stats())))
+            stats = runtime.stats()
+            stats["dropped"] = {**stats.get("dropped", {}), "control": channel.num_dropped}
+            channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(stats)))
             next_beat = now + HEARTBEAT_S
         msg = channel.recv(max(0.0, next_beat - time.monotonic()))
         if isinstance(msg, wire.Shutdown):

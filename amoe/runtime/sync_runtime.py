@@ -134,6 +134,7 @@ class SyncRuntime:
             "stall_fraction": snap["stall_fraction"],
             "iterations": snap["iterations"],
             "polls": snap["polls"],
+            "dropped": {"barrier": snap["dropped"]},
             "comm": self.comm.stats(),
         }
         if self.attention is not None:

@@ -48,6 +48,7 @@ class SyncDevice:
         self.max_batch_rows = max_batch_rows
         self.hosted_experts = [e for e, d in enumerate(self.expert_device) if d == rank]
         self.stats = SyncStats(cfg.num_blocks, cfg.num_experts)
+        self._failures: list[HeadOutput] = []  # loop thread only
 
     @property
     def role(self) -> str:
@@ -74,10 +75,25 @@ class SyncDevice:
             return []
         return self.inbox.admit(self.attention.requests.blocks, self.max_batch_rows)
 
-    def attend(self, batch: LayerBatch) -> tuple[torch.Tensor, ...]:
-        """attention(batch.block) → (residual, moe_input, topk_ids, topk_weights)."""
+    def attend(self, batch: LayerBatch) -> tuple[torch.Tensor, ...] | None:
+        """attention(batch.block) → (residual, moe_input, topk_ids, topk_weights); None if the layer failed: the
+        executor has ended the batch's requests (freeing their KV), and their end waits in `take_failures`."""
         with self.stats.busy():
-            return self.attention.run(batch)
+            out = self.attention.run(batch)
+        if isinstance(out, HeadOutput):  # AttentionExecutor.run's answer for a batch whose layer raised
+            self._failures.append(out)
+            return None
+        return out
+
+    def fail(self, batch: LayerBatch, error: str) -> None:
+        """End the batch's requests (an expert device failed on their rows); their end waits in take_failures."""
+        rids = batch.request_ids[batch.cu_rows[:-1]].tolist()  # [R] one per chunk
+        self._failures.append(self.attention.requests.fail(rids, error))
+
+    def take_failures(self) -> list[HeadOutput]:
+        """The ends of the requests whose batches failed since the last call, to be published."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def head(self, batch: LayerBatch) -> HeadOutput:
         """Final merge, norm, lm_head and sampling; the tokens that go on wait in the inbox for the next

@@ -35,7 +35,7 @@ def run_ep_loop(
 ) -> None:
     """Serve as one EP device until any device's `stop` is set. Raises EngineDeadError when a peer is silent
     for `timeout_s` at a barrier."""
-    ex = Exchanger(comm, device.rank, timeout_s)
+    ex = Exchanger(comm, device.rank, timeout_s, device.stats)
 
     def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
         return _iteration(device, ex, it, chunks)
@@ -44,26 +44,34 @@ def run_ep_loop(
 
 
 def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) -> list[HeadOutput]:
-    """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head."""
+    """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head.
+    A batch whose layer fails ends there; the device still takes part in every all-to-all, without rows."""
     batch = attention_batch(chunks, device.attn_rank) if chunks else None
     carried = ()  # (residual, expert_out, expert_ids) of the previous block
     for block in range(device.cfg.num_blocks):
         step = batch.at_block(block, *carried) if block and batch else batch
         residual, routed = _attend(device, step)
         expert_out = _moe(device, ex, Tag(it, block, DISPATCH), routed)
+        if step is not None and (residual is None or expert_out is None):
+            if expert_out is None:
+                device.fail(step, f"an expert layer of block {block} failed on another device")
+            batch = None
         carried = (residual, expert_out, routed.topk_ids)
-    return [device.head(batch.at_block(device.cfg.num_blocks, *carried))] if batch is not None else []
+    outputs = [device.head(batch.at_block(device.cfg.num_blocks, *carried))] if batch is not None else []
+    return outputs + device.take_failures()
 
 
 def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor | None, Routed]:
-    if step is None:  # nothing here this iteration: still a party to every all-to-all
+    out = device.attend(step) if step is not None else None
+    if out is None:  # nothing here this iteration, or its layer failed: still a party to every all-to-all
         return None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
-    residual, moe_input, ids, weights = device.attend(step)
+    residual, moe_input, ids, weights = out
     return residual, Routed(moe_input, ids, weights, step.request_ids, step.positions)
 
 
-def _moe(device: SyncDevice, ex: Exchanger, tag: Tag, routed: Routed) -> torch.Tensor:
-    """Dispatch to every device, barrier, run the hosted experts, combine back, barrier."""
+def _moe(device: SyncDevice, ex: Exchanger, tag: Tag, routed: Routed) -> torch.Tensor | None:
+    """Dispatch to every device, barrier, run the hosted experts, combine back, barrier; None if an expert device
+    failed on these rows."""
     plan = DispatchPlan(routed.topk_ids, device.expert_device, device.expert_devices)
     send_dispatch(ex, tag, routed, plan)
     serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,10 +69,12 @@ class Exchanger:
     peer stops the loop instead of hanging it. Messages to this rank itself skip the communicator.
     """
 
-    def __init__(self, comm: core.Communicator, rank: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, comm: core.Communicator, rank: int, timeout_s: float = 10.0, stats: Any = None) -> None:
+        """`stats`: the device's SyncStats, which also count the dropped messages (for the runtime report)."""
         self.comm = comm
         self.rank = rank
         self.timeout_s = timeout_s
+        self.stats = stats
         self._pending: dict[Tag, dict[int, Parcel]] = defaultdict(dict)
         self.num_dropped = 0
 
@@ -118,7 +121,7 @@ class Exchanger:
     def _receive(self, msg: core.Message) -> None:
         meta = msg.meta()
         if msg.num_rows < 1 or int(meta["chunk_len"][0]) != 0:
-            self.num_dropped += 1
+            self._drop()
             logger.warning("[sync] runtime %d dropped a message without a tag row", self.rank)
             return
         tag = Tag(
@@ -133,12 +136,18 @@ class Exchanger:
     def _file(self, parcel: Parcel) -> None:
         got = self._pending[parcel.tag]
         if parcel.src in got:
-            self.num_dropped += 1
+            self._drop()
             logger.warning(
                 "[sync] runtime %d dropped a duplicate %s from %d", self.rank, parcel.tag, parcel.src
             )
             return
         got[parcel.src] = parcel
+
+
+    def _drop(self) -> None:
+        self.num_dropped += 1
+        if self.stats is not None:
+            self.stats.count_dropped()
 
 
 def frame(n: int, like: torch.Tensor | None) -> torch.Tensor:

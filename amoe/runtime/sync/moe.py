@@ -4,6 +4,7 @@ results where the next attention layer's merge expects them."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from amoe import core
 from amoe.runtime.sync.batch import LayerBatch
 from amoe.runtime.sync.exchange import COMBINE, Exchanger, Parcel, Tag, frame
 from amoe.runtime.sync.stats import SyncStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,24 +50,37 @@ def send_dispatch(ex: Exchanger, tag: Tag, routed: Routed, plan: DispatchPlan) -
         ex.send(dest, tag, rows=meta, framed=body)
 
 
+FAILED = 1  # a combine message's flag: the expert layer raised, its rows carry no outputs
+
+
 def serve_experts(
     ex: Exchanger, tag: Tag, sources: Sequence[int], executor, hidden: int, stats: SyncStats
 ) -> None:
-    """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back."""
+    """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back. If an
+    expert layer raises, every source still gets its reply (the barrier must complete), flagged FAILED, so the
+    sources end the requests concerned instead of reading outputs that were never computed."""
     with stats.waiting():
         parcels = ex.gather(tag, sources)
-    outputs = run_experts(executor, tag.block, parcels, hidden, stats)
+    flags = 0
+    try:
+        outputs = run_experts(executor, tag.block, parcels, hidden, stats)
+    except Exception:  # noqa: BLE001 - one bad batch fails its own requests, never the group
+        logger.exception("[sync] experts of block %d failed %s", tag.block, tag)
+        outputs, flags = {src: frame(p.num_rows, torch.zeros(0, hidden)).zero_() for src, p in parcels.items()}, FAILED
     back = Tag(tag.iteration, tag.block, COMBINE, tag.micro)
     for src, body in outputs.items():
-        ex.send(src, back, framed=body)
+        ex.send(src, back, framed=body, flags=flags)
 
 
 def receive_combine(
     ex: Exchanger, tag: Tag, plan: DispatchPlan, like: torch.Tensor, stats: SyncStats
-) -> torch.Tensor:
-    """Combine half: wait for every expert device (the barrier) → expert_out [N, K, H]."""
+) -> torch.Tensor | None:
+    """Combine half: wait for every expert device (the barrier) → expert_out [N, K, H]; None if an expert device
+    failed on these rows."""
     with stats.waiting():
         parcels = ex.gather(tag, plan.sizes)
+    if any(p.flags & FAILED for p in parcels.values()):
+        return None
     return plan.combine(parcels, like)
 
 

@@ -46,7 +46,7 @@ def run_pingpong_loop(
     silent for `timeout_s` at a barrier. Every device of a deployment must use the same `micro_batches`."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1; got {micro_batches}")
-    ex = Exchanger(comm, device.rank, timeout_s)
+    ex = Exchanger(comm, device.rank, timeout_s, device.stats)
     role = _attention_iteration if device.attention is not None else _expert_iteration
 
     def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
@@ -80,13 +80,18 @@ def _attention_iteration(
                 _attend_and_send(device, ex, mb, step, Tag(it, block, DISPATCH, i))
             elif step is not None:
                 outputs.append(device.head(step))
-    return outputs
+    return outputs + device.take_failures()
 
 
 def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block: int) -> LayerBatch | None:
-    """Wait for the micro-batch's expert outputs (N2M barrier) → its input to attention(block) or the head."""
+    """Wait for the micro-batch's expert outputs (N2M barrier) → its input to attention(block) or the head; None
+    when it has no rows (any more: a failed micro-batch ends its requests and goes on empty)."""
     expert_out = receive_combine(ex, tag, mb.plan, mb.routed.moe_input, device.stats)
     if mb.batch is None:
+        return None
+    if expert_out is None:
+        device.fail(mb.batch, f"an expert layer of block {block - 1} failed on an expert device")
+        mb.batch = None
         return None
     return mb.batch.at_block(block, mb.residual, expert_out, mb.routed.topk_ids)
 
@@ -94,10 +99,12 @@ def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block
 def _attend_and_send(
     device: SyncDevice, ex: Exchanger, mb: _MicroBatch, step: LayerBatch | None, tag: Tag
 ) -> None:
-    if step is None:  # an empty micro-batch still sends every expert device its (empty) part
+    out = device.attend(step) if step is not None else None
+    if out is None:  # an empty (or just failed) micro-batch still sends every expert device its (empty) part
         mb.residual, mb.routed = None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
+        mb.batch = None  # a failed one has ended its requests: it goes on without rows
     else:
-        mb.residual, moe_input, ids, weights = device.attend(step)
+        mb.residual, moe_input, ids, weights = out
         mb.routed = Routed(moe_input, ids, weights, step.request_ids, step.positions)
     mb.plan = DispatchPlan(mb.routed.topk_ids, device.expert_device, device.expert_devices)
     send_dispatch(ex, tag, mb.routed, mb.plan)

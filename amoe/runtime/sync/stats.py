@@ -23,6 +23,7 @@ class SyncStats:
         self.idle_s = 0.0  # no device had work: polling between iterations
         self.iterations = 0
         self.polls = 0  # passes of the loop, idle ones included: its progress, which liveness checks
+        self.dropped = 0  # barrier messages dropped (no tag row, or a duplicate)
         self.iteration_wall_s = 0.0
         self.recent: deque[tuple[float, int]] = deque(maxlen=RECENT_ITERATIONS)  # (wall seconds, rows)
         self.expert_rows = torch.zeros(num_blocks, num_experts, dtype=torch.int64)  # rows run per (block, e)
@@ -58,6 +59,10 @@ class SyncStats:
             self.iteration_wall_s += wall_s
             self.recent.append((wall_s, rows))
 
+    def count_dropped(self) -> None:
+        with self._lock:
+            self.dropped += 1
+
     def count_expert_rows(self, block: int, expert: int, rows: int) -> None:
         self.expert_rows[block, expert] += rows  # loop thread only; snapshot() copies
 
@@ -72,6 +77,7 @@ class SyncStats:
                 "stall_fraction": wait / (busy + wait) if busy + wait > 0 else 0.0,
                 "iterations": self.iterations,
                 "polls": self.polls,
+                "dropped": self.dropped,
                 "iteration_wall_s": self.iteration_wall_s,
                 "iteration_s": [t for t, _ in self.recent],
                 "iteration_rows": [n for _, n in self.recent],
