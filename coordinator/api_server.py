@@ -103,7 +103,9 @@ def create_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(  # outermost: before anything reads
-        BodyLimitMiddleware, max_bytes=server.max_body_bytes, on_too_large=lambda path: _count_path(runner, path)
+        BodyLimitMiddleware,
+        max_bytes=server.max_body_bytes,
+        on_too_large=lambda path: _count_path(runner, path),
     )
     _add_info_routes(app, served)
     _add_generation_routes(app, served)

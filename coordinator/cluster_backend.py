@@ -149,7 +149,9 @@ class ClusterBackend(Backend):
                 continue  # finished or aborted and confirmed: a late report changes nothing
             from_rank = msg.runtime == self.cluster.attn_runtimes[rank].id
             if not from_rank and reason != "error":  # only a request's own rank samples and ends it
-                self.cluster.drop(f"runtime {msg.runtime} reported tokens of request {request_id} of rank {rank}")
+                self.cluster.drop(
+                    f"runtime {msg.runtime} reported tokens of request {request_id} of rank {rank}"
+                )
                 continue
             if reason is not None and from_rank:
                 self._aborting.pop(request_id, None)  # its own attention rank ended it: the KV is free there

@@ -325,6 +325,7 @@ class FlakyBackend(ScriptedBackend):
 @pytest.mark.parametrize("stage", ["tokenize", "admission", "runtime", "detokenize"])
 def test_a_failure_at_any_stage_fails_that_request_alone(stage, caplog):
     backend = FlakyBackend(total_blocks=64, script="abcdefgh" if stage == "detokenize" else "abababab")
+
     def detokenizer(prompt_ids):  # fails on the doomed request's text ("hi") only
         return FlakyDetokenizer() if prompt_ids[-1] == ord("i") else CharDetokenizer()
 

@@ -100,14 +100,18 @@ def _raising_for(request_id: int, run):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[4]], ids=_name)
 @pytest.mark.parametrize("layer", ["attention", "expert"])
-def test_a_failing_layer_fails_its_batch_and_the_group_serves_on(tiny_checkpoint, prompts_and_reference, cfg, layer):
+def test_a_failing_layer_fails_its_batch_and_the_group_serves_on(
+    tiny_checkpoint, prompts_and_reference, cfg, layer
+):
     """A layer that raises ends the requests of its batch with "error" (freeing their KV); every device stays in
     the lock-step group, and requests after it get the reference tokens."""
     prompts, reference = prompts_and_reference
     with SyncCluster(tiny_checkpoint, timeout_s=10, **cfg) as cluster:
         bad_id = 1  # the cluster numbers requests from 1
         if layer == "attention":
-            compute = cluster.attention[0].attention.compute  # inside the executor, which catches what it raises
+            compute = cluster.attention[
+                0
+            ].attention.compute  # inside the executor, which catches what it raises
             compute.attend = _raising_for(bad_id, compute.attend)
         else:
             device = next(d for d in cluster.devices if d.experts is not None)

@@ -72,10 +72,16 @@ def test_frames_that_are_no_message_or_come_from_the_wrong_socket_are_dropped(ba
     frames = [
         [b"rt1"],
         [b"rt1", b"\x02garbage"],
-        [b"rt0", wire.encode(wire.Heartbeat(1, report(1, "expert")))],  # runtime 1's message on runtime 0's socket
+        [
+            b"rt0",
+            wire.encode(wire.Heartbeat(1, report(1, "expert"))),
+        ],  # runtime 1's message on runtime 0's socket
         [b"rt7", wire.encode(wire.Heartbeat(7, report(7, "expert")))],  # no runtime 7
         [b"rt1", wire.encode(wire.Shutdown())],  # a command, not a runtime's message
-        [b"rt1", wire.encode(wire.Hello(1, "attention", 7, "ipc://x", 0, 8, 8))],  # says hello in another role
+        [
+            b"rt1",
+            wire.encode(wire.Hello(1, "attention", 7, "ipc://x", 0, 8, 8)),
+        ],  # says hello in another role
     ]
     for f in frames:
         cluster.receive(f)

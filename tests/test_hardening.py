@@ -319,7 +319,14 @@ def test_a_request_past_its_deadline_ends_and_an_unconfirmed_abort_stops_holding
     504 at its 2 s deadline, and its abort cannot be confirmed — the coordinator holds its blocks back (the load
     balancer's view, exported as amoe_kv_total_blocks) for twice the 1 s abort timeout, then lets them go. When the
     runtime wakes, it frees them too and serves on."""
-    flags = ["--server-request-timeout-s", "2", "--server-abort-timeout-s", "1", "--transport-timeout-s", "60"]
+    flags = [
+        "--server-request-timeout-s",
+        "2",
+        "--server-abort-timeout-s",
+        "1",
+        "--transport-timeout-s",
+        "60",
+    ]
     srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY})
     with srv as url:
         kv_total = lambda: total(metrics(url), "amoe_kv_total_blocks", rank="0")  # noqa: E731

@@ -69,7 +69,9 @@ class Exchanger:
     peer stops the loop instead of hanging it. Messages to this rank itself skip the communicator.
     """
 
-    def __init__(self, comm: core.Communicator, rank: int, timeout_s: float = 10.0, stats: Any = None) -> None:
+    def __init__(
+        self, comm: core.Communicator, rank: int, timeout_s: float = 10.0, stats: Any = None
+    ) -> None:
         """`stats`: the device's SyncStats, which also count the dropped messages (for the runtime report)."""
         self.comm = comm
         self.rank = rank
@@ -142,7 +144,6 @@ class Exchanger:
             )
             return
         got[parcel.src] = parcel
-
 
     def _drop(self) -> None:
         self.num_dropped += 1

@@ -66,7 +66,10 @@ def serve_experts(
         outputs = run_experts(executor, tag.block, parcels, hidden, stats)
     except Exception:  # noqa: BLE001 - one bad batch fails its own requests, never the group
         logger.exception("[sync] experts of block %d failed %s", tag.block, tag)
-        outputs, flags = {src: frame(p.num_rows, torch.zeros(0, hidden)).zero_() for src, p in parcels.items()}, FAILED
+        outputs, flags = (
+            {src: frame(p.num_rows, torch.zeros(0, hidden)).zero_() for src, p in parcels.items()},
+            FAILED,
+        )
     back = Tag(tag.iteration, tag.block, COMBINE, tag.micro)
     for src, body in outputs.items():
         ex.send(src, back, framed=body, flags=flags)
