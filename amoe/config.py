@@ -164,9 +164,11 @@ class ServerSection:
     max_body_bytes: int = 16 * 1024 * 1024  # a bigger request body gets 413 before it is parsed
     request_timeout_s: float = 3600.0  # a request's deadline, queueing included: then it ends with an error
     stall_timeout_s: float = 60.0  # a running request that produces no token for this long ends with an error
-    abort_timeout_s: float = (
-        30.0  # an abort no runtime confirms frees the request's KV after this long anyway
-    )
+    abort_timeout_s: float = 30.0  # an abort no runtime confirms frees the request's KV after this anyway
+    # Self-healing (aep): a lost runtime is replaced at most max_restarts times in any restart_window_s; past
+    # that the server drains and exits non-zero. 0: no replacement (fail-stop).
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
     served_model_name: str | None = None  # None: the model directory's name
     drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
@@ -177,8 +179,16 @@ class ServerSection:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535]; got {self.port}")
         _positive("server.max_waiting", self.max_waiting)
-        for name in ("max_body_bytes", "request_timeout_s", "stall_timeout_s", "abort_timeout_s"):
+        for name in (
+            "max_body_bytes",
+            "request_timeout_s",
+            "stall_timeout_s",
+            "abort_timeout_s",
+            "restart_window_s",
+        ):
             _positive(f"server.{name}", getattr(self, name))
+        if self.max_restarts < 0:
+            raise ConfigError(f"server.max_restarts must be >= 0; got {self.max_restarts}")
         if self.api_key is not None and self.api_key_file is not None:
             raise ConfigError("give server.api_key or server.api_key_file, not both")
         if self.served_model_name is not None and not self.served_model_name.strip():

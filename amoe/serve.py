@@ -27,9 +27,11 @@ _BACKSTOP_S = (
 
 
 def main(config: AmoeConfig) -> int:
-    """Serve until SIGINT/SIGTERM, then drain and return 0."""
-    asyncio.run(AmoeServer(config).run())
-    return 0
+    """Serve until SIGINT/SIGTERM, then drain and return 0; 1 if the cluster could not recover from a loss (an
+    orchestrator restarts the server then, as it would vLLM's)."""
+    server = AmoeServer(config)
+    asyncio.run(server.run())
+    return server.exit_code
 
 
 class AmoeServer:
@@ -40,6 +42,7 @@ class AmoeServer:
         self.backend: Backend | None = None
         self.url: str | None = None
         self.started = threading.Event()  # set once the URL is live (tests wait on it)
+        self.exit_code = 0
         self._uvicorn: _UvicornServer | None = None
 
     async def run(self) -> None:
@@ -73,6 +76,12 @@ class AmoeServer:
             logger.info("stopping the backend")
             await backend.shutdown()
             logger.info("stopped")
+
+    def _cluster_died(self, reason: str) -> None:
+        """The cluster lost a runtime it could not replace: drain what is left, then exit non-zero."""
+        logger.error("the cluster cannot recover (%s); draining and exiting", reason)
+        self.exit_code = 1
+        self.request_exit()
 
     def request_exit(self) -> None:
         """Begin the draining shutdown, from any thread (what SIGTERM does)."""
@@ -120,7 +129,7 @@ class AmoeServer:
             ex.profile or model_dir, layout, par.mode, executor, self.config.transport.plane,
             self.config.scheduler.policy,
         )  # fmt: skip
-        backend = ClusterBackend(self.config, model_dir)
+        backend = ClusterBackend(self.config, model_dir, on_dead=self._cluster_died)
         self.backend = backend
         await backend.start()
         return backend, backend.max_model_len, backend.vocab_size

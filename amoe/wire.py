@@ -5,7 +5,7 @@ message's one-byte type tag (msgspec tagged union, array-like structs). Never pi
 on anything else (garbage, a truncated frame, an unknown tag, another version); receivers count it, log it and go
 on — malformed input is never fatal.
 
-Coordinator → runtime: Welcome, AddRequest, Abort, Shutdown. Runtime → coordinator: Hello, Ready, Failed,
+Coordinator → runtime: Welcome, AddRequest, Abort, Shutdown, Reconnect. Runtime → coordinator: Hello, Ready, Failed,
 Heartbeat, TokenOut. Token tensors never travel here: they go runtime to runtime over the communicator.
 """
 
@@ -123,6 +123,9 @@ class AddRequest(_Msg, tag=17):
     request_id: RequestId
     prompt: list[TokenId]
     params: WireSampling
+    # A request moved from a lost attention runtime: the last num_generated prompt tokens are its own output so
+    # far (recomputed here), so a seeded sampler resumes its draws where it stopped.
+    num_generated: Count = 0
 
 
 class Abort(_Msg, tag=18):
@@ -133,7 +136,15 @@ class Shutdown(_Msg, tag=19):
     """Stop the loop and the engine, then exit 0."""
 
 
-Message = Hello | Ready | Failed | Heartbeat | TokenOut | Welcome | AddRequest | Abort | Shutdown
+class Reconnect(_Msg, tag=20):
+    """Runtime `runtime` was replaced by a new process at `endpoint`: send there from now on (and ask it again for
+    what the old one never answered)."""
+
+    runtime: RuntimeId
+    endpoint: Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]
+
+
+Message = Hello | Ready | Failed | Heartbeat | TokenOut | Welcome | AddRequest | Abort | Shutdown | Reconnect
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -227,6 +238,7 @@ class BatchRows(_Report):
 
 class CommReport(_Report):
     dropped: dict[str, Count] = {}
+    rejected_handshakes: Count = 0
     failed_peers: list[RuntimeId] = []
     departed_peers: list[RuntimeId] = []
 
@@ -248,6 +260,9 @@ class RuntimeReport(_Report):
     tokens_out: Count = 0
     messages_out: Count = 0
     errors: Count = 0
+    resent_rows: Count = 0
+    expected_parts: Count = 0
+    tracked_requests: Count = 0
     kv_used_blocks: Count = 0
     kv_total_blocks: Count = 0
     depth: list[LayerValue] = []

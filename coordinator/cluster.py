@@ -1,29 +1,32 @@
-"""Cluster manager: spawns the runtime processes of the placement, wires them (control ROUTER, peer table, a
-FileStore in the private run directory for gloo / nccl), tracks their heartbeats and stats, notices a runtime that died, and stops them all.
+"""Cluster manager: starts the runtimes of the placement (through a launcher), wires them (control ROUTER, peer
+table), tracks their heartbeats and stats, and replaces a runtime that died or stopped making progress; stops them
+all at the end.
 
-Everything runs on the API's asyncio event loop: one ROUTER socket (zmq.asyncio), a reader task that decodes
-runtime messages, and a watchdog task that polls each process and its heartbeat age. Runtimes are started in
-parallel (each imports torch and loads its weights) from the event loop's thread, which lives as long as they do:
-their PR_SET_PDEATHSIG is tied to the thread that forked them.
+Everything runs on the API's asyncio event loop: one ROUTER socket (zmq.asyncio), a reader task that checks and
+handles runtime messages, and a watchdog task that polls each process, its heartbeat age and its loop's progress.
+
+Self-healing (`--parallel aep`, docs/serve.md "Self-healing"): a lost runtime is killed if still there and started
+again in the same role with the same experts or DP rank; when it says Hello it gets the peer table, and every
+survivor is told its new endpoint (Reconnect), so nobody else restarts. Attention survivors then ask it again for
+the expert outputs the old process never answered; the backend re-admits a lost attention rank's requests once the
+replacement is Ready. Past `server.max_restarts` in `server.restart_window_s` (or in a synchronous mode, whose
+devices cannot rejoin a running group) the cluster fails instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import logging
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -32,15 +35,31 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
 from amoe.placement import runtime_roles
+from coordinator.launcher import LocalLauncher, exit_text
 
 logger = logging.getLogger(__name__)
 
 _WATCH_S = 0.1  # how often processes are polled: a killed runtime is noticed within this
 
 
+class ClusterEvents(Protocol):
+    """What the cluster tells its backend (all on the event loop)."""
+
+    def on_tokens(self, msg: wire.TokenOut) -> None: ...
+
+    def on_lost(self, runtime: RuntimeProc, reason: str) -> None:
+        """A runtime is gone and being replaced."""
+
+    def on_rejoined(self, runtime: RuntimeProc) -> None:
+        """Its replacement is connected and serving."""
+
+    def on_death(self, reason: str) -> None:
+        """The cluster cannot serve any more."""
+
+
 @dataclass
 class RuntimeProc:
-    """One runtime process as the coordinator sees it."""
+    """One runtime (its current process) as the coordinator sees it."""
 
     id: int
     role: str  # "attention" | "expert"
@@ -55,6 +74,9 @@ class RuntimeProc:
     polls: int = 0  # the loop thread's progress counter, from heartbeats
     progressed: float = field(default_factory=time.monotonic)  # when it last moved (the loop is alive)
     stats: dict[str, Any] | None = None
+    lost: str | None = None  # why it is being replaced (None: it is not)
+    lost_at: float = 0.0
+    restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -67,11 +89,30 @@ class RuntimeProc:
             "role": self.role,
             "pid": self.proc.pid,
             "alive": code is None,
-            "exit": None if code is None else _exit_text(code),
+            "exit": None if code is None else exit_text(code),
             "ready": self.ready,
+            "restarts": self.restarts,
+            "replacing": self.lost,
             "heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
             "loop_progress_age_s": round(time.monotonic() - self.progressed, 3),
         }
+
+
+class RestartBudget:
+    """At most `limit` restarts in any `window_s` seconds."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit, self.window_s = limit, window_s
+        self._times: collections.deque[float] = collections.deque()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
 
 
 class ClusterManager:
@@ -81,8 +122,7 @@ class ClusterManager:
         self,
         config: AmoeConfig,
         model_dir: str | Path,
-        on_tokens: Callable[[wire.TokenOut], None],
-        on_death: Callable[[str], None],
+        events: ClusterEvents,
         *,
         control_bind: str = "ipc",
         startup_timeout_s: float = 300.0,
@@ -91,18 +131,24 @@ class ClusterManager:
         self.model_dir = str(model_dir)
         # aep / pingpong: A attention + M expert runtimes; ep: N runtimes that each take requests and host experts.
         self.roles = list(runtime_roles(config.parallel))
-        self._on_tokens = on_tokens
-        self._on_death = on_death
+        self._events = events
         self._control_bind = control_bind
         self._startup_timeout_s = startup_timeout_s
         # A dead runtime stops beating; process exit is noticed sooner by polling.
         self._heartbeat_timeout_s = max(config.transport.timeout_s, 5.0)
+        # Only an AEP runtime can rejoin a running cluster: a synchronous group has no place for a newcomer.
+        self._heals = config.parallel.mode == "aep" and config.transport.plane == "inline"
+        self._budget = RestartBudget(config.server.max_restarts, config.server.restart_window_s)
         self.runtimes: list[RuntimeProc] = []
         self.failure: str | None = None
         self.num_dropped = 0
+        self.recoveries: list[float] = []  # seconds from each loss to its replacement serving
+        self._launcher: LocalLauncher | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._tmpdir: str | None = None  # the private run directory (0700): control socket, rendezvous file
+        self._tmpdir: str | None = (
+            None  # the private run directory (0700): control socket, data sockets, rendezvous
+        )
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._started = False
@@ -111,18 +157,23 @@ class ClusterManager:
     def attn_runtimes(self) -> list[RuntimeProc]:
         return [r for r in self.runtimes if r.role == "attention"]
 
+    @property
+    def replacing(self) -> list[RuntimeProc]:
+        return [r for r in self.runtimes if r.lost is not None]
+
     # ---- start-up
 
     async def start(self) -> None:
         """Spawn, wire and wait for every runtime; on any failure stop them all and raise one clear AmoeError."""
         atexit.register(self.kill_all)
         try:
-            endpoint = self._bind()
+            self._launcher = self._bind()
             self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
             logger.info("starting %d %s runtimes (%d attention, %d expert)", len(self.roles),
                         self.config.parallel.mode, self.roles.count("attention"),
                         self.roles.count("expert"))  # fmt: skip
-            self._spawn_all(endpoint)
+            for runtime, role in enumerate(self.roles):
+                self.runtimes.append(RuntimeProc(runtime, role, self._launcher.spawn(runtime, role)))
             await self._wait_for(lambda r: r.endpoint is not None, "load its weights")
             self.broadcast(wire.Welcome([r.endpoint for r in self.runtimes]))
             await self._wait_for(lambda r: r.ready, "connect to its peers")
@@ -132,42 +183,26 @@ class ClusterManager:
         self._started = True
         logger.info("all %d runtimes up", len(self.runtimes))
 
-    def _bind(self) -> str:
+    def _bind(self) -> LocalLauncher:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement takes over its runtime's identity
         self._tmpdir = tempfile.mkdtemp(prefix="amoe-")  # private (0700): only this user's processes
         if self._control_bind == "ipc":
-            endpoint = f"ipc://{self._tmpdir}/control"
+            endpoint, tcp_host = f"ipc://{self._tmpdir}/control", None
             self._sock.bind(endpoint)
         else:
             host = self._control_bind.removeprefix("tcp://").rsplit(":", 1)[0]
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-            endpoint = f"tcp://{host}:{port}"
+            endpoint, tcp_host = f"tcp://{host}:{port}", f"tcp://{host}"
         logger.debug("control plane on %s", endpoint)
-        return endpoint
+        return LocalLauncher(
+            self.config, self.model_dir, self._tmpdir, endpoint, tcp_host=tcp_host,
+            startup_timeout_s=self._startup_timeout_s,
+        )  # fmt: skip
 
-    def _spawn_all(self, endpoint: str) -> None:
-        tcp_host = self._control_bind.rsplit(":", 1)[0]
-        # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
-        # the network for it and the coordinator needs no torch.
-        store = os.path.join(self._tmpdir, "rendezvous") if self.config.transport.plane != "inline" else None
-        for runtime, role in enumerate(self.roles):
-            spec = wire.WorkerSpec(
-                runtime=runtime, role=role, coordinator=endpoint, model_dir=self.model_dir,
-                config=self.config.to_dict(), parent_pid=os.getpid(), store_path=store,
-                # ipc sockets live in the private run directory: only this user's processes can reach them
-                data_bind=f"ipc://{self._tmpdir}/rt{runtime}.data" if self._control_bind == "ipc" else f"{tcp_host}:0",
-                startup_timeout_s=self._startup_timeout_s,
-            )  # fmt: skip
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "amoe.runtime.worker"], stdin=subprocess.PIPE, close_fds=True
-            )
-            proc.stdin.write(wire.encode_spec(spec))  # a few kB: fits the pipe buffer, never blocks
-            proc.stdin.close()
-            self.runtimes.append(RuntimeProc(runtime, role, proc))
-
-    async def _wait_for(self, done: Callable[[RuntimeProc], bool], what: str) -> None:
+    async def _wait_for(self, done, what: str) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
         while not all(done(r) for r in self.runtimes):
             if self.failure is not None:
@@ -212,7 +247,7 @@ class ClusterManager:
             raise wire.WireError(f"{len(frames)} frames, expected the identity and one message")
         identity = frames[0].decode("ascii", "replace").removesuffix(".out")
         msg = wire.decode(frames[1])
-        if isinstance(msg, (wire.Welcome, wire.AddRequest, wire.Abort, wire.Shutdown)):
+        if isinstance(msg, (wire.Welcome, wire.AddRequest, wire.Abort, wire.Shutdown, wire.Reconnect)):
             raise wire.WireError(f"a {type(msg).__name__} is no runtime's message")
         if identity != f"rt{msg.runtime}" or not 0 <= msg.runtime < len(self.runtimes):
             raise wire.WireError(f"a message of runtime {msg.runtime} on socket {frames[0]!r}")
@@ -234,24 +269,37 @@ class ClusterManager:
         if isinstance(msg, wire.TokenOut):
             if runtime.role == "attention":
                 runtime.kv_free = min(msg.kv_free_blocks, runtime.num_kv_blocks)
-            self._on_tokens(msg)
+            self._events.on_tokens(msg)
         elif isinstance(msg, wire.Heartbeat):
             self._beat(runtime, msg.stats)
         elif isinstance(msg, wire.Hello):
-            runtime.endpoint, runtime.num_kv_blocks, runtime.kv_free = (
-                msg.endpoint,
-                msg.num_kv_blocks,
-                msg.num_kv_blocks,
-            )
-            runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
+            self._hello(runtime, msg)
+        elif isinstance(msg, wire.Ready):
+            runtime.ready, runtime.progressed = True, time.monotonic()  # its loop starts now
+            if runtime.lost is not None:
+                self._rejoined(runtime)
+        elif isinstance(msg, wire.Failed):
+            self._lost(runtime, f"{runtime.name} failed: {msg.error}")
+
+    def _hello(self, runtime: RuntimeProc, msg: wire.Hello) -> None:
+        runtime.endpoint, runtime.num_kv_blocks, runtime.kv_free = (
+            msg.endpoint,
+            msg.num_kv_blocks,
+            msg.num_kv_blocks,
+        )
+        runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
+        if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
             logger.info(
                 "%s loaded its weights (pid %d) [%d/%d]", runtime.name, msg.pid, loaded, len(self.runtimes)
             )
-        elif isinstance(msg, wire.Ready):
-            runtime.ready, runtime.progressed = True, time.monotonic()  # its loop starts now
-        elif isinstance(msg, wire.Failed):
-            self._fail(f"{runtime.name} failed: {msg.error}")
+            return
+        # A replacement: it gets the peer table; the survivors, its new endpoint.
+        logger.info("%s's replacement (pid %d) loaded its weights", runtime.name, msg.pid)
+        self.send(runtime.id, wire.Welcome([r.endpoint for r in self.runtimes]))
+        for other in self.runtimes:
+            if other is not runtime:
+                self.send(other.id, wire.Reconnect(runtime.id, msg.endpoint))
 
     def _beat(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
         """A heartbeat's report: stats for /metrics, KV in use, the loop's progress, and peers it lost."""
@@ -261,30 +309,68 @@ class ClusterManager:
         polls = stats.get("polls", 0)
         if polls != runtime.polls:
             runtime.polls, runtime.progressed = polls, time.monotonic()
-        lost = (stats.get("comm") or {}).get("failed_peers") or []
-        if lost and runtime.ready:
-            names = ", ".join(self.runtimes[p].name for p in lost if p < len(self.runtimes))
-            self._fail(f"{runtime.name} lost its data link to {names}")
+        for peer in (stats.get("comm") or {}).get("failed_peers") or []:
+            if runtime.ready and peer < len(self.runtimes) and self.runtimes[peer].lost is None:
+                self._lost(
+                    self.runtimes[peer], f"{runtime.name} lost its data link to {self.runtimes[peer].name}"
+                )
 
-    # ---- death
+    # ---- loss and replacement
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(_WATCH_S)
-            if self._stopping:
+            if self._stopping or self.failure is not None:
                 continue
             now = time.monotonic()
             for r in self.runtimes:
                 code = r.proc.poll()
                 if code is not None:
-                    self._fail(f"{r.name} (pid {r.proc.pid}) {_exit_text(code)}")
+                    self._lost(r, f"{r.name} (pid {r.proc.pid}) {exit_text(code)}")
+                elif r.lost is not None:
+                    if now - r.lost_at > self._startup_timeout_s:
+                        self._lost(
+                            r, f"{r.name}'s replacement did not start within {self._startup_timeout_s:.0f} s"
+                        )
                 elif r.ready and now - r.last_seen > self._heartbeat_timeout_s:
-                    self._fail(f"{r.name} (pid {r.proc.pid}) sent nothing for {now - r.last_seen:.1f} s")
+                    self._lost(r, f"{r.name} (pid {r.proc.pid}) sent nothing for {now - r.last_seen:.1f} s")
                 elif r.ready and now - r.progressed > self._heartbeat_timeout_s:
                     # Heartbeats come from the control thread; only the loop's own counter shows it still runs.
-                    self._fail(
-                        f"{r.name} (pid {r.proc.pid}): its loop made no progress for {now - r.progressed:.1f} s"
+                    self._lost(
+                        r,
+                        f"{r.name} (pid {r.proc.pid}): its loop made no progress for {now - r.progressed:.1f} s",
                     )
+
+    def _lost(self, runtime: RuntimeProc, reason: str) -> None:
+        """A runtime died, stopped or failed: replace it while the budget lasts, else the cluster fails."""
+        if self.failure is not None or self._stopping:
+            return
+        if not self._started or not self._heals or not self._budget.take():
+            if runtime.proc.poll() is None:
+                runtime.proc.kill()  # lost for good: a stopped or wedged process would not stop when asked
+            if self._started and self._heals:
+                reason += f"; no restart left ({self._budget.limit} in {self._budget.window_s:g} s already)"
+            return self._fail(reason)
+        logger.warning("%s: replacing it", reason)
+        first = runtime.lost is None
+        runtime.lost, runtime.lost_at = reason, runtime.lost_at if not first else time.monotonic()
+        runtime.ready, runtime.stats = False, None
+        if runtime.proc.poll() is None:
+            runtime.proc.kill()  # a stopped (SIGSTOP) or wedged process too: SIGKILL needs no cooperation
+        _reap_later(runtime.proc)
+        runtime.proc = self._launcher.spawn(runtime.id, runtime.role)
+        runtime.last_seen = runtime.progressed = time.monotonic()
+        runtime.polls = 0
+        if first:
+            self._events.on_lost(runtime, reason)
+
+    def _rejoined(self, runtime: RuntimeProc) -> None:
+        seconds = time.monotonic() - runtime.lost_at
+        logger.info("%s is back (pid %d) after %.1f s", runtime.name, runtime.proc.pid, seconds)
+        runtime.lost = None
+        runtime.restarts += 1
+        self.recoveries.append(seconds)
+        self._events.on_rejoined(runtime)
 
     def _fail(self, reason: str) -> None:
         if self.failure is not None or self._stopping:
@@ -292,7 +378,7 @@ class ClusterManager:
         self.failure = reason
         # During start-up `amoe serve` reports it as its one error line; afterwards the log is the report.
         logger.log(logging.ERROR if self._started else logging.DEBUG, "%s", reason)
-        self._on_death(reason)
+        self._events.on_death(reason)
 
     # ---- shutdown
 
@@ -333,9 +419,7 @@ class ClusterManager:
             self._tmpdir = None
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+def _reap_later(proc: subprocess.Popen) -> None:
+    """Wait for a killed process off the event loop, so it leaves no zombie."""
+    if proc.poll() is None:
+        asyncio.get_running_loop().run_in_executor(None, proc.wait)

@@ -10,6 +10,13 @@ socket is a zmq.asyncio one), so no locks here.
 KV accounting: an attention runtime frees an aborted request's blocks only when its token next reaches the head
 (its rows in flight would otherwise write into freed slots). Until the runtime confirms, the blocks are held back
 from the total reported to the load balancer, so admission never over-commits a rank.
+
+Self-healing: the backend keeps each running request's prompt, sampling parameters and tokens so far. When its
+attention runtime is lost, the request waits ("moving") and, once the replacement serves, is admitted there again
+with prompt + tokens so far (recomputed, as vLLM's preemption does): its stream pauses instead of failing, and
+greedy output is the same. A lost expert runtime needs nothing here: the attention runtimes ask its replacement
+again for what it never answered. `/health` says "degraded" (HTTP 200, with the reason) while a runtime is being
+replaced.
 """
 
 from __future__ import annotations
@@ -17,17 +24,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError, RequestFailed
 from amoe.request_rules import SeedSource
 from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.cluster import ClusterManager
+from coordinator.cluster import ClusterManager, RuntimeProc
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +46,28 @@ class _Stream:
     rank: int
     num_kv_blocks: int  # what the load balancer reserved for it
     queue: asyncio.Queue
+    prompt: list[int] = field(default_factory=list)
+    params: wire.WireSampling | None = None  # as first sent: its seed is the one the request samples with
+    generated: list[int] = field(default_factory=list)  # tokens so far
+    moving: bool = False  # its attention runtime is being replaced: it is admitted there again once it serves
 
 
 class ClusterBackend(Backend):
     """Attention DP ranks 0..A-1 are attention runtimes 0..A-1; experts live on runtimes A..A+M-1 (aep,
     pingpong) or beside attention on every runtime (ep)."""
 
-    def __init__(self, config: AmoeConfig, model_dir: str | Path, *, control_bind: str = "ipc") -> None:
+    def __init__(
+        self,
+        config: AmoeConfig,
+        model_dir: str | Path,
+        *,
+        control_bind: str = "ipc",
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
-        self.cluster = ClusterManager(
-            config, model_dir, self._on_tokens, self._on_death, control_bind=control_bind
-        )
+        self.cluster = ClusterManager(config, model_dir, self, control_bind=control_bind)
+        self._on_dead = on_dead  # told when the cluster cannot recover (`amoe serve` then drains and exits)
+        self.readmitted = 0  # requests admitted again after their attention runtime was lost
         self._status = "created"
         self._streams: dict[int, _Stream] = {}  # request id → stream of a running request
         # request id → (rank, blocks, deadline): blocks held back until the rank frees them, or the deadline passes
@@ -63,6 +83,11 @@ class ClusterBackend(Backend):
     def max_model_len(self) -> int:
         """Tokens a request may reach on every attention rank (as the runtimes reported it)."""
         return min(r.max_model_len for r in self.cluster.attn_runtimes)
+
+    @property
+    def recoveries(self) -> list[float]:
+        """Seconds from each runtime loss to its replacement serving (for /metrics)."""
+        return self.cluster.recoveries
 
     @property
     def control_dropped(self) -> int:
@@ -105,14 +130,14 @@ class ClusterBackend(Backend):
             raise RequestError(f"request id {request_id} is already in use")
         blocks = -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
         params = wire.to_wire_sampling(sampling_params, self._seeds.resolve(sampling_params))
-        message = wire.AddRequest(request_id, list(prompt_token_ids), params)
-        stream = _Stream(rank, blocks, asyncio.Queue())
+        stream = _Stream(rank, blocks, asyncio.Queue(), list(prompt_token_ids), params)
+        message = wire.AddRequest(request_id, stream.prompt, params)  # encodable, or it raises here
+        wire.encode(message)
         self._streams[request_id] = stream
-        try:
+        if self.cluster.attn_runtimes[rank].lost is None:
             self.cluster.send(self.cluster.attn_runtimes[rank].id, message)
-        except BaseException:  # nothing was sent: nothing to abort, and no stream entry may be left behind
-            del self._streams[request_id]
-            raise
+        else:  # its rank is being replaced: it starts there once the replacement serves
+            stream.moving = True
         finished = False
         try:
             while not finished:
@@ -130,7 +155,8 @@ class ClusterBackend(Backend):
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        self._abort_at_rank(request_id, stream)
+        if not stream.moving:  # a moving request holds nothing anywhere
+            self._abort_at_rank(request_id, stream)
         stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
 
     def _abort_at_rank(self, request_id: int, stream: _Stream) -> None:
@@ -141,7 +167,9 @@ class ClusterBackend(Backend):
         self._aborting[request_id] = (stream.rank, stream.num_kv_blocks, deadline)
         self.cluster.send(self._runtime_of(stream), wire.Abort(request_id))
 
-    def _on_tokens(self, msg: wire.TokenOut) -> None:
+    # ---- what the cluster tells us (ClusterEvents)
+
+    def on_tokens(self, msg: wire.TokenOut) -> None:
         for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
             stream = self._streams.get(request_id)
             rank = stream.rank if stream is not None else self._aborting.get(request_id, (None,))[0]
@@ -155,8 +183,9 @@ class ClusterBackend(Backend):
                 continue
             if reason is not None and from_rank:
                 self._aborting.pop(request_id, None)  # its own attention rank ended it: the KV is free there
-            if stream is None:
-                continue  # aborted meanwhile
+            if stream is None or stream.moving:
+                continue  # aborted meanwhile, or a lost runtime's last words (its request starts over elsewhere)
+            stream.generated += tokens
             if reason is not None:
                 del self._streams[request_id]
             if reason == "rejected":  # the runtime found the request itself invalid
@@ -173,16 +202,46 @@ class ClusterBackend(Backend):
     def _runtime_of(self, stream: _Stream) -> int:
         return self.cluster.attn_runtimes[stream.rank].id
 
-    def _on_death(self, reason: str) -> None:
+    def on_lost(self, runtime: RuntimeProc, reason: str) -> None:
+        """A runtime is being replaced. An attention runtime's requests wait to move; its KV is gone."""
+        if runtime.role != "attention":
+            return
+        rank = self.cluster.attn_runtimes.index(runtime)
+        for stream in self._streams.values():
+            if stream.rank == rank:
+                stream.moving = True
+        for request_id in [r for r, (held_rank, _, _) in self._aborting.items() if held_rank == rank]:
+            del self._aborting[request_id]
+
+    def on_rejoined(self, runtime: RuntimeProc) -> None:
+        """Its replacement serves: the requests that waited start there again from their tokens so far."""
+        if runtime.role != "attention":
+            return
+        rank = self.cluster.attn_runtimes.index(runtime)
+        for request_id, stream in self._streams.items():
+            if stream.rank == rank and stream.moving:
+                stream.moving = False
+                self.readmitted += 1
+                self.cluster.send(runtime.id, self._readmission(request_id, stream))
+
+    def _readmission(self, request_id: int, stream: _Stream) -> wire.AddRequest:
+        """Prompt + tokens so far, for what is left of max_tokens; a seeded sampler skips the draws taken."""
+        n = len(stream.generated)
+        params = msgspec.structs.replace(stream.params, max_tokens=stream.params.max_tokens - n)
+        return wire.AddRequest(request_id, stream.prompt + stream.generated, params, num_generated=n)
+
+    def on_death(self, reason: str) -> None:
         self._status = "dead"
-        error = EngineDeadError(f"the cluster lost a runtime: {reason}")
+        error = EngineDeadError(f"the cluster cannot serve: {reason}")
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
         self._streams.clear()
+        if self._on_dead is not None:
+            self._on_dead(reason)
 
     def _check_alive(self) -> None:
         if self._status == "dead":
-            raise EngineDeadError(f"the cluster lost a runtime: {self.cluster.failure}")
+            raise EngineDeadError(f"the cluster cannot serve: {self.cluster.failure}")
         if self._status != "ok":
             raise EngineDeadError(f"the cluster is not serving (status: {self._status})")
 
@@ -206,8 +265,16 @@ class ClusterBackend(Backend):
             logger.warning("request %d: its abort was never confirmed; releasing its KV blocks", request_id)
             del self._aborting[request_id]
 
+    @property
+    def status(self) -> str:
+        if self._status == "ok" and self.cluster.replacing:
+            return "degraded"
+        return self._status
+
     def health(self) -> dict[str, Any]:
-        report: dict[str, Any] = {"status": self._status, "mode": self.config.parallel.mode}
+        report: dict[str, Any] = {"status": self.status, "mode": self.config.parallel.mode}
+        if self.status == "degraded":
+            report["reason"] = "; ".join(f"replacing {r.name}: {r.lost}" for r in self.cluster.replacing)
         ex = self.config.executor
         if ex.kind == "emulated":  # so a benchmark can turn wall time into emulated time (÷ time_scale)
             report["executor"] = {

@@ -54,7 +54,14 @@ RUNTIME_COUNTERS = (
     ("amoe_runtime_sent_tokens", "tokens_out", "Rows sent by the dispatcher"),
     ("amoe_runtime_sent_messages", "messages_out", "Messages sent by the dispatcher"),
     ("amoe_runtime_engine_errors", "errors", "Exceptions caught on the engine's C++ threads"),
+    (
+        "amoe_runtime_resent_rows",
+        "resent_rows",
+        "Rows an attention runtime sent to the experts again (a replaced expert runtime, or lost answers)",
+    ),
 )
+# Seconds from a runtime's loss to its replacement serving (self-healing).
+RECOVERY_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 60, 120)
 COMM_COUNTERS = (
     ("amoe_comm_sent_bytes", "bytes_out", "Bytes sent to other runtimes"),
     ("amoe_comm_received_bytes", "bytes_in", "Bytes received from other runtimes"),
@@ -63,6 +70,11 @@ COMM_COUNTERS = (
     ("amoe_comm_timeouts", "timeouts", "Transfers not done within transport.timeout_s"),
     ("amoe_comm_delayed_messages", "delayed_messages", "Messages held by an emulated link"),
     ("amoe_comm_link_delay_seconds", "delay_s", "Wall seconds messages were held by emulated links"),
+    (
+        "amoe_comm_rejected_handshakes",
+        "rejected_handshakes",
+        "Connections refused before any frame: no CURVE, or not the cluster's keys",
+    ),
 )
 COMM_DROP_REASONS = ("garbage", "truncated", "version", "inconsistent")  # cpp/zmq_comm.h kDropNames
 
@@ -253,6 +265,11 @@ class RuntimeCollector:
             fam.kv_used.add_metric([str(rank)], kv.total_blocks - kv.free_blocks)
             fam.kv_total.add_metric([str(rank)], kv.total_blocks)
         fam.control_dropped.add_metric([], getattr(self._backend, "control_dropped", 0))
+        fam.readmitted.add_metric([], getattr(self._backend, "readmitted", 0))
+        recoveries = list(getattr(self._backend, "recoveries", ()))
+        bounds = [*(str(float(b)) for b in RECOVERY_BUCKETS), "+Inf"]
+        counts = [sum(1 for r in recoveries if r <= b) for b in RECOVERY_BUCKETS] + [len(recoveries)]
+        fam.recovery.add_metric([], list(zip(bounds, map(float, counts))), float(sum(recoveries)))
         return fam.all()
 
     def _add_report(self, fam: _Families, report: dict[str, Any]) -> None:
@@ -385,6 +402,13 @@ class _Families:
             "amoe_coordinator_control_dropped_messages",
             "Control-plane messages the coordinator dropped (malformed, out of range, or from the wrong socket)",
         )
+        self.readmitted = CounterMetricFamily(
+            "amoe_cluster_readmitted_requests",
+            "Requests admitted again (prompt + tokens so far) after their attention runtime was lost",
+        )
+        self.recovery = HistogramMetricFamily(
+            "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
+        )
         self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
         self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
 
@@ -392,7 +416,7 @@ class _Families:
         return [
             self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
-            self.routed, self.kv_used, self.kv_total, self.control_dropped,
+            self.routed, self.kv_used, self.kv_total, self.control_dropped, self.readmitted, self.recovery,
         ]  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 
 #include "dispatch.h"
 #include "errors.h"
@@ -290,11 +291,8 @@ void Engine::dispatch_attention(const Job& job) {
   const Batch& b = *job.batch;
   const int64_t n = b.num_rows();
   const int k = cfg_.top_k;
-  {
-    std::vector<RowMeta> keep(b.meta);
-    for (RowMeta& m : keep) m.layer = LayerId{kAttn, b.layer.block + 1, cfg_.attn_rank};
-    ingest(make_message(std::move(keep), job.residual));
-  }
+  std::vector<RowMeta> keep(b.meta);
+  for (RowMeta& m : keep) m.layer = LayerId{kAttn, b.layer.block + 1, cfg_.attn_rank};
   auto ids = job.topk_ids.to(at::kCPU, at::kLong).contiguous();
   auto ws = job.topk_weights.to(at::kCPU, at::kFloat).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
@@ -316,7 +314,43 @@ void Engine::dispatch_attention(const Job& job) {
       src[j] = i;
     }
   }
+  {
+    // The residual waits here, and (tracking requests) each expert output it waits for is on record with
+    // what it takes to ask again, before any row leaves: an answer can never arrive unexpected.
+    std::lock_guard<std::mutex> lock(mu_);  // pool, queues and expectations are shared with the receptor
+    queues_.ingest(make_message(std::move(keep), job.residual));
+    if (cfg_.track_requests) {
+      const auto now = Clock::now();
+      for (int64_t j = 0; j < n * k; ++j) queues_.expect(rows[j], TensorRef{job.out, src[j]}, dest[j], now);
+    }
+  }
+  ready_cv_.notify_all();
   send_grouped(std::move(rows), src, dest, job.out);
+}
+
+int64_t Engine::resend(int runtime, double older_than_s) {
+  const auto cutoff =
+      Clock::now() - std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, older_than_s) * 1e6));
+  std::vector<Expected> due;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // the expectations are shared with the receptor
+    due = queues_.due(runtime, cutoff);
+  }
+  std::map<int, std::vector<const Expected*>> by_dest;
+  for (const Expected& e : due) by_dest[e.dest].push_back(&e);
+  for (auto& [dest, parts] : by_dest) {
+    const at::Tensor& first = parts.front()->input.t;
+    auto data = at::empty({static_cast<int64_t>(parts.size()), first.size(1)}, first.options());
+    std::vector<RowMeta> rows;
+    rows.reserve(parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      rows.push_back(parts[i]->sent);
+      data[static_cast<int64_t>(i)].copy_(parts[i]->input.t[parts[i]->input.row]);
+    }
+    comm_->send(dest, make_message(std::move(rows), data));
+  }
+  resent_.fetch_add(static_cast<int64_t>(due.size()), std::memory_order_relaxed);
+  return static_cast<int64_t>(due.size());
 }
 
 void Engine::send_grouped(std::vector<RowMeta>&& rows, const std::vector<int64_t>& src_rows,
@@ -354,6 +388,7 @@ EngineStats Engine::stats() {
     s.tokens_in = queues_.rows_in();
     s.drops = queues_.drops();
     s.tracked_requests = queues_.num_tracked();
+    s.expected_parts = queues_.num_expected();
     s.idle_s = static_cast<double>(idle_ns_) * 1e-9;
   }
   {
@@ -364,6 +399,7 @@ EngineStats Engine::stats() {
   s.messages_out = messages_out_.load(std::memory_order_relaxed);
   s.errors = errors_.load(std::memory_order_relaxed);
   s.polls = polls_.load(std::memory_order_relaxed);
+  s.resent_rows = resent_.load(std::memory_order_relaxed);
   return s;
 }
 

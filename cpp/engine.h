@@ -28,6 +28,8 @@ struct EngineStats {
   int64_t dispatch_pending = 0, errors = 0;
   int64_t tracked_requests = 0;  // requests held (track_requests)
   int64_t polls = 0;             // calls of next_batch(): the loop's progress
+  int64_t expected_parts = 0;    // expert outputs still awaited (track_requests)
+  int64_t resent_rows = 0;       // rows sent again to the experts
   DropCounts drops;
   double idle_s = 0;  // time next_batch() waited with nothing to run
 };
@@ -66,6 +68,10 @@ class Engine {
   // Requests that ended elsewhere (a failed batch, an abort that timed out): their later rows are dropped,
   // and with purge their parts and chunks still waiting here too.
   void forget(const at::Tensor& request_ids, bool purge);
+  // Asks again for the expert outputs this attention runtime still waits for, sent to `runtime` (any, when
+  // -1) at least `older_than_s` ago: after a replaced expert runtime joins, or when answers seem lost. Their
+  // late answers, if any, are dropped as duplicates. Returns the rows sent.
+  int64_t resend(int runtime, double older_than_s);
 
   EngineStats stats();
   const EngineConfig& config() const { return cfg_; }
@@ -110,6 +116,7 @@ class Engine {
   // thread goes on reporting, which is how the coordinator tells a stuck runtime from a slow one. Relaxed
   // counter.
   std::atomic<int64_t> polls_{0};
+  std::atomic<int64_t> resent_{0};  // rows sent again (resend); relaxed counter
 };
 
 }  // namespace amoe

@@ -145,6 +145,8 @@ py::dict stats_dict(const EngineStats& s) {
   d["errors"] = s.errors;
   d["tracked_requests"] = s.tracked_requests;
   d["polls"] = s.polls;
+  d["expected_parts"] = s.expected_parts;
+  d["resent_rows"] = s.resent_rows;
   d["dropped"] = drops;
   d["idle_s"] = s.idle_s;
   return d;
@@ -309,6 +311,10 @@ void register_engine(py::module_& m) {
       .def("forget", &Engine::forget, py::arg("request_ids"), py::arg("purge") = true,
            py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
            "Stops holding requests that ended elsewhere; with purge, drops their waiting parts and chunks.")
+      .def("resend", &Engine::resend, py::arg("runtime") = -1, py::arg("older_than_s") = 0.0,
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock and sends
+           "Asks again for the expert outputs still awaited from `runtime` (-1: any) sent at least "
+           "older_than_s ago; returns the rows sent.")
       .def(
           "stats",
           [](Engine& e) {

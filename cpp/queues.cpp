@@ -118,6 +118,11 @@ void LayerQueues::ingest_attention_row(int q, const RowMeta& m, const at::Tensor
     enqueue_chunk(q, std::move(c));
     return;
   }
+  if (cfg_.track_requests && m.slot > 0 &&
+      expected_.erase(ExpectKey{m.request_id, m.layer.block, m.position, m.slot}) == 0) {
+    ++drops_.duplicate;  // an expert output nobody waits for: the second answer to a resent row, or garbage
+    return;
+  }
   auto [it, inserted] = pool_.try_emplace(PoolKey{m.request_id, m.layer, m.chunk_start});
   Chunk& c = it->second;
   if (inserted) {
@@ -157,10 +162,32 @@ void LayerQueues::admit(uint64_t request_id) {
   if (cfg_.track_requests) live_.insert(request_id);
 }
 
+void LayerQueues::expect(const RowMeta& sent, const TensorRef& input, int dest,
+                         std::chrono::steady_clock::time_point at) {
+  if (!cfg_.track_requests) return;
+  expected_[ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot}] =
+      Expected{sent, input, dest, at};
+}
+
+std::vector<Expected> LayerQueues::due(int dest, std::chrono::steady_clock::time_point cutoff) {
+  std::vector<Expected> out;
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [key, e] : expected_) {
+    if ((dest < 0 || e.dest == dest) && e.at <= cutoff) {
+      e.at = now;
+      out.push_back(e);
+    }
+  }
+  return out;
+}
+
 void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
   for (uint64_t id : request_ids) live_.erase(id);
   if (!purge || request_ids.empty()) return;
   const std::unordered_set<uint64_t> gone(request_ids.begin(), request_ids.end());
+  for (auto it = expected_.begin(); it != expected_.end();) {
+    it = gone.count(it->first.request_id) ? expected_.erase(it) : std::next(it);
+  }
   for (auto it = pool_.begin(); it != pool_.end();) {
     if (gone.count(it->first.request_id)) {
       pool_parts_ -= it->second.present;

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <chrono>
 #include <deque>
 #include <string>
 #include <unordered_map>
@@ -141,6 +142,34 @@ struct PoolKeyHash {
   }
 };
 
+// An expert output an attention runtime waits for: the part (request, ATTN block, position, slot) it will
+// fill.
+struct ExpectKey {
+  uint64_t request_id;
+  int32_t block;
+  int32_t position;
+  int32_t slot;
+  bool operator==(const ExpectKey& o) const {
+    return request_id == o.request_id && block == o.block && position == o.position && slot == o.slot;
+  }
+};
+
+struct ExpectKeyHash {
+  size_t operator()(const ExpectKey& k) const {
+    return std::hash<uint64_t>()(k.request_id * 0x9E3779B97F4A7C15ull) ^
+           (static_cast<size_t>(k.block) << 48) ^ (static_cast<size_t>(k.position) << 8) ^
+           static_cast<size_t>(k.slot);
+  }
+};
+
+// What it takes to ask for an expert output again: the row as sent, its input, where and when it went.
+struct Expected {
+  RowMeta sent;  // layer EXPERT (b, e)
+  TensorRef input;
+  int dest = -1;
+  std::chrono::steady_clock::time_point at;
+};
+
 struct DropCounts {
   int64_t bad_message = 0;      // malformed header / tensor shape
   int64_t misrouted = 0;        // a row for a layer this runtime does not host
@@ -164,6 +193,13 @@ class LayerQueues {
   void admit(uint64_t request_id);
   void forget(const std::vector<uint64_t>& request_ids, bool purge);
   int64_t num_tracked() const { return static_cast<int64_t>(live_.size()); }
+  // Outstanding expert outputs (cfg.track_requests): expect() as rows go out to the experts; an arriving
+  // expert output is accepted only if expected (a resent row's second answer is a duplicate); due() hands out
+  // the ones sent to `dest` (any, when -1) no later than `cutoff`, marked as sent again now.
+  void expect(const RowMeta& sent, const TensorRef& input, int dest,
+              std::chrono::steady_clock::time_point at);
+  std::vector<Expected> due(int dest, std::chrono::steady_clock::time_point cutoff);
+  int64_t num_expected() const { return static_cast<int64_t>(expected_.size()); }
 
   int64_t depth_total() const { return scheduler_.total(); }
   int64_t pool_entries() const { return static_cast<int64_t>(pool_.size()); }
@@ -188,6 +224,7 @@ class LayerQueues {
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;  // requests held, when cfg_.track_requests
+  std::unordered_map<ExpectKey, Expected, ExpectKeyHash> expected_;  // outstanding expert outputs, ditto
   int64_t pool_parts_ = 0;
   int64_t rows_in_ = 0;
   DropCounts drops_;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -75,10 +76,13 @@ ZmqCommunicator::ZmqCommunicator(int rank, int num_runtimes, const std::string& 
     zmq_ctx_term(ctx_);
     AMOE_CHECK_ARG(false, err);
   }
-  // Disconnect events tell a peer's death from its goodbye (ZMQ_SRCFD ties a connection to a rank).
+  // Disconnect events tell a peer's death from its goodbye (ZMQ_SRCFD ties a connection to a rank); failed
+  // handshakes are peers refused by CURVE (listen_secure), counted.
   const std::string monitor_addr =
       "inproc://amoe-monitor-" + std::to_string(reinterpret_cast<uintptr_t>(this));
-  zmq_socket_monitor(pull_, monitor_addr.c_str(), ZMQ_EVENT_DISCONNECTED);
+  zmq_socket_monitor(pull_, monitor_addr.c_str(),
+                     ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                         ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH);
   monitor_ = zmq_socket(ctx_, ZMQ_PAIR);
   set_int(monitor_, ZMQ_LINGER, 0);
   zmq_connect(monitor_, monitor_addr.c_str());
@@ -107,18 +111,14 @@ void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
   for (int r = 0; r < num_runtimes_; ++r) {
     if (r == rank_) continue;
     auto peer = std::make_unique<Peer>();
-    peer->sock = zmq_socket(ctx_, ZMQ_PUSH);
-    set_int(peer->sock, ZMQ_SNDHWM, kHwm);
-    set_int(peer->sock, ZMQ_LINGER, kLingerMs);
-    if (zmq_connect(peer->sock, endpoints[r].c_str()) != 0) {
-      const std::string err =
-          zmq_error("cannot connect to runtime " + std::to_string(r) + " at " + endpoints[r]);
-      zmq_close(peer->sock);
+    try {
+      peer->sock = open_peer(r, endpoints[r]);
+    } catch (...) {
       for (auto& p : peers_) {
         if (p) zmq_close(p->sock);
         p.reset();
       }
-      AMOE_CHECK_ARG(false, err);
+      throw;
     }
     peers_[r] = std::move(peer);
   }
@@ -149,6 +149,88 @@ void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
   }
   // Starting the thread is a full barrier: the PULL socket made by the constructor now belongs to it.
   io_ = std::thread([this] { io_loop(); });
+}
+
+void* ZmqCommunicator::open_peer(int rank, const std::string& endpoint) {
+  void* sock = zmq_socket(ctx_, ZMQ_PUSH);
+  set_int(sock, ZMQ_SNDHWM, kHwm);
+  set_int(sock, ZMQ_LINGER, kLingerMs);
+  if (curve_ && endpoint.rfind("tcp://", 0) == 0) {  // another host: only over CURVE
+    zmq_setsockopt(sock, ZMQ_CURVE_SERVERKEY, curve_->server_public.c_str(), 40);
+    zmq_setsockopt(sock, ZMQ_CURVE_PUBLICKEY, curve_->client_public.c_str(), 40);
+    zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, curve_->client_secret.c_str(), 40);
+  }
+  if (zmq_connect(sock, endpoint.c_str()) != 0) {
+    const std::string err =
+        zmq_error("cannot connect to runtime " + std::to_string(rank) + " at " + endpoint);
+    zmq_close(sock);
+    AMOE_CHECK_ARG(false, err);
+  }
+  return sock;
+}
+
+std::string ZmqCommunicator::listen_secure(const std::string& tcp_bind, const CurveKeys& keys) {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);
+  AMOE_CHECK_ARG(!connected_.load() && !closing_.load(), "listen_secure comes before connect()");
+  AMOE_CHECK_ARG(!curve_, "listen_secure was already called");
+  AMOE_CHECK_ARG(tcp_bind.rfind("tcp://", 0) == 0, "listen_secure needs tcp://host:port, got " << tcp_bind);
+  for (const std::string* key :
+       {&keys.server_public, &keys.server_secret, &keys.client_public, &keys.client_secret})
+    AMOE_CHECK_ARG(key->size() == 40, "CURVE keys are 40 Z85 characters");
+  // ZeroMQ copies a socket's options into each endpoint when it is bound: this one serves CURVE, the first
+  // (ipc, for peers on this host) stays as it was.
+  const int on = 1, off = 0;
+  zmq_setsockopt(pull_, ZMQ_CURVE_SERVER, &on, sizeof(on));
+  zmq_setsockopt(pull_, ZMQ_CURVE_SECRETKEY, keys.server_secret.c_str(), 40);
+  const std::string addr = bind_address(tcp_bind);
+  const int rc = zmq_bind(pull_, addr.c_str());
+  const std::string err = rc != 0 ? zmq_error("cannot bind " + addr) : "";
+  zmq_setsockopt(pull_, ZMQ_CURVE_SERVER, &off, sizeof(off));
+  AMOE_CHECK_ARG(rc == 0, err);
+  char last[512];
+  size_t len = sizeof(last);
+  zmq_getsockopt(pull_, ZMQ_LAST_ENDPOINT, last, &len);
+  secure_endpoint_ = last;
+  curve_ = std::make_unique<CurveKeys>(keys);
+  return secure_endpoint_;
+}
+
+void ZmqCommunicator::reconnect(int rank, const std::string& endpoint) {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // not during connect() or close()
+  AMOE_CHECK_ARG(connected_.load() && !closing_.load(), "reconnect needs a connected communicator");
+  AMOE_CHECK_ARG(rank >= 0 && rank < num_runtimes_ && rank != rank_, "runtime " << rank << " is not a peer");
+  // A tensor-plane group has fixed members: a replaced peer could not take its old place in it.
+  AMOE_CHECK_ARG(!plane_, "a replaced runtime can rejoin only on the inline plane");
+  void* sock = open_peer(rank, endpoint);
+  Peer& peer = *peers_[rank];
+  {
+    std::lock_guard<std::mutex> peer_lock(peer.mu);  // see Peer::mu
+    // What waited for the old process goes nowhere: its owner asks again (Engine::resend).
+    backlog_.fetch_sub(static_cast<int64_t>(peer.backlog.size()), std::memory_order_relaxed);
+    send_dropped_.fetch_add(static_cast<int64_t>(peer.backlog.size()), std::memory_order_relaxed);
+    peer.backlog.clear();
+    set_int(peer.sock, ZMQ_LINGER, 0);
+    zmq_close(peer.sock);
+    peer.sock = sock;
+    peer.next_seq = 0;
+    peer.closed = false;
+    Outgoing hello;
+    hello.dest = rank;
+    hello.th.kind = kHelloTransfer;
+    hello.th.src = rank_;
+    hello.frame0.assign(sizeof(TransferHeader), '\0');
+    hello.queued = Clock::now();
+    if (!try_send(peer, hello)) {
+      peer.backlog.push_back(std::move(hello));
+      backlog_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> peers_lock(peers_mu_);  // stats() reads the failed and departed sets
+    failed_.erase(rank);
+    departed_.erase(std::remove(departed_.begin(), departed_.end(), rank), departed_.end());
+  }
+  wake_io();
 }
 
 void ZmqCommunicator::close() {
@@ -360,6 +442,8 @@ CommStats ZmqCommunicator::stats() const {
   s.transfer_errors = transfer_errors_.load(r);
   s.send_blocked = send_blocked_.load(r);
   s.send_dropped = send_dropped_.load(r);
+  s.rejected_handshakes = rejected_.load(r);
+  s.secure_endpoint = secure_endpoint_;
   s.backlog = backlog_.load(r);
   s.in_flight_send = in_flight_send_.load(r);
   s.in_flight_recv = in_flight_recv_.load(r);

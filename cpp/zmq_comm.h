@@ -74,6 +74,15 @@ struct CommStats {
   std::string last_error;
   int64_t delayed_messages = 0;  // held back by an emulated link (set_link_delays)
   double delay_s = 0;            // their total hold, from arrival to ready
+  int64_t rejected_handshakes =
+      0;                        // connections refused before any frame: no CURVE, or not the cluster's keys
+  std::string secure_endpoint;  // the CURVE tcp:// endpoint (listen_secure), empty if none
+};
+
+// The cluster's CURVE key pairs, Z85 text (40 characters each). Every runtime holds both: it serves with the
+// server pair and connects with the client pair (docs/multinode.md "Security").
+struct CurveKeys {
+  std::string server_public, server_secret, client_public, client_secret;
 };
 
 class ZmqCommunicator : public Communicator {
@@ -93,6 +102,15 @@ class ZmqCommunicator : public Communicator {
   void connect(const std::vector<std::string>& endpoints);
   // Says goodbye to peers, stops every thread, closes the sockets; idempotent. Pending transfers are aborted.
   void close();
+  // A peer was replaced by a new process at `endpoint`: messages now go there (what was waiting for the old
+  // one is dropped), and the peer is no longer failed. Inline plane only (a process group's members are
+  // fixed).
+  void reconnect(int rank, const std::string& endpoint);
+  // For peers on other hosts: binds a second inbound endpoint, TCP with CURVE encryption and authentication
+  // (`tcp_bind` "tcp://ip:port", port 0 = any), and encrypts every later connection to a tcp:// peer with
+  // `keys`. A peer without them fails the handshake before any frame (counted, rejected_handshakes). Before
+  // connect(); returns the endpoint bound.
+  std::string listen_secure(const std::string& tcp_bind, const CurveKeys& keys);
   bool closed() const { return closing_.load(); }
 
   int rank() const override { return rank_; }
@@ -124,6 +142,7 @@ class ZmqCommunicator : public Communicator {
   void post_send(const Outgoing& out);
   void drain_inbound();
   void drain_monitor();
+  void* open_peer(int rank, const std::string& endpoint);  // a PUSH connected to endpoint (CURVE if tcp)
   // One arrival (frames: zmq_msg_t*), handled by transfer kind; read_*() validate, false: dropped.
   void handle_inbound(std::vector<void*>& frames, size_t num_frames);
   bool read_transfer_header(void* frame0, TransferHeader* th);
@@ -150,6 +169,8 @@ class ZmqCommunicator : public Communicator {
   const std::chrono::microseconds timeout_;
   std::string endpoint_;
   std::string ipc_path_;  // unlinked on close
+  std::string secure_endpoint_;
+  std::unique_ptr<CurveKeys> curve_;  // set by listen_secure(): tcp:// peers are reached with CURVE
 
   void* ctx_ = nullptr;
   void* pull_ = nullptr;        // inbound; owned by the I/O thread once connect() starts it
@@ -191,6 +212,8 @@ class ZmqCommunicator : public Communicator {
   std::atomic<int64_t> timeouts_{0}, transfer_errors_{0}, send_blocked_{0}, send_dropped_{0}, backlog_{0};
   std::atomic<int64_t> in_flight_send_{0}, in_flight_recv_{0};
   std::atomic<int64_t> delayed_messages_{0}, delay_ns_{0};
+  std::atomic<int64_t> rejected_{0};
+  std::atomic<bool> rejected_logged_{false};
   std::array<std::atomic<bool>, kNumDropKinds> drop_logged_{};
 
   mutable std::mutex peers_mu_;  // failed / departed sets and last_error, read by stats() on any thread

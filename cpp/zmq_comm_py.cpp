@@ -60,6 +60,7 @@ py::dict stats_dict(const CommStats& s) {
   d["transfer_errors"] = s.transfer_errors;
   d["send_blocked"] = s.send_blocked;
   d["send_dropped"] = s.send_dropped;
+  d["rejected_handshakes"] = s.rejected_handshakes;
   d["backlog"] = s.backlog;
   d["in_flight_send"] = s.in_flight_send;
   d["in_flight_recv"] = s.in_flight_recv;
@@ -93,6 +94,23 @@ void register_comm(py::module_& m) {
       .def("close", &ZmqCommunicator::close,
            py::call_guard<py::gil_scoped_release>(),  // joins threads that may need the GIL
            "Says goodbye to peers, stops the threads, closes the sockets; idempotent.")
+      .def("reconnect", &ZmqCommunicator::reconnect, py::arg("rank"), py::arg("endpoint"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the peer's lock, which senders hold
+           "A peer was replaced by a new process at `endpoint`: send there from now on (inline plane).")
+      .def(
+          "listen_secure",
+          [](ZmqCommunicator& c, const std::string& tcp_bind, const std::string& server_public,
+             const std::string& server_secret, const std::string& client_public,
+             const std::string& client_secret) {
+            return c.listen_secure(tcp_bind,
+                                   CurveKeys{server_public, server_secret, client_public, client_secret});
+          },
+          py::arg("tcp_bind"), py::arg("server_public"), py::arg("server_secret"), py::arg("client_public"),
+          py::arg("client_secret"),
+          "Also listen on tcp_bind with CURVE (the cluster's Z85 keys) and reach tcp:// peers with them; "
+          "before connect(). Returns the endpoint bound.")
+      .def_property_readonly("secure_endpoint",
+                             [](const ZmqCommunicator& c) { return c.stats().secure_endpoint; })
       .def("__enter__", [](py::object self) { return self; })
       .def(
           "__exit__", [](ZmqCommunicator& c, py::args) { c.close(); },

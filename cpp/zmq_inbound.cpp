@@ -118,6 +118,16 @@ void ZmqCommunicator::drain_monitor() {
       more = zmq_msg_more(&part);
       zmq_msg_close(&part);
     }
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL || id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+        id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+      rejected_.fetch_add(1, std::memory_order_relaxed);
+      if (!rejected_logged_.exchange(true))
+        std::fprintf(stderr,
+                     "[amoe.comm] runtime %d refused a connection without the cluster's keys "
+                     "(logged once; counted in rejected_handshakes)\n",
+                     rank_);
+      continue;
+    }
     auto it = fd_rank_.find(static_cast<int>(fd));
     if (id != ZMQ_EVENT_DISCONNECTED || it == fd_rank_.end()) continue;
     // Judged a moment later: a goodbye sent just before the connection closed may still be on its way.

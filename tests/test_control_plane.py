@@ -19,10 +19,27 @@ from coordinator.cluster_backend import ClusterBackend, _Stream
 
 
 class _Alive:
+    """A runtime process as the cluster manager polls and kills it."""
+
     pid = 4242
 
+    def __init__(self) -> None:
+        self.returncode = None
+
     def poll(self):
-        return None
+        return self.returncode
+
+    def kill(self):
+        self.returncode = -9
+
+
+class _Launcher:
+    def __init__(self) -> None:
+        self.spawned: list[tuple[int, str]] = []
+
+    def spawn(self, runtime: int, role: str) -> _Alive:
+        self.spawned.append((runtime, role))
+        return _Alive()
 
 
 def report(runtime: int, role: str, **fields) -> dict:
@@ -39,7 +56,7 @@ def backend(tmp_path):
     ]
     be._status = "ok"
     be.deaths = []
-    be.cluster._on_death = be.deaths.append
+    be.on_death = be.deaths.append
     be.sent = []  # (runtime, message) the coordinator would send
     be.cluster.send = lambda runtime, msg: be.sent.append((runtime, msg))
     return be
@@ -88,10 +105,25 @@ def test_frames_that_are_no_message_or_come_from_the_wrong_socket_are_dropped(ba
     assert cluster.num_dropped == len(frames) and not backend.deaths
 
 
-def test_a_failed_data_link_reported_in_a_heartbeat_reaches_the_cluster_manager(backend):
-    beat(backend.cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))
+def test_a_failed_data_link_reported_in_a_heartbeat_gets_that_peer_replaced(backend):
+    cluster = backend.cluster
+    cluster._launcher, cluster._started = _Launcher(), True
+    old = cluster.runtimes[1].proc
+    beat(cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))
+    assert old.returncode == -9 and cluster._launcher.spawned == [(1, "expert")]
+    assert cluster.runtimes[1].lost == "attention runtime 0 lost its data link to expert runtime 1"
+    health = backend.health()
+    assert health["status"] == "degraded" and "lost its data link" in health["reason"] and not backend.deaths
+
+
+def test_a_failed_data_link_fails_a_cluster_that_cannot_heal(backend):
+    """ep / pingpong (and a gloo / nccl plane) cannot take a replacement: the loss is the cluster's end."""
+    cluster = backend.cluster
+    cluster._launcher, cluster._started, cluster._heals = _Launcher(), True, False
+    beat(cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))
     assert backend.deaths == ["attention runtime 0 lost its data link to expert runtime 1"]
     assert backend.health()["error"].endswith("lost its data link to expert runtime 1")
+    assert not cluster._launcher.spawned
 
 
 def test_only_a_requests_own_rank_reports_its_tokens(backend):
@@ -133,6 +165,9 @@ def test_a_runtime_drops_and_reports_commands_it_cannot_use(tmp_path):
 
         def expire_aborts(self):
             return []
+
+        def resend_overdue(self):
+            pass
 
         def stats(self):
             return report(1, "expert", dropped={"bad_row": 2})

@@ -313,10 +313,18 @@ def test_a_tracking_rank_drops_rows_of_requests_it_does_not_hold():
     assert engine.stats()["dropped"]["unknown_request"] == 2 and engine.next_batch(0) is None
     one = torch.tensor([1])
     engine.add_tokens(torch.tensor([7]), torch.tensor([5]), torch.tensor([3]), torch.tensor([3]), one)
-    assert engine.next_batch(0).request_ids.tolist() == [7] and engine.stats()["tracked_requests"] == 1
-    for msg in parts(7, 1):
-        engine.ingest(msg)
-    assert engine.next_batch(0).layer == ("attn", 1, 0)
+    batch = engine.next_batch(0)
+    assert batch.request_ids.tolist() == [7] and engine.stats()["tracked_requests"] == 1
+    with engine:  # block 0's output: the residual waits here, the expert output is expected
+        zeros = torch.zeros(1, H)
+        engine.submit_attention(batch, zeros, zeros, torch.tensor([[1]]), torch.tensor([[1.0]]))
+        deadline = time.monotonic() + 10
+        while engine.stats()["expected_parts"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.ingest(parts(7, 1)[1])  # the expert's answer
+        assert engine.next_batch(5).layer == ("attn", 1, 0)
+        engine.ingest(parts(7, 1)[1])  # a second answer nobody waits for
+        assert engine.stats()["dropped"]["duplicate"] == 1
     first, second = parts(7, 2)  # the head's parts: one waits in the pool, then the request is forgotten
     engine.ingest(first)
     assert engine.stats()["pool_entries"] == 1

@@ -71,9 +71,11 @@ class Runtime:
             return self.attention.requests.max_model_len
         return self.model_config.max_position_embeddings
 
-    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
+    def add_request(
+        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+    ) -> RankRequest:
         """Bind a request to this attention rank; its prompt enters ATTN (0, rank). Control thread."""
-        req, rows = self.attention.requests.add(request_id, prompt, params)
+        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated)
         core.enter(self.engine, rows)
         return req
 
@@ -94,6 +96,17 @@ class Runtime:
             )  # no batch gets them again
             requests.collect_expired()
         return expired
+
+    def reconnect(self, runtime: int, endpoint: str) -> int:
+        """A peer was replaced: send to its new process, and (attention) ask it again for every expert output
+        the old one never answered. Returns the rows sent again. Control thread."""
+        self.comm.reconnect(runtime, endpoint)
+        return self.engine.resend(runtime, 0.0) if self.attention is not None else 0
+
+    def resend_overdue(self) -> None:
+        """Ask again for expert outputs awaited longer than transport.timeout_s (a lost message)."""
+        if self.attention is not None:
+            self.engine.resend(-1, self.config.transport.timeout_s)
 
     def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
         self.comm.connect(endpoints)

@@ -89,6 +89,7 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
         if now >= next_beat:
             for request_id in runtime.expire_aborts():  # confirmed, so the coordinator stops holding their KV
                 _report_end(channel, runtime, request_id, "abort")
+            runtime.resend_overdue()
             stats = runtime.stats()
             stats["dropped"] = {**stats.get("dropped", {}), "control": channel.num_dropped}
             channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(stats)))
@@ -102,7 +103,9 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
 
 
 def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
-    if isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention":
+    if isinstance(msg, (wire.Welcome, wire.Shutdown)) or (
+        isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention"
+    ):
         channel.num_dropped += 1
         logger.warning("runtime %d: %s sent to an expert runtime dropped", runtime.id, type(msg).__name__)
     elif isinstance(msg, wire.AddRequest):
@@ -111,6 +114,11 @@ def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
         if not runtime.abort(msg.request_id):
             # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
             _report_end(channel, runtime, msg.request_id, "abort")
+    elif isinstance(msg, wire.Reconnect):
+        resent = runtime.reconnect(msg.runtime, msg.endpoint)
+        logger.info(
+            "runtime %d: runtime %d rejoined; %d rows sent to it again", runtime.id, msg.runtime, resent
+        )
     else:
         channel.num_dropped += 1
         logger.warning("runtime %d: unexpected %s dropped", runtime.id, type(msg).__name__)
@@ -119,7 +127,9 @@ def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
 def _add_request(channel: Channel, runtime: Any, msg: wire.AddRequest) -> None:
     """Admit one request; whatever goes wrong fails that request alone and the runtime serves on."""
     try:
-        runtime.add_request(msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params))
+        runtime.add_request(
+            msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params), msg.num_generated
+        )
     except AmoeError as exc:  # the request itself is bad (the runtime trusts no socket)
         _report_end(channel, runtime, msg.request_id, "rejected", f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a bug admitting one request must not stop the runtime

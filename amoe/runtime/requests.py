@@ -128,12 +128,26 @@ class RankRequests:
     def kv_used_blocks(self) -> int:
         return self.blocks.num_total_blocks - self.blocks.num_free_blocks
 
-    def add(self, request_id: int, prompt: list[int], params: SamplingParams) -> tuple[RankRequest, Rows]:
-        """Validate and register a request; returns it and the rows that enter ATTN (0, rank). Any thread."""
+    def add(
+        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+    ) -> tuple[RankRequest, Rows]:
+        """Validate and register a request; returns it and the rows that enter ATTN (0, rank). Any thread.
+
+        A request moved here from a lost rank brings its output so far at the end of its prompt
+        (`num_generated` tokens, recomputed like the prompt): its seeded generator skips the draws they took, so
+        it samples on exactly as it would have.
+        """
         check_prompt(prompt, self.vocab_size, self.max_model_len)
+        if not 0 <= num_generated < len(prompt):
+            raise RequestError(f"num_generated must be in [0, {len(prompt)}), got {num_generated}")
         if self.faults is not None:
             self.faults.check("admit", [prompt])
-        req = RankRequest(list(prompt), params, generator=make_generator(params, params.seed))
+        generator = make_generator(params, params.seed)
+        if generator is not None and num_generated:
+            torch.rand(
+                num_generated, generator=generator
+            )  # one draw per sampled token, as Sampler takes them
+        req = RankRequest(list(prompt), params, generator=generator)
         with self._lock:
             if request_id in self._requests:
                 raise RequestError(f"request id {request_id} is already in use on this rank")

@@ -78,8 +78,16 @@ class SyncRuntime:
             return self.attention.requests.max_model_len
         return self.model_config.max_position_embeddings
 
-    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
-        return self.device.add_request(request_id, prompt, params)
+    def add_request(
+        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+    ) -> RankRequest:
+        return self.device.add_request(request_id, prompt, params, num_generated)
+
+    def reconnect(self, runtime: int, endpoint: str) -> int:
+        raise EngineDeadError("a synchronous group cannot take a replaced device: it restarts as a whole")
+
+    def resend_overdue(self) -> None:
+        """Nothing to ask again: a synchronous iteration ends all together or not at all."""
 
     def abort(self, request_id: int) -> bool:
         return self.device.abort(request_id)

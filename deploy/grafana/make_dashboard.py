@@ -234,10 +234,22 @@ def variables() -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def healing(lay: Layout) -> None:
+    lay.row("Self-healing")
+    lay.add(panel("timeseries", "Replacements and what they took", [
+        (f"sum by (runtime) (increase(amoe_runtime_restarts_total{{{RT}}}[{RATE}]))", "restarts rt {{runtime}}"),
+        (f"sum(increase(amoe_cluster_readmitted_requests_total[{RATE}]))", "requests re-admitted"),
+        (f"sum by (runtime) (increase(amoe_runtime_resent_rows_total{{{RT}}}[{RATE}]))", "rows re-sent by rt {{runtime}}"),
+    ], desc="Runtimes replaced, requests moved to a replaced attention runtime (re-prefilled), rows sent again to a "
+            "replaced expert runtime"), w=12)  # fmt: skip
+    lay.add(panel("timeseries", "Recovery time (loss to replacement serving)",
+                  quantiles("amoe_cluster_recovery_seconds"), unit="s"), w=12)  # fmt: skip
+
+
 def build() -> dict[str, Any]:
     """The dashboard as a dict (Grafana's JSON model)."""
     lay = Layout()
-    for section in (requests, kv_and_errors, queues, execution, experts, transfers):
+    for section in (requests, kv_and_errors, queues, execution, experts, transfers, healing):
         section(lay)
     for i, p in enumerate(lay.panels, start=1):
         p["id"] = i

@@ -58,9 +58,11 @@ class SyncDevice:
 
     # Requests: what the control plane asks of any runtime.
 
-    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams) -> RankRequest:
+    def add_request(
+        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+    ) -> RankRequest:
         """Bind a request to this device's attention rank; it joins at the next iteration. Any thread."""
-        req, rows = self.attention.requests.add(request_id, prompt, params)
+        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated)
         self.inbox.add(rows)
         return req
 
