@@ -175,6 +175,8 @@ def report(
         and summary["kv_all_free_at_end"] and all(t <= 10 for t in kills)
     )  # fmt: skip
     print(json.dumps(summary))
+    if not summary["ok"]:  # a failed run fails the command
+        raise SystemExit(1)
 
 
 def _s(value: float | None) -> str:

@@ -102,6 +102,8 @@ def report(load, probe, max_rps, rate, samples, start, minutes, health) -> None:
         and summary["rss_growth_max_pct"] is not None and summary["rss_growth_max_pct"] <= 5
     )  # fmt: skip
     print(json.dumps(summary))
+    if not summary["ok"]:  # a failed run fails the command
+        raise SystemExit(1)
 
 
 def _quantile(values: list[float], q: float) -> float:
