@@ -92,6 +92,11 @@ def add_serve_command(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
     add_config_flags(p)
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="a node agent (vLLM's spelling; what --node-rank R >= 1 runs anyway): this node's runtimes only",
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -99,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from amoe.config import config_from_args
     from amoe.serve import main as serve_main
 
-    return serve_main(config_from_args(args))
+    return serve_main(config_from_args(args), headless=args.headless)
 
 
 def add_bench_command(sub: Any) -> None:

@@ -200,6 +200,40 @@ class ServerSection:
 
 
 @dataclass(frozen=True)
+class DistSection:
+    """One cluster over several hosts (docs/multinode.md): node 0 runs the coordinator and its share of the
+    runtimes, nodes 1..N-1 run a node agent. Environment variables named after the flags (AMOE_NNODES,
+    AMOE_NODE_RANK, AMOE_DIST_INIT_ADDR, ...) stand in for flags not given, for orchestrators."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    init_addr: str | None = None  # HOST:PORT of node 0's rendezvous store (torch TCPStore)
+    runtimes_per_node: int | None = None  # None: the runtimes spread evenly, in placement order
+    node_map: str | None = None  # explicit node of each runtime, in placement order: "0,1,1,2"
+    node_ip: str | None = None  # where this node's endpoints bind; None: the address that routes to init_addr
+    timeout_s: float = 120.0  # a node that has not joined by then fails start-up with a clear error
+    cluster_secret_file: str | None = None  # node 0 writes a new one when None; agents must be given it
+    backend: str = "mp"  # mp: processes started by node agents | ray: Ray actors in a placement group
+
+    def __post_init__(self) -> None:
+        _positive("dist.nnodes", self.nnodes)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"dist.node_rank must be in [0, {self.nnodes}); got {self.node_rank}")
+        if self.runtimes_per_node is not None:
+            _positive("dist.runtimes_per_node", self.runtimes_per_node)
+        _positive("dist.timeout_s", self.timeout_s)
+        _choice("dist.backend", self.backend, ("mp", "ray"))
+        if self.node_ip is not None and self.node_ip in ("0.0.0.0", "::", "*"):
+            raise ConfigError("--node-ip must be the address other nodes reach this one at, not a wildcard")
+        if self.nnodes > 1 and self.backend == "mp" and not self.init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's rendezvous address)")
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1 or self.backend == "ray"
+
+
+@dataclass(frozen=True)
 class AmoeConfig:
     """Everything a deployment is configured by; built once, never mutated after start-up."""
 
@@ -210,6 +244,15 @@ class AmoeConfig:
     transport: TransportSection = field(default_factory=TransportSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     server: ServerSection = field(default_factory=ServerSection)
+    dist: DistSection = field(default_factory=DistSection)
+
+    def __post_init__(self) -> None:
+        if self.dist.multi_node and (self.parallel.mode != "aep" or self.transport.plane != "inline"):
+            raise ConfigError(
+                "a multi-node cluster serves --parallel aep over --transport inline (the tensor plane across "
+                "hosts is ZeroMQ over CURVE); got "
+                f"--parallel {self.parallel.mode} --transport {self.transport.plane}"
+            )
 
     def replace(self, **sections: dict) -> AmoeConfig:
         """A copy with some fields of some sections changed, e.g. replace(cache={"num_kv_blocks": 64})."""
@@ -278,6 +321,15 @@ _ALIASES = {
     ("server", "port"): "--port",
     ("server", "api_key"): "--api-key",
     ("server", "api_key_file"): "--api-key-file",
+    ("dist", "nnodes"): "--nnodes",
+    ("dist", "node_rank"): "--node-rank",
+    ("dist", "init_addr"): "--dist-init-addr",
+    ("dist", "runtimes_per_node"): "--runtimes-per-node",
+    ("dist", "node_map"): "--node-map",
+    ("dist", "node_ip"): "--node-ip",
+    ("dist", "timeout_s"): "--dist-timeout-s",
+    ("dist", "cluster_secret_file"): "--cluster-secret-file",
+    ("dist", "backend"): "--distributed-backend",
 }
 
 
@@ -319,8 +371,28 @@ def config_from_args(args: argparse.Namespace) -> AmoeConfig:
     """The config file (if any) overlaid with the flags given on the command line."""
     config = AmoeConfig.from_file(args.config) if getattr(args, "config", None) else AmoeConfig()
     changes: dict[str, dict] = {}
+    for key, value in _dist_env().items():  # flags win over the environment
+        if getattr(args, f"dist__{key}", None) is None:
+            changes.setdefault("dist", {})[key] = value
     for key, value in vars(args).items():
         if "__" in key and value is not None:
             section, name = key.split("__", 1)
             changes.setdefault(section, {})[name] = value
     return config.replace(**changes)
+
+
+def _dist_env() -> dict:
+    """The dist section from AMOE_<FIELD> variables (what an orchestrator sets per pod or task)."""
+    from amoe import envs
+
+    values = {}
+    for f in dataclasses.fields(DistSection):
+        text = envs.flag_variable(_ALIASES[("dist", f.name)])
+        if text is None:
+            continue
+        kind = _flag_type(DistSection, f.name)
+        try:
+            values[f.name] = kind(text)
+        except ValueError:
+            raise ConfigError(f"AMOE_{f.name.upper()}={text!r} is not a valid {kind.__name__}") from None
+    return values

@@ -29,6 +29,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
 }
 
 
+def flag_variable(flag: str) -> str | None:
+    """The variable that stands in for a multi-node flag not given (`--dist-init-addr` → AMOE_DIST_INIT_ADDR,
+    `--node-rank` → AMOE_NODE_RANK, ...): orchestrators set these per pod or task instead of flags."""
+    return os.environ.get("AMOE_" + flag.lstrip("-").upper().replace("-", "_")) or None
+
+
 def __getattr__(name: str) -> Any:
     if name in _VARIABLES:
         return _VARIABLES[name]()

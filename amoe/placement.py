@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amoe.config import ParallelSection
+from amoe.config import DistSection, ParallelSection
 from amoe.errors import ConfigError
 
 ATTENTION, EXPERT = "attention", "expert"
@@ -85,3 +85,27 @@ class Placement:
 
     def attn_rank_of(self, runtime: int) -> int | None:
         return self.attn_runtime.index(runtime) if runtime in self.attn_runtime else None
+
+
+def node_map(dist: DistSection, num_runtimes: int) -> tuple[int, ...]:
+    """The node of each runtime, by runtime id (docs/multinode.md): `dist.node_map` if given, else runtimes fill
+    the nodes in placement order (attention runtimes first, then expert runtimes), `runtimes_per_node` each
+    (default: as evenly as they go). One node: all on node 0."""
+    if dist.node_map is not None:
+        try:
+            nodes = tuple(int(part) for part in dist.node_map.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--node-map must be node numbers separated by commas; got {dist.node_map!r}"
+            ) from None
+        if len(nodes) != num_runtimes:
+            raise ConfigError(f"--node-map names {len(nodes)} nodes for {num_runtimes} runtimes")
+        if not all(0 <= n < dist.nnodes for n in nodes):
+            raise ConfigError(f"--node-map names a node outside [0, {dist.nnodes}): {dist.node_map!r}")
+        return nodes
+    per_node = dist.runtimes_per_node or -(-num_runtimes // dist.nnodes)
+    if per_node * dist.nnodes < num_runtimes:
+        raise ConfigError(
+            f"{num_runtimes} runtimes do not fit on {dist.nnodes} nodes of --runtimes-per-node {per_node}"
+        )
+    return tuple(r // per_node for r in range(num_runtimes))

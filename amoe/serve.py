@@ -26,9 +26,17 @@ _BACKSTOP_S = (
 )
 
 
-def main(config: AmoeConfig) -> int:
+def main(config: AmoeConfig, headless: bool = False) -> int:
     """Serve until SIGINT/SIGTERM, then drain and return 0; 1 if the cluster could not recover from a loss (an
-    orchestrator restarts the server then, as it would vLLM's)."""
+    orchestrator restarts the server then, as it would vLLM's). On nodes 1..N-1 of a multi-node cluster (vLLM's
+    `--headless`): the node agent, which starts this node's runtimes and nothing else (docs/multinode.md)."""
+    dist = config.dist
+    if headless and dist.node_rank == 0:
+        raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
+    if dist.node_rank > 0:
+        from amoe.node_agent import main as agent_main
+
+        return agent_main(config, _model_dir(config))
     server = AmoeServer(config)
     asyncio.run(server.run())
     return server.exit_code

@@ -6,7 +6,8 @@ on anything else (garbage, a truncated frame, an unknown tag, another version); 
 on — malformed input is never fatal.
 
 Coordinator → runtime: Welcome, AddRequest, Abort, Shutdown, Reconnect. Runtime → coordinator: Hello, Ready, Failed,
-Heartbeat, TokenOut. Token tensors never travel here: they go runtime to runtime over the communicator.
+Heartbeat, TokenOut. Multi-node, coordinator → node agent: NodeWelcome, Spawn, Kill, Shutdown; agent → coordinator:
+NodeHello, NodeStatus. Token tensors never travel here: they go runtime to runtime over the communicator.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="t"):
 # counted like garbage), so nothing downstream sees a negative count, an id that overflows, or a NaN.
 Count = Annotated[int, Meta(ge=0, le=2**62)]
 RuntimeId = Annotated[int, Meta(ge=0, le=65535)]
+NodeId = Annotated[int, Meta(ge=0, le=65535)]
+Endpoint = Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
@@ -56,6 +59,8 @@ class Hello(_Msg, tag=1):
     num_kv_blocks: Count  # KV blocks of its attention rank (0 on an expert runtime)
     max_model_len: Annotated[int, Meta(ge=1, le=2**31 - 1)]  # tokens a request may reach on it
     vocab_size: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    # Multi-node: its CURVE tcp:// endpoint for peers on other hosts (`endpoint` stays for those on its own)
+    secure_endpoint: Endpoint | None = None
 
 
 class Ready(_Msg, tag=2):
@@ -144,7 +149,54 @@ class Reconnect(_Msg, tag=20):
     endpoint: Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]
 
 
-Message = Hello | Ready | Failed | Heartbeat | TokenOut | Welcome | AddRequest | Abort | Shutdown | Reconnect
+# ---- node agent ↔ coordinator (multi-node)
+
+
+class NodeHello(_Msg, tag=32):
+    """A node agent joined (or joined again after a restart: it then runs none of the old agent's runtimes)."""
+
+    node: NodeId
+    host: Annotated[str, Meta(max_length=256)]  # its --node-ip
+    pid: Count
+
+
+class NodeStatus(_Msg, tag=33):
+    """Every ~0.5 s: the agent's runtime processes, by runtime and spawn number: running (with pid) or ended
+    (with exit code; negative: killed by that signal). Also its heartbeat."""
+
+    node: NodeId
+    running: list[tuple[RuntimeId, Count, Count]]  # runtime, spawn seq, pid
+    exited: list[tuple[RuntimeId, Count, Annotated[int, Meta(ge=-64, le=255)]]]  # runtime, seq, code
+
+
+class NodeWelcome(_Msg, tag=34):
+    """The coordinator took the agent in; repeated every second as its keep-alive."""
+
+    node: NodeId
+
+
+class Spawn(_Msg, tag=35):
+    """Start runtime `runtime` (spawn number `seq`) on this node with the cluster's config."""
+
+    runtime: RuntimeId
+    role: Role
+    seq: Count
+    config: dict[str, Any]
+    startup_timeout_s: Seconds
+
+
+class Kill(_Msg, tag=36):
+    """SIGKILL runtime `runtime`'s process of spawn number `seq` (a stopped or wedged one being replaced)."""
+
+    runtime: RuntimeId
+    seq: Count
+
+
+Message = (
+    Hello | Ready | Failed | Heartbeat | TokenOut | Welcome | AddRequest | Abort | Shutdown | Reconnect
+    | NodeHello | NodeStatus | NodeWelcome | Spawn | Kill
+)  # fmt: skip
+NODE_MESSAGES = (NodeHello, NodeStatus)  # what an agent may send
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -207,6 +259,10 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
     data_bind: str = "ipc"  # where the communicator binds: "ipc" or "tcp://host:0"
     store_path: str | None = None  # gloo / nccl rendezvous: a FileStore in the coordinator's private run dir
+    # Multi-node: also listen here (tcp://node-ip:0) with CURVE, and reach tcp:// peers and the coordinator with
+    # these keys (amoe.curve.ClusterKeys; the spec travels over a local pipe, never the network).
+    secure_bind: str | None = None
+    curve: dict[str, str] | None = None
     startup_timeout_s: float = 300.0
 
 

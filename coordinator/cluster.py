@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import contextlib
 import logging
 import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +34,8 @@ from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
 from amoe.placement import runtime_roles
 from coordinator.launcher import LocalLauncher, exit_text
+from coordinator.nodes import Nodes
+from coordinator.runtimes import RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 
@@ -55,64 +55,6 @@ class ClusterEvents(Protocol):
 
     def on_death(self, reason: str) -> None:
         """The cluster cannot serve any more."""
-
-
-@dataclass
-class RuntimeProc:
-    """One runtime (its current process) as the coordinator sees it."""
-
-    id: int
-    role: str  # "attention" | "expert"
-    proc: subprocess.Popen
-    endpoint: str | None = None  # set by Hello, with the three below
-    num_kv_blocks: int = 0
-    max_model_len: int = 0
-    vocab_size: int = 0
-    kv_free: int = 0  # the latest of its heartbeat and token reports
-    ready: bool = False
-    last_seen: float = field(default_factory=time.monotonic)  # any message (the control thread is alive)
-    polls: int = 0  # the loop thread's progress counter, from heartbeats
-    progressed: float = field(default_factory=time.monotonic)  # when it last moved (the loop is alive)
-    stats: dict[str, Any] | None = None
-    lost: str | None = None  # why it is being replaced (None: it is not)
-    lost_at: float = 0.0
-    restarts: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} runtime {self.id}"
-
-    def describe(self) -> dict[str, Any]:
-        code = self.proc.poll()
-        return {
-            "runtime": self.id,
-            "role": self.role,
-            "pid": self.proc.pid,
-            "alive": code is None,
-            "exit": None if code is None else exit_text(code),
-            "ready": self.ready,
-            "restarts": self.restarts,
-            "replacing": self.lost,
-            "heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
-            "loop_progress_age_s": round(time.monotonic() - self.progressed, 3),
-        }
-
-
-class RestartBudget:
-    """At most `limit` restarts in any `window_s` seconds."""
-
-    def __init__(self, limit: int, window_s: float) -> None:
-        self.limit, self.window_s = limit, window_s
-        self._times: collections.deque[float] = collections.deque()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) >= self.limit:
-            return False
-        self._times.append(now)
-        return True
 
 
 class ClusterManager:
@@ -143,7 +85,10 @@ class ClusterManager:
         self.failure: str | None = None
         self.num_dropped = 0
         self.recoveries: list[float] = []  # seconds from each loss to its replacement serving
-        self._launcher: LocalLauncher | None = None
+        self._launcher: Any = None  # LocalLauncher, or NodeLauncher over several nodes
+        self._nodes: Nodes | None = None  # multi-node only
+        self._ray: Any = None  # the RayLauncher with --distributed-backend ray
+        self.rejected_handshakes = 0  # connections to the CURVE control endpoint refused (multi-node)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tmpdir: str | None = (
@@ -169,13 +114,19 @@ class ClusterManager:
         try:
             self._launcher = self._bind()
             self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+            if self._nodes is not None:
+                self._tasks.append(asyncio.ensure_future(self._watch_handshakes()))
+            if self._nodes is not None and self._ray is None:
+                await self._nodes.publish()
+                self._nodes.log_placement(self.roles)
             logger.info("starting %d %s runtimes (%d attention, %d expert)", len(self.roles),
                         self.config.parallel.mode, self.roles.count("attention"),
                         self.roles.count("expert"))  # fmt: skip
             for runtime, role in enumerate(self.roles):
                 self.runtimes.append(RuntimeProc(runtime, role, self._launcher.spawn(runtime, role)))
             await self._wait_for(lambda r: r.endpoint is not None, "load its weights")
-            self.broadcast(wire.Welcome([r.endpoint for r in self.runtimes]))
+            for r in self.runtimes:
+                self.send(r.id, self._welcome(r.id))
             await self._wait_for(lambda r: r.ready, "connect to its peers")
         except BaseException:
             await self.shutdown(timeout_s=2.0)
@@ -183,7 +134,7 @@ class ClusterManager:
         self._started = True
         logger.info("all %d runtimes up", len(self.runtimes))
 
-    def _bind(self) -> LocalLauncher:
+    def _bind(self) -> Any:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -197,16 +148,49 @@ class ClusterManager:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
             endpoint, tcp_host = f"tcp://{host}:{port}", f"tcp://{host}"
         logger.debug("control plane on %s", endpoint)
-        return LocalLauncher(
-            self.config, self.model_dir, self._tmpdir, endpoint, tcp_host=tcp_host,
-            startup_timeout_s=self._startup_timeout_s,
+        if not self.config.dist.multi_node:
+            return LocalLauncher(
+                self.config, self.model_dir, self._tmpdir, endpoint, tcp_host=tcp_host,
+                startup_timeout_s=self._startup_timeout_s,
+            )  # fmt: skip
+        if self.config.dist.backend == "ray":
+            return self._bind_ray()
+        # Several nodes: node 0's runtimes keep the ipc control socket and also listen on this node's address
+        # over CURVE for their peers elsewhere; the other nodes' come in through the CURVE control endpoint.
+        self._nodes = Nodes(self.config, len(self.roles), self._startup_timeout_s, self._send_to)
+        self._nodes.bind(self._sock)
+        local = LocalLauncher(
+            self.config, self.model_dir, self._tmpdir, endpoint, tcp_host=None,
+            startup_timeout_s=self._startup_timeout_s, keys=self._nodes.keys, node_ip=self._nodes.node_ip,
         )  # fmt: skip
+        return self._nodes.launcher(local)
+
+    def _bind_ray(self) -> Any:
+        """Every runtime a Ray actor; all of them reach the control plane over its CURVE endpoint."""
+        from coordinator.ray_launcher import RayLauncher
+
+        launcher = RayLauncher(self.config, self.model_dir, "", len(self.roles), self._startup_timeout_s)
+        self._ray = launcher
+        self._nodes = Nodes(
+            self.config, len(self.roles), self._startup_timeout_s, self._send_to,
+            node_ip=self.config.dist.node_ip or launcher.node_ip,
+        )  # fmt: skip
+        launcher.control = self._nodes.bind(self._sock)
+        return launcher
 
     async def _wait_for(self, done, what: str) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
+        nodes_deadline = time.monotonic() + self.config.dist.timeout_s
         while not all(done(r) for r in self.runtimes):
             if self.failure is not None:
                 raise AmoeError(f"a runtime failed to start: {self.failure}")
+            if self._nodes is not None and self._nodes.missing() and time.monotonic() > nodes_deadline:
+                missing = ", ".join(str(n) for n in self._nodes.missing())
+                raise AmoeError(
+                    f"node(s) {missing} did not join within {self.config.dist.timeout_s:.0f} s: start "
+                    f"`amoe serve --nnodes {self.config.dist.nnodes} --node-rank R --dist-init-addr "
+                    f"{self.config.dist.init_addr} --cluster-secret-file ...` on each (--dist-timeout-s)"
+                )
             if time.monotonic() > deadline:
                 slow = ", ".join(r.name for r in self.runtimes if not done(r))
                 raise AmoeError(f"{slow} did not {what} within {self._startup_timeout_s:.0f} s")
@@ -216,9 +200,25 @@ class ClusterManager:
 
     def send(self, runtime: int, msg: wire.Message) -> None:
         """To one runtime's control socket; never blocks (a dead runtime's messages are dropped)."""
-        identity = f"rt{runtime}".encode()
+        self._send_to(f"rt{runtime}".encode(), msg)
+
+    def _send_to(self, identity: bytes, msg: wire.Message) -> None:
+        if self._sock is None:  # closed: shut down already
+            return
         with contextlib.suppress(zmq.ZMQError):
             self._sock.send_multipart([identity, wire.encode(msg)], flags=zmq.NOBLOCK)
+
+    def _welcome(self, viewer: int) -> wire.Welcome:
+        """The peer table of runtime `viewer`: how it reaches every runtime."""
+        return wire.Welcome([self._reach(viewer, r) for r in self.runtimes])
+
+    def _reach(self, viewer: int, peer: RuntimeProc) -> str:
+        """How runtime `viewer` reaches `peer`: its ipc endpoint on the same host, its CURVE one (multi-node)
+        from another host. A host is told by the address a runtime's CURVE endpoint is bound to."""
+        mine = self.runtimes[viewer].secure_endpoint
+        if peer.secure_endpoint is None or mine is None or _host(mine) == _host(peer.secure_endpoint):
+            return peer.endpoint
+        return peer.secure_endpoint
 
     def broadcast(self, msg: wire.Message) -> None:
         for r in self.runtimes:
@@ -231,6 +231,9 @@ class ClusterManager:
     def receive(self, frames: list[bytes]) -> None:
         """Act on one control message [identity, message]; an invalid one is dropped and counted, never raised."""
         try:
+            if self._nodes is not None and len(frames) == 2 and frames[0].startswith(b"node"):
+                self._nodes.handle(*self._check_node(frames))
+                return
             runtime, msg = self._check(frames)
             runtime.last_seen = time.monotonic()
             self._handle(runtime, msg)
@@ -260,6 +263,14 @@ class ClusterManager:
                 raise wire.WireError(f"{runtime.name} reported as a {msg.stats['role']} runtime")
         return runtime, msg
 
+    def _check_node(self, frames: list[bytes]) -> tuple[int, wire.Message]:
+        """An agent's message, if valid and really from the agent of the node it names; WireError otherwise."""
+        node = self._nodes.node_of_identity(frames[0])
+        msg = wire.decode(frames[1])
+        if node is None or node < 0 or not isinstance(msg, wire.NODE_MESSAGES) or msg.node != node:
+            raise wire.WireError(f"a {type(msg).__name__} on socket {frames[0]!r}")
+        return node, msg
+
     def drop(self, why: str) -> None:
         """Count and log a control message that is not acted on."""
         self.num_dropped += 1
@@ -287,6 +298,7 @@ class ClusterManager:
             msg.num_kv_blocks,
             msg.num_kv_blocks,
         )
+        runtime.secure_endpoint = msg.secure_endpoint
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
         if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
@@ -296,10 +308,10 @@ class ClusterManager:
             return
         # A replacement: it gets the peer table; the survivors, its new endpoint.
         logger.info("%s's replacement (pid %d) loaded its weights", runtime.name, msg.pid)
-        self.send(runtime.id, wire.Welcome([r.endpoint for r in self.runtimes]))
+        self.send(runtime.id, self._welcome(runtime.id))
         for other in self.runtimes:
             if other is not runtime:
-                self.send(other.id, wire.Reconnect(runtime.id, msg.endpoint))
+                self.send(other.id, wire.Reconnect(runtime.id, self._reach(other.id, runtime)))
 
     def _beat(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
         """A heartbeat's report: stats for /metrics, KV in use, the loop's progress, and peers it lost."""
@@ -315,6 +327,33 @@ class ClusterManager:
                     self.runtimes[peer], f"{runtime.name} lost its data link to {self.runtimes[peer].name}"
                 )
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Each runtime's state for /health (and, over several nodes, where it runs)."""
+        out = [r.describe() for r in self.runtimes]
+        for r, report in zip(self.runtimes, out):
+            if self._ray is not None:
+                report["host"] = r.proc.host
+            elif self._nodes is not None:
+                report.update(self._nodes.describe(r.id))
+        return out
+
+    async def _watch_handshakes(self) -> None:
+        """Count (and log once) connections to the CURVE control endpoint that fail the handshake: a host
+        without the cluster secret, or a plain ZeroMQ client."""
+        events = (
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )  # fmt: skip
+        monitor = self._sock.get_monitor_socket(events)
+        try:
+            while True:
+                await monitor.recv_multipart()  # one event: [event id + value, endpoint]
+                self.rejected_handshakes += 1
+                if self.rejected_handshakes == 1:
+                    logger.warning("refused a connection without the cluster's keys (counted from now on)")
+        finally:
+            monitor.close()
+
     # ---- loss and replacement
 
     async def _watch(self) -> None:
@@ -323,6 +362,8 @@ class ClusterManager:
             if self._stopping or self.failure is not None:
                 continue
             now = time.monotonic()
+            if self._nodes is not None:
+                self._nodes.tick(now)  # a silent node's runtimes end here, and are replaced below
             for r in self.runtimes:
                 code = r.proc.poll()
                 if code is not None:
@@ -390,7 +431,11 @@ class ClusterManager:
         deadline = time.monotonic() + timeout_s
         while any(r.proc.poll() is None for r in self.runtimes) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if self._nodes is not None:
+            self._nodes.shutdown()  # the agents stop what is left of their runtimes, and exit
         self.kill_all()
+        if self._ray is not None:
+            self._ray.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -417,6 +462,11 @@ class ClusterManager:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+def _host(endpoint: str) -> str:
+    """The address of a tcp://host:port endpoint."""
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
 
 
 def _reap_later(proc: subprocess.Popen) -> None:

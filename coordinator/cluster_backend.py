@@ -36,7 +36,8 @@ from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError, RequestFailed
 from amoe.request_rules import SeedSource
 from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.cluster import ClusterManager, RuntimeProc
+from coordinator.cluster import ClusterManager
+from coordinator.runtimes import RuntimeProc
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ class ClusterBackend(Backend):
     def recoveries(self) -> list[float]:
         """Seconds from each runtime loss to its replacement serving (for /metrics)."""
         return self.cluster.recoveries
+
+    @property
+    def rejected_handshakes(self) -> int:
+        """Connections to the CURVE control endpoint refused (multi-node; for /metrics)."""
+        return self.cluster.rejected_handshakes
 
     @property
     def control_dropped(self) -> int:
@@ -286,7 +292,7 @@ class ClusterBackend(Backend):
             }
         if self.cluster.failure is not None:
             report["error"] = self.cluster.failure
-        report["runtimes"] = [r.describe() for r in self.cluster.runtimes]
+        report["runtimes"] = self.cluster.describe()
         report["kv"] = [
             {"rank": rank, "free_blocks": r.kv_free, "total_blocks": r.num_kv_blocks}
             for rank, r in enumerate(self.cluster.attn_runtimes)

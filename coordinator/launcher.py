@@ -16,6 +16,7 @@ import sys
 
 from amoe import wire
 from amoe.config import AmoeConfig
+from amoe.curve import ClusterKeys
 
 
 class LocalLauncher:
@@ -30,6 +31,8 @@ class LocalLauncher:
         *,
         tcp_host: str | None,
         startup_timeout_s: float,
+        keys: ClusterKeys | None = None,
+        node_ip: str | None = None,
     ) -> None:
         self.config = config
         self.model_dir = model_dir
@@ -37,6 +40,8 @@ class LocalLauncher:
         self.control = control
         self.tcp_host = tcp_host  # None: ipc sockets in the run directory (one host)
         self.startup_timeout_s = startup_timeout_s
+        # Multi-node: each runtime also listens on node_ip over CURVE for peers on other hosts.
+        self.keys, self.node_ip = keys, node_ip
 
     def spawn(self, runtime: int, role: str) -> subprocess.Popen:
         # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
@@ -50,6 +55,8 @@ class LocalLauncher:
             config=self.config.to_dict(), parent_pid=os.getpid(), store_path=store,
             data_bind=f"ipc://{data}" if self.tcp_host is None else f"{self.tcp_host}:0",
             startup_timeout_s=self.startup_timeout_s,
+            secure_bind=f"tcp://{self.node_ip}:0" if self.keys is not None else None,
+            curve=self.keys.as_dict() if self.keys is not None else None,
         )  # fmt: skip
         proc = subprocess.Popen(
             [sys.executable, "-m", "amoe.runtime.worker"], stdin=subprocess.PIPE, close_fds=True

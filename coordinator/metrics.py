@@ -265,6 +265,7 @@ class RuntimeCollector:
             fam.kv_used.add_metric([str(rank)], kv.total_blocks - kv.free_blocks)
             fam.kv_total.add_metric([str(rank)], kv.total_blocks)
         fam.control_dropped.add_metric([], getattr(self._backend, "control_dropped", 0))
+        fam.rejected_handshakes.add_metric([], getattr(self._backend, "rejected_handshakes", 0))
         fam.readmitted.add_metric([], getattr(self._backend, "readmitted", 0))
         recoveries = list(getattr(self._backend, "recoveries", ()))
         bounds = [*(str(float(b)) for b in RECOVERY_BUCKETS), "+Inf"]
@@ -402,6 +403,10 @@ class _Families:
             "amoe_coordinator_control_dropped_messages",
             "Control-plane messages the coordinator dropped (malformed, out of range, or from the wrong socket)",
         )
+        self.rejected_handshakes = CounterMetricFamily(
+            "amoe_coordinator_rejected_handshakes",
+            "Connections to the control plane's CURVE endpoint refused: no CURVE, or not the cluster's keys",
+        )
         self.readmitted = CounterMetricFamily(
             "amoe_cluster_readmitted_requests",
             "Requests admitted again (prompt + tokens so far) after their attention runtime was lost",
@@ -416,7 +421,8 @@ class _Families:
         return [
             self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
-            self.routed, self.kv_used, self.kv_total, self.control_dropped, self.readmitted, self.recovery,
+            self.routed, self.kv_used, self.kv_total, self.control_dropped, self.rejected_handshakes,
+            self.readmitted, self.recovery,
         ]  # fmt: skip
 
 

@@ -14,8 +14,9 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import RequestFailed
 from coordinator.backend import TokenDelta
-from coordinator.cluster import ClusterManager, RuntimeProc
+from coordinator.cluster import ClusterManager
 from coordinator.cluster_backend import ClusterBackend, _Stream
+from coordinator.runtimes import RuntimeProc
 
 
 class _Alive:

@@ -20,6 +20,8 @@ def communicator(spec: wire.WorkerSpec, num_runtimes: int, config: AmoeConfig, e
         spec.runtime, num_runtimes, bind=spec.data_bind, plane=plane, process_group=group,
         timeout_s=config.transport.timeout_s,
     )  # fmt: skip
+    if spec.secure_bind is not None:  # multi-node: peers on other hosts come in over CURVE
+        comm.listen_secure(spec.secure_bind, **spec.curve)
     if em is not None:
         # Loopback delivers at once; an emulated GPU's messages should take the time its links would.
         comm.set_link_delays(*build.link_delays(config, em, spec.runtime))

@@ -27,10 +27,12 @@ _LINGER_MS = 1000  # a Failed message sent just before exit must still leave
 class Channel:
     """One DEALER connected to the coordinator; counts (never raises on) malformed inbound frames."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, keys: Any = None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if keys is not None and endpoint.startswith("tcp://"):  # another host: CURVE (amoe.curve)
+            keys.client(self.sock)
         self.sock.connect(endpoint)
         self.num_dropped = 0
 

@@ -9,7 +9,6 @@ and heartbeats until Shutdown. Any failure is reported as one Failed message and
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -21,12 +20,12 @@ import zmq
 
 from amoe import wire
 from amoe.config import AmoeConfig
+from amoe.curve import ClusterKeys
 from amoe.log import setup_logging
+from amoe.process import die_with_parent, name_process
 from amoe.runtime.control import Channel, serve_commands, token_publisher
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def make_runtime(spec: wire.WorkerSpec) -> Any:
@@ -41,31 +40,13 @@ def make_runtime(spec: wire.WorkerSpec) -> Any:
     return Runtime(spec)
 
 
-def name_process(title: str) -> None:
-    """So `ps` shows the role: the full title via setproctitle, else at least the 15-char comm name."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the coordinator dies (even by SIGKILL), so no runtime is ever orphaned."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # it died before prctl took effect
-        os._exit(1)
-
-
 def run(spec: wire.WorkerSpec) -> int:
     """Start, serve until Shutdown; 0 on a clean stop, 1 after reporting a failure."""
     ctx = zmq.Context()
     identity = f"rt{spec.runtime}".encode()
-    control = Channel(ctx, spec.coordinator, identity)
-    outputs = Channel(ctx, spec.coordinator, identity + b".out")  # the loop thread's own socket
+    keys = ClusterKeys(**spec.curve) if spec.curve is not None else None
+    control = Channel(ctx, spec.coordinator, identity, keys)
+    outputs = Channel(ctx, spec.coordinator, identity + b".out", keys)  # the loop thread's own socket
     runtime = None
     try:
         runtime = make_runtime(spec)
@@ -99,6 +80,7 @@ def _hello(spec: wire.WorkerSpec, runtime: Any) -> wire.Hello:
         num_kv_blocks=runtime.num_kv_blocks,
         max_model_len=runtime.max_model_len,
         vocab_size=runtime.model_config.vocab_size,
+        secure_endpoint=runtime.comm.secure_endpoint or None,
     )
 
 

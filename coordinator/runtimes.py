@@ -1,0 +1,71 @@
+"""The runtime table of the cluster manager: one RuntimeProc per runtime (its current process and what the
+control plane last heard from it), and the budget of replacements self-healing may spend."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.launcher import exit_text
+
+
+@dataclass
+class RuntimeProc:
+    """One runtime (its current process) as the coordinator sees it."""
+
+    id: int
+    role: str  # "attention" | "expert"
+    proc: subprocess.Popen
+    endpoint: str | None = None  # set by Hello, with the four below
+    secure_endpoint: str | None = None  # multi-node: its CURVE endpoint, for runtimes on other nodes
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    kv_free: int = 0  # the latest of its heartbeat and token reports
+    ready: bool = False
+    last_seen: float = field(default_factory=time.monotonic)  # any message (the control thread is alive)
+    polls: int = 0  # the loop thread's progress counter, from heartbeats
+    progressed: float = field(default_factory=time.monotonic)  # when it last moved (the loop is alive)
+    stats: dict[str, Any] | None = None
+    lost: str | None = None  # why it is being replaced (None: it is not)
+    lost_at: float = 0.0
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} runtime {self.id}"
+
+    def describe(self) -> dict[str, Any]:
+        code = self.proc.poll()
+        return {
+            "runtime": self.id,
+            "role": self.role,
+            "pid": self.proc.pid,
+            "alive": code is None,
+            "exit": None if code is None else exit_text(code),
+            "ready": self.ready,
+            "restarts": self.restarts,
+            "replacing": self.lost,
+            "heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
+            "loop_progress_age_s": round(time.monotonic() - self.progressed, 3),
+        }
+
+
+class RestartBudget:
+    """At most `limit` restarts in any `window_s` seconds."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit, self.window_s = limit, window_s
+        self._times: collections.deque[float] = collections.deque()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
