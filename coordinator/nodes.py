@@ -185,7 +185,13 @@ class Nodes:
              "--parent-pid", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, close_fds=True,
         )  # fmt: skip
-        line = await asyncio.to_thread(self._store.stdout.readline)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self._store.stdout.readline), self.dist.timeout_s)
+        except asyncio.TimeoutError:
+            self._store.kill()  # its readline then returns at end of file
+            raise AmoeError(
+                f"the rendezvous store at {self.dist.init_addr} did not start within {self.dist.timeout_s:.0f} s"
+            ) from None
         if line.strip() != STORE_READY:
             self._store.wait()
             error = self._store.stderr.read().strip().splitlines()
