@@ -135,13 +135,7 @@ void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
     std::lock_guard<std::mutex> out_lock(out_mu_);
     for (int r = 0; r < num_runtimes_; ++r) {
       if (r == rank_) continue;
-      Outgoing hello;
-      hello.dest = r;
-      hello.th.kind = kHelloTransfer;
-      hello.th.src = rank_;
-      hello.frame0.assign(sizeof(TransferHeader), '\0');
-      hello.queued = Clock::now();
-      send_or_park(*peers_[r], std::move(hello));
+      send_or_park(*peers_[r], hello_to(r));
     }
     for (auto& out : out_) send_or_park(*peers_[out.dest], std::move(out));
     out_.clear();
@@ -149,6 +143,17 @@ void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
   }
   // Starting the thread is a full barrier: the PULL socket made by the constructor now belongs to it.
   io_ = std::thread([this] { io_loop(); });
+}
+
+// The first message on a connection: it tells the peer this rank is (back) there.
+ZmqCommunicator::Outgoing ZmqCommunicator::hello_to(int dest) const {
+  Outgoing hello;
+  hello.dest = dest;
+  hello.th.kind = kHelloTransfer;
+  hello.th.src = rank_;
+  hello.frame0.assign(sizeof(TransferHeader), '\0');
+  hello.queued = Clock::now();
+  return hello;
 }
 
 void* ZmqCommunicator::open_peer(int rank, const std::string& endpoint) {
@@ -214,12 +219,7 @@ void ZmqCommunicator::reconnect(int rank, const std::string& endpoint) {
     peer.sock = sock;
     peer.next_seq = 0;
     peer.closed = false;
-    Outgoing hello;
-    hello.dest = rank;
-    hello.th.kind = kHelloTransfer;
-    hello.th.src = rank_;
-    hello.frame0.assign(sizeof(TransferHeader), '\0');
-    hello.queued = Clock::now();
+    Outgoing hello = hello_to(rank);
     if (!try_send(peer, hello)) {
       peer.backlog.push_back(std::move(hello));
       backlog_.fetch_add(1, std::memory_order_relaxed);

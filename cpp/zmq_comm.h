@@ -143,6 +143,7 @@ class ZmqCommunicator : public Communicator {
   void drain_inbound();
   void drain_monitor();
   void* open_peer(int rank, const std::string& endpoint);  // a PUSH connected to endpoint (CURVE if tcp)
+  Outgoing hello_to(int dest) const;
   // One arrival (frames: zmq_msg_t*), handled by transfer kind; read_*() validate, false: dropped.
   void handle_inbound(std::vector<void*>& frames, size_t num_frames);
   bool read_transfer_header(void* frame0, TransferHeader* th);
