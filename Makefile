@@ -1,15 +1,18 @@
 # Two commands a newcomer needs: `make serve` and `make test`. Everything else is set up on demand.
 VENV        ?= .venv
 PYTHON      ?= python3
-# A CPU torch from local disk here; set TORCH_SPEC for a CUDA install on a GPU host.
+# A CPU torch from local disk here. On a GPU host pick the CUDA build (docs/gpu.md), e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# The extension compiles against whichever torch is installed, from the same sources.
 TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
 SYS_PKGS    ?= libzmq3-dev prometheus
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.amoe-installed
 CPP_SOURCES := $(wildcard cpp/*.cpp cpp/*.h)
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test test-gpu lint format bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -22,15 +25,20 @@ $(STAMP): pyproject.toml setup.py $(CPP_SOURCES)
 	fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip setuptools wheel
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" numpy
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple) "$(TORCH_SPEC)" numpy
 	$(PIP) install -q --no-build-isolation -e '.[dev]'
 	@touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/amoe serve
 
+# The suite runs with an explicit --device cpu (AMOE_DEVICE stands in for the flag): CI has no GPU. The tests in
+# tests/gpu are collected and skipped, with the reason; `make test-gpu` runs them on a GPU host.
 test: install lint
-	$(PY) -m pytest -q tests
+	AMOE_DEVICE=cpu $(PY) -m pytest -q tests
+
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests/gpu
 
 lint: install
 	$(VENV)/bin/ruff check amoe coordinator tests bench examples deploy
@@ -49,6 +57,10 @@ bench: install
 	$(PY) bench/transport.py
 	$(PY) bench/metrics_endpoint.py
 	$(PY) bench/fuzz_api.py
+
+# GPU hosts only: amoe on the GPU against transformers on the same GPU, offline and served.
+bench-gpu: install
+	$(PY) bench/gpu.py
 
 clean:
 	rm -rf build *.egg-info amoe/*.so

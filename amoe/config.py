@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from amoe.errors import ConfigError
 POLICIES = ("defrag", "mtfs", "flfs")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Where a runtime's tensors live (docs/gpu.md): auto = CUDA when this host has it.
+DEVICE_KINDS = ("auto", "cpu", "cuda")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -32,11 +35,12 @@ class ModelSection:
     """Which checkpoint to serve and how to hold it."""
 
     path: str | None = None  # None: the embedded tiny demo model
-    dtype: str = "float32"
+    # auto: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16 (amoe.device.model_dtype)
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
 
     def __post_init__(self) -> None:
-        _choice("model.dtype", self.dtype, DTYPE_NAMES)
+        _choice("model.dtype", self.dtype, ("auto", *DTYPE_NAMES))
         if self.max_model_len is not None:
             _positive("model.max_model_len", self.max_model_len)
 
@@ -46,13 +50,33 @@ class CacheSection:
     """The paged KV cache of each attention rank."""
 
     block_size: int = 16
-    num_kv_blocks: int = 512
+    # None: as many as device.memory_utilization leaves room for (amoe.device.kv_blocks_for_memory)
+    num_kv_blocks: int | None = None
     max_num_seqs: int = 256  # requests decoding at once on one attention rank
 
     def __post_init__(self) -> None:
         _positive("cache.block_size", self.block_size)
-        _positive("cache.num_kv_blocks", self.num_kv_blocks)
+        if self.num_kv_blocks is not None:
+            _positive("cache.num_kv_blocks", self.num_kv_blocks)
         _positive("cache.max_num_seqs", self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class DeviceSection:
+    """Where each runtime computes (docs/gpu.md): one device per runtime process."""
+
+    # auto | cpu | cuda; a node's runtimes take GPUs 0..G-1 in placement order. AMOE_DEVICE stands in for the
+    # built-in default (`make test` runs the suite with AMOE_DEVICE=cpu).
+    kind: str = field(default_factory=lambda: os.environ.get("AMOE_DEVICE") or "auto")
+    # vLLM's --gpu-memory-utilization: the fraction of the device's memory this runtime may use (weights, activations
+    # and the KV cache, which gets what is left). On the CPU the same fraction of the host's RAM, shared by the
+    # node's runtimes.
+    memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _choice("device.kind", self.kind, DEVICE_KINDS)
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ConfigError(f"device.memory_utilization must be in (0, 1]; got {self.memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -99,11 +123,12 @@ class SchedulerSection:
 class TransportSection:
     """How token batches move between runtimes (AMoE §3.5)."""
 
-    plane: str = "inline"
+    # auto: nccl between GPU runtimes on one host, inline otherwise (AmoeConfig.tensor_plane)
+    plane: str = "auto"
     timeout_s: float = 10.0  # a transfer pending longer than this fails its peer
 
     def __post_init__(self) -> None:
-        _choice("transport.plane", self.plane, ("inline", "gloo", "nccl"))
+        _choice("transport.plane", self.plane, ("auto", "inline", "gloo", "nccl"))
         _positive("transport.timeout_s", self.timeout_s)
 
 
@@ -239,6 +264,7 @@ class AmoeConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     cache: CacheSection = field(default_factory=CacheSection)
+    device: DeviceSection = field(default_factory=DeviceSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     transport: TransportSection = field(default_factory=TransportSection)
@@ -247,12 +273,27 @@ class AmoeConfig:
     dist: DistSection = field(default_factory=DistSection)
 
     def __post_init__(self) -> None:
-        if self.dist.multi_node and (self.parallel.mode != "aep" or self.transport.plane != "inline"):
+        if self.dist.multi_node and (self.parallel.mode != "aep" or self.tensor_plane != "inline"):
             raise ConfigError(
                 "a multi-node cluster serves --parallel aep over --transport inline (the tensor plane across "
                 "hosts is ZeroMQ over CURVE); got "
                 f"--parallel {self.parallel.mode} --transport {self.transport.plane}"
             )
+        if self.tensor_plane == "nccl" and self.device.kind == "cpu":
+            raise ConfigError(
+                "--transport nccl moves GPU tensors: it needs --device cuda (or auto on a GPU host)"
+            )
+        if self.executor.kind == "emulated" and self.device.kind == "cuda":
+            raise ConfigError("emulated GPUs hold no tensors: --executor emulated runs with --device cpu")
+
+    @property
+    def tensor_plane(self) -> str:
+        """The transport's plane with auto decided: NCCL between GPU runtimes of one host, inline otherwise (the
+        ZeroMQ frame; GPU tensors are staged through pinned host memory). `device.kind` auto counts as CPU here:
+        `amoe.device_check.resolve` decides it before a deployment starts."""
+        if self.transport.plane != "auto":
+            return self.transport.plane
+        return "nccl" if self.device.kind == "cuda" and not self.dist.multi_node else "inline"
 
     def replace(self, **sections: dict) -> AmoeConfig:
         """A copy with some fields of some sections changed, e.g. replace(cache={"num_kv_blocks": 64})."""
@@ -307,6 +348,8 @@ def _build_section(name: str, values: dict, base=None):
 
 _ALIASES = {
     ("model", "path"): "--model",
+    ("device", "kind"): "--device",
+    ("device", "memory_utilization"): "--gpu-memory-utilization",
     ("parallel", "mode"): "--parallel",
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",
@@ -331,6 +374,10 @@ _ALIASES = {
     ("dist", "cluster_secret_file"): "--cluster-secret-file",
     ("dist", "backend"): "--distributed-backend",
 }
+
+
+def _default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _flag_type(section_cls, name: str):
@@ -363,7 +410,7 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] 
                 type=_flag_type(section_cls, f.name),
                 default=None,
                 metavar=f.name.upper(),
-                help=f"(default: {f.default})",
+                help=f"(default: {_default_of(f)})",
             )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amoe.config import DistSection, ParallelSection
+from amoe.config import AmoeConfig, DistSection, ParallelSection
 from amoe.errors import ConfigError
 
 ATTENTION, EXPERT = "attention", "expert"
@@ -109,3 +109,24 @@ def node_map(dist: DistSection, num_runtimes: int) -> tuple[int, ...]:
             f"{num_runtimes} runtimes do not fit on {dist.nnodes} nodes of --runtimes-per-node {per_node}"
         )
     return tuple(r // per_node for r in range(num_runtimes))
+
+
+def local_index(config: AmoeConfig, runtime: int) -> int:
+    """Runtime `runtime`'s number among its node's runtimes, in placement order: the GPU it takes (docs/gpu.md). A
+    Ray actor is given its own GPU by Ray (CUDA_VISIBLE_DEVICES), so there it is always 0."""
+    if config.dist.backend == "ray":
+        return 0
+    nodes = node_map(config.dist, len(runtime_roles(config.parallel)))
+    return sum(1 for r in range(runtime) if nodes[r] == nodes[runtime])
+
+
+def node_of(config: AmoeConfig, runtime: int) -> int:
+    """The node runtime `runtime` runs on."""
+    return node_map(config.dist, len(runtime_roles(config.parallel)))[runtime]
+
+
+def runtimes_on_node(config: AmoeConfig, node: int) -> int:
+    """How many runtimes node `node` starts (its share of host memory and GPUs)."""
+    if config.dist.backend == "ray":
+        return 1
+    return node_map(config.dist, len(runtime_roles(config.parallel))).count(node)

@@ -33,6 +33,7 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
     dist = config.dist
     if headless and dist.node_rank == 0:
         raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
+    config = resolve_device(config)  # --device cuda on a host without CUDA fails here, before anything starts
     if dist.node_rank > 0:
         from amoe.node_agent import main as agent_main
 
@@ -133,8 +134,8 @@ class AmoeServer:
             ex.kind if ex.kind == "torch" else f"emulated {ex.gpu} ×{ex.time_scale:g} time, {ex.routing}"
         )
         logger.info(
-            "serving %s with %s (%s, %s executor, %s transport, %s scheduler)",
-            ex.profile or model_dir, layout, par.mode, executor, self.config.transport.plane,
+            "serving %s with %s (%s, %s executor on %s, %s transport, %s scheduler)",
+            ex.profile or model_dir, layout, par.mode, executor, self.config.device.kind, self.config.tensor_plane,
             self.config.scheduler.policy,
         )  # fmt: skip
         backend = ClusterBackend(self.config, model_dir, on_dead=self._cluster_died)
@@ -209,6 +210,18 @@ class _UvicornServer(uvicorn.Server):
             name = signal.Signals(sig).name
             logger.info("%s: draining (up to %.1f s for in-flight requests)", name, self._drain_timeout_s)
             self.should_exit = True
+
+
+def resolve_device(config: AmoeConfig) -> AmoeConfig:
+    """`config` with its device decided for this node (amoe.device_check; a Ray cluster's runtimes decide on their
+    own hosts, which Ray gives GPUs)."""
+    if config.dist.backend == "ray":
+        return config
+    from amoe.device_check import resolve
+    from amoe.placement import runtimes_on_node
+
+    here = 1 if config.parallel.mode == "local" else runtimes_on_node(config, config.dist.node_rank)
+    return resolve(config, here)
 
 
 def api_key(server: ServerSection) -> str | None:

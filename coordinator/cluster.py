@@ -79,7 +79,7 @@ class ClusterManager:
         # A dead runtime stops beating; process exit is noticed sooner by polling.
         self._heartbeat_timeout_s = max(config.transport.timeout_s, 5.0)
         # Only an AEP runtime can rejoin a running cluster: a synchronous group has no place for a newcomer.
-        self._heals = config.parallel.mode == "aep" and config.transport.plane == "inline"
+        self._heals = config.parallel.mode == "aep" and config.tensor_plane == "inline"
         self._budget = RestartBudget(config.server.max_restarts, config.server.restart_window_s)
         self.runtimes: list[RuntimeProc] = []
         self.failure: str | None = None

@@ -46,7 +46,7 @@ class LocalLauncher:
     def spawn(self, runtime: int, role: str) -> subprocess.Popen:
         # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
         # the network for it and the coordinator needs no torch.
-        store = os.path.join(self.run_dir, "rendezvous") if self.config.transport.plane != "inline" else None
+        store = os.path.join(self.run_dir, "rendezvous") if self.config.tensor_plane != "inline" else None
         # ipc sockets live in the private run directory: only this user's processes can reach them. A replacement
         # gets a fresh path (the old process may not have unlinked its own).
         data = os.path.join(self.run_dir, f"rt{runtime}-{os.urandom(4).hex()}.data")

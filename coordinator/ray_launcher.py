@@ -84,14 +84,17 @@ class RayLauncher:
         except (ConnectionError, RuntimeError) as exc:
             raise AmoeError(f"cannot join the Ray cluster at {address}: {_first_line(exc)}") from None
         self._ray = ray
-        # One bundle per runtime (a device; one CPU each until runtimes own GPUs), spread across the nodes.
-        self.group = placement_group([{"CPU": 1}] * num_runtimes, strategy="SPREAD")
+        # One bundle per runtime (a device: a CPU, and with --device cuda a GPU, which Ray makes the actor's only
+        # visible one), spread across the nodes.
+        gpus = 1 if config.device.kind == "cuda" else 0
+        bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
+        self.group = placement_group([bundle] * num_runtimes, strategy="SPREAD")
         if not ray.wait([self.group.ready()], timeout=dist.timeout_s)[0]:
             raise AmoeError(
-                f"the Ray cluster could not place {num_runtimes} runtimes (one CPU bundle each) within "
+                f"the Ray cluster could not place {num_runtimes} runtimes ({bundle} each) within "
                 f"{dist.timeout_s:.0f} s: see `ray status`"
             )
-        self._actor = ray.remote(num_cpus=1, max_restarts=0)(_actor_class())
+        self._actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(_actor_class())
         logger.info("Ray cluster at %s: %d runtime bundles placed", address, num_runtimes)
 
     @property

@@ -9,10 +9,13 @@
 
 namespace amoe {
 
-// P2P send/recv on pg, issued from C++; receive buffers are allocated on device. The group should be
-// dedicated to the communicator: its tags (seq mod 2^31) would collide with other P2P traffic.
+// P2P send/recv issued from C++; receive buffers are allocated on device. Transfers to a higher rank go over
+// `up`, to a lower rank over `down` (the same group for both is fine where directions do not block each
+// other, as in gloo). The groups should be dedicated to the communicator: its tags (seq mod 2^31) would
+// collide with other P2P traffic.
 std::shared_ptr<TensorPlane> make_process_group_plane(const std::string& name,
-                                                      c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                      c10::intrusive_ptr<c10d::ProcessGroup> up,
+                                                      c10::intrusive_ptr<c10d::ProcessGroup> down,
                                                       at::Device device);
 
 }  // namespace amoe

@@ -21,6 +21,20 @@ namespace amoe {
 
 namespace {
 
+// The payload as the plane moves it: contiguous, on the plane's device. A GPU tensor bound for a host plane
+// (the inline ZeroMQ frame, gloo) is staged through pinned host memory: a DMA copy, not the driver's pageable
+// bounce. The copy blocks this (dispatching) thread until the bytes are on the host, so the frame never sees
+// stale data.
+at::Tensor stage_for_plane(const at::Tensor& data, const at::Device& device) {
+  if (data.device() == device) return data.contiguous();
+  if (data.is_cuda() && device.is_cpu()) {
+    auto host = at::empty(data.sizes(), data.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(data);
+    return host;
+  }
+  return data.to(device).contiguous();
+}
+
 constexpr int kHwm = 1000;                                // ZeroMQ queue depth (messages) per socket
 constexpr int kLingerMs = 200;                            // how long close() lets queued goodbyes leave
 constexpr size_t kRecvPoolIdleBytes = size_t{128} << 20;  // warm receive buffers kept between messages
@@ -300,7 +314,7 @@ void ZmqCommunicator::send(int dest, Message msg) {
   out.dest = dest;
   out.th.kind = plane_ ? kTwoPhaseTransfer : kInlineTransfer;
   out.th.src = rank_;
-  out.data = (plane_ ? msg.data.to(plane_->device()) : msg.data.cpu()).contiguous();
+  out.data = stage_for_plane(msg.data, plane_ ? plane_->device() : at::Device(at::kCPU));
   out.th.nbytes = static_cast<uint64_t>(out.data.numel()) * itemsize;
   out.frame0.resize(kMetaBytes + n * sizeof(RowMeta));
   std::memcpy(&out.frame0[sizeof(TransferHeader)], &msg.header, sizeof(MessageHeader));

@@ -49,6 +49,9 @@ class TensorPlane {
   virtual std::string name() const = 0;
   // Where receive buffers are allocated.
   virtual at::Device device() const = 0;
+  // Called first on each lane thread (the threads that wait on transfers): a GPU plane gives it its device
+  // and a dedicated stream there, so waiting never queues behind the compute stream.
+  virtual void on_lane_thread() {}
   virtual std::unique_ptr<Transfer> send(const at::Tensor& data, int dst, uint32_t tag) = 0;
   virtual std::unique_ptr<Transfer> recv(const at::Tensor& buffer, int src, uint32_t tag) = 0;
 };

@@ -32,17 +32,28 @@ std::shared_ptr<TensorPlane> make_plane(const std::string& plane, int rank, int 
   AMOE_CHECK_ARG(plane == "gloo" || plane == "nccl",
                  "plane must be \"inline\", \"gloo\" or \"nccl\", got \"" << plane << "\"");
   AMOE_CHECK_ARG(!process_group.is_none(), "the " << plane << " plane needs a process_group");
-  auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
-  AMOE_CHECK_ARG(pg->getRank() == rank && pg->getSize() == num_runtimes,
-                 "process group rank/size " << pg->getRank() << "/" << pg->getSize() << " differ from "
-                                            << rank << "/" << num_runtimes);
+  // One group, or two: (up, down) carry the transfers to a higher and to a lower rank on communicators of
+  // their own, so the two directions between a pair never queue behind each other (NCCL runs one pair's
+  // sends and receives on one stream, in order: a large send each way would wait for each other's receive).
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
+  if (py::isinstance<py::tuple>(process_group) || py::isinstance<py::list>(process_group)) {
+    for (auto g : process_group) groups.push_back(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+    AMOE_CHECK_ARG(groups.size() == 2, "process_group must be a group or a pair (up, down) of groups");
+  } else {
+    groups.push_back(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+  }
+  for (const auto& pg : groups) {
+    AMOE_CHECK_ARG(pg->getRank() == rank && pg->getSize() == num_runtimes,
+                   "process group rank/size " << pg->getRank() << "/" << pg->getSize() << " differ from "
+                                              << rank << "/" << num_runtimes);
+  }
   at::Device device(at::kCPU);
   if (plane == "nccl") {
     // Read on the constructing (Python) thread: the I/O thread's current device is always 0.
     auto index = py::module_::import("torch").attr("cuda").attr("current_device")().cast<int>();
     device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
-  return make_process_group_plane(plane, std::move(pg), device);
+  return make_process_group_plane(plane, groups.front(), groups.back(), device);
 }
 
 py::dict stats_dict(const CommStats& s) {

@@ -484,6 +484,7 @@ void ZmqCommunicator::Lane::abort_all() {
 }
 
 void ZmqCommunicator::Lane::loop() {
+  if (owner_->plane_) owner_->plane_->on_lane_thread();
   while (true) {
     std::shared_ptr<Pending> p;
     {

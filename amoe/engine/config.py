@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from amoe.config import DTYPE_NAMES, AmoeConfig, CacheSection
+from amoe.config import DEVICE_KINDS, DTYPE_NAMES, AmoeConfig, CacheSection, DeviceSection
 from amoe.errors import ConfigError
 
 
@@ -14,20 +14,30 @@ from amoe.errors import ConfigError
 class EngineConfig:
     """How LocalEngine holds the model and batches requests; validated once."""
 
-    dtype: str | None = None  # None: the checkpoint's dtype
+    dtype: str | None = None  # None or "auto": by device (amoe.device.model_dtype)
+    device: str = field(default_factory=lambda: DeviceSection().kind)  # auto | cpu | cuda
+    memory_utilization: float = (
+        DeviceSection.memory_utilization
+    )  # sizes the KV cache when num_kv_blocks is None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # The cache's defaults are the config's (one default per setting).
     block_size: int = CacheSection.block_size
-    num_kv_blocks: int = CacheSection.num_kv_blocks
+    num_kv_blocks: int | None = CacheSection.num_kv_blocks  # None: from memory_utilization
     max_num_seqs: int = CacheSection.max_num_seqs
     max_num_batched_tokens: int = 8192
     seed: int = 0  # seeds the generators of requests that bring no seed
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in ("auto", *DTYPE_NAMES):
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.device not in DEVICE_KINDS:
+            raise ConfigError(f"device must be one of {', '.join(DEVICE_KINDS)}; got {self.device!r}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ConfigError(f"memory_utilization must be in (0, 1]; got {self.memory_utilization!r}")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if name == "num_kv_blocks" and value is None:
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer; got {value!r}")
         if self.max_model_len is not None and (
@@ -49,6 +59,8 @@ class EngineConfig:
         """The engine view of a deployment config."""
         return cls.from_options(
             dtype=config.model.dtype,
+            device=config.device.kind,
+            memory_utilization=config.device.memory_utilization,
             max_model_len=config.model.max_model_len,
             block_size=config.cache.block_size,
             num_kv_blocks=config.cache.num_kv_blocks,

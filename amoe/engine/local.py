@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from amoe.device import torch_dtype
+from amoe import device as devices
 from amoe.engine.config import EngineConfig
 from amoe.engine.model_runner import ModelRunner
 from amoe.engine.request import EngineOutput, Request
@@ -32,22 +32,43 @@ class LocalEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_config: ModelConfig = load_model_config(model_dir)
-        dtype = torch_dtype(self.config.dtype or self.model_config.dtype)
-        self.runner = ModelRunner(
-            model_dir, self.model_config, self.config.num_kv_blocks, self.config.block_size, dtype
-        )
-        self.blocks = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.device = devices.runtime_device(self.config.device)
+        dtype = devices.model_dtype(self.config.dtype or "auto", self.model_config.dtype, self.device)
+        self.runner = ModelRunner(model_dir, self.model_config, self.config.block_size, dtype, self.device)
+        num_kv_blocks = self.config.num_kv_blocks or self._kv_blocks(dtype)
+        self.runner.allocate_kv(num_kv_blocks)
+        self.blocks = BlockManager(num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler()
         # A request must fit the cache alone, so the cache size also bounds its length.
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
-            self.config.num_kv_blocks * self.config.block_size,
+            num_kv_blocks * self.config.block_size,
         )
         self._requests: dict[int, Request] = {}
         self._seeds = SeedSource(self.config.seed)
         logger.info("[engine] local engine ready: %s, max_model_len %d", model_dir, self.max_model_len)
+
+    def _kv_blocks(self, dtype) -> int:
+        """What memory_utilization of the device leaves for KV after the weights (amoe.device.kv_budget)."""
+        cfg, bs = self.model_config, self.config.block_size
+        limit = min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        per_request = devices.blocks_for(limit, bs)
+        budget = devices.kv_budget(
+            self.device,
+            block_bytes=devices.kv_block_bytes(cfg.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype),
+            utilization=self.config.memory_utilization,
+            share=1,
+            activation_bytes=4
+            * self.config.max_num_batched_tokens
+            * (cfg.vocab_size + 8 * cfg.hidden_size)
+            * 4,
+            max_blocks=self.config.max_num_seqs * per_request,
+            blocks_per_request=per_request,
+        )
+        logger.info(budget.describe(bs, limit))
+        return budget.num_blocks
 
     def add_request(
         self, request_id: int, prompt_token_ids: list[int], params: SamplingParams | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from amoe import core
+from amoe.device import CPU, Device
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import PagedKVCache
@@ -28,18 +29,31 @@ class ModelRunner:
     """Owns the attention layers, every expert layer, the head and the KV cache of a single-process engine."""
 
     def __init__(
-        self, model_dir: str | Path, cfg: ModelConfig, num_kv_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: Device = CPU,
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        rank = build_attention_rank(model_dir, cfg, dtype)
+        self.device = device
+        self.dtype = dtype
+        rank = build_attention_rank(model_dir, cfg, dtype, device.torch)
         self.attention, self.head = rank.layers, rank.head
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
-            model_dir, cfg, range(cfg.num_experts), dtype
+            model_dir, cfg, range(cfg.num_experts), dtype, device.torch
         )
+        self.kv: PagedKVCache | None = None
+
+    def allocate_kv(self, num_kv_blocks: int) -> None:
+        """The KV cache, once the weights are on the device (its size may depend on what they leave)."""
+        cfg = self.cfg
         self.kv = PagedKVCache(
-            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
-        )
+            cfg.num_blocks, num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+            self.device.torch,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
@@ -52,15 +66,16 @@ class ModelRunner:
             batch.block_tables,
             self.block_size,
             self.cfg.sliding_window,
-        )
+        )  # on the host; its indices go up once for every block
+        put = self.device.put
         inp = AttnInput(
-            positions=batch.positions,
-            slot_mapping=batch.slot_mapping,
+            positions=put(batch.positions),
+            slot_mapping=put(batch.slot_mapping),
             cu_rows=batch.cu_rows,
             context_lens=batch.context_lens,
             block_tables=batch.block_tables,
-            token_ids=batch.token_ids,
-            plan=plan,
+            token_ids=put(batch.token_ids),
+            plan=plan.to(self.device.torch),
         )
         last_block = self.cfg.num_blocks - 1
         for b, layer in enumerate(self.attention):
@@ -80,7 +95,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """x [N, H] routed to K experts each → weighted expert outputs [N, K, H] (slot k ↔ topk_ids[:, k])."""
         n, k = topk_ids.shape
-        perm, offsets = core.group_by_destination(topk_ids.flatten(), self.cfg.num_experts)  # [N*K], [E+1]
+        # Grouping is host work on the routing (which crosses to the CPU anyway); the permutation goes back up.
+        perm, offsets = core.group_by_destination(self.device.host(topk_ids).flatten(), self.cfg.num_experts)
+        perm = self.device.put(perm)  # [N*K]; offsets [E+1] stay on the host
         grouped_x = x.index_select(0, perm // k)  # [N*K, H], rows of expert 0 first, then expert 1, ...
         grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
         grouped_out = torch.empty_like(grouped_x)

@@ -30,6 +30,18 @@ class AttnPlan:
 
     groups: list[_ChunkGroup]
 
+    def to(self, device: torch.device) -> AttnPlan:
+        """The plan's indices and masks on `device` (built on the host, used where the KV cache is)."""
+        if all(g.slots.device == device for g in self.groups):
+            return self
+
+        def put(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttnPlan(
+            [_ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask)) for g in self.groups]
+        )
+
     @classmethod
     def build(
         cls,
@@ -118,7 +130,7 @@ class AttentionLayer:
         self._qkv_sizes = [weights.q_proj.shape[0], weights.k_proj.shape[0], weights.v_proj.shape[0]]
         self.o_proj = weights.o_proj  # [H, heads * D]
         self.router = weights.router  # [E, H]
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, self.o_proj.device)
 
     def forward(self, inp: AttnInput, kv: PagedKVCache) -> AttnOutput:
         """Merge, attend (writing this chunk's K/V at inp.slot_mapping first), add, norm and route."""

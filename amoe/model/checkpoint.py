@@ -24,10 +24,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointReader:
-    """Knows which file holds each tensor; reads only the tensors (or expert slices) asked for."""
+    """Knows which file holds each tensor; reads only the tensors (or expert slices) asked for, each straight from
+    the file's memory map onto `device`: no CPU copy of the model is ever made, only of one tensor at a time."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, device: torch.device | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.device = device or torch.device("cpu")
         self._file_of = self._map_tensors()
         self._handles: dict[Path, Any] = {}
 
@@ -64,7 +66,8 @@ class CheckpointReader:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt data
             raise ModelLoadError(f"{path}: cannot read tensor {name}: {exc}") from None
-        return tensor.to(dtype).contiguous()
+        # One copy: the mapped file's bytes to the device, cast on the way (a no-op view when nothing changes).
+        return tensor.to(device=self.device, dtype=dtype).contiguous()
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
@@ -107,11 +110,14 @@ def _open(path: Path) -> Any:
 
 
 def load_attention_rank_weights(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> W.AttentionRankWeights:
     """Embedding, attention + router of every block, final norm and lm_head; no expert tensor is read."""
     dtype = dtype or torch_dtype(cfg.dtype)
-    with CheckpointReader(model_dir) as reader:
+    with CheckpointReader(model_dir, device) as reader:
         embed = reader.read(W.EMBED, (cfg.vocab_size, cfg.hidden_size), dtype)
         blocks = [_read_attention_block(reader, cfg, b, dtype) for b in range(cfg.num_blocks)]
         final_norm = reader.read(W.FINAL_NORM, (cfg.hidden_size,), dtype)
@@ -129,6 +135,7 @@ def load_expert_weights(
     experts: Iterable[int],
     blocks: Iterable[int] | None = None,
     dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> dict[tuple[int, int], W.ExpertWeights]:
     """The given experts of the given blocks (default: every block), keyed by (block, expert)."""
     dtype = dtype or torch_dtype(cfg.dtype)
@@ -139,7 +146,7 @@ def load_expert_weights(
             f"{model_dir}: expert {bad[0]} does not exist (num_local_experts={cfg.num_experts})"
         )
     block_ids = range(cfg.num_blocks) if blocks is None else sorted(set(blocks))
-    with CheckpointReader(model_dir) as reader:
+    with CheckpointReader(model_dir, device) as reader:
         loaded = {(b, e): _read_expert(reader, cfg, b, e, dtype) for b in block_ids for e in experts}
     logger.info("[model] loaded experts %s of %d blocks from %s", experts, len(block_ids), model_dir)
     return loaded

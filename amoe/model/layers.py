@@ -35,17 +35,25 @@ class AttentionRank:
 
 
 def build_attention_rank(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> AttentionRank:
-    """Load embedding, attention and router weights of all blocks, final norm and lm_head; no expert weights."""
-    w = load_attention_rank_weights(model_dir, cfg, dtype)
+    """Load embedding, attention and router weights of all blocks, final norm and lm_head (onto `device`, one
+    tensor at a time); no expert weights."""
+    w = load_attention_rank_weights(model_dir, cfg, dtype, device)
     layers = [AttentionLayer(b, cfg, bw, embed=w.embed if b == 0 else None) for b, bw in enumerate(w.blocks)]
     return AttentionRank(layers=layers, head=Head(cfg, w.final_norm, w.lm_head))
 
 
 def build_expert_layers(
-    model_dir: str | Path, cfg: ModelConfig, experts: list[int] | range, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    experts: list[int] | range,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> dict[tuple[int, int], ExpertLayer]:
-    """Expert layers (block, expert) for the given experts of every block."""
-    loaded = load_expert_weights(model_dir, cfg, experts, dtype=dtype)
+    """Expert layers (block, expert) for the given experts of every block, on `device`."""
+    loaded = load_expert_weights(model_dir, cfg, experts, dtype=dtype, device=device)
     return {(b, e): ExpertLayer(b, e, w) for (b, e), w in loaded.items()}

@@ -16,8 +16,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class RotaryEmbedding:
     """Default RoPE, computed the way HF does: inv_freq and the angles in float32, cos/sin cast to the model dtype."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    def __init__(self, head_dim: int, theta: float, device: torch.device | None = None) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.inv_freq = inv_freq.to(device) if device is not None else inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] → cos, sin [N, head_dim]."""

@@ -13,7 +13,8 @@ class Sampler:
     """Greedy rows take the argmax; the others sample after temperature, top-k and top-p, in one vectorised pass.
 
     Each sampled row draws one uniform number from its own request's generator, so a seeded request gets the same
-    tokens whatever else shares its batch.
+    tokens whatever else shares its batch. The generators are host generators on every device: a seed draws the
+    same numbers on a CPU and a GPU, and only those R numbers go up; the filtering runs where the logits are.
     """
 
     def forward(
@@ -26,7 +27,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [R]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            rows = torch.tensor(sampled)
+            rows = torch.tensor(sampled, device=logits.device)
             chosen = self._sample(
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
@@ -40,17 +41,17 @@ class Sampler:
         logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """logits [S, V] → sampled token ids [S] (inverse-CDF sampling over the filtered, sorted distribution)."""
-        vocab = logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)[:, None]
+        vocab, dev = logits.shape[-1], logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)[:, None]
         sorted_logits, sorted_ids = (logits / temperature).sort(dim=-1, descending=True)  # [S, V]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
-        sorted_logits.masked_fill_(torch.arange(vocab)[None, :] >= top_k, float("-inf"))
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
+        sorted_logits.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= top_k, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)[:, None]
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it already does.
         probs.masked_fill_(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
         cdf = probs.cumsum(dim=-1)  # [S, V]
-        uniform = torch.cat([torch.rand(1, generator=g) for g in generators])  # [S]
+        uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dev)  # [S]
         choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
         return sorted_ids.gather(1, choice).squeeze(1)
 

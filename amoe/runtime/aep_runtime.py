@@ -33,6 +33,9 @@ class Runtime:
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
         self.placement = build.placement(self.config, cfg.num_experts)
+        self.device = build.device(
+            self.config, self.id
+        )  # current before any CUDA work (the NCCL group's too)
         self.comm = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
         self.engine = core.Engine(
             core.engine_config(
@@ -43,12 +46,16 @@ class Runtime:
             self.comm,
         )  # fmt: skip
         if self.role == "attention":
-            self.attention = build.attention_executor(self.config, spec.model_dir, cfg, self.emulation)
+            self.attention = build.attention_executor(
+                self.config, spec.model_dir, cfg, self.emulation, dev=self.device, runtime=self.id
+            )
             executor = self.attention
         else:
             self.attention = None
             experts = self.placement.experts_of(self.id)
-            executor = build.expert_executor(self.config, spec.model_dir, cfg, experts, self.emulation)
+            executor = build.expert_executor(
+                self.config, spec.model_dir, cfg, experts, self.emulation, self.device
+            )
         self.executor = executor
         self.reporter = RuntimeReporter(self.id, self.engine, executor, self.comm)  # times each layer
         self._stop = threading.Event()

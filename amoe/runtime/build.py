@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from amoe import device as devices
 from amoe.config import AmoeConfig
-from amoe.device import torch_dtype
+from amoe.device import Device
 from amoe.emulation.executor import Emulation
 from amoe.emulation.links import link_delays as emulated_link_delays
 from amoe.emulation.links import runtime_nodes
 from amoe.model.config import ModelConfig, load_model_config
-from amoe.placement import Placement
+from amoe.placement import Placement, local_index, node_of, runtimes_on_node
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
 from amoe.runtime.requests import RankRequests
 
@@ -50,12 +51,71 @@ def link_delays(config: AmoeConfig, em: Emulation, rank: int) -> tuple[list[floa
     return emulated_link_delays(em.gpu, em.profile, nodes, rank, ex.time_scale)
 
 
-def num_kv_blocks(config: AmoeConfig, em: Emulation | None, num_local_experts: int = 0) -> int:
-    """KV blocks of one attention rank: `cache.num_kv_blocks`, or (emulated) what the GPU's memory holds beside the
-    attention weights and, in EP, the experts sharing the GPU."""
-    if em is None:
-        return config.cache.num_kv_blocks
-    return em.num_kv_blocks(config.cache.block_size, num_local_experts)
+def device(config: AmoeConfig, runtime: int) -> Device:
+    """The device runtime `runtime` owns (its node's GPU of its place in placement order, or the CPU), made current
+    before any CUDA work. Emulated GPUs hold no tensors: the CPU."""
+    if config.executor.kind == "emulated":
+        return devices.CPU
+    return devices.runtime_device(config.device.kind, local_index(config, runtime))
+
+
+def dtype(config: AmoeConfig, cfg: ModelConfig, dev: Device):
+    """Weights' and activations' dtype: `--model-dtype`, auto by device (amoe.device.model_dtype)."""
+    return devices.model_dtype(config.model.dtype, cfg.dtype, dev)
+
+
+def num_kv_blocks(
+    config: AmoeConfig,
+    em: Emulation | None,
+    num_local_experts: int = 0,
+    *,
+    cfg: ModelConfig | None = None,
+    dev: Device | None = None,
+    runtime: int = 0,
+) -> int:
+    """KV blocks of one attention rank: `cache.num_kv_blocks`; (emulated) what the GPU's memory holds beside the
+    attention weights and, in EP, the experts sharing the GPU; else what `--gpu-memory-utilization` of this
+    runtime's device leaves beside the weights it has loaded (call it after loading them)."""
+    if em is not None:
+        return em.num_kv_blocks(config.cache.block_size, num_local_experts)
+    bs, limit = config.cache.block_size, _model_limit(config, cfg)
+    if config.cache.num_kv_blocks is not None:
+        blocks = config.cache.num_kv_blocks
+        how = "--cache-num-kv-blocks"
+    else:
+        share = 1 if config.parallel.mode == "local" else runtimes_on_node(config, node_of(config, runtime))
+        budget = kv_budget(config, cfg, dev, share)
+        blocks = budget.num_blocks
+        how = f"--gpu-memory-utilization {config.device.memory_utilization:g} of {dev.describe()}"
+    logger.info(
+        "runtime %d: KV cache of %d blocks of %d tokens (%s); max concurrent requests at %d tokens: %.1f",
+        runtime, blocks, bs, how, limit, blocks / devices.blocks_for(limit, bs),
+    )  # fmt: skip
+    return blocks
+
+
+def kv_budget(config: AmoeConfig, cfg: ModelConfig, dev: Device, share: int) -> devices.KVBudget:
+    """What `--gpu-memory-utilization` buys on `dev` for a model of `cfg` (amoe.device.kv_budget)."""
+    bs = config.cache.block_size
+    per_request = devices.blocks_for(_model_limit(config, cfg), bs)
+    rows = max(config.scheduler.attn_batch_cap, config.scheduler.expert_batch_cap)
+    # The activation reserve: float32 logits and hidden rows of the biggest batch, with 4x headroom.
+    activation = 4 * rows * (cfg.vocab_size + 8 * cfg.hidden_size) * 4
+    return devices.kv_budget(
+        dev,
+        block_bytes=devices.kv_block_bytes(
+            cfg.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype(config, cfg, dev)
+        ),
+        utilization=config.device.memory_utilization,
+        share=share,
+        activation_bytes=activation,
+        max_blocks=config.cache.max_num_seqs * per_request,
+        blocks_per_request=per_request,
+    )
+
+
+def _model_limit(config: AmoeConfig, cfg: ModelConfig) -> int:
+    return min(config.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
 def max_model_len(config: AmoeConfig, cfg: ModelConfig, kv_blocks: int) -> int:
@@ -65,10 +125,22 @@ def max_model_len(config: AmoeConfig, cfg: ModelConfig, kv_blocks: int) -> int:
 
 
 def attention_executor(
-    config: AmoeConfig, model_dir, cfg: ModelConfig, em: Emulation | None, num_local_experts: int = 0
+    config: AmoeConfig,
+    model_dir,
+    cfg: ModelConfig,
+    em: Emulation | None,
+    num_local_experts: int = 0,
+    dev: Device = devices.CPU,
+    runtime: int = 0,
 ) -> AttentionExecutor:
-    """An attention rank: its requests over this rank's KV capacity, and torch or emulated compute."""
-    blocks = num_kv_blocks(config, em, num_local_experts)
+    """An attention rank: its requests over this rank's KV capacity, and torch or emulated compute. Torch weights
+    load onto `dev` first, so the KV cache gets what they leave."""
+    model = None
+    if em is None:
+        from amoe.model.layers import build_attention_rank
+
+        model = build_attention_rank(model_dir, cfg, dtype(config, cfg, dev), dev.torch)
+    blocks = num_kv_blocks(config, em, num_local_experts, cfg=cfg, dev=dev, runtime=runtime)
     requests = RankRequests(
         vocab_size=cfg.vocab_size,
         eos_token_ids=cfg.stop_token_ids,
@@ -79,18 +151,22 @@ def attention_executor(
     )
     if em is not None:
         return AttentionExecutor(requests, em.attention(), cfg)
-    from amoe.model.layers import build_attention_rank
-
-    model = build_attention_rank(model_dir, cfg, torch_dtype(config.model.dtype))
-    return AttentionExecutor(requests, TorchAttention(model, cfg, blocks, config.cache.block_size), cfg)
+    return AttentionExecutor(requests, TorchAttention(model, cfg, blocks, config.cache.block_size, dev), cfg)
 
 
 def expert_executor(
-    config: AmoeConfig, model_dir, cfg: ModelConfig, experts: list[int], em: Emulation | None
+    config: AmoeConfig,
+    model_dir,
+    cfg: ModelConfig,
+    experts: list[int],
+    em: Emulation | None,
+    dev: Device = devices.CPU,
 ):
-    """The executor of this runtime's experts (every block of each)."""
+    """The executor of this runtime's experts (every block of each), their weights on `dev`."""
     if em is not None:
         return em.expert_executor()
     from amoe.model.layers import build_expert_layers
 
-    return ExpertExecutor(build_expert_layers(model_dir, cfg, experts, torch_dtype(config.model.dtype)))
+    return ExpertExecutor(
+        build_expert_layers(model_dir, cfg, experts, dtype(config, cfg, dev), dev.torch), dev
+    )

@@ -14,7 +14,7 @@ from amoe.runtime import build
 
 def communicator(spec: wire.WorkerSpec, num_runtimes: int, config: AmoeConfig, em: Any = None) -> Any:
     """This runtime's ZmqCommunicator; with an emulation `em`, its links hold messages for their time in flight."""
-    plane = config.transport.plane
+    plane = config.tensor_plane
     group = None if plane == "inline" else _process_group(spec, num_runtimes, plane)
     comm = core.ZmqCommunicator(
         spec.runtime, num_runtimes, bind=spec.data_bind, plane=plane, process_group=group,
@@ -41,4 +41,8 @@ def _process_group(spec: wire.WorkerSpec, num_runtimes: int, plane: str) -> Any:
     timeout = timedelta(seconds=spec.startup_timeout_s)
     store = dist.FileStore(spec.store_path, num_runtimes)
     dist.init_process_group(plane, store=store, rank=spec.runtime, world_size=num_runtimes, timeout=timeout)
+    if plane == "nccl":
+        # A second group for transfers to lower ranks: NCCL keeps one pair's transfers in order on one stream,
+        # so a large message each way on a single group would wait for each other's receive (docs/gpu.md).
+        return dist.group.WORLD, dist.new_group(list(range(num_runtimes)), backend="nccl")
     return dist.group.WORLD

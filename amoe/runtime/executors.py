@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from amoe import core
-from amoe.model.attention import AttnInput
+from amoe.device import CPU, Device
+from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import PagedKVCache
 from amoe.model.layers import AttentionRank, ExpertLayer
@@ -26,14 +27,16 @@ logger = logging.getLogger(__name__)
 
 
 class ExpertExecutor:
-    """Runs ExpertLayer (block, expert) on an expert batch."""
+    """Runs ExpertLayer (block, expert) on an expert batch, on the device that holds its weights."""
 
-    def __init__(self, layers: dict[tuple[int, int], ExpertLayer]) -> None:
+    def __init__(self, layers: dict[tuple[int, int], ExpertLayer], device: Device = CPU) -> None:
         self.layers = layers
+        self.device = device
 
     @torch.inference_mode()
     def run(self, batch: core.Batch) -> torch.Tensor:
-        return self.layers[(batch.block, batch.index)](batch.x, batch.weights)  # [N, H]
+        put = self.device.put  # rows that came over a host plane (inline, gloo) go up to the device here
+        return self.layers[(batch.block, batch.index)](put(batch.x), put(batch.weights))  # [N, H]
 
 
 class AttentionExecutor:
@@ -83,24 +86,41 @@ class AttentionExecutor:
 
 
 class TorchAttention:
-    """Attention of every block, the head and the sampler of one rank, in torch, over the rank's paged KV cache."""
+    """Attention of every block, the head and the sampler of one rank, in torch, over the rank's paged KV cache.
 
-    def __init__(self, model: AttentionRank, cfg: ModelConfig, num_kv_blocks: int, block_size: int) -> None:
+    Everything runs on `device`, where the weights and the KV cache are. The host works out the batch's indices
+    (slots, masks) from its metadata and sends them up once per batch; what comes back down is only the routing
+    (top-k ids and weights, which the engine dispatches on) and the sampled token ids.
+    """
+
+    def __init__(
+        self,
+        model: AttentionRank,
+        cfg: ModelConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        device: Device = CPU,
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
+        self.device = device
         dtype = model.head.lm_head.dtype
         self.kv = PagedKVCache(
-            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device.torch
         )
         self.sampler = Sampler()
 
     def attend(self, batch: core.Batch, request_ids: list[int], requests: RankRequests):
         out = self.model.layers[batch.block](self._input(batch, request_ids, requests), self.kv)
-        return out.residual, out.moe_input, out.topk_ids, out.topk_weights
+        host = self.device.host
+        return out.residual, out.moe_input, host(out.topk_ids), host(out.topk_weights)
 
     def sample(self, batch: core.Batch, reqs: list[RankRequest]) -> list[int]:
-        logits = self.model.head(batch.residual, batch.expert_out, batch.expert_ids, batch.cu_rows)  # [R, V]
+        put = self.device.put
+        logits = self.model.head(
+            put(batch.residual), put(batch.expert_out), put(batch.expert_ids), batch.cu_rows
+        )  # [R, V]
         return self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
     def _input(self, batch: core.Batch, request_ids: list[int], requests: RankRequests) -> AttnInput:
@@ -111,14 +131,19 @@ class TorchAttention:
         chunk_of_row = torch.repeat_interleave(torch.arange(len(request_ids)), lens)  # [N]
         bs, pos = self.block_size, batch.positions
         slot_mapping = block_tables[chunk_of_row, pos // bs] * bs + pos % bs  # [N]
+        plan = AttnPlan.build(
+            pos, batch.cu_rows, batch.context_lens, block_tables, bs, self.cfg.sliding_window
+        )  # on the host, from host metadata: no device sync
+        put = self.device.put
         return AttnInput(
-            positions=pos,
-            slot_mapping=slot_mapping,
+            positions=put(pos),
+            slot_mapping=put(slot_mapping),
             cu_rows=batch.cu_rows,
             context_lens=batch.context_lens,
             block_tables=block_tables,
-            token_ids=batch.token_ids,
-            residual=batch.residual,
-            expert_out=batch.expert_out,
-            expert_ids=batch.expert_ids,
+            token_ids=put(batch.token_ids),
+            residual=put(batch.residual),
+            expert_out=put(batch.expert_out),
+            expert_ids=put(batch.expert_ids),
+            plan=plan.to(self.device.torch),
         )

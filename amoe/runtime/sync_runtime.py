@@ -37,6 +37,7 @@ class SyncRuntime:
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
         self.placement = place = build.placement(self.config, cfg.num_experts)
+        self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
         self.comm = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
         self.attention = self.device.attention  # None on an expert device
@@ -51,11 +52,13 @@ class SyncRuntime:
         hosted = place.experts_of(self.id)
         rank = place.attn_rank_of(self.id)
         attention = experts = None
+        if hosted:  # first: in EP the KV cache gets what the experts leave of the device's memory
+            experts = build.expert_executor(self.config, model_dir, cfg, hosted, em, self.gpu)
         if rank is not None:
             local = len(hosted) if self.mode == "ep" else 0  # EP: the experts share the GPU's memory
-            attention = build.attention_executor(self.config, model_dir, cfg, em, local)
-        if hosted:
-            experts = build.expert_executor(self.config, model_dir, cfg, hosted, em)
+            attention = build.attention_executor(
+                self.config, model_dir, cfg, em, local, dev=self.gpu, runtime=self.id
+            )
         return SyncDevice(
             self.id, cfg, place.expert_runtime, attn_devices=place.attn_runtime, expert_devices=place.hosts,
             attention=attention, experts=experts, attn_rank=rank or 0,

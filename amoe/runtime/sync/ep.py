@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from amoe import core
+from amoe.device import Device
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch
 from amoe.runtime.sync.device import SyncDevice
@@ -66,7 +67,7 @@ def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor |
     if out is None:  # nothing here this iteration, or its layer failed: still a party to every all-to-all
         return None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
     residual, moe_input, ids, weights = out
-    return residual, Routed(moe_input, ids, weights, step.request_ids, step.positions)
+    return residual, Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
 
 
 def _moe(device: SyncDevice, ex: Exchanger, tag: Tag, routed: Routed) -> torch.Tensor | None:

@@ -169,7 +169,7 @@ def run_experts(
         )
         with stats.busy():
             out = executor.run(batch)
-        body.index_copy_(0, idx + shift[idx], out.to(body.dtype))
+        body.index_copy_(0, idx + shift[idx], out.to(body.device, body.dtype))  # host frames (docs/gpu.md)
         stats.count_expert_rows(block, e, idx.numel())
     bodies, start = {}, 0
     for src, n in zip(srcs, sizes):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from amoe import core
+from amoe.device import Device
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch, split_micro_batches
 from amoe.runtime.sync.device import SyncDevice
@@ -105,7 +106,7 @@ def _attend_and_send(
         mb.batch = None  # a failed one has ended its requests: it goes on without rows
     else:
         mb.residual, moe_input, ids, weights = out
-        mb.routed = Routed(moe_input, ids, weights, step.request_ids, step.positions)
+        mb.routed = Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
     mb.plan = DispatchPlan(mb.routed.topk_ids, device.expert_device, device.expert_devices)
     send_dispatch(ex, tag, mb.routed, mb.plan)
 
