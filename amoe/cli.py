@@ -107,6 +107,38 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve_main(config_from_args(args), headless=args.headless)
 
 
+def add_plan_command(sub: Any) -> None:
+    from amoe.emulation.routing import DEFAULT_LAMBDA
+
+    p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
+    p.add_argument("--model-profile", required=True, metavar="P", help="model shapes (mixtral-8x7b-mqa, ...)")
+    p.add_argument(
+        "--gpus", required=True, metavar="TYPE:N[,...]", help="GPUs at hand, e.g. a100-80g:8,h100:4"
+    )
+    p.add_argument(
+        "--price", metavar="TYPE=$/h[,...]", help="$ per GPU-hour: rank by cost per million tokens"
+    )
+    p.add_argument(
+        "--workload", default="short", help="short | medium | reasonable | random (default: short)"
+    )
+    p.add_argument("--top-k", type=int, help="override the profile's top-k")
+    p.add_argument(
+        "--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}", help="skew the plan assumes (skew-exp:λ[,rho=ρ])"
+    )
+    p.add_argument("--itl-slo-ms", type=float, help="drop deployments whose ITL exceeds this")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
+    p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
+    p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from amoe.plan import main as plan_main
+
+    return plan_main(args)
+
+
 def add_bench_command(sub: Any) -> None:
     from amoe.bench import BENCH_SUBCOMMANDS
 
@@ -122,6 +154,7 @@ SUBCOMMANDS = (
     add_make_model_command,
     add_generate_command,
     add_bench_command,
+    add_plan_command,
     add_queues_command,
 )
 

@@ -88,6 +88,9 @@ class ParallelSection:
     expert_ranks: int = 2  # ignored by ep
     threads_per_rank: int = 1
     micro_batches: int = 2  # pingpong: m of MegaScale-Infer's ping-pong pipeline
+    # aep / pingpong: the expert runtime (0..expert_ranks-1) of each expert, "0,1,2,3,0,1,2,3"; None: e mod M.
+    # `amoe plan` writes one that balances a skewed routing.
+    expert_map: str | None = None
 
     def __post_init__(self) -> None:
         _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))

@@ -43,18 +43,22 @@ class Placement:
         """The placement `--parallel` asks for, for a model of `num_experts` experts."""
         if parallel.mode == "ep":
             return cls.expert_parallel(parallel.attn_ranks, num_experts)
-        return cls.disaggregated(parallel.attn_ranks, parallel.expert_ranks, num_experts)
+        return cls.disaggregated(parallel.attn_ranks, parallel.expert_ranks, num_experts, parallel.expert_map)
 
     @classmethod
-    def disaggregated(cls, num_attn_ranks: int, num_expert_ranks: int, num_experts: int) -> Placement:
-        """Runtimes 0..A-1 run attention; expert e goes to runtime A + e mod M (paper §3.3)."""
+    def disaggregated(
+        cls, num_attn_ranks: int, num_expert_ranks: int, num_experts: int, expert_map: str | None = None
+    ) -> Placement:
+        """Runtimes 0..A-1 run attention; expert e goes to runtime A + e mod M (paper §3.3), or to A + m for the
+        m that `expert_map` ("m0,m1,...", one per expert) names."""
         if num_expert_ranks > num_experts:
             raise ConfigError(
                 f"parallel.expert_ranks ({num_expert_ranks}) exceeds the model's {num_experts} experts"
             )
+        where = parse_expert_map(expert_map, num_experts, num_expert_ranks)
         return cls(
             attn_runtime=tuple(range(num_attn_ranks)),
-            expert_runtime=tuple(num_attn_ranks + e % num_expert_ranks for e in range(num_experts)),
+            expert_runtime=tuple(num_attn_ranks + m for m in where),
         )
 
     @classmethod
@@ -85,6 +89,27 @@ class Placement:
 
     def attn_rank_of(self, runtime: int) -> int | None:
         return self.attn_runtime.index(runtime) if runtime in self.attn_runtime else None
+
+
+def parse_expert_map(text: str | None, num_experts: int, num_expert_ranks: int) -> tuple[int, ...]:
+    """The expert runtime of each expert: `text` ("0,1,1,0", one per expert) or round robin. Every expert runtime
+    must host at least one expert."""
+    if text is None:
+        return tuple(e % num_expert_ranks for e in range(num_experts))
+    try:
+        where = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--parallel-expert-map must be numbers separated by commas; got {text!r}"
+        ) from None
+    if len(where) != num_experts:
+        raise ConfigError(f"--parallel-expert-map names {len(where)} experts; the model has {num_experts}")
+    if set(where) != set(range(num_expert_ranks)):
+        raise ConfigError(
+            f"--parallel-expert-map must place experts on every expert runtime 0..{num_expert_ranks - 1} and no "
+            f"other; got {text!r}"
+        )
+    return where
 
 
 def node_map(dist: DistSection, num_runtimes: int) -> tuple[int, ...]:

@@ -61,6 +61,10 @@ _AEP = Setup("aep", 4, 4)
 _EP = Setup("ep", 8, slowdown=2.0)
 
 
+# The routing every setup runs: skew-exp at its default λ (amoe.emulation.routing: measured Mixtral skew).
+ROUTING = "skew-exp"
+
+
 def _group(name: str, *setups: Setup) -> tuple[Setup, ...]:
     return tuple(replace(s, group=name) for s in setups)
 
@@ -142,7 +146,7 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
     flags = [
         "--parallel", setup.mode, "--attn-ranks", str(setup.attn),
         "--executor", "emulated", "--gpu", setup.gpu, "--executor-profile", profile_name(setup, p),
-        "--executor-top-k", str(setup.top_k), "--routing", "skew-exp", "--executor-seed", str(seed),
+        "--executor-top-k", str(setup.top_k), "--routing", ROUTING, "--executor-seed", str(seed),
         "--time-scale", f"{time_scale(setup, p):g}", "--scheduler", setup.policy,
         "--scheduler-attn-batch-cap", str(p.attn_cap), "--scheduler-expert-batch-cap", str(p.expert_cap),
         # The load generator, not the coordinator's queue, decides the load: never refuse for overload.
@@ -158,51 +162,49 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
     return flags
 
 
-def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None) -> float:
-    """Output tokens/s no schedule can beat on the setup's GPUs placed as AEP would (attention + expert GPUs):
-    every GPU busy at its most efficient batch within the deployment's caps, KV capacity respected.
-
-    Attention steps hold at most the attention cap (default: the preset's); concurrency is bounded only by KV, so
-    expert steps can gather up to the expert cap from many attention steps. (The cost model's own bound ties
-    the expert batch to one attention batch, which under a small cap would understate what AEP can do.)
-    """
+def _bound(setup: Setup, p: Preset, deployment, full: bool = False) -> float:
     from amoe.bench.workloads import PAPER_WORKLOADS
-    from amoe.emulation import cost_model, profiles
+    from amoe.emulation import bounds, cost_model, profiles
 
     model = profiles.model_profile(profile_name(setup, p), setup.top_k)
-    inputs, outputs = PAPER_WORKLOADS[setup.workload]
+    if full:
+        model = bounds.full_depth(model)
+    inclusion = bounds.routing_inclusion(model, ROUTING)
+    ctx = cost_model.mean_decode_context(*PAPER_WORKLOADS[setup.workload])
+    return bounds.predict(
+        model, deployment, inclusion, ctx, profiles.host_overhead("amoe-paper")
+    ).tokens_per_s
+
+
+def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full: bool = False) -> float:
+    """Output tokens/s no schedule can beat on the setup's GPUs placed as AEP would (attention + expert GPUs), with
+    the routing's skew on the expert side (amoe.emulation.bounds): every GPU busy at its most efficient batch
+    within the deployment's caps, KV capacity respected. `full`: at the model's full depth (the ratio between
+    deployments is the same either way: a truncated profile pays its share of the head)."""
+    from amoe.emulation.bounds import Deployment
+
     attn = setup.attn if setup.mode != "ep" else setup.attn // 2
-    common = {
-        "num_attn_gpus": attn,
-        "num_expert_gpus": setup.num_gpus - attn,
-        "mean_context": cost_model.mean_decode_context(inputs, outputs),
-        "host": profiles.host_overhead("amoe-paper"),
-    }
-    gpu = profiles.gpu_profile(setup.gpu)
-    attention = cost_model.upper_bound_throughput(
-        model, gpu, max_attn_batch=max_attn_batch or p.attn_cap, **common
-    )
-    experts = cost_model.upper_bound_throughput(model, gpu, max_expert_batch=p.expert_cap, **common)
-    return min(attention.attention_tokens_per_s, experts.expert_tokens_per_s)
-
-
-def ep_upper_bound(setup: Setup, p: Preset, seed: int = 0) -> float:
-    """The cost model's best case for barrier-synchronised EP on the setup's GPUs (cost_model.
-    ep_upper_bound_throughput) under the routing the bench runs (skew-exp, the seed's per-block hot experts), each
-    device batching up to the attention cap. With upper_bound it says what AEP / EP ratio the GPUs alone allow."""
-    from amoe.bench.workloads import PAPER_WORKLOADS
-    from amoe.emulation import cost_model, profiles
-    from amoe.emulation.routing import RouterOverride, RoutingSpec
-
-    model = profiles.model_profile(profile_name(setup, p), setup.top_k)
-    router = RouterOverride(
-        RoutingSpec.parse("skew-exp"), model.num_experts, model.top_k, model.num_blocks, seed
-    )
-    return cost_model.ep_upper_bound_throughput(
-        model, profiles.gpu_profile(setup.gpu), router.popularity, num_devices=setup.num_gpus,
-        mean_context=cost_model.mean_decode_context(*PAPER_WORKLOADS[setup.workload]),
-        host=profiles.host_overhead("amoe-paper"), max_batch=p.attn_cap,
+    dep = Deployment(
+        "aep", setup.gpu, attn, setup.gpu, setup.num_gpus - attn, max_attn_batch or p.attn_cap, p.expert_cap,
+        gpus_per_node=setup.gpus_per_node or setup.num_gpus,
     )  # fmt: skip
+    return _bound(setup, p, dep, full)
+
+
+def ep_upper_bound(setup: Setup, p: Preset, seed: int = 0, full: bool = False) -> float:
+    """The cost model's best case for barrier-synchronised EP on the setup's GPUs (amoe.emulation.bounds: the
+    all-to-alls' latency and one grouped GEMM per device) under the routing the bench runs, each device batching
+    up to the attention cap. With upper_bound it says what AEP / EP ratio the GPUs alone allow."""
+    from amoe.emulation.bounds import Deployment
+
+    dep = Deployment(
+        "ep",
+        setup.gpu,
+        setup.num_gpus,
+        attn_cap=p.attn_cap,
+        gpus_per_node=setup.gpus_per_node or setup.num_gpus,
+    )
+    return _bound(setup, p, dep, full)
 
 
 def mean_output_tokens(workload: str) -> float:

@@ -7,9 +7,7 @@ launch gap per kernel and the host overhead of the serving system being emulated
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,14 +85,17 @@ def head_time(
     rows: int | None = None,
     host: HostOverhead = NO_HOST,
 ) -> float:
-    """Final merge + norm + lm_head + sampler: logits only for the last row of each of `num_chunks` chunks."""
+    """Final merge + norm + lm_head + sampler: logits only for the last row of each of `num_chunks` chunks. A
+    truncated profile pays its share of it (ModelProfile.head_share), so its iterations keep the model's
+    proportions."""
     if num_chunks <= 0:
         return 0.0
     rows = num_chunks if rows is None else rows
     h, v = model.hidden_size, model.vocab_size
     merge = (model.top_k + 2) * rows * h * model.bytes_per_activation / gpu.usable_bandwidth
     lm_head = roofline(gpu, 2 * num_chunks * h * v, h * v * model.bytes_per_param + 2 * num_chunks * v * 4)
-    return merge + lm_head + HEAD_KERNELS * gpu.launch_s + host.head_step_s + num_chunks * host.head_row_s
+    full = merge + lm_head + HEAD_KERNELS * gpu.launch_s + host.head_step_s + num_chunks * host.head_row_s
+    return full * model.head_share
 
 
 def transfer_time(num_bytes: float, link: LinkProfile) -> float:
@@ -148,91 +149,6 @@ def mean_decode_context(input_range: tuple[int, int], output_range: tuple[int, i
     inp = np.arange(input_range[0], input_range[1] + 1, dtype=np.float64)
     out = np.arange(output_range[0], output_range[1] + 1, dtype=np.float64)
     return float(inp.mean() + (out**2).mean() / (2 * out.mean()))
-
-
-@dataclass(frozen=True)
-class UpperBound:
-    """Decode throughput with every GPU busy at its most efficient batch and KV capacity respected."""
-
-    tokens_per_s: float
-    attention_tokens_per_s: float  # if the experts were free
-    expert_tokens_per_s: float  # if attention were free (perfectly balanced experts)
-    attention_batch: int  # rows per attention step on each attention GPU
-    expert_batch: int  # rows per expert step
-    kv_tokens_per_gpu: int
-    bottleneck: str  # "attention" or "experts"
-
-
-def upper_bound_throughput(
-    model: ModelProfile,
-    gpu: GpuProfile,
-    *,
-    num_attn_gpus: int,
-    num_expert_gpus: int,
-    mean_context: float,
-    host: HostOverhead = NO_HOST,
-    max_attn_batch: int = 4096,
-    max_expert_batch: int = 4096,
-) -> UpperBound:
-    """Decode tokens/s no schedule can beat: ignores skew, queueing and transfers (assumed overlapped).
-
-    Attention GPUs hold as many requests as their KV cache fits (up to max_attn_batch) and run every block on
-    that whole batch; experts see that concurrency times top-k over the experts as their per-step batch.
-    """
-    experts_per_gpu = math.ceil(model.num_experts / num_expert_gpus)
-    kv_tokens = kv_capacity_tokens(gpu, model, attention_rank_weight_bytes(model))
-    attn_batch = min(max_attn_batch, int(kv_tokens // max(mean_context, 1.0)))
-    if (
-        attn_batch < 1
-        or expert_rank_weight_bytes(model, experts_per_gpu) > gpu.memory * gpu.memory_utilization
-    ):
-        return UpperBound(0.0, 0.0, 0.0, max(attn_batch, 0), 0, kv_tokens, "memory")
-    ctx = int(round(mean_context))
-    iteration = model.num_blocks * decode_attention_time(model, gpu, attn_batch, ctx, host)
-    iteration += head_time(model, gpu, attn_batch, host=host)
-    attn_tps = num_attn_gpus * attn_batch / iteration
-    concurrency = num_attn_gpus * attn_batch
-    expert_batch = max(1, min(max_expert_batch, concurrency * model.top_k // model.num_experts))
-    rows_per_s = expert_batch / expert_layer_time(model, gpu, expert_batch, host)
-    busy_gpus = min(num_expert_gpus, model.num_experts)  # no replication: extra expert GPUs idle
-    expert_tps = busy_gpus * rows_per_s / (model.num_blocks * model.top_k)
-    bottleneck = "attention" if attn_tps <= expert_tps else "experts"
-    return UpperBound(
-        min(attn_tps, expert_tps), attn_tps, expert_tps, attn_batch, expert_batch, kv_tokens, bottleneck
-    )
-
-
-def ep_upper_bound_throughput(
-    model: ModelProfile,
-    gpu: GpuProfile,
-    popularity: np.ndarray,
-    *,
-    num_devices: int,
-    mean_context: float,
-    host: HostOverhead = NO_HOST,
-    max_batch: int = 4096,
-) -> float:
-    """Decode tokens/s of barrier-synchronised EP at its best: every device runs a full batch (its KV or
-    max_batch), transfers and host time between steps are free, and routing is its expectation (sampling noise
-    only adds stalls). Per block each device runs attention on its batch, then the barrier waits for the device
-    whose experts (e mod num_devices) got the most rows — num_devices · batch · top_k · popularity[block, e] —
-    then the head. popularity [num_blocks, num_experts]: the routing override's per-block expert shares."""
-    local = [list(range(d, model.num_experts, num_devices)) for d in range(num_devices)]
-    weights = attention_rank_weight_bytes(model) + expert_rank_weight_bytes(model, max(map(len, local)))
-    batch = min(max_batch, int(kv_capacity_tokens(gpu, model, weights) // max(mean_context, 1.0)))
-    if batch < 1:
-        return 0.0
-    ctx = int(round(mean_context))
-    tokens = num_devices * batch * model.top_k
-    iteration = head_time(model, gpu, batch, host=host)
-    for shares in popularity:
-        slowest = max(
-            sum(expert_layer_time(model, gpu, max(1, round(tokens * shares[e])), host) for e in experts)
-            for experts in local
-            if experts
-        )
-        iteration += decode_attention_time(model, gpu, batch, ctx, host) + slowest
-    return num_devices * batch / iteration
 
 
 def _swiglu_phases(model: ModelProfile, gpu: GpuProfile, rows: int, inter: int) -> list[tuple[float, float]]:

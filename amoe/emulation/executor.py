@@ -18,7 +18,7 @@ from amoe.config import ExecutorSection
 from amoe.emulation import cost_model
 from amoe.emulation.clock import EmulatedClock
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec, row_keys
+from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.shapes import model_config_of, profile_of
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
@@ -136,7 +136,10 @@ class EmulatedAttention:
         ctx = batch.context_lens.numpy()
         t = cost_model.attention_layer_time(self.em.profile, self.em.gpu, chunk_lens, ctx, self.em.host)
         self.clock.hold(t, "attention", n)
-        ids, weights = self.router.route(batch.block, n, row_keys(batch.request_ids, batch.positions))
+        ids, weights = self.router.route(
+            batch.block, n, request_ids=batch.request_ids.numpy(), positions=batch.positions.numpy(),
+            now_s=self.clock.now(),
+        )  # fmt: skip
         # One placeholder serves as residual and moe_input: nothing computes on it, and it halves the allocation.
         rows = torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
         return rows, rows, torch.from_numpy(ids), torch.from_numpy(weights)  # ids, weights [N, K]

@@ -1,27 +1,40 @@
-"""The routing override for benchmarks (AMoE §5): `model | uniform | skew-exp[:λ]`, seeded.
+"""The routing override for benchmarks (AMoE §5): `model | uniform | skew-exp[:λ][,rho=ρ][,shift=T]`, seeded.
 
 The paper replaces Mixtral's router with one that "randomly selects experts based on the profiled exponential
 distribution" fitted to Dolly. We draw each row's top-k experts without replacement from a popularity
-p ∝ exp(−λ · rank). Which expert holds which rank is a seeded random permutation per block, fixed for the run:
-the skew is persistent (§2.1: "some experts are consistently favored") and differs between blocks (Figure 4a
-shows per-layer skew), so in AEP a GPU hosting expert e is hot in some blocks and cold in others.
+p ∝ exp(−λ · rank). Which expert holds which rank is a seeded random permutation per block: the skew persists
+(§2.1: "some experts are consistently favored") and differs between blocks (Figure 4a shows per-layer skew), so in
+AEP a GPU hosting expert e is hot in some blocks and cold in others.
 
-Default λ = 0.4. The paper publishes no λ; 0.4 gives the hottest expert ~1/3 of the top-1 choices, and these
-hottest/mean load ratios (exact for top-1, 10^6-row Monte Carlo otherwise; `hottest_to_mean`):
+**Default λ = 0.08, from measured routing.** The OLMoE paper (Muennighoff et al. 2024, arXiv 2409.02060, §5 and
+its routing analysis) publishes Mixtral-8x7B's expert counts on five domains (arXiv, GitHub, Wikipedia, books, C4;
+raw counts in the allenai/OLMoE repository, scripts/routing_output/mistral, layers 0, 7 and 15). Their hottest
+expert over the mean is 1.16–1.58 for the first choice, i.e. λ ≈ 0.04–0.15 under this exponential shape (median
+≈ 0.08), and 1.08–1.33 counting both of the top-2 choices; the hottest expert differs by domain. λ = 0.4 (hottest
+2.75× the mean) is twice the largest measured skew: it stays available as the stress case (`skew-exp:0.4`).
 
-    experts  top-k  hottest/mean   EP stall 1 - mean/hottest (one expert per GPU)
-       8       1       2.75          64 %
-       8       2       2.44          59 %
-      16       1       5.28          81 %
-      16       2       4.70          79 %
+    λ      experts  top-k  hottest/mean (top-1 exact; top-2 exact inclusion, `hottest_to_mean`)
+    0.04      8       1       1.15
+    0.08      8       1       1.30
+    0.08      8       2       1.27
+    0.15      8       1       1.60
+    0.08     16       1       1.70
+    0.40      8       1       2.75   (stress)
+    0.40      8       2       2.44   (stress)
+    0.40     16       1       5.28   (stress)
 
-Figure 4b reports EP stalls "up to 70 %" of GPU time for Mixtral's top-2 router, i.e. a per-iteration ratio ~3.3:
-the expected 2.44 plus the sampling noise of one iteration's batch. λ is per rank, so with 16 experts the hottest
-still takes ~1/3 of the tokens: doubling EP GPUs cannot relieve it, which is what §5.2 saw for SGLang.
-For fine-grained models pass a smaller λ (e.g. λ · 8 / E keeps the 8-expert shape over normalised rank).
+**Request affinity ρ** (`rho=`): the Mixtral paper (Jiang et al. 2024, arXiv 2401.04088 §5, routing analysis)
+notes that consecutive tokens of a sequence are often routed to the same expert, which independent per-token draws
+miss and which makes one iteration's batch more skewed than the corpus average. With `rho=ρ` a request keeps its
+previous token's experts with probability ρ (per block), else draws afresh: the corpus popularity is unchanged, runs
+of one expert are 1/(1−ρ) tokens long on average. Default 0.
 
-Draws are keyed by (seed, block, row key) when row keys are given, so the same request token gets the same experts
-whatever order the runtimes execute in: EP and AEP runs of one seed see identical routing.
+**Shifting skew** (`shift=T`): which expert is hot is re-drawn every T seconds of emulated time, as the mix of
+domains in the traffic changes (the hottest expert differs by domain). Default: never.
+
+Draws are keyed by (seed, block, request, position), so the same token gets the same experts whatever order the
+runtimes execute in: EP and AEP runs of one seed see identical routing (a shifting skew follows each runtime's own
+emulated clock, so runs agree on it only statistically).
 """
 
 from __future__ import annotations
@@ -33,9 +46,18 @@ import numpy as np
 from amoe.errors import ConfigError
 
 ROUTING_MODES = ("model", "uniform", "skew-exp")
-DEFAULT_LAMBDA = 0.4
-# hottest/mean at DEFAULT_LAMBDA, (num_experts, top_k) -> ratio; the module docstring's table.
-DEFAULT_HOTTEST_TO_MEAN = {(8, 1): 2.75, (8, 2): 2.44, (16, 1): 5.28, (16, 2): 4.70}
+DEFAULT_LAMBDA = 0.08  # the median of Mixtral-8x7B's measured first-choice skew (module docstring)
+STRESS_LAMBDA = 0.4  # twice the largest measured skew
+# λ values of the skew sweep (docs/emulation.md): the measured range and the stress case.
+LAMBDA_SWEEP = (0.02, 0.04, 0.08, 0.15, 0.25, 0.4)
+# hottest/mean, (λ, num_experts, top_k) -> ratio; the module docstring's table.
+HOTTEST_TO_MEAN = {
+    (0.04, 8, 1): 1.15, (0.08, 8, 1): 1.30, (0.08, 8, 2): 1.27, (0.15, 8, 1): 1.60, (0.08, 16, 1): 1.70,
+    (0.4, 8, 1): 2.75, (0.4, 8, 2): 2.44, (0.4, 16, 1): 5.28,
+}  # fmt: skip
+AFFINITY_WALK = (
+    64  # a token looks back at most this many positions for the draw it keeps (ρ^64 is negligible)
+)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: consecutive inputs land far apart
 
@@ -46,32 +68,56 @@ class RoutingSpec:
 
     mode: str = "model"
     lam: float = DEFAULT_LAMBDA
+    rho: float = 0.0  # request affinity: P(a token keeps its previous token's experts)
+    shift_s: float | None = None  # emulated seconds between re-draws of which experts are hot; None: never
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
-            raise ConfigError(f"routing must be one of model, uniform, skew-exp[:λ]; got {self.mode!r}")
+            raise ConfigError(
+                f"routing must be one of model, uniform, skew-exp[:λ][,rho=ρ][,shift=T]; got {self.mode!r}"
+            )
         if not (np.isfinite(self.lam) and self.lam >= 0):
             raise ConfigError(f"skew-exp λ must be a finite number >= 0; got {self.lam}")
+        if not 0.0 <= self.rho < 1.0:
+            raise ConfigError(f"routing rho (request affinity) must be in [0, 1); got {self.rho}")
+        if self.shift_s is not None and not (np.isfinite(self.shift_s) and self.shift_s > 0):
+            raise ConfigError(f"routing shift (seconds) must be positive; got {self.shift_s}")
 
     @classmethod
     def parse(cls, text: str) -> RoutingSpec:
-        """`model`, `uniform`, `skew-exp` or `skew-exp:0.6`."""
-        mode, sep, arg = text.strip().partition(":")
-        if not sep:
-            return cls(mode)
-        if mode != "skew-exp":
-            raise ConfigError(f"only skew-exp takes a parameter; got {text!r}")
+        """`model`, `uniform`, `skew-exp`, `skew-exp:0.6`, `skew-exp:0.08,rho=0.5,shift=2` (`uniform,rho=0.5`)."""
+        head, *options = [part.strip() for part in text.strip().split(",")]
+        mode, sep, arg = head.partition(":")
+        if sep and mode != "skew-exp":
+            raise ConfigError(f"only skew-exp takes a λ; got {text!r}")
+        if options and mode == "model":
+            raise ConfigError(f"routing 'model' takes no options; got {text!r}")
+        values: dict = {}
         try:
-            return cls(mode, float(arg))
+            if sep:
+                values["lam"] = float(arg)
+            for option in options:
+                key, eq, value = option.partition("=")
+                if not eq or key not in ("rho", "shift"):
+                    raise ConfigError(
+                        f"routing options are rho=ρ and shift=T (seconds); got {option!r} in {text!r}"
+                    )
+                values["rho" if key == "rho" else "shift_s"] = float(value)
         except ValueError:
-            raise ConfigError(f"skew-exp λ must be a number; got {arg!r}") from None
+            raise ConfigError(f"routing parameters must be numbers; got {text!r}") from None
+        return cls(mode, **values)
 
     @property
     def is_override(self) -> bool:
         return self.mode != "model"
 
     def __str__(self) -> str:
-        return f"skew-exp:{self.lam:g}" if self.mode == "skew-exp" else self.mode
+        text = f"skew-exp:{self.lam:g}" if self.mode == "skew-exp" else self.mode
+        if self.rho:
+            text += f",rho={self.rho:g}"
+        if self.shift_s is not None:
+            text += f",shift={self.shift_s:g}"
+        return text
 
 
 def popularity_by_rank(num_experts: int, lam: float) -> np.ndarray:
@@ -80,14 +126,48 @@ def popularity_by_rank(num_experts: int, lam: float) -> np.ndarray:
     return p / p.sum()
 
 
-def hottest_to_mean(num_experts: int, top_k: int, lam: float, rows: int = 1_000_000, seed: int = 0) -> float:
-    """Expected load of the hottest expert over the mean load (exact for top-1, Monte Carlo otherwise)."""
-    p = popularity_by_rank(num_experts, lam)
-    if top_k == 1:
-        return float(num_experts * p[0])
-    ids = _gumbel_top_k(np.log(p), np.random.default_rng(seed).gumbel(size=(rows, num_experts)), top_k)
-    counts = np.bincount(ids.ravel(), minlength=num_experts)
-    return float(counts.max() / counts.mean())
+def hottest_to_mean(num_experts: int, top_k: int, lam: float) -> float:
+    """Expected load of the hottest expert over the mean load: the hottest's probability of being among a row's
+    top_k picks over the mean, top_k / num_experts (exact, `inclusion_probabilities`)."""
+    q = inclusion_probabilities(popularity_by_rank(num_experts, lam), top_k)
+    return float(q.max() * num_experts / top_k)
+
+
+# Exact inclusion probabilities enumerate ordered draws: E · (E-1) · ... (k terms); above this, Monte Carlo.
+_EXACT_LIMIT = 2_000_000
+
+
+def inclusion_probabilities(popularity: np.ndarray, top_k: int, seed: int = 0) -> np.ndarray:
+    """q[..., e]: the probability that expert e is among a row's `top_k` experts drawn without replacement ∝
+    `popularity` (the last axis), which is what loads an expert. Not popularity · k: the hottest expert cannot be
+    picked twice, so q_e < k p_e for hot experts and > k p_e for cold ones; Σ_e q_e = k. Exact by enumerating the
+    ordered draws while that is cheap (every Mixtral-style model), a 200 000-row Gumbel-top-k sample otherwise."""
+    p = np.asarray(popularity, dtype=np.float64)
+    if p.ndim > 1:
+        return np.stack([inclusion_probabilities(row, top_k, seed) for row in p])
+    e = p.shape[0]
+    if top_k >= e:
+        return np.ones(e)
+    if np.prod(np.arange(e, e - top_k + 1, -1, dtype=np.float64)) <= _EXACT_LIMIT:
+        q = np.zeros(e)
+        _accumulate(p / p.sum(), np.ones(e, dtype=bool), 1.0, top_k, q)
+        return q
+    rng = np.random.default_rng(seed)
+    ids = _gumbel_top_k(np.log(p), rng.gumbel(size=(200_000, e)), top_k)
+    return np.bincount(ids.ravel(), minlength=e) / 200_000
+
+
+def _accumulate(p: np.ndarray, left: np.ndarray, mass: float, draws: int, q: np.ndarray) -> None:
+    """Adds to q the probability of every expert still `left` being drawn in the next `draws` draws, given the
+    draws so far happened with probability `mass`."""
+    total = p[left].sum()
+    for e in np.flatnonzero(left):
+        chance = mass * p[e] / total
+        q[e] += chance
+        if draws > 1:
+            left[e] = False
+            _accumulate(p, left, chance, draws - 1, q)
+            left[e] = True
 
 
 def row_keys(request_ids, positions) -> np.ndarray:
@@ -108,25 +188,65 @@ class RouterOverride:
             raise ConfigError("routing 'model' uses the model's own router; nothing to override")
         if not 1 <= top_k <= num_experts:
             raise ConfigError(f"top_k must be in [1, {num_experts}]; got {top_k}")
-        self.spec, self.num_experts, self.top_k = spec, num_experts, top_k
+        self.spec, self.num_experts, self.top_k, self.num_blocks = spec, num_experts, top_k, num_blocks
         self.seed = seed
         self._rng = np.random.default_rng([seed, 1])  # the unkeyed stream
         lam = spec.lam if spec.mode == "skew-exp" else 0.0
-        by_rank = popularity_by_rank(num_experts, lam)
-        perm_rng = np.random.default_rng([seed, 0])
-        self.hot_order = [perm_rng.permutation(num_experts) for _ in range(num_blocks)]  # [B][rank] -> expert
-        self.popularity = np.empty((num_blocks, num_experts))  # [B, E] by expert id
-        for b, order in enumerate(self.hot_order):
-            self.popularity[b, order] = by_rank
-        self._log_p = np.log(self.popularity)
+        self._by_rank = popularity_by_rank(num_experts, lam)
+        self._epochs: dict[int, np.ndarray] = {}  # skew epoch -> popularity [B, E]
+        self.popularity = self.popularity_at(0)  # [B, E] by expert id, before any shift
+        self.hot_order = [np.argsort(-row, kind="stable") for row in self.popularity]  # [B][rank] -> expert
 
-    def route(self, block: int, n: int, keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def popularity_at(self, epoch: int) -> np.ndarray:
+        """[B, E] popularity by expert id in skew epoch `epoch` (0 unless the skew shifts): a seeded permutation of
+        the ranks per block, drawn afresh per epoch."""
+        if epoch not in self._epochs:
+            perm_rng = np.random.default_rng([self.seed, 0] if epoch == 0 else [self.seed, 0, epoch])
+            table = np.empty((self.num_blocks, self.num_experts))
+            for b in range(self.num_blocks):
+                table[b, perm_rng.permutation(self.num_experts)] = self._by_rank
+            self._epochs = {epoch: table, **dict(list(self._epochs.items())[-3:])}  # a few epochs stay cached
+        return self._epochs[epoch]
+
+    def epoch(self, now_s: float) -> int:
+        """The skew epoch at emulated time `now_s`."""
+        return 0 if self.spec.shift_s is None else int(now_s // self.spec.shift_s)
+
+    def route(
+        self,
+        block: int,
+        n: int,
+        keys: np.ndarray | None = None,
+        *,
+        request_ids: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+        now_s: float = 0.0,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k experts of n rows, drawn without replacement by popularity; weights are the chosen experts'
-        popularities renormalised (they sum to 1). With `keys` [n] the draw depends only on (seed, block, key)."""
+        popularities renormalised (they sum to 1). With `keys` [n], or `request_ids` and `positions` [n], the draw
+        depends only on (seed, block, key); with request affinity a token reuses the draw of the earliest of its
+        request's previous positions it is chained to (each link kept with probability ρ)."""
+        if request_ids is not None:
+            rid, pos = np.asarray(request_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+            if self.spec.rho > 0:
+                pos = self._affine_positions(block, rid, pos)
+            keys = row_keys(rid, pos)
+        popularity = self.popularity_at(self.epoch(now_s))[block]
         noise = self._gumbel_noise(block, n, keys)  # [n, E]
-        ids = _gumbel_top_k(self._log_p[block], noise, self.top_k)  # [n, K]
-        w = self.popularity[block][ids]
+        ids = _gumbel_top_k(np.log(popularity), noise, self.top_k)  # [n, K]
+        w = popularity[ids]
         return ids.astype(np.int64), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+    def _affine_positions(self, block: int, rid: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The position whose draw each token keeps: walk back while a keyed coin (P = ρ) says "same as the token
+        before", stopping at the request's first position. Stateless, so every runtime and schedule agrees."""
+        steps = np.arange(AFFINITY_WALK, dtype=np.int64)
+        back = np.maximum(pos[:, None] - steps[None, :], 0)  # [n, W] positions pos, pos-1, ...
+        salt = _splitmix64(np.uint64(self.seed) ^ np.uint64(0xAFF1) + np.uint64(block))
+        coin = _splitmix64(row_keys(np.repeat(rid, AFFINITY_WALK), back.ravel()) ^ salt).reshape(back.shape)
+        keep = ((coin >> np.uint64(11)).astype(np.float64) * 2.0**-53 < self.spec.rho) & (back > 0)
+        first_fresh = np.where(keep.all(axis=1), AFFINITY_WALK - 1, np.argmin(keep, axis=1))
+        return back[np.arange(len(pos)), first_fresh]
 
     def _gumbel_noise(self, block: int, n: int, keys: np.ndarray | None) -> np.ndarray:
         if keys is None:

@@ -1,0 +1,282 @@
+"""`amoe plan`: which deployment serves a model best on the GPUs at hand (MegaScale-Infer's deployment-plan search,
+over amoe's modes).
+
+It enumerates AEP splits (how many GPUs run attention and how many experts, and which GPU type takes which role
+when the pool is heterogeneous), attention and expert batch caps, expert placements (round robin, or balanced for
+the routing's skew), ping-pong micro-batch counts and EP group sizes; predicts each one's decode throughput, ITL and
+cost per million output tokens with the cost model's bounds (amoe.emulation.bounds, at the model's full depth);
+drops those over the ITL objective; and prints the best, each with the `amoe serve` command that runs it.
+
+    amoe plan --model-profile mixtral-8x7b-mqa --gpus a100-80g:8 --workload short --top-k 1
+    amoe plan --model-profile mixtral-8x7b-mqa --gpus a100-80g:8,h100:4 --price a100-80g=1.5,h100=3 --json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from amoe.emulation import bounds
+from amoe.emulation import cost_model as cm
+from amoe.emulation.profiles import GPUS, host_overhead, model_profile
+from amoe.emulation.routing import DEFAULT_LAMBDA, RoutingSpec
+from amoe.errors import ConfigError
+
+ATTN_CAPS = (32, 64, 128, 256, 512, 1024)
+EXPERT_CAPS = (256, 512, 1024)
+MICRO_BATCHES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asks `amoe plan` for."""
+
+    profile: str
+    gpus: dict[str, int]  # available GPUs by type
+    workload: str = "short"
+    top_k: int | None = None
+    routing: str = f"skew-exp:{DEFAULT_LAMBDA:g}"
+    itl_slo_ms: float | None = None
+    prices: dict[str, float] | None = None  # $ per GPU-hour by type
+    gpus_per_node: int = 8
+    host: str = "amoe-paper"
+    modes: tuple[str, ...] = ("aep", "ep", "pingpong")
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    deployment: bounds.Deployment
+    prediction: bounds.Prediction
+    cost_per_mtok: float | None  # $ per million output tokens, with prices
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.prediction.tokens_per_s / self.deployment.num_gpus
+
+
+def parse_gpus(text: str) -> dict[str, int]:
+    """ "a100-80g:8,h100:4" → {"a100-80g": 8, "h100": 4}."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, count = part.strip().partition(":")
+        if name not in GPUS:
+            raise ConfigError(f"--gpus: unknown GPU {name!r}; choose from {', '.join(GPUS)}")
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"--gpus wants TYPE:COUNT with a positive count; got {part.strip()!r}")
+        out[name] = out.get(name, 0) + int(count)
+    return out
+
+
+def parse_prices(text: str | None, gpus: dict[str, int]) -> dict[str, float] | None:
+    """ "a100-80g=1.5,h100=3" → $ per GPU-hour; every GPU type of --gpus needs one."""
+    if not text:
+        return None
+    prices: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        try:
+            prices[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--price wants TYPE=DOLLARS_PER_HOUR; got {part.strip()!r}") from None
+        if prices[name] < 0:
+            raise ConfigError(f"--price for {name} must be >= 0")
+    missing = sorted(set(gpus) - set(prices))
+    if missing:
+        raise ConfigError(f"--price has no price for {', '.join(missing)}")
+    return prices
+
+
+def balanced_map(inclusion: np.ndarray, num_hosts: int) -> tuple[int, ...]:
+    """Experts onto `num_hosts` GPUs so their total loads (over every block) are as even as a greedy
+    largest-first packing makes them; ties keep round robin's order."""
+    load = inclusion.sum(axis=0)
+    order = sorted(range(len(load)), key=lambda e: (-load[e], e))
+    where, totals, counts = [0] * len(load), [0.0] * num_hosts, [0] * num_hosts
+    per_host = math.ceil(len(load) / num_hosts)  # keep memory even too: no GPU takes more than its share
+    for e in order:
+        g = min((h for h in range(num_hosts) if counts[h] < per_host), key=lambda h: (totals[h], h))
+        where[e], totals[g], counts[g] = g, totals[g] + load[e], counts[g] + 1
+    return tuple(where)
+
+
+def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
+    """Every deployment of the search space that fits the GPUs."""
+    types = sorted(req.gpus)
+    common = {"gpus_per_node": req.gpus_per_node}
+    if "ep" in req.modes:
+        for gpu in types:
+            for n in range(1, req.gpus[gpu] + 1):
+                replicas = req.gpus[gpu] // n
+                for cap in ATTN_CAPS:
+                    yield bounds.Deployment("ep", gpu, n, attn_cap=cap, replicas=replicas, **common)
+    for ta, te in itertools.product(types, types):
+        for a in range(1, req.gpus[ta] + 1):
+            room = req.gpus[te] - (a if ta == te else 0)
+            for x in range(1, min(room, num_experts) + 1):
+                maps = {None, balanced_map(inclusion, x)} - {tuple(e % x for e in range(num_experts))}
+                for cap, expert_map in itertools.product(ATTN_CAPS, [None, *sorted(m for m in maps if m)]):
+                    if "aep" in req.modes:
+                        for ecap in EXPERT_CAPS:
+                            yield bounds.Deployment(
+                                "aep", ta, a, te, x, cap, ecap, expert_map=expert_map, **common
+                            )
+                    if "pingpong" in req.modes:
+                        for m in MICRO_BATCHES:
+                            yield bounds.Deployment(
+                                "pingpong",
+                                ta,
+                                a,
+                                te,
+                                x,
+                                cap,
+                                micro_batches=m,
+                                expert_map=expert_map,
+                                **common,
+                            )
+
+
+def search(req: PlanRequest) -> list[Plan]:
+    """Every candidate's prediction, best first: by cost per million tokens when priced, else by throughput;
+    candidates over the ITL objective or out of memory are dropped."""
+    model = bounds.full_depth(model_profile(req.profile, req.top_k))
+    RoutingSpec.parse(req.routing)  # a clear error before any work
+    inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
+    ctx = mean_context(req.workload)
+    host = host_overhead(req.host)
+    plans = []
+    for dep in candidates(req, model.num_experts, inclusion):
+        pred = bounds.predict(model, dep, inclusion, ctx, host)
+        if pred.tokens_per_s <= 0:
+            continue
+        if req.itl_slo_ms is not None and pred.itl_s * 1e3 > req.itl_slo_ms:
+            continue
+        cost = None
+        if req.prices:
+            dollars_per_s = sum(req.prices[g] * n for g, n in dep.gpus().items()) / 3600
+            cost = dollars_per_s / pred.tokens_per_s * 1e6
+        plans.append(Plan(dep, pred, cost))
+    if req.prices:
+        plans.sort(key=lambda p: (p.cost_per_mtok, -p.prediction.tokens_per_s))
+    else:
+        plans.sort(key=lambda p: (-p.prediction.tokens_per_s, p.deployment.num_gpus, p.prediction.itl_s))
+    return plans
+
+
+def mean_context(workload: str) -> float:
+    from amoe.bench.workloads import PAPER_WORKLOADS
+
+    if workload not in PAPER_WORKLOADS:
+        raise ConfigError(f"--workload must be one of {', '.join(PAPER_WORKLOADS)}; got {workload!r}")
+    return cm.mean_decode_context(*PAPER_WORKLOADS[workload])
+
+
+def best_per_mode(plans: list[Plan]) -> dict[str, Plan]:
+    best: dict[str, Plan] = {}
+    for plan in plans:
+        best.setdefault(plan.deployment.mode, plan)
+    return best
+
+
+def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", emulated: bool = False) -> str:
+    """The `amoe serve` command line that runs `plan` (emulated: on emulated GPUs of the plan's type, with the
+    routing the plan assumed, as bench/plan_check.py runs it)."""
+    d = plan.deployment
+    args = ["amoe", "serve"]
+    args += (
+        ["--executor", "emulated", "--executor-profile", req.profile] if emulated else ["--model", model_dir]
+    )
+    if d.mode == "ep":
+        args += ["--parallel", "ep", "--attn-ranks", str(d.num_attn)]
+    else:
+        args += ["--parallel", d.mode, "--attn-ranks", str(d.num_attn), "--expert-ranks", str(d.num_expert)]
+    args += ["--scheduler-attn-batch-cap", str(d.attn_cap)]
+    if d.mode == "aep":
+        args += ["--scheduler-expert-batch-cap", str(d.expert_cap)]
+    if d.mode == "pingpong":
+        args += ["--parallel-micro-batches", str(d.micro_batches)]
+    if d.expert_map is not None:
+        args += ["--parallel-expert-map", ",".join(map(str, d.expert_map))]
+    if emulated:
+        args += ["--gpu", d.attn_gpu, "--routing", req.routing, "--executor-decode-only", "true"]
+        if req.top_k is not None:
+            args += ["--executor-top-k", str(req.top_k)]
+    return " ".join(args)
+
+
+def describe(d: bounds.Deployment) -> str:
+    if d.mode == "ep":
+        text = f"ep {d.num_attn}x{d.attn_gpu}" + (f" x{d.replicas} replicas" if d.replicas > 1 else "")
+        return f"{text} cap {d.attn_cap}"
+    roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
+    extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"
+    placement = " balanced" if d.expert_map is not None else ""
+    return f"{d.mode} {roles} cap {d.attn_cap}{extra}{placement}"
+
+
+def report(plans: list[Plan], req: PlanRequest, top: int = 5) -> str:
+    """The table `amoe plan` prints: the best plans, the best of each mode, the verdict and the commands."""
+    if not plans:
+        return "no deployment fits: too few GPUs for the model's weights, or the ITL objective is too tight"
+    lines = [
+        f"{'#':>2} {'deployment':<58} {'tok/s':>9} {'/GPU':>7} {'ITL ms':>7} {'$/Mtok':>7} {'bound by':<9}",
+        "-" * 106,
+    ]
+    best = best_per_mode(plans)
+    shown = plans[:top] + [p for p in best.values() if p not in plans[:top]]
+    for plan in shown:
+        p = plan.prediction
+        cost = f"{plan.cost_per_mtok:7.3f}" if plan.cost_per_mtok is not None else f"{'-':>7}"
+        rank = f"{plans.index(plan) + 1:>2}"
+        lines.append(
+            f"{rank} {describe(plan.deployment):<58} {p.tokens_per_s:9.0f} {plan.tokens_per_s_per_gpu:7.0f} "
+            f"{p.itl_s * 1e3:7.2f} {cost} {p.bottleneck:<9}"
+        )
+    winner = plans[0]
+    verdict = f"best: {describe(winner.deployment)}"
+    if "aep" in best and "ep" in best:
+        ratio = best["aep"].prediction.tokens_per_s / best["ep"].prediction.tokens_per_s
+        verdict += f"; best AEP / best EP = {ratio:.2f}x" + (
+            "" if winner.deployment.mode == "aep" else " (AEP is not the better choice here)"
+        )
+    lines += ["", verdict, "", "run it:", "  " + serve_command(winner, req)]
+    if winner.deployment.replicas > 1:
+        lines.append(
+            f"  (x{winner.deployment.replicas} such servers, each on its own GPUs, behind one load balancer)"
+        )
+    lines += ["check it on emulated GPUs:", "  " + serve_command(winner, req, emulated=True)]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, req: PlanRequest) -> dict:
+    return {
+        "deployment": asdict(plan.deployment),
+        "prediction": plan.prediction.to_dict(),
+        "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
+        "cost_per_mtok": plan.cost_per_mtok,
+        "command": serve_command(plan, req),
+        "emulated_command": serve_command(plan, req, emulated=True),
+    }
+
+
+def main(args) -> int:
+    """`amoe plan` (amoe.cli)."""
+    gpus = parse_gpus(args.gpus)
+    req = PlanRequest(
+        profile=args.model_profile, gpus=gpus, workload=args.workload, top_k=args.top_k, routing=args.routing,
+        itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus), gpus_per_node=args.gpus_per_node,
+        modes=tuple(args.modes.split(",")),
+    )  # fmt: skip
+    bad = set(req.modes) - {"aep", "ep", "pingpong"}
+    if bad:
+        raise ConfigError(f"--modes takes aep, ep, pingpong; got {', '.join(sorted(bad))}")
+    plans = search(req)
+    if args.json:
+        print(json.dumps({"request": asdict(req), "plans": [plan_json(p, req) for p in plans[: args.top]]}))
+    else:
+        print(report(plans, req, args.top))
+    return 0 if plans else 1

@@ -1,0 +1,194 @@
+"""The performance model behind `amoe plan` (amoe.emulation.bounds) and the planner itself: exact top-k inclusion,
+skew on AEP's expert side, EP's all-to-alls and grouped GEMM, depth-independent ratios, request affinity and
+shifting skew in the routing override, and the search's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from amoe.bench.workloads import PAPER_WORKLOADS
+from amoe.config import AmoeConfig, config_from_args
+from amoe.emulation import bounds as B
+from amoe.emulation import cost_model as cm
+from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+from amoe.emulation.routing import (
+    RouterOverride,
+    RoutingSpec,
+    inclusion_probabilities,
+    popularity_by_rank,
+)
+from amoe.errors import ConfigError
+from amoe.placement import Placement
+from amoe.plan import PlanRequest, balanced_map, parse_gpus, parse_prices, search, serve_command
+
+HOST = host_overhead("amoe-paper")
+CTX = cm.mean_decode_context(*PAPER_WORKLOADS["short"])
+A100 = "a100-80g"
+
+
+def _q(model, routing="skew-exp:0.4"):
+    return B.routing_inclusion(model, routing)
+
+
+def test_inclusion_probability_is_exact_not_popularity_times_k():
+    p = popularity_by_rank(8, 0.4)
+    q = inclusion_probabilities(p, 2)
+    assert q.sum() == pytest.approx(2.0)
+    # By hand for top-2: P(e first) + Σ_j P(j first) · P(e second | j first).
+    by_hand = [p[e] + sum(p[j] * p[e] / (1 - p[j]) for j in range(8) if j != e) for e in range(8)]
+    np.testing.assert_allclose(q, by_hand)
+    assert q[0] < 2 * p[0] and q[-1] > 2 * p[-1]  # the hottest cannot be picked twice
+    np.testing.assert_allclose(inclusion_probabilities(p, 1), p)
+    # Against a sample of the router itself.
+    router = RouterOverride(RoutingSpec.parse("skew-exp:0.4"), 8, 2, num_blocks=1, seed=1)
+    ids, _ = router.route(0, 200_000)
+    sampled = np.bincount(ids.ravel(), minlength=8) / 200_000
+    np.testing.assert_allclose(sampled, inclusion_probabilities(router.popularity[0], 2), atol=4e-3)
+    assert inclusion_probabilities(popularity_by_rank(256, 0.01), 8).sum() == pytest.approx(8.0)
+
+
+def test_aep_expert_side_carries_the_skew():
+    model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
+    dep = B.Deployment("aep", A100, 4, A100, 4, 256, 512)
+    even = B.predict(model, dep, _q(model, "uniform"), CTX, HOST)
+    skewed = B.predict(model, dep, _q(model, "skew-exp:0.4"), CTX, HOST)
+    assert even.expert_skew == pytest.approx(1.0)
+    # Each expert GPU is hot in some blocks and cold in others (the hot expert differs by block), so over a token's
+    # whole pass the busiest GPU carries less extra than any one block's hot expert, but more than the mean.
+    assert skewed.expert_skew > 1.05 and skewed.expert_tokens_per_s < even.expert_tokens_per_s
+    # A placement balanced for the skew gets some of it back.
+    q = _q(model, "skew-exp:0.4")
+    balanced = B.Deployment("aep", A100, 4, A100, 4, 256, 512, expert_map=balanced_map(q, 4))
+    assert B.predict(model, balanced, q, CTX, HOST).expert_tokens_per_s >= skewed.expert_tokens_per_s
+
+
+def test_ep_pays_all_to_alls_and_one_grouped_gemm_per_device():
+    model, gpu = B.full_depth(model_profile("mixtral-8x7b-mqa", 1)), gpu_profile(A100)
+    # One grouped GEMM over 4 experts costs less than 4 steps (one host step and one set of launches).
+    rows = [64, 64, 64, 64]
+    assert B.grouped_expert_time(model, gpu, rows, HOST) < sum(
+        cm.expert_layer_time(model, gpu, r, HOST) for r in rows
+    )
+    assert B.grouped_expert_time(model, gpu, [64], HOST) == pytest.approx(
+        cm.expert_layer_time(model, gpu, 64, HOST)
+    )
+    # The all-to-all: tens of µs on NVLink, more across hosts, nothing for one device.
+    one_node = B.all_to_all_time(model, gpu, 256, 8, 8)
+    two_nodes = B.all_to_all_time(model, gpu, 256, 16, 8)
+    assert B.all_to_all_time(model, gpu, 256, 1, 8) == 0.0
+    assert 20e-6 < one_node < 100e-6 and two_nodes > 1.5 * one_node
+    ep = B.predict(model, B.Deployment("ep", A100, 8, attn_cap=256), _q(model), CTX, HOST)
+    assert ep.extra["all_to_all_s_per_block"] == pytest.approx(2 * one_node)
+    assert 0 < ep.extra["barrier_stall_fraction"] < 1 and ep.itl_s * ep.tokens_per_s == pytest.approx(8 * 256)
+
+
+def test_ratios_do_not_depend_on_the_kept_depth():
+    short = model_profile("mixtral-8x7b-mqa:4", 2)
+    full = B.full_depth(short)
+    assert (full.num_blocks, full.name, full.head_share) == (32, "mixtral-8x7b-mqa", 1.0)
+    aep = B.Deployment("aep", A100, 4, A100, 4, 256, 512)
+    ep = B.Deployment("ep", A100, 8, attn_cap=256)
+    router = RouterOverride(RoutingSpec.parse("skew-exp:0.4"), 8, 2, 32, seed=0)
+    q_full = inclusion_probabilities(router.popularity, 2)
+    q_short = q_full[:4] * 0 + q_full.mean(axis=0)  # the same load per block, so only depth differs
+    q_long = np.repeat(q_full.mean(axis=0)[None], 32, axis=0)
+    ratio_short = (
+        B.predict(short, aep, q_short, CTX, HOST).tokens_per_s
+        / B.predict(short, ep, q_short, CTX, HOST).tokens_per_s
+    )
+    ratio_full = (
+        B.predict(full, aep, q_long, CTX, HOST).tokens_per_s
+        / B.predict(full, ep, q_long, CTX, HOST).tokens_per_s
+    )
+    assert ratio_short == pytest.approx(ratio_full, rel=1e-6)
+
+
+def test_memory_bound_deployments_are_refused():
+    model = B.full_depth(model_profile("mixtral-8x7b-mqa", 2))
+    # One expert GPU of 40 GB cannot hold 8 experts x 32 blocks of Mixtral.
+    pred = B.predict(model, B.Deployment("aep", "a100-40g", 1, "a100-40g", 1), _q(model), CTX, HOST)
+    assert pred.bottleneck == "memory" and pred.tokens_per_s == 0
+
+
+def test_request_affinity_keeps_marginals_and_chains_tokens():
+    rho = 0.7
+    router = RouterOverride(RoutingSpec.parse(f"skew-exp:0.08,rho={rho}"), 8, 1, num_blocks=2, seed=0)
+    rid, pos = np.repeat(np.arange(400), 40), np.tile(np.arange(40), 400)
+    ids = router.route(1, len(rid), request_ids=rid, positions=pos)[0][:, 0].reshape(400, 40)
+    same = (ids[:, 1:] == ids[:, :-1]).mean()
+    p = router.popularity[1]
+    assert same == pytest.approx(rho + (1 - rho) * (p**2).sum(), abs=0.03)
+    np.testing.assert_allclose(np.bincount(ids.ravel(), minlength=8) / ids.size, p, atol=0.02)
+    # Keyed: the same tokens get the same experts in any order or batch split.
+    again = router.route(1, 200, request_ids=rid[::-1][:200], positions=pos[::-1][:200])[0]
+    np.testing.assert_array_equal(again[:, 0], ids.ravel()[::-1][:200])
+
+
+def test_shifting_skew_redraws_the_hot_experts_every_period():
+    router = RouterOverride(RoutingSpec.parse("skew-exp:0.4,shift=2"), 8, 1, num_blocks=4, seed=0)
+    assert router.epoch(1.9) == 0 and router.epoch(2.0) == 1
+    assert not np.array_equal(router.popularity_at(1), router.popularity_at(0))
+    np.testing.assert_array_equal(router.popularity_at(0), router.popularity)
+    keys = np.arange(5000, dtype=np.uint64)
+    early = np.bincount(router.route(0, 5000, keys, now_s=0.5)[0][:, 0], minlength=8).argmax()
+    late = np.bincount(router.route(0, 5000, keys, now_s=10.5)[0][:, 0], minlength=8).argmax()
+    assert early == router.popularity_at(0)[0].argmax() and late == router.popularity_at(5)[0].argmax()
+
+
+def test_expert_map_places_experts_on_runtimes():
+    config = AmoeConfig().replace(parallel={"attn_ranks": 2, "expert_ranks": 2, "expert_map": "1,0,0,1"})
+    placement = Placement.of(config.parallel, 4)
+    assert placement.expert_runtime == (3, 2, 2, 3)
+    for bad, why in (("0,1", "names 2 experts"), ("0,0,0,0", "every expert runtime"), ("a,b,c,d", "numbers")):
+        with pytest.raises(ConfigError, match=why):
+            Placement.of(config.parallel.__class__(attn_ranks=2, expert_ranks=2, expert_map=bad), 4)
+
+
+def test_planner_finds_sensible_plans_and_commands_that_parse():
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("a100-80g:8"), top_k=1, itl_slo_ms=120)
+    plans = search(req)
+    assert plans and all(p.prediction.itl_s * 1e3 <= 120 for p in plans)
+    assert plans == sorted(plans, key=lambda p: -p.prediction.tokens_per_s)
+    modes = {p.deployment.mode for p in plans}
+    assert modes == {"aep", "ep", "pingpong"}
+    assert all(p.deployment.num_gpus <= 8 for p in plans)
+    from amoe.cli import build_parser
+
+    for plan in plans[:3]:  # what it prints is a command amoe serve accepts, with the plan's settings
+        argv = serve_command(plan, req, emulated=True).split()[1:]
+        args = build_parser().parse_args(argv)
+        config = config_from_args(args)
+        d = plan.deployment
+        assert config.parallel.mode == d.mode and config.parallel.attn_ranks == d.num_attn
+        assert config.scheduler.attn_batch_cap == d.attn_cap and config.executor.gpu == d.attn_gpu
+
+
+def test_planner_with_prices_and_heterogeneous_gpus():
+    gpus = parse_gpus("a100-80g:4,h100:4")
+    req = PlanRequest("mixtral-8x7b-mqa", gpus, top_k=2, prices=parse_prices("a100-80g=1.5,h100=3", gpus))
+    plans = search(req)
+    costs = [p.cost_per_mtok for p in plans]
+    assert costs == sorted(costs)
+    assert any(p.deployment.attn_gpu != p.deployment.expert_gpu for p in plans if p.deployment.mode == "aep")
+    with pytest.raises(ConfigError, match="no price for h100"):
+        parse_prices("a100-80g=1", gpus)
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        parse_gpus("v100:8")
+
+
+def test_amoe_plan_command_prints_json_and_a_table():
+    cmd = [sys.executable, "-m", "amoe", "plan", "--model-profile", "mixtral-8x7b-mqa", "--gpus", "h100:8",
+           "--top-k", "1"]  # fmt: skip
+    done = subprocess.run([*cmd, "--json", "--top", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert len(out["plans"]) == 3 and out["plans"][0]["command"].startswith("amoe serve --model")
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert "best AEP / best EP" in table.stdout and "amoe serve" in table.stdout
+    bad = subprocess.run([*cmd[:-4], "--gpus", "h100:x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.startswith("amoe: error: --gpus")
