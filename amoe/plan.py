@@ -46,6 +46,10 @@ class PlanRequest:
     host: str = "amoe-paper"
     modes: tuple[str, ...] = ("aep", "ep", "pingpong")
     seed: int = 0
+    attn_caps: tuple[int, ...] = ATTN_CAPS
+    expert_caps: tuple[int, ...] = EXPERT_CAPS
+    balanced: bool = True  # also try the skew-balanced expert placement
+    replicate: bool = True  # also try copies of a smaller deployment behind one load balancer
 
 
 @dataclass(frozen=True)
@@ -104,26 +108,43 @@ def balanced_map(inclusion: np.ndarray, num_hosts: int) -> tuple[int, ...]:
     return tuple(where)
 
 
+def counts(n: int) -> list[int]:
+    """GPU counts to try out of n: every one up to 16, then a geometric grid (a 256-GPU pool has too many splits to
+    try them all, and neighbouring splits differ little)."""
+    if n <= 16:
+        return list(range(1, n + 1))
+    grid = {c for base in (1, 3) for c in (base * 2**i for i in range(12)) if c <= n}
+    return sorted(grid | {n})
+
+
 def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
     """Every deployment of the search space that fits the GPUs."""
     types = sorted(req.gpus)
     common = {"gpus_per_node": req.gpus_per_node}
     if "ep" in req.modes:
         for gpu in types:
-            for n in range(1, req.gpus[gpu] + 1):
-                replicas = req.gpus[gpu] // n
-                for cap in ATTN_CAPS:
+            for n in counts(req.gpus[gpu]):
+                replicas = req.gpus[gpu] // n if req.replicate else 1
+                for cap in req.attn_caps:
                     yield bounds.Deployment("ep", gpu, n, attn_cap=cap, replicas=replicas, **common)
     for ta, te in itertools.product(types, types):
-        for a in range(1, req.gpus[ta] + 1):
+        for a in counts(req.gpus[ta]):
             room = req.gpus[te] - (a if ta == te else 0)
-            for x in range(1, min(room, num_experts) + 1):
-                maps = {None, balanced_map(inclusion, x)} - {tuple(e % x for e in range(num_experts))}
-                for cap, expert_map in itertools.product(ATTN_CAPS, [None, *sorted(m for m in maps if m)]):
+            for x in [c for c in counts(room) if c <= num_experts]:
+                if ta == te:
+                    copies = req.gpus[ta] // (a + x)
+                else:
+                    copies = min(req.gpus[ta] // a, req.gpus[te] // x)
+                shape = {**common, "replicas": copies if req.replicate else 1}
+                maps = {None, balanced_map(inclusion, x)} if req.balanced else {None}
+                maps -= {tuple(e % x for e in range(num_experts))}
+                for cap, expert_map in itertools.product(
+                    req.attn_caps, [None, *sorted(m for m in maps if m)]
+                ):
                     if "aep" in req.modes:
-                        for ecap in EXPERT_CAPS:
+                        for ecap in req.expert_caps:
                             yield bounds.Deployment(
-                                "aep", ta, a, te, x, cap, ecap, expert_map=expert_map, **common
+                                "aep", ta, a, te, x, cap, ecap, expert_map=expert_map, **shape
                             )
                     if "pingpong" in req.modes:
                         for m in MICRO_BATCHES:
@@ -209,13 +230,13 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
 
 
 def describe(d: bounds.Deployment) -> str:
+    copies = f" x{d.replicas} replicas" if d.replicas > 1 else ""
     if d.mode == "ep":
-        text = f"ep {d.num_attn}x{d.attn_gpu}" + (f" x{d.replicas} replicas" if d.replicas > 1 else "")
-        return f"{text} cap {d.attn_cap}"
+        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}"
     roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
     extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"
     placement = " balanced" if d.expert_map is not None else ""
-    return f"{d.mode} {roles} cap {d.attn_cap}{extra}{placement}"
+    return f"{d.mode} {roles}{copies} cap {d.attn_cap}{extra}{placement}"
 
 
 def report(plans: list[Plan], req: PlanRequest, top: int = 5) -> str:

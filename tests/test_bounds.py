@@ -192,3 +192,17 @@ def test_amoe_plan_command_prints_json_and_a_table():
     assert "best AEP / best EP" in table.stdout and "amoe serve" in table.stdout
     bad = subprocess.run([*cmd[:-4], "--gpus", "h100:x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and bad.stderr.startswith("amoe: error: --gpus")
+
+
+def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
+    from amoe.plan import counts
+
+    model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
+    q = _q(model, "skew-exp:0.08")
+    one = B.predict(model, B.Deployment("ep", A100, 2, attn_cap=256), q, CTX, HOST)
+    four = B.predict(model, B.Deployment("ep", A100, 2, attn_cap=256, replicas=4), q, CTX, HOST)
+    assert four.tokens_per_s == pytest.approx(4 * one.tokens_per_s) and four.itl_s == one.itl_s
+    assert B.Deployment("aep", A100, 3, A100, 2, replicas=3).num_gpus == 15
+    assert counts(8) == list(range(1, 9))
+    big = counts(256)
+    assert big[0] == 1 and big[-1] == 256 and len(big) < 20 and 192 in big

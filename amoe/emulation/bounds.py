@@ -104,7 +104,7 @@ class Deployment:
     attn_cap: int = 256  # rows per attention step (ep / pingpong: a device's batch)
     expert_cap: int = 512  # rows per expert step (aep)
     micro_batches: int = 1  # pingpong's m
-    replicas: int = 1  # ep: independent EP groups serving side by side
+    replicas: int = 1  # independent copies of the deployment serving side by side (behind one load balancer)
     expert_map: tuple[int, ...] | None = None  # expert -> expert GPU (aep / pingpong); None: e mod num_expert
     gpus_per_node: int = 8  # which transfers cross hosts
 
@@ -169,10 +169,21 @@ def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.nd
 def predict(
     model: ModelProfile, dep: Deployment, inclusion: np.ndarray, mean_context: float, host: HostOverhead
 ) -> Prediction:
-    """The bound of `dep` (module docstring) for a model at full depth and per-block inclusion probabilities."""
-    if dep.mode == "ep":
-        return _ep(model, dep, inclusion, mean_context, host)
-    return _disaggregated(model, dep, inclusion, mean_context, host)
+    """The bound of `dep` (module docstring) for a model at full depth and per-block inclusion probabilities.
+    Replicas multiply throughput and concurrency; ITL is one copy's."""
+    one = replace(dep, replicas=1)
+    pred = (
+        _ep(model, one, inclusion, mean_context, host)
+        if dep.mode == "ep"
+        else _disaggregated(model, one, inclusion, mean_context, host)
+    )
+    if dep.replicas == 1 or pred.tokens_per_s <= 0:
+        return pred
+    return replace(
+        pred, tokens_per_s=pred.tokens_per_s * dep.replicas, concurrency=pred.concurrency * dep.replicas,
+        attention_tokens_per_s=pred.attention_tokens_per_s * dep.replicas,
+        expert_tokens_per_s=pred.expert_tokens_per_s * dep.replicas,
+    )  # fmt: skip
 
 
 def _attention_batch(
@@ -290,9 +301,9 @@ def _ep(
         stall += slowest - sum(per_device) / len(per_device)
         skew.append(slowest / (sum(per_device) / len(per_device)))
         iteration += attn + a2a + slowest
-    tps = dep.replicas * tokens / iteration
+    tps = tokens / iteration
     return Prediction(
-        tokens_per_s=tps, itl_s=iteration, concurrency=dep.replicas * tokens, bottleneck="barrier",
+        tokens_per_s=tps, itl_s=iteration, concurrency=tokens, bottleneck="barrier",
         expert_skew=float(np.mean(skew)),
         extra={"all_to_all_s_per_block": a2a, "barrier_stall_fraction": stall / iteration},
     )  # fmt: skip
