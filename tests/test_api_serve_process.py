@@ -20,12 +20,13 @@ def model_dir(tmp_path_factory):
 
 
 class ServerProcess:
-    def __init__(self, model_dir, *flags: str) -> None:
+    def __init__(self, model_dir, *flags: str, new_session: bool = False) -> None:
         cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", "0", *flags]
         env = {**os.environ, "AMOE_LOG_LEVEL": "INFO"}
         self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
-        )
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+            start_new_session=new_session,
+        )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -89,6 +90,28 @@ def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
         server.stop()
     assert any("SIGTERM: draining" in line for line in server.lines)
     assert any("aborting 1 in-flight requests" in line for line in server.lines)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_whole_process_group_drains_without_healing(model_dir):
+    """systemd and `timeout` signal every process of the group: the runtimes keep serving the drain, none is
+    taken for crashed and replaced, and the server exits 0 without killing stragglers."""
+    server = ServerProcess(model_dir, "--server-drain-timeout-s", "5", new_session=True)
+    try:
+        url = server.wait_for_url()
+        body = {"model": "tiny-proc", "prompt": "go", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert server.proc.wait(10) == 0
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in rest[-2]
+    finally:
+        server.stop()
+    log = "\n".join(server.lines)
+    assert "replacing it" not in log and "did not stop" not in log, log
 
 
 @pytest.mark.timeout(60)

@@ -88,7 +88,11 @@ def main() -> int:
     spec = wire.decode_spec(sys.stdin.buffer.read())
     name_process(f"amoe: {spec.role} runtime {spec.runtime}")
     die_with_parent(spec.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the coordinator drains us
+    # Ctrl-C, `timeout` and systemd's stop signal the whole process group: the coordinator drains the requests in
+    # flight and then stops its runtimes itself (PR_SET_PDEATHSIG covers its death), so a runtime must not die
+    # under it first, which the coordinator would take for a crash and heal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging()
     torch.set_num_threads(AmoeConfig.from_dict(spec.config).parallel.threads_per_rank)
     return run(spec)
