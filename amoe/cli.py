@@ -129,6 +129,10 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
     p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
+    p.add_argument(
+        "--simulate-top", type=int, default=3,
+        help="refine this many of the best plans, and each mode's best, by simulation (default: 3; 0: bounds only)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(run=run_plan)
 

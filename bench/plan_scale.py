@@ -24,7 +24,7 @@ def best(gpu: str, n: int, mode: str, args, replicate: bool) -> dict | None:
     req = PlanRequest(
         args.profile, {gpu: n}, top_k=args.top_k, routing=args.routing, modes=(mode,), gpus_per_node=8,
         attn_caps=(256, 1024), expert_caps=(512,), balanced=False, itl_slo_ms=args.itl_slo_ms,
-        replicate=replicate,
+        replicate=replicate, simulate_top=0,  # bounds only: simulating 256 GPUs would take minutes per plan
     )  # fmt: skip
     plans = search(req)
     if not plans:

@@ -22,10 +22,11 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class RankKV:
-    """KV-cache blocks of one attention DP rank."""
+    """KV-cache blocks of one attention DP rank, and how many requests it may decode at once."""
 
     free_blocks: int
     total_blocks: int
+    max_requests: int | None = None  # --cache-max-num-seqs; None: KV alone limits the rank
 
 
 class Backend(abc.ABC):

@@ -1,7 +1,9 @@
 """Load balancer (AMoE §3.1): a new request goes to the attention DP rank with the most free KV blocks, for life.
 
 Admission reserves the request's worst case (prompt + max_tokens) in blocks, so a rank is never over-committed
-and a running request can never be preempted for lack of KV. Requests that fit nowhere yet wait in a bounded FIFO.
+and a running request can never be preempted for lack of KV; a rank also takes no more than its `max_requests`
+(--cache-max-num-seqs, vLLM's meaning: requests decoding at once). Requests that fit nowhere yet wait in a bounded
+FIFO.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class LoadBalancer:
         self._max_waiting = max_waiting
         self._reserved: dict[int, int] = {}  # rank -> blocks reserved by admitted requests
         self._bindings: dict[int, tuple[int, int]] = {}  # request_id -> (rank, reserved blocks)
+        self._running: dict[int, int] = {}  # rank -> requests bound to it
         self._waiting: deque[_Waiter] = deque()
         self._closed = False
 
@@ -117,16 +120,21 @@ class LoadBalancer:
             return
         rank, num_blocks = binding
         self._reserved[rank] -= num_blocks
+        self._running[rank] -= 1
         self._wake_waiters()
 
     def _bind(self, request_id: int, num_blocks: int) -> int | None:
-        free = self.free_blocks()
-        if not free:
+        ranks = self._kv_usage()
+        free = [kv.total_blocks - self._reserved.get(r, 0) for r, kv in enumerate(ranks)]
+        open_ranks = [
+            r for r, kv in enumerate(ranks)
+            if free[r] >= num_blocks and (kv.max_requests is None or self._running.get(r, 0) < kv.max_requests)
+        ]  # fmt: skip
+        if not open_ranks:
             return None
-        rank = max(range(len(free)), key=lambda r: free[r])  # ties go to the lowest rank
-        if free[rank] < num_blocks:
-            return None
+        rank = max(open_ranks, key=lambda r: free[r])  # ties go to the lowest rank
         self._reserved[rank] = self._reserved.get(rank, 0) + num_blocks
+        self._running[rank] = self._running.get(rank, 0) + 1
         self._bindings[request_id] = (rank, num_blocks)
         return rank
 

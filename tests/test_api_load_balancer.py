@@ -123,3 +123,22 @@ def test_a_request_larger_than_any_rank_is_rejected_not_queued():
         assert lb.num_waiting == 0
 
     asyncio.run(scenario())
+
+
+def test_a_rank_takes_no_more_than_max_num_seqs_requests():
+    """--cache-max-num-seqs bounds the requests a rank decodes at once even when its KV has room: the next one
+    goes to another rank, and when every rank is full it waits until a request ends."""
+    ranks = [RankKV(free_blocks=100, total_blocks=100, max_requests=2) for _ in range(2)]
+    lb = LoadBalancer(lambda: ranks, block_size=BLOCK, max_waiting=4)
+    assert [lb.try_admit(r, BLOCK) for r in "abcd"] == [0, 1, 0, 1]
+    assert lb.try_admit("e", BLOCK) is None
+
+    async def scenario():
+        waiting = asyncio.ensure_future(lb.admit("e", BLOCK))
+        await asyncio.sleep(0)
+        assert not waiting.done() and lb.num_waiting == 1
+        lb.release("b")
+        return await asyncio.wait_for(waiting, 1)
+
+    assert asyncio.run(scenario()) == 1
+    assert lb.num_running == 4

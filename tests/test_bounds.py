@@ -71,10 +71,10 @@ def test_ep_pays_all_to_alls_and_one_grouped_gemm_per_device():
     model, gpu = B.full_depth(model_profile("mixtral-8x7b-mqa", 1)), gpu_profile(A100)
     # One grouped GEMM over 4 experts costs less than 4 steps (one host step and one set of launches).
     rows = [64, 64, 64, 64]
-    assert B.grouped_expert_time(model, gpu, rows, HOST) < sum(
+    assert cm.grouped_expert_time(model, gpu, rows, HOST) < sum(
         cm.expert_layer_time(model, gpu, r, HOST) for r in rows
     )
-    assert B.grouped_expert_time(model, gpu, [64], HOST) == pytest.approx(
+    assert cm.grouped_expert_time(model, gpu, [64], HOST) == pytest.approx(
         cm.expert_layer_time(model, gpu, 64, HOST)
     )
     # The all-to-all: tens of µs on NVLink, more across hosts, nothing for one device.
@@ -150,7 +150,7 @@ def test_expert_map_places_experts_on_runtimes():
 
 
 def test_planner_finds_sensible_plans_and_commands_that_parse():
-    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("a100-80g:8"), top_k=1, itl_slo_ms=120)
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("a100-80g:8"), top_k=1, itl_slo_ms=120, simulate_top=0)
     plans = search(req)
     assert plans and all(p.prediction.itl_s * 1e3 <= 120 for p in plans)
     assert plans == sorted(plans, key=lambda p: -p.prediction.tokens_per_s)
@@ -170,7 +170,8 @@ def test_planner_finds_sensible_plans_and_commands_that_parse():
 
 def test_planner_with_prices_and_heterogeneous_gpus():
     gpus = parse_gpus("a100-80g:4,h100:4")
-    req = PlanRequest("mixtral-8x7b-mqa", gpus, top_k=2, prices=parse_prices("a100-80g=1.5,h100=3", gpus))
+    prices = parse_prices("a100-80g=1.5,h100=3", gpus)
+    req = PlanRequest("mixtral-8x7b-mqa", gpus, top_k=2, prices=prices, simulate_top=0)
     plans = search(req)
     costs = [p.cost_per_mtok for p in plans]
     assert costs == sorted(costs)
@@ -188,8 +189,14 @@ def test_amoe_plan_command_prints_json_and_a_table():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert len(out["plans"]) == 3 and out["plans"][0]["command"].startswith("amoe serve --model")
-    table = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert all(
+        p["prediction"]["extra"].get("simulated")
+        for p in out["plans"]
+        if p["deployment"]["mode"] != "pingpong"
+    )
+    table = subprocess.run([*cmd, "--simulate-top", "0"], capture_output=True, text=True, timeout=120)
     assert "best AEP / best EP" in table.stdout and "amoe serve" in table.stdout
+    assert "* the bound only" in table.stdout
     bad = subprocess.run([*cmd[:-4], "--gpus", "h100:x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and bad.stderr.startswith("amoe: error: --gpus")
 
@@ -206,3 +213,20 @@ def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
     assert counts(8) == list(range(1, 9))
     big = counts(256)
     assert big[0] == 1 and big[-1] == 256 and len(big) < 20 and 192 in big
+
+
+def test_the_planner_ranks_simulated_plans_first_within_the_itl_objective():
+    """The best plans by the bounds are re-ranked on the simulation's numbers and come before the plans that only
+    have a bound (a bound is optimistic); a refined AEP plan runs more requests than the bound's point, and the
+    ITL objective holds for the refined numbers."""
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep", "ep"),
+                      attn_caps=(256,), expert_caps=(512,), balanced=False, replicate=False, simulate_top=2,
+                      itl_slo_ms=400)  # fmt: skip
+    plans = search(req)
+    simulated = [p for p in plans if p.prediction.extra.get("simulated")]
+    assert simulated and plans[: len(simulated)] == simulated
+    assert simulated == sorted(simulated, key=lambda p: -p.prediction.tokens_per_s)
+    assert {p.deployment.mode for p in simulated} == {"aep", "ep"}
+    for p in simulated:
+        assert p.prediction.tokens_per_s <= 1.01 * p.prediction.extra["bound"]
+        assert p.prediction.itl_s * 1e3 <= 400

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from amoe.config import ExecutorSection
 from amoe.emulation import cost_model as cm
@@ -257,6 +258,28 @@ def test_emulation_config_validation():
     em = Emulation(emulated(profile="mixtral-8x7b-16e"), wire_hidden=32)
     assert (em.model_config.num_experts, em.model_config.top_k, em.model_config.hidden_size) == (16, 1, 32)
     assert em.profile.hidden_size == 4096  # costs use the real shapes
+
+
+def test_an_ep_device_runs_its_experts_of_a_block_as_one_grouped_step():
+    """EP's expert side is one grouped GEMM per device (bounds.py prices it so): the emulated executor holds once,
+    for less than the experts run one by one would take, and returns each expert's rows."""
+    from amoe.runtime.sync.batch import LayerBatch
+
+    em = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g", time_scale=1e-3))
+    ex = em.expert_executor()
+
+    def batch(e, n):
+        rows = torch.zeros(n, dtype=torch.int64)
+        return LayerBatch("expert", 0, e, rows, rows, x=torch.zeros(n, 16), weights=torch.ones(n))
+
+    outs = ex.run_grouped([batch(0, 30), batch(1, 2)])
+    assert [tuple(o.shape) for o in outs] == [(30, 16), (2, 16)]
+    kinds = ex.stats()["kinds"]["expert"]
+    assert (kinds["steps"], kinds["rows"]) == (1, 32)
+    one_by_one = sum(cm.expert_layer_time(em.profile, em.gpu, n, em.host) for n in (30, 2))
+    assert kinds["busy_s"] == pytest.approx(cm.grouped_expert_time(em.profile, em.gpu, [30, 2], em.host))
+    assert kinds["busy_s"] < one_by_one
+    assert type(kinds["busy_s"]) is float  # the runtime report encodes it (no numpy scalars on the wire)
 
 
 @pytest.mark.timeout(60)

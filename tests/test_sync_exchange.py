@@ -26,6 +26,9 @@ class ScaleByExpert:
         self.batches.append((batch.index, batch.x.shape[0]))
         return batch.x * (batch.index + 1)
 
+    def run_grouped(self, batches) -> list[torch.Tensor]:
+        return [self.run(b) for b in batches]
+
 
 def _routed(n: int, k: int, num_experts: int, seed: int) -> Routed:
     g = torch.Generator().manual_seed(seed)

@@ -58,10 +58,15 @@ def add_bench_compare_command(sub: Any) -> None:
 
 
 def run_bench_compare(args: argparse.Namespace) -> int:
+    from amoe.bench import calibrate
+
     p = preset(args.preset)
+    # The preset's scale is for the host it was chosen on; a slower host's Python gets proportionally more wall
+    # time per emulated second, so host work stays the same share of each emulated step (amoe.bench.calibrate).
+    scale, probe_s = (args.time_scale, None) if args.time_scale else calibrate.scaled(p.time_scale)
     p = replace(
         p,
-        time_scale=args.time_scale or p.time_scale,
+        time_scale=scale,
         duration_s=args.duration or p.duration_s,
         blocks=args.blocks or p.blocks,
         attn_cap=args.attn_cap or p.attn_cap,
@@ -73,6 +78,9 @@ def run_bench_compare(args: argparse.Namespace) -> int:
     from amoe.bench.compare_report import headline, table, write_outputs
 
     summary = headline(points, p, args.seed)
+    if probe_s is not None:
+        summary["host_probe_us"] = round(probe_s * 1e6, 1)
+    summary["saturated_points"] = [f"{pt['config']}@{pt['rate']:.0f}" for pt in points if pt.get("saturated")]
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     write_outputs(Path(args.out), points, summary, p, args)
     print(table(points))
@@ -99,21 +107,21 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
     server = ServerProcess(serve_flags(setup, p, seed))
     with server:
-        points = [await _point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
+        points = [await load_point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
         if with_policy:
             best = max(pt["throughput"] for pt in points)
             rate = p.policy_load * best / mean_output_tokens(setup.workload)
-            points.append(await _point(server, setup, p, seed, rate, "policy"))
+            points.append(await load_point(server, setup, p, seed, rate, "policy"))
     return points
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
     server = ServerProcess(serve_flags(setup, p, seed))
     with server:
-        return [await _point(server, setup, p, seed, rate, kind) for rate in rates]
+        return [await load_point(server, setup, p, seed, rate, kind) for rate in rates]
 
 
-async def _point(
+async def load_point(
     server: ServerProcess, setup: Setup, p: Preset, seed: int, rate: float, kind: str
 ) -> dict[str, Any]:
     """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration, measured by the
@@ -177,6 +185,7 @@ async def _drain(http, timeout_s: float = 120.0) -> None:
 
 
 def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, Any]:
+    from amoe.bench import calibrate
     from amoe.bench.probe import histogram_quantile
 
     point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
@@ -190,6 +199,8 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
     first, last = window
     wall_s = last.t - first.t
     emulated_s = wall_s / scale
+    measured_cpu = None not in (first.cpu_s, last.cpu_s)
+    host = round((last.cpu_s - first.cpu_s) / wall_s, 2) if measured_cpu else None
     point.update(
         throughput=(last.tokens - first.tokens) / emulated_s,  # output tokens per emulated second
         window_tokens=last.tokens - first.tokens,
@@ -199,10 +210,9 @@ def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, An
         ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
         busy=busy_fractions(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
-        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md).
-        host_cores=round((last.cpu_s - first.cpu_s) / wall_s, 2)
-        if None not in (first.cpu_s, last.cpu_s)
-        else None,
+        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
+        host_cores=host,
+        saturated=calibrate.saturated(host),
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
     )
     return point

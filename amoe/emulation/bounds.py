@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -72,21 +71,6 @@ def _deepep_fraction(devices: int) -> float:
     sizes = sorted(DEEPEP_RDMA_GBPS)
     size = next((s for s in sizes if s >= devices), sizes[-1])
     return min(1.0, DEEPEP_RDMA_GBPS[size] / DEEPEP_NIC_GBPS)
-
-
-def grouped_expert_time(
-    model: ModelProfile, gpu: GpuProfile, rows_per_expert: Sequence[float], host: HostOverhead = cm.NO_HOST
-) -> float:
-    """A device's local experts in one grouped GEMM (what EP serving systems run): FLOPs and weight bytes of every
-    expert with rows, in one kernel sequence and one host step."""
-    rows = [r for r in rows_per_expert if r > 0]
-    if not rows:
-        return 0.0
-    phases = np.zeros((3, 2))
-    for r in rows:
-        phases += np.asarray(cm._swiglu_phases(model, gpu, max(1, round(r)), model.expert_intermediate))
-    gpu_s = sum(cm.roofline(gpu, f, b) for f, b in phases) + cm.EXPERT_KERNELS * gpu.launch_s
-    return gpu_s + host.expert_step_s + sum(rows) * host.expert_row_s
 
 
 # ---- deployments and predictions
@@ -266,7 +250,9 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
     t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.top_k), link)
     block_s, skew = 0.0, []
     for blk in range(model.num_blocks):
-        per_gpu = [grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host) for es in placed]
+        per_gpu = [
+            cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host) for es in placed
+        ]
         t_exp = max(per_gpu)
         skew.append(t_exp / (sum(per_gpu) / len(per_gpu)))
         block_s += max(m * t_attn, m * t_exp, t_attn + t_exp) + 2 * t_move
@@ -296,7 +282,9 @@ def _ep(
     tokens = n * b
     iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
     for blk in range(model.num_blocks):
-        per_device = [grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host) for es in local]
+        per_device = [
+            cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host) for es in local
+        ]
         slowest = max(per_device)
         stall += slowest - sum(per_device) / len(per_device)
         skew.append(slowest / (sum(per_device) / len(per_device)))

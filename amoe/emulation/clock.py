@@ -46,6 +46,9 @@ class EmulatedClock:
 
     def hold(self, seconds: float, kind: str = "step", rows: int = 0) -> None:
         """Block for `seconds` of emulated time (seconds × time_scale of wall time) and account it as busy."""
+        seconds = float(
+            seconds
+        )  # a numpy scalar from the cost model would reach the runtime report's encoder
         with self._lock:
             stats = self._kinds[kind]
             stats.steps += 1

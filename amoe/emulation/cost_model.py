@@ -40,6 +40,21 @@ def expert_layer_time(model: ModelProfile, gpu: GpuProfile, rows: int, host: Hos
     return gpu_s + host.expert_step_s + rows * host.expert_row_s
 
 
+def grouped_expert_time(
+    model: ModelProfile, gpu: GpuProfile, rows_per_expert: Sequence[float], host: HostOverhead = NO_HOST
+) -> float:
+    """A device's local experts in one grouped GEMM (what EP serving systems run): FLOPs and weight bytes of every
+    expert with rows, in one kernel sequence and one host step."""
+    rows = [r for r in rows_per_expert if r > 0]
+    if not rows:
+        return 0.0
+    phases = np.zeros((3, 2))
+    for r in rows:
+        phases += np.asarray(_swiglu_phases(model, gpu, max(1, round(r)), model.expert_intermediate))
+    gpu_s = sum(roofline(gpu, f, b) for f, b in phases) + EXPERT_KERNELS * gpu.launch_s
+    return float(gpu_s + host.expert_step_s + sum(rows) * host.expert_row_s)
+
+
 def attention_layer_time(
     model: ModelProfile,
     gpu: GpuProfile,

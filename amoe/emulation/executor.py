@@ -110,6 +110,13 @@ class EmulatedExpertExecutor:
         )
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 
+    def run_grouped(self, batches: list) -> list[torch.Tensor]:
+        """An EP device's experts of one block in one grouped GEMM: one hold for all of them (cost_model)."""
+        rows = [b.num_rows for b in batches]
+        t = cost_model.grouped_expert_time(self.em.profile, self.em.gpu, rows, self.em.host)
+        self.clock.hold(t, "expert", sum(rows))
+        return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
+
     def stats(self) -> dict:
         return self.clock.stats()
 

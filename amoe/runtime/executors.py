@@ -38,6 +38,10 @@ class ExpertExecutor:
         put = self.device.put  # rows that came over a host plane (inline, gloo) go up to the device here
         return self.layers[(batch.block, batch.index)](put(batch.x), put(batch.weights))  # [N, H]
 
+    def run_grouped(self, batches: list) -> list[torch.Tensor]:
+        """A device's experts of one block, each on its rows (EP's grouped GEMM; torch runs them one by one)."""
+        return [self.run(batch) for batch in batches]
+
 
 class AttentionExecutor:
     """An attention DP rank as the runtime loop runs it: its requests, and the compute that runs their layers.

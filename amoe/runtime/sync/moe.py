@@ -155,20 +155,18 @@ def run_experts(
     shift = torch.repeat_interleave(torch.arange(1, len(srcs) + 1), torch.tensor(sizes, dtype=torch.int64))
     experts = meta["expert_id"]
     present = torch.unique(experts).tolist()  # ascending expert id; experts without rows do not run
-    for e in present:
-        whole = len(present) == 1  # one expert got every row (EP's usual case): its input needs no gather
-        idx = torch.arange(x.shape[0]) if whole else (experts == e).nonzero().flatten()
-        batch = LayerBatch(
-            kind="expert",
-            block=block,
-            index=e,
-            request_ids=meta["request_id"][idx],
-            positions=meta["position"][idx],
-            x=x if whole else x[idx],
-            weights=meta["weight"][idx].float(),
+    whole = len(present) == 1  # one expert got every row (EP's usual case): its input needs no gather
+    rows = [torch.arange(x.shape[0]) if whole else (experts == e).nonzero().flatten() for e in present]
+    batches = [
+        LayerBatch(
+            kind="expert", block=block, index=e, request_ids=meta["request_id"][idx],
+            positions=meta["position"][idx], x=x if whole else x[idx], weights=meta["weight"][idx].float(),
         )
-        with stats.busy():
-            out = executor.run(batch)
+        for e, idx in zip(present, rows)
+    ]  # fmt: skip
+    with stats.busy():
+        outs = executor.run_grouped(batches)  # every hosted expert of the block in one grouped step
+    for e, idx, out in zip(present, rows, outs):
         body.index_copy_(0, idx + shift[idx], out.to(body.device, body.dtype))  # host frames (docs/gpu.md)
         stats.count_expert_rows(block, e, idx.numel())
     bodies, start = {}, 0

@@ -1,0 +1,285 @@
+"""A discrete-event simulation of a deployment on emulated GPUs: what `amoe plan` predicts with where the analytic
+bounds (amoe.emulation.bounds) are not enough (issue 20).
+
+The bounds put every GPU at its best batch at once. AEP's runtimes do not get there: each drains whichever μ-queue
+its scheduler picks as soon as it is free, so at a given concurrency its batches are smaller than the bound's (on
+the ci plan, 31 rows per attention step of a cap of 64 and 30 rows per expert step where the bound assumed 64), and
+EP's barrier waits for the slowest device of *this* iteration's routing, not of the expected one. The simulation
+runs the same pieces the emulated runtimes run — the C++ scheduler (`amoe._core.Scheduler`, the same policy,
+look-ahead and decay), the routing override (same seed, skew, affinity), the cost model's step times with the host
+overhead, the links' latency and bytes — over a fixed number of requests decoding forever (decode only, as the
+benchmarks measure), and counts their progress in steady state.
+
+* **AEP**: attention rank r holds its requests; its grid is (block 0..B-1, head). A step takes up to the attention
+  cap from the picked queue, holds for the cost model's attention (or head) time, then routes each row: row-part
+  (token, k) goes to the expert GPU of its expert after the link's time. Expert GPU g's grid is (block, its
+  experts); a step takes up to the expert cap from the picked queue and sends each part back. A token enters its
+  rank's next queue when the last of its k parts is back.
+* **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
+  and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
+* **Ping-pong** keeps the analytic model (bounds._pingpong): its lock-step alternation has no queues to simulate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from amoe.config import SchedulerSection
+from amoe.emulation import bounds
+from amoe.emulation import cost_model as cm
+from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
+from amoe.emulation.routing import RouterOverride, RoutingSpec
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A simulated run's steady state."""
+
+    tokens_per_s: float
+    itl_s: float
+    concurrency: int
+    attention_rows_per_step: float
+    expert_rows_per_step: float
+    attention_busy: float  # mean fraction of the measured window the attention GPUs held
+    expert_busy: float
+
+
+def simulate(
+    model: ModelProfile,
+    dep: bounds.Deployment,
+    routing: str,
+    mean_context: float,
+    host: HostOverhead,
+    concurrency: int,
+    *,
+    duration_s: float = 0.25,
+    warmup_s: float = 0.1,
+    scheduler: SchedulerSection | None = None,
+    seed: int = 0,
+) -> Simulated:
+    """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
+    for `duration_s` emulated seconds after `warmup_s`."""
+    if dep.mode == "ep":
+        return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+    if dep.mode != "aep":
+        raise ValueError(f"simulate: no simulation of {dep.mode}; its bound is analytic")
+    return _Aep(
+        model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed
+    ).run(warmup_s, duration_s)
+
+
+def _router(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
+    spec = RoutingSpec.parse(routing)
+    return RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed=seed)
+
+
+class _Aep:
+    def __init__(
+        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int
+    ) -> None:
+        from amoe import core
+
+        self.model, self.dep, self.host, self.ctx = model, dep, host, int(round(ctx))
+        self.ga, self.ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+        self.router = _router(model, routing, seed)
+        self.blocks, self.k = model.num_blocks, model.top_k
+        placed = dep.experts_on(model.num_experts)
+        self.gpu_of = np.empty(model.num_experts, dtype=np.int64)
+        self.col_of = np.empty(model.num_experts, dtype=np.int64)
+        for g, experts in enumerate(placed):
+            for c, e in enumerate(experts):
+                self.gpu_of[e], self.col_of[e] = g, c
+        self.placed = placed
+        A, E = dep.num_attn, dep.num_expert
+        per_rank = [concurrency // A + (r < concurrency % A) for r in range(A)]
+        self.concurrency = sum(per_rank)
+        self.rank_of = np.repeat(np.arange(A), per_rank)  # token id -> its attention rank
+        self.position = np.zeros(self.concurrency, dtype=np.int64)
+        self.pending = np.zeros(self.concurrency, dtype=np.int64)  # expert parts of a token still out
+        self.where = np.zeros(self.concurrency, dtype=np.int64)  # the block a token's parts are at
+        new = core.Scheduler
+        self.attn_sched = [
+            new(self.blocks + 1, 1, sched.policy, sched.lookahead, sched.decay) for _ in range(A)
+        ]
+        self.exp_sched = [
+            new(self.blocks, max(1, len(p)), sched.policy, sched.lookahead, sched.decay) for p in placed
+        ]
+        # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
+        self.attn_q = [[deque() for _ in range(self.blocks + 1)] for _ in range(A)]
+        self.exp_q = [[[deque() for _ in p] for _ in range(self.blocks)] for p in placed]
+        self.busy = {("a", r): False for r in range(A)} | {("e", g): False for g in range(E)}
+        self.events: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.link = self.ga.nvlink if dep.gpus_per_node >= A + E else self.ga.network
+        self.row_bytes = model.hidden_size * model.bytes_per_activation
+        start = 0
+        for r, n in enumerate(per_rank):
+            self._enqueue_attn(r, 0, np.arange(start, start + n))
+            start += n
+        self.stats = {"attn_rows": 0, "attn_steps": 0, "exp_rows": 0, "exp_steps": 0,
+                      "attn_busy": 0.0, "exp_busy": 0.0}  # fmt: skip
+        self.window = (0.0, 0.0)
+
+    # ---- queues
+
+    def _enqueue_attn(self, r: int, layer: int, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self.attn_q[r][layer].append(tokens)
+            self.attn_sched[r].add(layer, 0, len(tokens))
+            self._wake(("a", r))
+
+    def _enqueue_exp(self, g: int, block: int, col: int, parts: np.ndarray) -> None:
+        self.exp_q[g][block][col].append(parts)
+        self.exp_sched[g].add(block, col, len(parts))
+        self._wake(("e", g))
+
+    @staticmethod
+    def _take(q: deque, n: int) -> np.ndarray:
+        out, left = [], n
+        while left and q:
+            head = q[0]
+            if len(head) <= left:
+                out.append(q.popleft())
+                left -= len(head)
+            else:
+                out.append(head[:left])
+                q[0] = head[left:]
+                left = 0
+        return np.concatenate(out)
+
+    # ---- events
+
+    def _at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), fn, args))
+
+    def _wake(self, dev) -> None:
+        if not self.busy[dev]:
+            self.busy[dev] = True
+            self._at(self.now, self._start, dev)
+
+    def _start(self, dev) -> None:
+        kind, i = dev
+        sched = self.attn_sched[i] if kind == "a" else self.exp_sched[i]
+        picked = sched.pick()
+        if picked is None:
+            self.busy[dev] = False
+            return
+        block, col = picked
+        if kind == "a":
+            rows = self._take(self.attn_q[i][block], min(self.dep.attn_cap, sched.depth(block, 0)))
+            sched.add(block, 0, -len(rows))
+            n = len(rows)
+            if block == self.blocks:
+                t = cm.head_time(self.model, self.ga, n, n, self.host)
+            else:
+                t = cm.decode_attention_time(self.model, self.ga, n, self.ctx, self.host)
+            self._count("attn", n, t)
+            self._at(self.now + t, self._attn_done, i, block, rows)
+        else:
+            parts = self._take(self.exp_q[i][block][col], min(self.dep.expert_cap, sched.depth(block, col)))
+            sched.add(block, col, -len(parts))
+            t = cm.expert_layer_time(self.model, self.ge, len(parts), self.host)
+            self._count("exp", len(parts), t)
+            self._at(self.now + t, self._exp_done, i, block, parts)
+
+    def _count(self, side: str, rows: int, t: float) -> None:
+        lo, hi = self.window
+        if lo <= self.now < hi:
+            self.stats[f"{side}_rows"] += rows
+            self.stats[f"{side}_steps"] += 1
+            self.stats[f"{side}_busy"] += min(t, hi - self.now)
+
+    def _move(self, rows: int) -> float:
+        return self.link.latency + rows * self.row_bytes / self.link.usable_bandwidth
+
+    def _attn_done(self, r: int, block: int, tokens: np.ndarray) -> None:
+        self._at(self.now, self._start, ("a", r))
+        if block == self.blocks:  # the head: the request's next token starts
+            self.position[tokens] += 1
+            self._enqueue_attn(r, 0, tokens)
+            return
+        ids, _ = self.router.route(
+            block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
+        )
+        self.pending[tokens] = self.k
+        self.where[tokens] = block
+        flat = ids.reshape(-1)
+        owner = np.repeat(tokens, self.k)
+        for g in np.unique(self.gpu_of[flat]):
+            mask = self.gpu_of[flat] == g
+            for col in np.unique(self.col_of[flat[mask]]):
+                sel = mask & (self.col_of[flat] == col)
+                parts = owner[sel]
+                self._at(self.now + self._move(len(parts)), self._enqueue_exp, int(g), block, int(col), parts)
+
+    def _exp_done(self, g: int, block: int, parts: np.ndarray) -> None:
+        self._at(self.now, self._start, ("e", g))
+        for r in np.unique(self.rank_of[parts]):
+            back = parts[self.rank_of[parts] == r]
+            self._at(self.now + self._move(len(back)), self._returned, int(r), block, back)
+
+    def _returned(self, r: int, block: int, parts: np.ndarray) -> None:
+        np.subtract.at(self.pending, parts, 1)
+        done = np.unique(parts[self.pending[parts] == 0])
+        self._enqueue_attn(r, block + 1, done)
+
+    def run(self, warmup_s: float, duration_s: float) -> Simulated:
+        self.window = (warmup_s, warmup_s + duration_s)
+        end = warmup_s + duration_s
+        while self.events and self.events[0][0] < end:
+            self.now, _, fn, args = heapq.heappop(self.events)
+            fn(*args)
+        s, A, E = self.stats, self.dep.num_attn, self.dep.num_expert
+        # Progress, not whole tokens: every token takes blocks + 1 attention-rank steps, and counting those rows
+        # does not quantise the estimate to whole inter-token latencies the way counting the head's tokens does.
+        tps = s["attn_rows"] / (self.blocks + 1) / duration_s
+        return Simulated(
+            tokens_per_s=tps, itl_s=self.concurrency / tps if tps else float("inf"), concurrency=self.concurrency,
+            attention_rows_per_step=s["attn_rows"] / max(1, s["attn_steps"]),
+            expert_rows_per_step=s["exp_rows"] / max(1, s["exp_steps"]),
+            attention_busy=s["attn_busy"] / (A * duration_s), expert_busy=s["exp_busy"] / (E * duration_s),
+        )  # fmt: skip
+
+
+def _simulate_ep(
+    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    seed: int,
+) -> Simulated:  # fmt: skip
+    """EP iterations with this iteration's routing: the barrier waits for the slowest device's grouped GEMM."""
+    gpu: GpuProfile = gpu_profile(dep.attn_gpu)
+    n = dep.num_attn
+    b = max(1, min(dep.attn_cap, -(-concurrency // n)))
+    tokens = n * b
+    router = _router(model, routing, seed)
+    local = dep.experts_on(model.num_experts)
+    where = np.empty(model.num_experts, dtype=np.int64)
+    for d, experts in enumerate(local):
+        where[experts] = d
+    c = int(round(ctx))
+    attn = cm.decode_attention_time(model, gpu, b, c, host)
+    a2a = 2 * bounds.all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
+    head = cm.head_time(model, gpu, b, b, host)
+    rid = np.arange(tokens)
+    elapsed, iterations, position = 0.0, 0, 0
+    while elapsed < duration_s or iterations < 8:
+        iteration = head
+        for blk in range(model.num_blocks):
+            ids, _ = router.route(
+                blk, tokens, request_ids=rid, positions=np.full(tokens, position), now_s=elapsed
+            )
+            counts = np.bincount(ids.reshape(-1), minlength=model.num_experts)
+            slowest = max(cm.grouped_expert_time(model, gpu, counts[es].tolist(), host) for es in local)
+            iteration += attn + a2a + slowest
+        elapsed += iteration
+        iterations += 1
+        position += 1
+    tps = tokens * iterations / elapsed
+    return Simulated(
+        tps, tokens / tps, tokens, float(b), float(tokens * model.top_k / model.num_experts), 1.0, 1.0
+    )

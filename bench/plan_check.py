@@ -1,0 +1,214 @@
+"""Is the planner right? Each plan's predicted throughput (amoe.emulation.bounds, what `amoe plan` ranks by) against
+the maximum the emulated runtime measures when it runs that plan's `amoe serve` command (issue 20).
+
+    .venv/bin/python bench/plan_check.py [--preset full|ci] [--repeats N] [--out DIR]
+
+For every plan: start the emulated deployment with the plan's flags (`amoe.plan.serve_command`, emulated), offer
+Poisson arrivals above its predicted rate so it runs at its maximum (admission holds it at the plan's concurrency),
+and measure output tokens per emulated second over the steady part of the point. The time scale is the preset's,
+stretched by a host probe (amoe.bench.calibrate) so host work is the same fraction of each emulated step on any
+machine; a point whose server saturated the host's CPU is marked and rerun at twice the time scale. With
+--repeats N each plan runs N times and reports the median and spread.
+
+Prints a table and one final JSON line; writes plan_check.json to --out. Exits 1 when a plan's median is further than
+the preset's tolerance from its prediction. Profiles keep --blocks of the model's blocks (the bounds at that depth:
+a truncated profile pays its share of the head, so the prediction is the full model's scaled, docs/emulation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from amoe.bench import calibrate
+from amoe.bench.compare import load_point
+from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens
+from amoe.bench.servers import ServerProcess
+from amoe.emulation import bounds
+from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.plan import Plan, PlanRequest, describe, mean_context, refine, serve_command
+
+logger = logging.getLogger("plan_check")
+
+ROUTING = f"skew-exp:{DEFAULT_LAMBDA:g}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One plan to check: a deployment of a profile at a top-k."""
+
+    profile: str
+    top_k: int
+    deployment: bounds.Deployment
+
+
+def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512):
+    return Check(profile, top_k, bounds.Deployment("aep", gpu, a, gpu, e, attn_cap=cap, expert_cap=ecap))
+
+
+def _ep(gpu, n, top_k, profile="mixtral-8x7b-mqa", cap=256):
+    return Check(profile, top_k, bounds.Deployment("ep", gpu, n, attn_cap=cap))
+
+
+def _pingpong(gpu, a, e, m, top_k, profile="mixtral-8x7b-mqa", cap=256):
+    return Check(profile, top_k, bounds.Deployment("pingpong", gpu, a, gpu, e, attn_cap=cap, micro_batches=m))
+
+
+@dataclass(frozen=True)
+class CheckPreset:
+    checks: tuple[Check, ...]
+    blocks: int  # blocks of each profile kept (the emulated runtimes' depth and the prediction's)
+    duration_s: float  # emulated seconds of arrivals per point
+    time_scale: float  # on the reference host (calibrate.REFERENCE_PROBE_S); stretched by the probe
+    overload: float  # offered rate over the predicted one
+    tolerance: float  # |measured / predicted - 1| allowed
+
+
+PRESETS = {
+    # AEP splits, EP, ping-pong; A100 and H100; top-1 and top-2: the issue's "≥ 6 diverse plans".
+    "full": CheckPreset(
+        checks=(
+            _aep("a100-80g", 4, 4, 1),
+            _aep("h100", 3, 5, 2),
+            _aep("a100-80g", 2, 6, 2),
+            _ep("a100-80g", 8, 1),
+            _ep("h100", 4, 2),
+            _pingpong("a100-80g", 4, 4, 2, 1),
+            _pingpong("h100", 2, 2, 3, 2),
+        ),
+        blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
+    ),
+    # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, a minute here.
+    "ci": CheckPreset(
+        checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
+        blocks=2, duration_s=0.6, time_scale=40.0, overload=1.5, tolerance=0.15,
+    ),
+}  # fmt: skip
+
+
+def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
+    """What `amoe plan` predicts for the check's deployment: the bound, refined by the simulation at the
+    concurrency the plan runs at, as the planner refines its best candidates."""
+    model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
+    return refine(model, check.deployment, ROUTING, mean_context(workload), host_overhead("amoe-paper"))
+
+
+def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[str]:
+    """The plan's emulated `amoe serve` command (what `amoe plan --emulated` prints), at this run's time scale."""
+    req = PlanRequest(
+        f"{check.profile}:{p.blocks}", {check.deployment.attn_gpu: 8}, top_k=check.top_k, routing=ROUTING
+    )
+    argv = serve_command(plan, req, emulated=True).split()[2:]
+    return argv + [
+        "--time-scale", f"{time_scale:g}", "--server-max-waiting", "1000000", "--transport-timeout-s", "60",
+    ]  # fmt: skip
+
+
+async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int) -> dict:
+    """One run of the plan at `overload` × its predicted rate: the point's measurement (amoe.bench.compare)."""
+    d = check.deployment
+    setup = Setup(d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu)
+    # Arrivals fill the plan's concurrency in ITL × tokens per request / overload; the measured window (the last
+    # 40 % of the point) opens well after that.
+    fill_s = plan.prediction.itl_s * mean_output_tokens(setup.workload) / p.overload
+    preset = Preset(
+        sweeps=(setup,), loads=(p.overload,), policy_load=None, policy_base=None,
+        duration_s=max(p.duration_s, 2.5 * fill_s),
+        time_scale=time_scale, attn_cap=d.attn_cap, expert_cap=d.expert_cap, blocks=p.blocks,
+    )  # fmt: skip
+    rate = p.overload * plan.prediction.tokens_per_s / mean_output_tokens(setup.workload)
+    server = ServerProcess(flags(check, plan, p, time_scale))
+    with server:
+        try:
+            return await load_point(server, setup, preset, seed, rate, "plan")
+        except Exception:
+            tail = "\n".join(list(server.lines)[-40:])
+            logger.error("[plan_check] %s failed; the server's last lines:\n%s", describe(d), tail)
+            raise
+
+
+async def run_check(check: Check, p: CheckPreset, base_scale: float, probe_s: float, repeats: int) -> dict:
+    plan = prediction(check, p)
+    d = check.deployment
+    start_scale = calibrate.plan_time_scale(
+        base_scale, probe_s, d.mode, d.num_gpus, plan.prediction.tokens_per_s
+    )
+    runs = []
+    for i in range(repeats):
+        scale = start_scale
+        for attempt in range(2):
+            point = await measure(check, plan, p, scale, seed=i)
+            hot = calibrate.saturated(point.get("host_cores"))
+            runs.append({"time_scale": scale, "throughput": point["throughput"], "host_cores": point["host_cores"],
+                         "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"]})  # fmt: skip
+            if not hot:
+                break
+            logger.warning("[plan_check] %s saturated the host (%.2f cores): rerun at time scale %g",
+                           describe(check.deployment), point["host_cores"], 2 * scale)  # fmt: skip
+            scale *= 2
+    kept = [r["throughput"] for r in runs if not r["saturated"]] or [r["throughput"] for r in runs]
+    measured = statistics.median(kept)
+    predicted = plan.prediction.tokens_per_s
+    return {
+        "plan": describe(check.deployment), "profile": f"{check.profile}:{p.blocks}", "top_k": check.top_k,
+        "predicted": round(predicted, 1), "measured": round(measured, 1),
+        "ratio": round(measured / predicted, 3) if predicted else None,
+        "spread": round((max(kept) - min(kept)) / measured, 3) if measured else None,
+        "bound": round(plan.prediction.extra.get("bound", predicted), 1),
+        "predicted_itl_ms": round(plan.prediction.itl_s * 1e3, 2), "concurrency": plan.prediction.concurrency,
+        "bottleneck": plan.prediction.bottleneck, "runs": runs,
+    }  # fmt: skip
+
+
+async def run(p: CheckPreset, repeats: int) -> tuple[list[dict], dict]:
+    base_scale, probe_s = calibrate.scaled(p.time_scale)
+    logger.info("[plan_check] host probe %.0f µs per step: time scale %.1f", probe_s * 1e6, base_scale)
+    rows = [await run_check(c, p, base_scale, probe_s, repeats) for c in p.checks]
+    return rows, {"probe_us": round(probe_s * 1e6, 1), "time_scale": round(base_scale, 2)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'plan':<56} {'top':>3} {'predicted':>10} {'measured':>10} {'ratio':>6} {'spread':>6}"]
+    for r in rows:
+        lines.append(
+            f"{r['plan']:<56} {r['top_k']:>3} {r['predicted']:>10.0f} {r['measured']:>10.0f} {r['ratio']:>6.3f} "
+            f"{r['spread']:>6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
+    parser.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is reported")
+    parser.add_argument("--out", default=None, help="write plan_check.json here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    p = PRESETS[args.preset]
+    started = time.monotonic()
+    rows, host = asyncio.run(run(p, max(1, args.repeats)))
+    within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
+    summary = {
+        "preset": args.preset, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
+        "wall_s": round(time.monotonic() - started, 1),
+    }  # fmt: skip
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan_check.json").write_text(json.dumps({"summary": summary, "plans": rows}, indent=1))
+    print(table(rows))
+    print(json.dumps(summary))
+    return 0 if len(within) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

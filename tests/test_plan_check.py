@@ -1,0 +1,61 @@
+"""The planner is right (issue 20): `bench/plan_check.py --preset ci` runs two plans on emulated GPUs, one AEP and one
+EP, and their measured maxima must be within the preset's tolerance of what the bounds predict. The full preset (7
+plans, 10 %) is a benchmark run, recorded in docs/results.md."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from amoe.bench import calibrate
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import plan_check  # noqa: E402
+
+
+def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
+    """plan_check runs exactly `amoe plan`'s emulated command, with the concurrency the prediction assumed."""
+    p = plan_check.PRESETS["full"]
+    for check in p.checks:
+        plan = plan_check.prediction(check, p)
+        argv = plan_check.flags(check, plan, p, time_scale=25.0)
+        assert argv[argv.index("--parallel") + 1] == check.deployment.mode
+        per_rank = int(argv[argv.index("--cache-max-num-seqs") + 1])
+        assert per_rank * check.deployment.num_attn >= plan.prediction.concurrency
+        assert argv[argv.index("--executor-profile") + 1] == f"{check.profile}:{p.blocks}"
+    modes = {c.deployment.mode for c in p.checks}
+    gpus = {c.deployment.attn_gpu for c in p.checks}
+    assert len(p.checks) >= 6 and modes == {"aep", "ep", "pingpong"} and gpus >= {"a100-80g", "h100"}
+    assert {c.top_k for c in p.checks} == {1, 2} and p.tolerance <= 0.10
+
+
+def test_the_time_scale_follows_the_host_probe():
+    """A host whose Python runs 2x slower gets twice the time scale: host work stays the same share of a step."""
+    slow, probe = calibrate.scaled(25.0, probe_s=2 * calibrate.REFERENCE_PROBE_S)
+    assert (slow, probe) == (pytest.approx(50.0), 2 * calibrate.REFERENCE_PROBE_S)
+    assert 0 < calibrate.host_probe(seconds=0.05, repeats=2) < 0.05
+    assert calibrate.saturated(10_000.0) and not calibrate.saturated(0.0) and not calibrate.saturated(None)
+    ref = calibrate.REFERENCE_PROBE_S
+    assert calibrate.plan_time_scale(40.0, ref, "aep", 8, 1000.0) == 40.0
+    fast = (
+        calibrate.WALL_TOKENS_PER_S * 100
+    )  # a plan this fast needs scale 100 to stay within the wall budget
+    assert calibrate.plan_time_scale(40.0, ref, "aep", 8, fast) == pytest.approx(100.0)
+    assert calibrate.plan_time_scale(40.0, 2 * ref, "aep", 8, fast) == pytest.approx(200.0)
+    assert calibrate.plan_time_scale(40.0, ref, "ep", 4 * calibrate.os.cpu_count(), 1000.0) == 80.0
+
+
+@pytest.mark.timeout(600)
+def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "plan_check.py"), "--preset", "ci", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=580,
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = json.loads((tmp_path / "plan_check.json").read_text())["plans"]
+    assert summary["plans"] == 2 and all(r["measured"] > 0 for r in rows)
+    assert summary["within"] == summary["plans"], result.stdout

@@ -1,0 +1,73 @@
+"""The discrete-event simulation `amoe plan` refines its best plans with (amoe.emulation.simulate): it never beats the
+bound, it reaches it when enough requests are in flight to fill every batch, and it shows what the bound cannot —
+AEP's smaller batches at the bound's own operating point, EP's barrier on this iteration's routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from amoe.emulation import bounds
+from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.simulate import simulate
+from amoe.plan import mean_context, refine
+
+HOST = host_overhead("amoe-paper")
+CTX = mean_context("short")
+ROUTING = "skew-exp:0.08"
+
+
+def _bound(model, dep, routing=ROUTING):
+    return bounds.predict(model, dep, bounds.routing_inclusion(model, routing), CTX, HOST)
+
+
+def test_aep_needs_more_requests_than_the_bound_to_fill_its_batches():
+    model = model_profile("mixtral-8x7b-mqa:2", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, attn_cap=64, expert_cap=512)
+    bound = _bound(model, dep)
+    at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency)
+    # The bound fills every attention step (64 rows) at its operating point; the schedule does not.
+    assert at_bound.tokens_per_s < 0.9 * bound.tokens_per_s
+    assert at_bound.attention_rows_per_step < 0.8 * dep.attn_cap
+    filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency)
+    assert filled.tokens_per_s <= 1.01 * bound.tokens_per_s
+    assert filled.tokens_per_s > 0.95 * bound.tokens_per_s
+    assert filled.attention_rows_per_step == pytest.approx(dep.attn_cap, rel=0.02)
+    assert filled.itl_s == pytest.approx(filled.concurrency / filled.tokens_per_s)
+
+
+def test_the_simulation_is_seeded():
+    model = model_profile("mixtral-8x7b-mqa:2", 2)
+    dep = bounds.Deployment("aep", "h100", 1, "h100", 3, attn_cap=32)
+    a, b = (simulate(model, dep, ROUTING, CTX, HOST, 96, duration_s=0.05) for _ in range(2))
+    assert a == b
+    c = simulate(model, dep, ROUTING, CTX, HOST, 96, duration_s=0.05, seed=1)
+    assert c != a
+
+
+def test_ep_waits_for_this_iterations_slowest_device():
+    """EP's barrier waits for the device that this iteration's routing made slowest, which is never faster than
+    the expected load (the bound; only an expert this iteration left without rows saves its weight reads) and, with even routing and compute-bound expert batches, measurably slower; on
+    these shapes the noise costs EP at most a few per cent."""
+    model = model_profile("mixtral-8x7b-mqa:2", 2)
+    for cap, routing in ((16, "uniform"), (256, "uniform"), (256, ROUTING), (1024, ROUTING)):
+        dep = bounds.Deployment("ep", "h100", 8, attn_cap=cap)
+        ratio = (
+            simulate(model, dep, routing, CTX, HOST, 8 * cap).tokens_per_s
+            / _bound(model, dep, routing).tokens_per_s
+        )
+        assert 0.95 < ratio <= 1.005, (cap, routing, ratio)  # above 1 only by an expert left without rows
+        if (cap, routing) == (256, "uniform"):
+            assert ratio < 0.995
+
+
+def test_refine_keeps_the_bound_and_runs_at_the_concurrency_it_found():
+    model = model_profile("mixtral-8x7b-mqa:2", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, attn_cap=64, replicas=2)
+    bound = _bound(model, dep)
+    plan = refine(model, dep, ROUTING, CTX, HOST)
+    assert plan.prediction.extra["bound"] == pytest.approx(bound.tokens_per_s)
+    assert plan.prediction.tokens_per_s <= 1.01 * bound.tokens_per_s
+    assert plan.prediction.concurrency >= bound.concurrency  # more requests in flight to fill the batches
+    assert plan.prediction.concurrency % 2 == 0  # two copies
+    pingpong = bounds.Deployment("pingpong", "a100-80g", 2, "a100-80g", 2, micro_batches=2)
+    assert refine(model, pingpong, ROUTING, CTX, HOST).prediction == _bound(model, pingpong)
