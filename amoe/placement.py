@@ -96,12 +96,7 @@ def parse_expert_map(text: str | None, num_experts: int, num_expert_ranks: int) 
     must host at least one expert."""
     if text is None:
         return tuple(e % num_expert_ranks for e in range(num_experts))
-    try:
-        where = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--parallel-expert-map must be numbers separated by commas; got {text!r}"
-        ) from None
+    where = _int_list(text, "--parallel-expert-map must be numbers")
     if len(where) != num_experts:
         raise ConfigError(f"--parallel-expert-map names {len(where)} experts; the model has {num_experts}")
     if set(where) != set(range(num_expert_ranks)):
@@ -112,17 +107,20 @@ def parse_expert_map(text: str | None, num_experts: int, num_expert_ranks: int) 
     return where
 
 
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    """ "0,1,1" → (0, 1, 1); anything else is the one-line error `what` separated by commas."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{what} separated by commas; got {text!r}") from None
+
+
 def node_map(dist: DistSection, num_runtimes: int) -> tuple[int, ...]:
     """The node of each runtime, by runtime id (docs/multinode.md): `dist.node_map` if given, else runtimes fill
     the nodes in placement order (attention runtimes first, then expert runtimes), `runtimes_per_node` each
     (default: as evenly as they go). One node: all on node 0."""
     if dist.node_map is not None:
-        try:
-            nodes = tuple(int(part) for part in dist.node_map.split(","))
-        except ValueError:
-            raise ConfigError(
-                f"--node-map must be node numbers separated by commas; got {dist.node_map!r}"
-            ) from None
+        nodes = _int_list(dist.node_map, "--node-map must be node numbers")
         if len(nodes) != num_runtimes:
             raise ConfigError(f"--node-map names {len(nodes)} nodes for {num_runtimes} runtimes")
         if not all(0 <= n < dist.nnodes for n in nodes):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 # The CPU benchmark's prompts (bench/ is on the path of a script run from it).
-from offline import make_prompts
+from offline import hf_generate, make_prompts
 
 from amoe import LLM, SamplingParams
 from amoe.device import cuda_missing_reason
@@ -68,18 +68,8 @@ def run_hf(model_dir: Path, prompts, new_tokens: int, dtype: str) -> tuple[float
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(GPU0).eval()
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=GPU0)  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=GPU0)
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.inference_mode():
-        model.generate(input_ids[:2], attention_mask=mask[:2], max_new_tokens=2, **kwargs)  # warm-up
-        with Timer() as timer:
-            out = model.generate(
-                input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs
-            )
-    tokens = out[:, width:].tolist()
-    del model, out
+    timer, tokens = hf_generate(model, prompts, new_tokens, Timer, GPU0)
+    del model
     _free_gpu()
     return timer.wall, tokens
 

@@ -50,17 +50,23 @@ def run_hf(model_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[T
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_generate(model, prompts, new_tokens)
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, timer=Timer, device=None):
+    """transformers' batched greedy `generate` over left-padded prompts, warmed up, timed by `timer` (a Timer
+    class) → (timer, the new tokens of each prompt). bench/gpu.py runs it on the GPU."""
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(input_ids[:2], attention_mask=mask[:2], max_new_tokens=2, **kwargs)  # warm-up
-        with Timer() as timer:
+        with timer() as timed:
             out = model.generate(
                 input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs
             )
-    return timer, out[:, width:].tolist()
+    return timed, out[:, width:].tolist()
 
 
 def main() -> None:

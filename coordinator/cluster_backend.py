@@ -260,7 +260,8 @@ class ClusterBackend(Backend):
         for rank, blocks, _ in self._aborting.values():
             held[rank] += blocks
         return [
-            RankKV(r.kv_free, r.num_kv_blocks - held[i], self.config.cache.max_num_seqs) for i, r in enumerate(ranks)
+            RankKV(r.kv_free, r.num_kv_blocks - held[i], self.config.cache.max_num_seqs)
+            for i, r in enumerate(ranks)
         ]
 
     def _expire_aborts(self) -> None:

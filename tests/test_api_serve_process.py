@@ -67,18 +67,29 @@ def test_signal_when_idle_exits_0(model_dir, sig):
     assert not [line for line in server.lines if "Traceback" in line]
 
 
+def _signal_mid_stream(url: str, max_tokens: int, send) -> list[str]:
+    """Start a streamed completion, call send() after its first event, and return the events that follow."""
+    body = {
+        "model": "tiny-proc",
+        "prompt": "go",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        next(lines)
+        send()
+        return [line for line in lines if line]
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
     server = ServerProcess(model_dir, "--server-drain-timeout-s", "1")
     try:
         url = server.wait_for_url()
-        body = {"model": "tiny-proc", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            next(lines)
-            server.proc.send_signal(signal.SIGTERM)
-            start = time.monotonic()
-            rest = [line for line in lines if line]
+        start = time.monotonic()
+        rest = _signal_mid_stream(url, 2000, lambda: server.proc.send_signal(signal.SIGTERM))
         assert server.proc.wait(10) == 0
         assert time.monotonic() - start < 8
         # It kept streaming during the drain, then was aborted at the deadline and still ended cleanly.
@@ -99,12 +110,7 @@ def test_sigterm_to_the_whole_process_group_drains_without_healing(model_dir):
     server = ServerProcess(model_dir, "--server-drain-timeout-s", "5", new_session=True)
     try:
         url = server.wait_for_url()
-        body = {"model": "tiny-proc", "prompt": "go", "max_tokens": 40, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            next(lines)
-            os.killpg(server.proc.pid, signal.SIGTERM)
-            rest = [line for line in lines if line]
+        rest = _signal_mid_stream(url, 40, lambda: os.killpg(server.proc.pid, signal.SIGTERM))
         assert server.proc.wait(10) == 0
         assert rest[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in rest[-2]

@@ -45,7 +45,8 @@ def test_the_time_scale_follows_the_host_probe():
     )  # a plan this fast needs scale 100 to stay within the wall budget
     assert calibrate.plan_time_scale(40.0, ref, "aep", 8, fast) == pytest.approx(100.0)
     assert calibrate.plan_time_scale(40.0, 2 * ref, "aep", 8, fast) == pytest.approx(200.0)
-    assert calibrate.plan_time_scale(40.0, ref, "ep", 4 * calibrate.os.cpu_count(), 1000.0) == 80.0
+    assert calibrate.plan_time_scale(40.0, ref, "ep", 2 * calibrate.os.cpu_count(), 1000.0) == 80.0
+    assert calibrate.plan_time_scale(40.0, ref, "aep", 2 * calibrate.os.cpu_count(), 1000.0) == 40.0
 
 
 @pytest.mark.timeout(600)
