@@ -89,7 +89,7 @@ PRESETS = {
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, a minute here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
-        blocks=2, duration_s=0.6, time_scale=40.0, overload=1.5, tolerance=0.15,
+        blocks=2, duration_s=0.4, time_scale=40.0, overload=3.0, tolerance=0.15,
     ),
 }  # fmt: skip
 

@@ -2,6 +2,7 @@
 EP, and their measured maxima must be within the preset's tolerance of what the bounds predict. The full preset (7
 plans, 10 %) is a benchmark run, recorded in docs/results.md."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,8 +13,18 @@ import pytest
 from amoe.bench import calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import plan_check  # noqa: E402
+
+
+def _load_plan_check():
+    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
+    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "bench" / "plan_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+plan_check = _load_plan_check()
 
 
 def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
