@@ -151,6 +151,10 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
         "--scheduler-attn-batch-cap", str(p.attn_cap), "--scheduler-expert-batch-cap", str(p.expert_cap),
         # The load generator, not the coordinator's queue, decides the load: never refuse for overload.
         "--server-max-waiting", "1000000",
+        # Each deployment's maximum: a rank takes as many requests as its KV holds (as the recorded runs did).
+        # AEP needs far more in flight than its batch caps to fill them (docs/emulation.md "Simulation"); with
+        # the default 256 per rank the quick preset's AEP measured 0.48 of its bound instead of ~0.8.
+        "--cache-max-num-seqs", "1000000",
         # Decode only, as the paper measures (prefill skipped, KV as if written): the bound counts decode tokens.
         "--executor-decode-only", "true",
         "--transport-timeout-s", "60",
