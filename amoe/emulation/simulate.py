@@ -94,14 +94,12 @@ class _Aep:
         for g, experts in enumerate(placed):
             for c, e in enumerate(experts):
                 self.gpu_of[e], self.col_of[e] = g, c
-        self.placed = placed
         A, E = dep.num_attn, dep.num_expert
         per_rank = [concurrency // A + (r < concurrency % A) for r in range(A)]
         self.concurrency = sum(per_rank)
         self.rank_of = np.repeat(np.arange(A), per_rank)  # token id -> its attention rank
         self.position = np.zeros(self.concurrency, dtype=np.int64)
         self.pending = np.zeros(self.concurrency, dtype=np.int64)  # expert parts of a token still out
-        self.where = np.zeros(self.concurrency, dtype=np.int64)  # the block a token's parts are at
         new = core.Scheduler
         self.attn_sched = [
             new(self.blocks + 1, 1, sched.policy, sched.lookahead, sched.decay) for _ in range(A)
@@ -208,7 +206,6 @@ class _Aep:
             block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
         )
         self.pending[tokens] = self.k
-        self.where[tokens] = block
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)
         for g in np.unique(self.gpu_of[flat]):
