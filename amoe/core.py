@@ -16,7 +16,9 @@ ATTN, EXPERT = 0, 1
 PLANES = ("inline", "gloo", "nccl")  # tensor planes of ZmqCommunicator (docs/communicator.md)
 
 Batch = _core.Batch
+BarrierExchange = _core.BarrierExchange
 Communicator = _core.Communicator
+DispatchPlan = _core.DispatchPlan
 Engine = _core.Engine
 EngineConfig = _core.EngineConfig
 LoopbackHub = _core.LoopbackHub

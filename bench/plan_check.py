@@ -1,7 +1,7 @@
 """Is the planner right? Each plan's predicted throughput (amoe.emulation.bounds, what `amoe plan` ranks by) against
 the maximum the emulated runtime measures when it runs that plan's `amoe serve` command (issue 20).
 
-    .venv/bin/python bench/plan_check.py [--preset full|ci] [--repeats N] [--out DIR]
+    .venv/bin/python bench/plan_check.py [--preset full|ci] [--repeats N] [--only ep,pingpong] [--out DIR]
 
 For every plan: start the emulated deployment with the plan's flags (`amoe.plan.serve_command`, emulated), offer
 Poisson arrivals above its predicted rate so it runs at its maximum (admission holds it at the plan's concurrency),
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import statistics
@@ -137,10 +138,7 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
 
 async def run_check(check: Check, p: CheckPreset, base_scale: float, probe_s: float, repeats: int) -> dict:
     plan = prediction(check, p)
-    d = check.deployment
-    start_scale = calibrate.plan_time_scale(
-        base_scale, probe_s, d.mode, d.num_gpus, plan.prediction.tokens_per_s
-    )
+    start_scale = calibrate.plan_time_scale(base_scale, probe_s, plan.prediction.tokens_per_s)
     runs = []
     for i in range(repeats):
         scale = start_scale
@@ -190,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is reported")
     parser.add_argument("--out", default=None, help="write plan_check.json here")
+    parser.add_argument("--only", default=None, help="run only the plans of these modes, e.g. ep,pingpong")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     p = PRESETS[args.preset]
+    if args.only:
+        modes = set(args.only.split(","))
+        p = dataclasses.replace(p, checks=tuple(c for c in p.checks if c.deployment.mode in modes))
     started = time.monotonic()
     rows, host = asyncio.run(run(p, max(1, args.repeats)))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]

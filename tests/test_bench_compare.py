@@ -157,3 +157,58 @@ def test_throughput_at_itl_reads_the_curve_between_load_points():
     assert throughput_at_itl(sweep, 22.0) == pytest.approx(205.0)
     assert throughput_at_itl(sweep, 99.0) == pytest.approx(210.0)
     assert throughput_at_itl(sweep, 5.0) == 0.0  # faster than any measured point: nothing to claim
+
+
+def test_repeated_runs_report_medians_spreads_and_agreement():
+    from amoe.bench.compare_report import median_headline
+
+    runs = [
+        {"aep_over_ep": 1.00, "aep_max_tokens_per_s": 100, "defrag_vs_mtfs": {"throughput": 1.02}, "saturated_points": []},
+        {"aep_over_ep": 1.04, "aep_max_tokens_per_s": 110, "defrag_vs_mtfs": {"throughput": 1.00}, "saturated_points": ["x@1"]},
+        {"aep_over_ep": 1.02, "aep_max_tokens_per_s": 90, "defrag_vs_mtfs": {"throughput": 1.01}, "saturated_points": []},
+    ]  # fmt: skip
+    out = median_headline(runs)
+    assert out["aep_over_ep"] == 1.02 and out["aep_max_tokens_per_s"] == 100
+    assert out["defrag_vs_mtfs"] == {"throughput": 1.01}
+    assert out["spread"] == {
+        "aep_over_ep": round(0.04 / 1.02, 3),
+        "defrag_vs_mtfs.throughput": round(0.02 / 1.01, 3),
+    }
+    assert out["runs"] == 3 and out["agree_within_5pct"] and out["saturated_points"] == ["x@1"]
+    runs[1]["aep_over_ep"] = 1.10  # one ratio 8 % off: the runs no longer agree
+    assert not median_headline(runs)["agree_within_5pct"]
+    assert median_headline(runs[:1])["runs"] == 1
+
+
+def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
+    import asyncio
+    import contextlib
+
+    from amoe.bench import compare
+    from amoe.bench.compare_setup import time_scale
+
+    p = PRESETS["ci"]
+    started = []
+
+    def server(flags):
+        started.append(float(flags[flags.index("--time-scale") + 1]))
+        return contextlib.nullcontext()
+
+    async def point(server, setup, p, seed, rate, kind):
+        scale = time_scale(setup, p)
+        hot = scale < 1.5 * p.time_scale  # the preset's scale saturates, twice it does not
+        return {"config": setup.name, "rate": rate, "kind": kind, "throughput": scale, "itl_ms_mean": 1.0,
+                "host_cores": 1.9 if hot else 1.0, "saturated": hot, "time_scale": scale}  # fmt: skip
+
+    monkeypatch.setattr(compare, "ServerProcess", server)
+    monkeypatch.setattr(compare, "load_point", point)
+    points = asyncio.run(compare._points(Setup("ep", 4), p, 0, [10.0, 20.0], "sweep"))
+    assert started == [
+        p.time_scale,
+        2 * p.time_scale,
+        2 * p.time_scale,
+    ]  # one sweep server, one rerun per point
+    assert [pt["time_scale"] for pt in points] == [2 * p.time_scale] * 2 and not any(
+        pt["saturated"] for pt in points
+    )
+    assert points[0]["rerun_of"]["host_cores"] == 1.9

@@ -50,14 +50,12 @@ def test_the_time_scale_follows_the_host_probe():
     assert 0 < calibrate.host_probe(seconds=0.05, repeats=2) < 0.05
     assert calibrate.saturated(10_000.0) and not calibrate.saturated(0.0) and not calibrate.saturated(None)
     ref = calibrate.REFERENCE_PROBE_S
-    assert calibrate.plan_time_scale(40.0, ref, "aep", 8, 1000.0) == 40.0
+    assert calibrate.plan_time_scale(40.0, ref, 1000.0) == 40.0  # every mode at the preset's scale
     fast = (
         calibrate.WALL_TOKENS_PER_S * 100
     )  # a plan this fast needs scale 100 to stay within the wall budget
-    assert calibrate.plan_time_scale(40.0, ref, "aep", 8, fast) == pytest.approx(100.0)
-    assert calibrate.plan_time_scale(40.0, 2 * ref, "aep", 8, fast) == pytest.approx(200.0)
-    assert calibrate.plan_time_scale(40.0, ref, "ep", 2 * calibrate.os.cpu_count(), 1000.0) == 80.0
-    assert calibrate.plan_time_scale(40.0, ref, "aep", 2 * calibrate.os.cpu_count(), 1000.0) == 40.0
+    assert calibrate.plan_time_scale(40.0, ref, fast) == pytest.approx(100.0)
+    assert calibrate.plan_time_scale(40.0, 2 * ref, fast) == pytest.approx(200.0)
 
 
 @pytest.mark.timeout(600)

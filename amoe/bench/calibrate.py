@@ -75,16 +75,12 @@ def scaled(base_time_scale: float, probe_s: float | None = None) -> tuple[float,
 WALL_TOKENS_PER_S = 5000.0
 
 
-def plan_time_scale(scale: float, probe_s: float, mode: str, num_gpus: int, predicted_tps: float) -> float:
-    """The time scale one deployment runs at: `scale` (a preset's, already stretched by the probe), more for a
-    synchronous mode, whose devices all wake at each barrier so that their host work queues for the host's cores on
-    the critical path (num_gpus / cores: measured on the plan check, EP on 4 H100s reached 0.87 of its prediction
-    at scale 40 and 0.955 at 80; AEP's host work overlaps other runtimes' holds and needs no more), and at least
-    what keeps its emulated tokens/s within WALL_TOKENS_PER_S of wall time on the reference host (more on a slower
-    one)."""
-    cores = os.cpu_count() or 1
-    sync = max(1.0, num_gpus / cores) if mode in ("ep", "pingpong") else 1.0
-    return max(scale * sync, predicted_tps / WALL_TOKENS_PER_S * probe_s / REFERENCE_PROBE_S)
+def plan_time_scale(scale: float, probe_s: float, predicted_tps: float) -> float:
+    """The time scale one deployment runs at: `scale` (a preset's, already stretched by the probe) for every mode —
+    the synchronous modes' barrier exchange is C++ (cpp/exchange.h), so their host work per block is as small as
+    AEP's — and at least what keeps its emulated tokens/s within WALL_TOKENS_PER_S of wall time on the reference
+    host (more on a slower one)."""
+    return max(scale, predicted_tps / WALL_TOKENS_PER_S * probe_s / REFERENCE_PROBE_S)
 
 
 def saturated(host_cores: float | None) -> bool:

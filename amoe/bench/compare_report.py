@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,41 @@ def headline(points: list[dict[str, Any]], p: Preset, seed: int = 0) -> dict[str
         out.update({f"{prefix}{k}": v for k, v in _group_ratios(points, group, p, seed).items()})
     out.update(_policy_ratios(points))
     out.update(scaling(points))
+    return out
+
+
+# Two runs of a preset agree when every headline ratio is within this fraction of its median (issue 20).
+AGREEMENT = 0.05
+# The headline figures that are ratios: what the repeats' agreement is judged on.
+_RATIO_WORDS = ("_over_", "fraction", "defrag_vs_")
+
+
+def median_headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline of repeated runs: each number the median of the runs' (nested dicts alike), `spread` the
+    (max - min) / median of every ratio, and whether the runs agree within AGREEMENT on all of them."""
+    if len(runs) == 1:
+        return {**runs[0], "runs": 1}
+    spread: dict[str, float] = {}
+
+    def merge(values: list[Any], path: str) -> Any:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v.get(k) for v in values], f"{path}{k}.") for k in first}
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) != len(values):
+            return first  # lists, strings, missing values: the first run's
+        mid = statistics.median(numbers)
+        key = path.rstrip(".")
+        if any(w in key for w in _RATIO_WORDS) and mid:
+            spread[key] = round((max(numbers) - min(numbers)) / abs(mid), 3)
+        return round(mid, 3) if isinstance(mid, float) else mid
+
+    out = merge(runs, "")
+    out["saturated_points"] = sorted({p for r in runs for p in r.get("saturated_points", [])})
+    out["runs"] = len(runs)
+    out["spread"] = spread
+    out["max_spread"] = max(spread.values(), default=0.0)
+    out["agree_within_5pct"] = out["max_spread"] <= AGREEMENT
     return out
 
 
@@ -140,14 +176,16 @@ def _fmt(x: float | None, width: int = 9) -> str:
 
 
 def write_outputs(
-    out: Path, points: list[dict[str, Any]], summary: dict[str, Any], p: Preset, args: argparse.Namespace
-) -> None:
-    """results.json (the table, the headline, the preset), throughput_vs_itl.png, queue_depth.png."""
+    out: Path, points: list[dict[str, Any]], summary: dict[str, Any], p: Preset, args: argparse.Namespace,
+    runs: list[dict[str, Any]] | None = None,
+) -> None:  # fmt: skip
+    """results.json (the table and plots of the first run, the headline: the runs' medians, and each run's
+    headline), throughput_vs_itl.png, queue_depth.png."""
     from amoe.bench.plots import plot_queue_depth, plot_throughput_vs_itl
 
     out.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": f"amoe bench compare --preset {args.preset} --seed {args.seed}",
+        "command": f"amoe bench compare --preset {args.preset} --seed {args.seed} --repeats {getattr(args, 'repeats', 1)}",
         "preset": args.preset,
         "time_scale": p.time_scale,
         "duration_s": p.duration_s,
@@ -155,6 +193,7 @@ def write_outputs(
         "attn_batch_cap": p.attn_cap,
         "expert_batch_cap": p.expert_cap,
         "headline": summary,
+        "runs": runs or [summary],
         "points": [{k: v for k, v in pt.items() if k != "queue"} for pt in points],
         "queue_depth": {f"{pt['config']}@{pt['rate']:.0f}": pt.get("queue", []) for pt in points},
     }

@@ -19,9 +19,9 @@ from amoe.device import Device
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch
 from amoe.runtime.sync.device import SyncDevice
-from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
+from amoe.runtime.sync.exchange import barrier_exchange
 from amoe.runtime.sync.iterate import serve_iterations
-from amoe.runtime.sync.moe import DispatchPlan, Routed, receive_combine, send_dispatch, serve_experts
+from amoe.runtime.sync.moe import Routed, receive_combine, send_dispatch, serve_experts
 
 
 @torch.inference_mode()
@@ -36,7 +36,7 @@ def run_ep_loop(
 ) -> None:
     """Serve as one EP device until any device's `stop` is set. Raises EngineDeadError when a peer is silent
     for `timeout_s` at a barrier."""
-    ex = Exchanger(comm, device.rank, timeout_s, device.stats)
+    ex = barrier_exchange(device, comm, timeout_s)
 
     def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
         return _iteration(device, ex, it, chunks)
@@ -44,7 +44,9 @@ def run_ep_loop(
     serve_iterations(device, ex, stop, iteration, publish, poll_s)
 
 
-def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) -> list[HeadOutput]:
+def _iteration(
+    device: SyncDevice, ex: core.BarrierExchange, it: int, chunks: list[Chunk]
+) -> list[HeadOutput]:
     """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head.
     A batch whose layer fails ends there; the device still takes part in every all-to-all, without rows."""
     batch = attention_batch(chunks, device.attn_rank) if chunks else None
@@ -52,7 +54,7 @@ def _iteration(device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk]) 
     for block in range(device.cfg.num_blocks):
         step = batch.at_block(block, *carried) if block and batch else batch
         residual, routed = _attend(device, step)
-        expert_out = _moe(device, ex, Tag(it, block, DISPATCH), routed)
+        expert_out = _moe(device, ex, it, block, routed)
         if step is not None and (residual is None or expert_out is None):
             if expert_out is None:
                 device.fail(step, f"an expert layer of block {block} failed on another device")
@@ -70,11 +72,11 @@ def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor |
     return residual, Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
 
 
-def _moe(device: SyncDevice, ex: Exchanger, tag: Tag, routed: Routed) -> torch.Tensor | None:
+def _moe(
+    device: SyncDevice, ex: core.BarrierExchange, it: int, block: int, routed: Routed
+) -> torch.Tensor | None:
     """Dispatch to every device, barrier, run the hosted experts, combine back, barrier; None if an expert device
     failed on these rows."""
-    plan = DispatchPlan(routed.topk_ids, device.expert_device, device.expert_devices)
-    send_dispatch(ex, tag, routed, plan)
-    serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)
-    back = Tag(tag.iteration, tag.block, COMBINE)
-    return receive_combine(ex, back, plan, routed.moe_input, device.stats)
+    plan = send_dispatch(ex, it, block, 0, routed)
+    serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats)
+    return receive_combine(ex, plan, device.stats)

@@ -15,10 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from amoe import core
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk
 from amoe.runtime.sync.device import SyncDevice
-from amoe.runtime.sync.exchange import BEGIN, Exchanger, Tag
+from amoe.runtime.sync.exchange import note_drops
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ Iteration = Callable[[int, list[Chunk]], list[HeadOutput]]
 
 def serve_iterations(
     device: SyncDevice,
-    ex: Exchanger,
+    ex: core.BarrierExchange,
     stop: threading.Event,
     run_iteration: Iteration,
     publish: Callable[[HeadOutput], None],
@@ -40,7 +41,8 @@ def serve_iterations(
         chunks = device.admit()
         rows = sum(c.num_rows for c in chunks)
         start = time.perf_counter()
-        total, stopping = _begin(ex, device, it, rows, stop.is_set())
+        total, stopping = ex.begin(it, list(device.all_devices), rows, stop.is_set())
+        note_drops(ex, device)
         if stopping:
             logger.debug("[sync] device %d leaves after %d iterations", device.rank, it)
             return
@@ -53,15 +55,6 @@ def serve_iterations(
         device.stats.end_iteration(time.perf_counter() - start, rows)
         for out in outputs:
             publish(out)  # where sampled tokens leave the device
-
-
-def _begin(ex: Exchanger, device: SyncDevice, it: int, rows: int, stopping: bool) -> tuple[int, bool]:
-    """All devices' rows this iteration, and whether any of them stops."""
-    tag = Tag(it, 0, BEGIN)
-    for peer in device.all_devices:
-        ex.send(peer, tag, info=rows, flags=int(stopping))
-    parcels = ex.gather(tag, device.all_devices)
-    return sum(p.info for p in parcels.values()), any(p.flags for p in parcels.values())
 
 
 def _idle(device: SyncDevice, poll_s: float) -> None:

@@ -19,9 +19,9 @@ from amoe.device import Device
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch, split_micro_batches
 from amoe.runtime.sync.device import SyncDevice
-from amoe.runtime.sync.exchange import COMBINE, DISPATCH, Exchanger, Tag
+from amoe.runtime.sync.exchange import barrier_exchange
 from amoe.runtime.sync.iterate import serve_iterations
-from amoe.runtime.sync.moe import DispatchPlan, Routed, receive_combine, send_dispatch, serve_experts
+from amoe.runtime.sync.moe import Routed, receive_combine, send_dispatch, serve_experts
 
 
 def t_total(t_a: float, t_e: float, t_c: float, m: int, num_blocks: int) -> float:
@@ -47,7 +47,7 @@ def run_pingpong_loop(
     silent for `timeout_s` at a barrier. Every device of a deployment must use the same `micro_batches`."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1; got {micro_batches}")
-    ex = Exchanger(comm, device.rank, timeout_s, device.stats)
+    ex = barrier_exchange(device, comm, timeout_s)
     role = _attention_iteration if device.attention is not None else _expert_iteration
 
     def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
@@ -65,29 +65,29 @@ class _MicroBatch:
 
 
 def _attention_iteration(
-    device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int
+    device: SyncDevice, ex: core.BarrierExchange, it: int, chunks: list[Chunk], m: int
 ) -> list[HeadOutput]:
     """Block 0 of every micro-batch, then for each block: wait for micro-batch i's experts, run its next
     attention (or head) and send it on, while the experts work on micro-batch i+1."""
     mbs = [_MicroBatch(c, device.attn_rank) for c in split_micro_batches(chunks, m)]
     outputs = []
     for i, mb in enumerate(mbs):
-        _attend_and_send(device, ex, mb, mb.batch, Tag(it, 0, DISPATCH, i))
+        _attend_and_send(device, ex, mb, mb.batch, it, 0, i)
     last = device.cfg.num_blocks
     for block in range(1, last + 1):
         for i, mb in enumerate(mbs):
-            step = _collect(device, ex, mb, Tag(it, block - 1, COMBINE, i), block)
+            step = _collect(device, ex, mb, block)
             if block < last:
-                _attend_and_send(device, ex, mb, step, Tag(it, block, DISPATCH, i))
+                _attend_and_send(device, ex, mb, step, it, block, i)
             elif step is not None:
                 outputs.append(device.head(step))
     return outputs + device.take_failures()
 
 
-def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block: int) -> LayerBatch | None:
+def _collect(device: SyncDevice, ex: core.BarrierExchange, mb: _MicroBatch, block: int) -> LayerBatch | None:
     """Wait for the micro-batch's expert outputs (N2M barrier) → its input to attention(block) or the head; None
     when it has no rows (any more: a failed micro-batch ends its requests and goes on empty)."""
-    expert_out = receive_combine(ex, tag, mb.plan, mb.routed.moe_input, device.stats)
+    expert_out = receive_combine(ex, mb.plan, device.stats)
     if mb.batch is None:
         return None
     if expert_out is None:
@@ -98,7 +98,13 @@ def _collect(device: SyncDevice, ex: Exchanger, mb: _MicroBatch, tag: Tag, block
 
 
 def _attend_and_send(
-    device: SyncDevice, ex: Exchanger, mb: _MicroBatch, step: LayerBatch | None, tag: Tag
+    device: SyncDevice,
+    ex: core.BarrierExchange,
+    mb: _MicroBatch,
+    step: LayerBatch | None,
+    it: int,
+    block: int,
+    micro: int,
 ) -> None:
     out = device.attend(step) if step is not None else None
     if out is None:  # an empty (or just failed) micro-batch still sends every expert device its (empty) part
@@ -107,16 +113,14 @@ def _attend_and_send(
     else:
         mb.residual, moe_input, ids, weights = out
         mb.routed = Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
-    mb.plan = DispatchPlan(mb.routed.topk_ids, device.expert_device, device.expert_devices)
-    send_dispatch(ex, tag, mb.routed, mb.plan)
+    mb.plan = send_dispatch(ex, it, block, micro, mb.routed)
 
 
 def _expert_iteration(
-    device: SyncDevice, ex: Exchanger, it: int, chunks: list[Chunk], m: int
+    device: SyncDevice, ex: core.BarrierExchange, it: int, chunks: list[Chunk], m: int
 ) -> list[HeadOutput]:
     """Lock-step: (block, micro-batch) in the order the attention side sends them; no head runs here."""
     for block in range(device.cfg.num_blocks):
         for i in range(m):
-            tag = Tag(it, block, DISPATCH, i)
-            serve_experts(ex, tag, device.attn_devices, device.experts, device.cfg.hidden_size, device.stats)
+            serve_experts(ex, it, block, i, device.attn_devices, device.experts, device.stats)
     return []

@@ -59,9 +59,9 @@ class SyncStats:
             self.iteration_wall_s += wall_s
             self.recent.append((wall_s, rows))
 
-    def count_dropped(self) -> None:
+    def add_dropped(self, count: int) -> None:
         with self._lock:
-            self.dropped += 1
+            self.dropped += count
 
     def count_expert_rows(self, block: int, expert: int, rows: int) -> None:
         self.expert_rows[block, expert] += rows  # loop thread only; snapshot() copies
