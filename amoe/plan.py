@@ -232,14 +232,14 @@ def refine(
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.emulation.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
-    the most it simulates under the ITL objective; EP at its concurrency with each iteration's routing. Ping-pong
-    keeps its analytic model. The bound stays in extra["bound"]."""
+    the most it simulates under the ITL objective; EP and ping-pong at their concurrency, in lock-step with each
+    iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]."""
     from amoe.emulation.simulate import simulate
 
     if pred is None:
         pred = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
     per_copy = pred.concurrency // dep.replicas
-    if dep.mode == "pingpong" or pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
+    if pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
     bound_tps = pred.tokens_per_s / dep.replicas
@@ -343,7 +343,7 @@ def report(plans: list[Plan], req: PlanRequest, top: int = 5) -> str:
         p = plan.prediction
         cost = f"{plan.cost_per_mtok:7.3f}" if plan.cost_per_mtok is not None else f"{'-':>7}"
         rank = f"{plans.index(plan) + 1:>2}"
-        mark = " " if p.extra.get("simulated") or plan.deployment.mode == "pingpong" else "*"
+        mark = " " if p.extra.get("simulated") else "*"
         lines.append(
             f"{rank} {describe(plan.deployment):<58} {p.tokens_per_s:9.0f}{mark}{plan.tokens_per_s_per_gpu:7.0f} "
             f"{p.itl_s * 1e3:7.2f} {cost} {p.bottleneck:<9}"

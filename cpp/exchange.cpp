@@ -131,8 +131,8 @@ void BarrierExchange::file(const ExchangeTag& tag, int src, Parcel&& parcel) {
 }
 
 std::map<int, Parcel> BarrierExchange::gather(const ExchangeTag& tag, const std::vector<int>& sources) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s_));
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   std::vector<Message> inbound;
   while (true) {
     std::vector<int> missing;
@@ -162,8 +162,8 @@ std::map<int, Parcel> BarrierExchange::gather(const ExchangeTag& tag, const std:
   }
 }
 
-std::pair<int64_t, bool> BarrierExchange::begin(int64_t iteration, const std::vector<int>& peers, int64_t rows,
-                                                bool stopping) {
+std::pair<int64_t, bool> BarrierExchange::begin(int64_t iteration, const std::vector<int>& peers,
+                                                int64_t rows, bool stopping) {
   const ExchangeTag tag{iteration, 0, kBegin, 0};
   for (int peer : peers) signal(peer, tag, rows, stopping ? 1 : 0);
   int64_t total = 0;
@@ -259,7 +259,8 @@ std::optional<at::Tensor> BarrierExchange::combine(const DispatchPlan& plan) {
   return out.view({plan.n, plan.k, plan.hidden});
 }
 
-std::shared_ptr<ExpertWork> BarrierExchange::collect(const ExchangeTag& tag, const std::vector<int>& sources) {
+std::shared_ptr<ExpertWork> BarrierExchange::collect(const ExchangeTag& tag,
+                                                     const std::vector<int>& sources) {
   auto work = std::make_shared<ExpertWork>();
   work->tag = ExchangeTag{tag.iteration, tag.block, kDispatch, tag.micro};
   auto parcels = gather(work->tag, sources);
@@ -326,8 +327,8 @@ void BarrierExchange::reply(const ExpertWork& work, const std::vector<at::Tensor
   failed = failed || !work.error.empty() || outputs.size() != work.groups.size();
   for (size_t g = 0; !failed && g < outputs.size(); ++g) {
     const auto& o = outputs[g];
-    failed = !o.defined() || o.dim() != 2 || o.size(0) != work.groups[g].rows.size(0) ||
-             o.size(1) != work.hidden;
+    failed =
+        !o.defined() || o.dim() != 2 || o.size(0) != work.groups[g].rows.size(0) || o.size(1) != work.hidden;
   }
   at::Tensor body;
   if (failed) {

@@ -1,14 +1,15 @@
-// The barrier exchange of the synchronous modes (--parallel ep | pingpong): tagged messages, per-tag gathers with
-// a deadline, and the MoE all-to-all (dispatch → experts → combine) built on them. In C++ so that an EP device's
-// host work per block — one message to every peer each way, the split by expert device and its inverse — costs
-// microseconds instead of the milliseconds of per-field tensor ops it took in Python, and so that the waits
-// release the GIL (docs/baselines.md "Barriers and tags").
+// The barrier exchange of the synchronous modes (--parallel ep | pingpong): tagged messages, per-tag gathers
+// with a deadline, and the MoE all-to-all (dispatch → experts → combine) built on them. In C++ so that an EP
+// device's host work per block — one message to every peer each way, the split by expert device and its
+// inverse — costs microseconds instead of the milliseconds of per-field tensor ops it took in Python, and so
+// that the waits release the GIL (docs/baselines.md "Barriers and tags").
 //
 // Every message starts with a tag row (RowMeta; its data row is zeros) naming the exchange it completes:
 //   request_id = iteration   layer = {EXPERT for DISPATCH else ATTN, block, micro-batch}   slot = phase
-//   chunk_len = 0 (payload rows always have >= 1)   attn_rank = sender   position = info   chunk_start = flags
-// so a zero-row message still says what it completes, and a fast peer's message for a later exchange is kept for
-// it instead of being taken for the current one.
+//   chunk_len = 0 (payload rows always have >= 1)   attn_rank = sender   position = info   chunk_start =
+//   flags
+// so a zero-row message still says what it completes, and a fast peer's message for a later exchange is kept
+// for it instead of being taken for the current one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,7 +61,7 @@ struct Parcel {
 
 // Where each of a batch's N x K routed copies went; combine() puts the replies back in router order.
 struct DispatchPlan {
-  ExchangeTag tag;             // the DISPATCH tag
+  ExchangeTag tag;  // the DISPATCH tag
   int64_t n = 0, k = 0, hidden = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int> devices;    // every expert device, ascending
@@ -77,20 +78,20 @@ struct ExpertGroup {
 
 // An expert device's part of one all-to-all: what it received and whom it answers.
 struct ExpertWork {
-  ExchangeTag tag;  // the DISPATCH tag
-  std::vector<int> sources;     // ascending
-  std::vector<int64_t> sizes;   // rows from each source
+  ExchangeTag tag;             // the DISPATCH tag
+  std::vector<int> sources;    // ascending
+  std::vector<int64_t> sizes;  // rows from each source
   int64_t hidden = 0;
-  at::Tensor x;                 // [M, hidden] every source's rows, back to back
+  at::Tensor x;                     // [M, hidden] every source's rows, back to back
   std::vector<ExpertGroup> groups;  // ascending expert id; experts without rows are absent
-  std::string error;            // set when the input cannot run (e.g. an expert this device does not host)
+  std::string error;  // set when the input cannot run (e.g. an expert this device does not host)
 };
 
 class BarrierExchange {
  public:
   // expert_device[e]: the rank hosting expert e; expert_devices: every rank hosting experts.
-  BarrierExchange(std::shared_ptr<Communicator> comm, int rank, double timeout_s, std::vector<int> expert_device,
-                  std::vector<int> expert_devices);
+  BarrierExchange(std::shared_ptr<Communicator> comm, int rank, double timeout_s,
+                  std::vector<int> expert_device, std::vector<int> expert_devices);
 
   int rank() const { return rank_; }
   double timeout_s() const { return timeout_s_; }
@@ -101,7 +102,8 @@ class BarrierExchange {
   std::map<int, Parcel> gather(const ExchangeTag& tag, const std::vector<int>& sources);
 
   // BEGIN of an iteration: every peer's row count and stop flag → (total rows, anyone stopping).
-  std::pair<int64_t, bool> begin(int64_t iteration, const std::vector<int>& peers, int64_t rows, bool stopping);
+  std::pair<int64_t, bool> begin(int64_t iteration, const std::vector<int>& peers, int64_t rows,
+                                 bool stopping);
 
   // Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device.
   // moe_input [N, H] (host), topk_ids [N, K], topk_weights [N, K], request_ids [N], positions [N].
@@ -115,7 +117,8 @@ class BarrierExchange {
   // Expert side: wait for `tag` from every source and group what arrived by expert.
   std::shared_ptr<ExpertWork> collect(const ExchangeTag& tag, const std::vector<int>& sources);
   // Send every source its rows' outputs (outputs[g] for work.groups[g]) in the order it sent them; with
-  // `failed` every source gets zeros flagged kExpertsFailed (the barrier completes, the sources fail the rows).
+  // `failed` every source gets zeros flagged kExpertsFailed (the barrier completes, the sources fail the
+  // rows).
   void reply(const ExpertWork& work, const std::vector<at::Tensor>& outputs, bool failed);
 
   int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
@@ -132,8 +135,8 @@ class BarrierExchange {
   const int rank_;
   const double timeout_s_;
   const std::vector<int> expert_device_;
-  std::vector<int> expert_devices_;  // ascending
-  int num_dest_ = 0;                 // 1 + the largest expert device rank
+  std::vector<int> expert_devices_;                       // ascending
+  int num_dest_ = 0;                                      // 1 + the largest expert device rank
   std::map<ExchangeTag, std::map<int, Parcel>> pending_;  // loop thread only
   std::atomic<int64_t> dropped_{0};
   mutable std::mutex drop_mu_;  // last_drop_ is read by the stats thread

@@ -1,5 +1,6 @@
-// Python bindings of the synchronous modes' barrier exchange. Every call that waits on peers, or that builds and
-// sends messages, releases the GIL: the runtime's control thread (heartbeats, request admission) runs meanwhile.
+// Python bindings of the synchronous modes' barrier exchange. Every call that waits on peers, or that builds
+// and sends messages, releases the GIL: the runtime's control thread (heartbeats, request admission) runs
+// meanwhile.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -16,7 +17,8 @@ void register_exchange(py::module_& m) {
   m.attr("EXPERTS_FAILED") = kExpertsFailed;
 
   py::class_<DispatchPlan, std::shared_ptr<DispatchPlan>>(
-      m, "DispatchPlan", "Where a batch's routed copies went (BarrierExchange.dispatch); combine() undoes it.")
+      m, "DispatchPlan",
+      "Where a batch's routed copies went (BarrierExchange.dispatch); combine() undoes it.")
       .def_property_readonly("sizes",
                              [](const DispatchPlan& p) {
                                py::dict d;
@@ -44,7 +46,8 @@ void register_exchange(py::module_& m) {
       .def_property_readonly("block", [](const ExpertWork& w) { return w.tag.block; });
 
   py::class_<BarrierExchange, std::shared_ptr<BarrierExchange>>(
-      m, "BarrierExchange", "The barrier all-to-all of the synchronous modes over a communicator (exchange.h).")
+      m, "BarrierExchange",
+      "The barrier all-to-all of the synchronous modes over a communicator (exchange.h).")
       .def(py::init<std::shared_ptr<Communicator>, int, double, std::vector<int>, std::vector<int>>(),
            py::arg("comm"), py::arg("rank"), py::arg("timeout_s"), py::arg("expert_device"),
            py::arg("expert_devices"))

@@ -19,6 +19,6 @@ PYBIND11_MODULE(_core, m) {
   amoe::register_dispatch(m);
   amoe::register_scheduler(m);
   amoe::register_engine(m);
-  amoe::register_comm(m);  // after the engine: ZmqCommunicator derives from Communicator
+  amoe::register_comm(m);      // after the engine: ZmqCommunicator derives from Communicator
   amoe::register_exchange(m);  // after the engine: BarrierExchange takes a Communicator
 }

@@ -212,3 +212,13 @@ def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
         pt["saturated"] for pt in points
     )
     assert points[0]["rerun_of"]["host_cores"] == 1.9
+
+
+def test_loads_override_parses_and_rejects_bad_values():
+    from amoe.bench.compare import _loads
+    from amoe.errors import ConfigError
+
+    assert _loads("0.5,1.5") == (0.5, 1.5)
+    for bad in ("0.5,x", "0,1", ""):
+        with pytest.raises(ConfigError, match="--loads"):
+            _loads(bad)

@@ -35,7 +35,9 @@ def _peer(rank: int, store_path: str, conn) -> None:
         # Phase 1 without phase 2: metadata for a two-phase transfer whose send is never posted. Rank 1's own
         # connection goes first (a rank belongs to one connection at a time), then a raw one speaks for it.
         comm.close()
-        time.sleep(1.0)  # rank 0 sees the goodbye and the disconnect
+        # Rank 0 must see the goodbye and the disconnect first; 1 s was too little once on a host busy with a
+        # full test run (the raw message then raced the goodbye and never timed out).
+        time.sleep(3.0)
         ctx = zmq.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.connect(endpoints[0])

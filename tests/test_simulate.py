@@ -70,4 +70,28 @@ def test_refine_keeps_the_bound_and_runs_at_the_concurrency_it_found():
     assert plan.prediction.concurrency >= bound.concurrency  # more requests in flight to fill the batches
     assert plan.prediction.concurrency % 2 == 0  # two copies
     pingpong = bounds.Deployment("pingpong", "a100-80g", 2, "a100-80g", 2, micro_batches=2)
-    assert refine(model, pingpong, ROUTING, CTX, HOST).prediction == _bound(model, pingpong)
+    refined = refine(model, pingpong, ROUTING, CTX, HOST).prediction
+    assert refined.extra["simulated"] and refined.extra["bound"] == _bound(model, pingpong).tokens_per_s
+
+
+def test_pingpong_lock_step_pays_the_pipelines_bubbles():
+    """Ping-pong in lock-step, under even routing, is never faster than its analytic Eq. 5 shape and loses to it by
+    the fill and drain of the pipeline each iteration (more with fewer blocks to amortise them over, none with one
+    micro-batch); a hot expert GPU costs it throughput when the experts are the bottleneck."""
+    ratios = {}
+    for blocks in (2, 8):
+        model = model_profile(f"mixtral-8x7b-mqa:{blocks}", 1)
+        for m in (1, 2, 3):
+            dep = bounds.Deployment("pingpong", "a100-80g", 2, "a100-80g", 2, attn_cap=192, micro_batches=m)
+            bound = _bound(model, dep, "uniform")
+            sim = simulate(model, dep, "uniform", CTX, HOST, bound.concurrency)
+            assert sim.concurrency == bound.concurrency
+            ratios[blocks, m] = sim.tokens_per_s / bound.tokens_per_s
+    assert all(r <= 1.005 for r in ratios.values()), ratios
+    assert ratios[2, 1] > 0.99 and ratios[8, 1] > 0.99, ratios  # no pipeline: only the BEGIN barrier
+    for m in (2, 3):  # fill and drain, amortised over more blocks
+        assert ratios[2, m] < 0.97 and ratios[2, m] < ratios[8, m], ratios
+    model = model_profile("mixtral-8x7b-mqa:4", 2)  # expert-bound: 4 attention GPUs feed 2 expert GPUs
+    dep = bounds.Deployment("pingpong", "a100-80g", 4, "a100-80g", 2, attn_cap=256, micro_batches=2)
+    even = simulate(model, dep, "uniform", CTX, HOST, 1024).tokens_per_s
+    assert simulate(model, dep, "skew-exp:0.4", CTX, HOST, 1024).tokens_per_s < 0.95 * even

@@ -50,6 +50,9 @@ def add_bench_compare_command(sub: Any) -> None:
     p.add_argument("--duration", type=float, help="emulated seconds of arrivals per load point (preset's)")
     p.add_argument("--blocks", type=int, help="keep this many blocks of the model profile (preset's)")
     p.add_argument("--attn-cap", type=int, help="attention batch cap in rows (preset's)")
+    p.add_argument(
+        "--loads", help="comma-separated load points as fractions of the upper bound's rate (preset's)"
+    )
     p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
     p.add_argument(
         "--repeats", type=int, default=1,
@@ -75,6 +78,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         duration_s=args.duration or p.duration_s,
         blocks=args.blocks or p.blocks,
         attn_cap=args.attn_cap or p.attn_cap,
+        loads=_loads(args.loads) if args.loads else p.loads,
     )
     if args.groups:
         p = only_groups(p, args.groups.split(","))
@@ -100,6 +104,16 @@ def run_bench_compare(args: argparse.Namespace) -> int:
     print(table(points))
     print(json.dumps(summary))
     return 0 if all(pt["throughput"] > 0 for pts, _ in runs for pt in pts) else 1
+
+
+def _loads(text: str) -> tuple[float, ...]:
+    try:
+        loads = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--loads takes comma-separated numbers, e.g. 0.5,1.5; got {text!r}") from None
+    if not loads or any(x <= 0 for x in loads):
+        raise ConfigError(f"--loads must be positive fractions of the bound's rate; got {text!r}")
+    return loads
 
 
 async def _run_preset(p: Preset, seed: int) -> list[dict[str, Any]]:

@@ -17,7 +17,12 @@ benchmarks measure), and counts their progress in steady state.
   rank's next queue when the last of its k parts is back.
 * **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
-* **Ping-pong** keeps the analytic model (bounds._pingpong): its lock-step alternation has no queues to simulate.
+* **Ping-pong**: the lock-step of amoe/runtime/sync/pingpong.py step by step: a BEGIN barrier per iteration, then
+  every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
+  (block, micro-batch) in that order, each once the micro-batch of every attention GPU has arrived, over this
+  iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
+  reply is back. The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
+  hot expert GPU holding the next micro-batch, m heads) are in.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ def simulate(
     for `duration_s` emulated seconds after `warmup_s`."""
     if dep.mode == "ep":
         return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+    if dep.mode == "pingpong":
+        return _simulate_pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
     if dep.mode != "aep":
-        raise ValueError(f"simulate: no simulation of {dep.mode}; its bound is analytic")
+        raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
     return _Aep(
         model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed
     ).run(warmup_s, duration_s)
@@ -280,3 +287,60 @@ def _simulate_ep(
     return Simulated(
         tps, tokens / tps, tokens, float(b), float(tokens * model.top_k / model.num_experts), 1.0, 1.0
     )
+
+
+def _simulate_pingpong(
+    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    seed: int,
+) -> Simulated:  # fmt: skip
+    """Ping-pong iterations in lock-step (module docstring): the attention GPUs are alike (same batch), so one
+    timeline stands for them; each expert GPU has its own."""
+    ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+    A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
+    micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
+    rows = A * micro  # one micro-batch of every attention GPU: what an expert GPU's step gathers
+    placed = dep.experts_on(model.num_experts)
+    link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
+    move = cm.transfer_time(cm.hidden_bytes(model, micro * model.top_k), link)
+    begin = cm.transfer_time(64, link)  # the BEGIN barrier: a row count and a stop flag from every device
+    attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
+    head = cm.head_time(model, ga, micro, host=host)
+    router = _router(model, routing, seed)
+    rid = np.arange(rows * m).reshape(m, rows)
+    now, iterations, position = 0.0, 0, 0
+    exp_busy, attn_busy = 0.0, 0.0
+    while now < duration_s or iterations < 8:
+        a_free = now + begin
+        e_free = [a_free] * len(placed)
+        sent = []  # when micro-batch i's dispatch reaches the expert GPUs
+        for _ in range(m):
+            a_free += attn
+            sent.append(a_free + move)
+        for blk in range(L):
+            back = []
+            for i in range(m):
+                ids, _ = router.route(
+                    blk, rows, request_ids=rid[i], positions=np.full(rows, position), now_s=now
+                )
+                counts = np.bincount(ids.reshape(-1), minlength=model.num_experts)
+                done = 0.0
+                for g, es in enumerate(placed):
+                    step = cm.grouped_expert_time(model, ge, counts[es].tolist(), host)
+                    e_free[g] = max(e_free[g], sent[i]) + step
+                    exp_busy += step
+                    done = max(done, e_free[g])
+                back.append(done + move)
+            step = attn if blk < L - 1 else head
+            for i in range(m):
+                a_free = max(a_free, back[i]) + step
+                sent[i] = a_free + move
+        attn_busy += m * (L * attn + head)  # block 0 .. L-1 attention and the heads
+        now = a_free
+        iterations += 1
+        position += 1
+    tokens = rows * m
+    tps = tokens * iterations / now
+    return Simulated(
+        tps, now / iterations, tokens, float(micro), float(rows * model.top_k / model.num_experts),
+        min(1.0, attn_busy / now), min(1.0, exp_busy / (len(placed) * now)),
+    )  # fmt: skip
