@@ -131,7 +131,11 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
     p.add_argument(
         "--simulate-top", type=int, default=3,
-        help="refine this many of the best plans, and each mode's best, by simulation (default: 3; 0: bounds only)",
+        help="refine this many of the best plans by simulation (default: 3; 0: bounds only, no refinement at all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--simulate-per-mode", type=int, default=3,
+        help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(run=run_plan)

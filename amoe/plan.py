@@ -51,8 +51,11 @@ class PlanRequest:
     balanced: bool = True  # also try the skew-balanced expert placement
     replicate: bool = True  # also try copies of a smaller deployment behind one load balancer
     simulate_top: int = (
-        3  # refine this many of the best plans (and each mode's best) by simulation; 0: bounds only
+        3  # refine this many of the best plans by simulation; 0: bounds only (no refinement at all)
     )
+    # ... and, of each mode, the best plan of this many shapes (GPUs in each role, copies, micro-batches): the best
+    # by the bound can need far more requests in flight to fill its batches than a smaller split (H100 top-1).
+    simulate_per_mode: int = 3
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,10 @@ def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
 
 def search(req: PlanRequest) -> list[Plan]:
     """Every candidate's prediction, best first: by cost per million tokens when priced, else by throughput;
-    candidates over the ITL objective or out of memory are dropped. The best `simulate_top` by the bounds, and the
-    best of each mode, are then refined by the simulation (`refine`) and ranked first on those numbers: a bound is
-    optimistic, so a simulated plan is never ranked below one that only has its bound."""
+    candidates over the ITL objective or out of memory are dropped. The best `simulate_top` by the bounds, and of each
+    mode the best of its `simulate_per_mode` best shapes, are then refined by the simulation (`refine`) and ranked
+    first on those numbers: a bound is optimistic, so a simulated plan is never ranked below one that only has its
+    bound."""
     model = bounds.full_depth(model_profile(req.profile, req.top_k))
     RoutingSpec.parse(req.routing)  # a clear error before any work
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
@@ -183,7 +187,7 @@ def search(req: PlanRequest) -> list[Plan]:
     if not req.simulate_top:
         return plans
     chosen = plans[: req.simulate_top]
-    chosen += [p for p in best_per_mode(plans).values() if p not in chosen]
+    chosen += [p for p in best_shapes(plans, req.simulate_per_mode) if p not in chosen]
     refined = []
     for plan in chosen:
         pred = refine(
@@ -229,16 +233,19 @@ def refine(
     host,
     pred: bounds.Prediction | None = None,
     itl_slo_ms: float | None = None,
+    concurrency: int | None = None,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.emulation.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
     the most it simulates under the ITL objective; EP and ping-pong at their concurrency, in lock-step with each
-    iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]."""
+    iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]. With
+    `concurrency` (requests of one copy) the simulation runs there and nowhere else (bench/plan_check.py's
+    full-depth points, which cannot afford the AEP plan's own concurrency on this host)."""
     from amoe.emulation.simulate import simulate
 
     if pred is None:
         pred = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
-    per_copy = pred.concurrency // dep.replicas
+    per_copy = concurrency or pred.concurrency // dep.replicas
     if pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
@@ -254,7 +261,7 @@ def refine(
     # Double while that still gains more than 3 %; never when the simulation is within 3 % of the bound already
     # (no schedule beats the bound, so no concurrency could gain more).
     while (
-        dep.mode == "aep" and len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < 0.97 * bound_tps
+        dep.mode == "aep" and concurrency is None and len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < 0.97 * bound_tps
         and 2 * sims[-1].concurrency <= SIM_MAX_REQUESTS
     ):  # fmt: skip
         if itl_slo_ms is not None and 2 * sims[-1].concurrency / bound_tps * 1e3 > itl_slo_ms:
@@ -287,6 +294,23 @@ def best_per_mode(plans: list[Plan]) -> dict[str, Plan]:
     for plan in plans:
         best.setdefault(plan.deployment.mode, plan)
     return best
+
+
+def shape(d: bounds.Deployment) -> tuple:
+    """What a deployment's batch caps and expert placement leave out: its mode and GPUs in each role."""
+    return (d.mode, d.attn_gpu, d.num_attn, d.expert_gpu, d.num_expert, d.replicas, d.micro_batches)
+
+
+def best_shapes(plans: list[Plan], per_mode: int) -> list[Plan]:
+    """Of each mode, the best plan (the first in `plans`) of each of its `per_mode` best shapes."""
+    seen: dict[tuple, Plan] = {}
+    taken: dict[str, int] = {}
+    for plan in plans:
+        key, mode = shape(plan.deployment), plan.deployment.mode
+        if key not in seen and taken.get(mode, 0) < per_mode:
+            seen[key] = plan
+            taken[mode] = taken.get(mode, 0) + 1
+    return list(seen.values())
 
 
 def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", emulated: bool = False) -> str:
@@ -384,9 +408,12 @@ def main(args) -> int:
         profile=args.model_profile, gpus=gpus, workload=args.workload, top_k=args.top_k, routing=args.routing,
         itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus), gpus_per_node=args.gpus_per_node,
         modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
+        simulate_per_mode=args.simulate_per_mode,
     )  # fmt: skip
-    if req.simulate_top < 0:
-        raise ConfigError(f"--simulate-top must be >= 0; got {req.simulate_top}")
+    if req.simulate_top < 0 or req.simulate_per_mode < 0:
+        raise ConfigError(
+            f"--simulate-top and --simulate-per-mode must be >= 0; got {req.simulate_top}, {req.simulate_per_mode}"
+        )
     bad = set(req.modes) - {"aep", "ep", "pingpong"}
     if bad:
         raise ConfigError(f"--modes takes aep, ep, pingpong; got {', '.join(sorted(bad))}")

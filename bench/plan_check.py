@@ -49,10 +49,12 @@ class Check:
     profile: str
     top_k: int
     deployment: bounds.Deployment
+    concurrency: int | None = None  # requests in flight (AEP); None: the plan's own (amoe.plan.refine)
 
 
-def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512):
-    return Check(profile, top_k, bounds.Deployment("aep", gpu, a, gpu, e, attn_cap=cap, expert_cap=ecap))
+def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None):
+    dep = bounds.Deployment("aep", gpu, a, gpu, e, attn_cap=cap, expert_cap=ecap)
+    return Check(profile, top_k, dep, concurrency)
 
 
 def _ep(gpu, n, top_k, profile="mixtral-8x7b-mqa", cap=256):
@@ -87,6 +89,19 @@ PRESETS = {
         ),
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
+    # At the profiles' full depth (32 blocks): one copy of four plans, AEP at a fixed 256 requests per attention
+    # GPU, because the concurrency an AEP plan needs to fill 32 blocks' queues (thousands of requests, ITLs near a
+    # second) takes this host an hour per point; ~30 minutes here. It checks the simulation behind the planner's
+    # full-depth table (docs/results.md) where that table's numbers come from, at 32 blocks.
+    "depth": CheckPreset(
+        checks=(
+            _aep("a100-80g", 4, 4, 1, cap=64, ecap=256, concurrency=1024),
+            _aep("h100", 3, 5, 2, cap=64, ecap=512, concurrency=768),
+            _ep("h100", 2, 2, cap=128),
+            _pingpong("h100", 2, 2, 3, 2, cap=64),
+        ),
+        blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
+    ),
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, a minute here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
@@ -99,7 +114,10 @@ def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
     """What `amoe plan` predicts for the check's deployment: the bound, refined by the simulation at the
     concurrency the plan runs at, as the planner refines its best candidates."""
     model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
-    return refine(model, check.deployment, ROUTING, mean_context(workload), host_overhead("amoe-paper"))
+    host = host_overhead("amoe-paper")
+    return refine(
+        model, check.deployment, ROUTING, mean_context(workload), host, concurrency=check.concurrency
+    )
 
 
 def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[str]:

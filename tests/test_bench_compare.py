@@ -222,3 +222,23 @@ def test_loads_override_parses_and_rejects_bad_values():
     for bad in ("0.5,x", "0,1", ""):
         with pytest.raises(ConfigError, match="--loads"):
             _loads(bad)
+
+
+def test_policies_compare_throughput_at_their_maxima_and_itl_at_a_load_all_sustain():
+    """defrag's maximum is its sweep's best point; another policy's is its point at that rate (kind policy_max).
+    ITL compares at the policy load, where a policy past its capacity would measure a backlog, not a rate."""
+    from amoe.bench.compare_report import _policy_ratios
+
+    def pt(policy, kind, rate, tps, itl):
+        config = f"aep4+4-{policy}-top1-short"
+        return {"kind": kind, "config": config, "setup": {"policy": policy}, "rate": rate, "throughput": tps,
+                "itl_ms_mean": itl}  # fmt: skip
+
+    points = [pt("defrag", "sweep", 100, 9000, 10), pt("defrag", "sweep", 200, 12000, 14),
+              pt("defrag", "policy", 60, 6000, 9), pt("flfs", "policy", 60, 6000, 18),
+              pt("flfs", "policy_max", 200, 8000, 40), pt("mtfs", "policy", 60, 5900, 10)]  # fmt: skip
+    out = _policy_ratios(points)
+    assert out["defrag_vs_flfs"] == {"itl_mean": 0.5, "throughput_at_load": 1.0, "throughput": 1.5}
+    # mtfs has no maximum point: only the at-load ratios.
+    assert out["defrag_vs_mtfs"] == {"itl_mean": 0.9, "throughput_at_load": round(6000 / 5900, 3)}
+    assert _policy_ratios([p for p in points if p["setup"]["policy"] != "defrag"]) == {}

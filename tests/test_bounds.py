@@ -24,7 +24,17 @@ from amoe.emulation.routing import (
 )
 from amoe.errors import ConfigError
 from amoe.placement import Placement
-from amoe.plan import PlanRequest, balanced_map, parse_gpus, parse_prices, search, serve_command
+from amoe.plan import (
+    Plan,
+    PlanRequest,
+    balanced_map,
+    best_shapes,
+    parse_gpus,
+    parse_prices,
+    search,
+    serve_command,
+    shape,
+)
 
 HOST = host_overhead("amoe-paper")
 CTX = cm.mean_decode_context(*PAPER_WORKLOADS["short"])
@@ -183,9 +193,11 @@ def test_planner_with_prices_and_heterogeneous_gpus():
 
 
 def test_amoe_plan_command_prints_json_and_a_table():
-    cmd = [sys.executable, "-m", "amoe", "plan", "--model-profile", "mixtral-8x7b-mqa", "--gpus", "h100:8",
+    cmd = [sys.executable, "-m", "amoe", "plan", "--model-profile", "mixtral-8x7b-mqa", "--gpus", "h100:4",
            "--top-k", "1"]  # fmt: skip
-    done = subprocess.run([*cmd, "--json", "--top", "3"], capture_output=True, text=True, timeout=120)
+    # One shape per mode on 4 GPUs: a simulation of an 8-GPU full-depth plan takes seconds (the default is 3 shapes).
+    done = subprocess.run([*cmd, "--json", "--top", "3", "--simulate-per-mode", "1"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert len(out["plans"]) == 3 and out["plans"][0]["command"].startswith("amoe serve --model")
@@ -215,16 +227,35 @@ def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
     assert big[0] == 1 and big[-1] == 256 and len(big) < 20 and 192 in big
 
 
+def test_each_modes_best_shapes_are_picked_for_refinement_best_caps_first():
+    """Of each mode the first plan of each of its N best shapes: a plan differing only in caps or placement from a
+    better one is not a new shape, and a mode with fewer shapes gives what it has."""
+    pred = B.Prediction(1.0, 0.01, 1, "attention")
+
+    def plan(mode, a, e=0, cap=256, replicas=1):
+        dep = B.Deployment(mode, "h100", a, "h100" if e else "", e, attn_cap=cap, replicas=replicas)
+        return Plan(dep, pred, None)
+
+    ranked = [plan("aep", 6, 2, 1024), plan("aep", 6, 2, 512), plan("ep", 2, replicas=4), plan("aep", 4, 4),
+              plan("aep", 2, 2, replicas=2), plan("aep", 3, 5), plan("ep", 8)]  # fmt: skip
+    picked = best_shapes(ranked, 3)
+    assert picked == [ranked[0], ranked[2], ranked[3], ranked[4], ranked[6]]
+    assert best_shapes(ranked, 1) == [ranked[0], ranked[2]]
+    assert best_shapes(ranked, 0) == []
+
+
 def test_the_planner_ranks_simulated_plans_first_within_the_itl_objective():
     """The best plans by the bounds are re-ranked on the simulation's numbers and come before the plans that only
     have a bound (a bound is optimistic); a refined AEP plan runs more requests than the bound's point, and the
     ITL objective holds for the refined numbers."""
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep", "ep"),
                       attn_caps=(256,), expert_caps=(512,), balanced=False, replicate=False, simulate_top=2,
-                      itl_slo_ms=400)  # fmt: skip
+                      simulate_per_mode=2, itl_slo_ms=400)  # fmt: skip
     plans = search(req)
     simulated = [p for p in plans if p.prediction.extra.get("simulated")]
     assert simulated and plans[: len(simulated)] == simulated
+    # Two AEP splits are simulated, not only the best by the bound.
+    assert len({shape(p.deployment) for p in simulated if p.deployment.mode == "aep"}) == 2
     assert simulated == sorted(simulated, key=lambda p: -p.prediction.tokens_per_s)
     assert {p.deployment.mode for p in simulated} == {"aep", "ep"}
     for p in simulated:

@@ -121,17 +121,27 @@ def throughput_at_itl(sweep: list[dict[str, Any]], itl_ms: float) -> float:
 
 
 def _policy_ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
-    policy = {pt["setup"]["policy"]: pt for pt in points if pt["kind"] == "policy"}
+    """defrag against mtfs and flfs: throughput at each policy's maximum (defrag's: its sweep's best point, the
+    others' at that point's rate), ITL and throughput at the policy load (of defrag's maximum)."""
+    at_load = {pt["setup"]["policy"]: pt for pt in points if pt["kind"] == "policy"}
+    at_max = {pt["setup"]["policy"]: pt for pt in points if pt["kind"] == "policy_max"}
+    defrag = at_load.get("defrag")
     out: dict[str, Any] = {}
-    defrag = policy.get("defrag")
+    if defrag is None:
+        return out
+    sweep = [pt for pt in points if pt["kind"] == "sweep" and pt["config"] == defrag["config"]]
+    defrag_max = max(pt["throughput"] for pt in sweep) if sweep else None
     for other in ("mtfs", "flfs"):
-        if defrag is None or other not in policy:
+        if other not in at_load:
             continue
-        o = policy[other]
-        out[f"defrag_vs_{other}"] = {
-            "throughput": _ratio(defrag["throughput"], o["throughput"]),
+        o = at_load[other]
+        ratios = {
             "itl_mean": _ratio(defrag["itl_ms_mean"], o["itl_ms_mean"]),
+            "throughput_at_load": _ratio(defrag["throughput"], o["throughput"]),
         }
+        if other in at_max:
+            ratios["throughput"] = _ratio(defrag_max, at_max[other]["throughput"])
+        out[f"defrag_vs_{other}"] = ratios
     return out
 
 

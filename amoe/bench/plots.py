@@ -26,9 +26,10 @@ def plot_throughput_vs_itl(points: list[dict[str, Any]], path: Path) -> None:
             line = sorted((pt for pt in sweep if pt["config"] == config), key=lambda pt: pt["rate"])
             line = [pt for pt in line if pt["itl_ms_mean"] is not None]
             ax.plot([pt["throughput"] for pt in line], [pt["itl_ms_mean"] for pt in line], "o-", label=config)
-        for pt in (pt for pt in points if pt["group"] == group and pt["kind"] == "policy"):
+        for pt in (pt for pt in points if pt["group"] == group and pt["kind"] in ("policy", "policy_max")):
             if pt["itl_ms_mean"] is not None:
-                ax.plot(pt["throughput"], pt["itl_ms_mean"], "s", label=f"{pt['setup']['policy']} @80% load")
+                where = "max" if pt["kind"] == "policy_max" else f"{pt['rate']:.0f} req/s"
+                ax.plot(pt["throughput"], pt["itl_ms_mean"], "s", label=f"{pt['setup']['policy']} @ {where}")
         ax.set_xlabel("output tokens/s (emulated)")
         ax.set_ylabel("mean ITL (ms, emulated)")
         ax.set_title(group)
