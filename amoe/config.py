@@ -141,6 +141,10 @@ class ExecutorSection:
 
     kind: str = "torch"
     gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
+    # emulated: the expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as
+    # MegaScale-Infer runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV
+    # are priced on --gpu (the attention GPUs), as amoe.emulation.bounds prices them.
+    expert_gpu: str = ""
     profile: str | None = (
         None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
     )
@@ -170,6 +174,8 @@ class ExecutorSection:
         from amoe.emulation.routing import RoutingSpec
 
         gpu_profile(self.gpu)
+        if self.expert_gpu:
+            gpu_profile(self.expert_gpu)
         host_overhead(self.host_overhead)
         if self.profile is not None:
             model_profile(self.profile, self.top_k)
@@ -288,6 +294,12 @@ class AmoeConfig:
             )
         if self.executor.kind == "emulated" and self.device.kind == "cuda":
             raise ConfigError("emulated GPUs hold no tensors: --executor emulated runs with --device cpu")
+        if self.executor.expert_gpu and (self.executor.kind != "emulated" or self.parallel.mode == "ep"):
+            raise ConfigError(
+                "--expert-gpu times the expert runtimes of an emulated aep or pingpong deployment (an EP device "
+                f"runs attention and experts on one GPU); got --executor {self.executor.kind} "
+                f"--parallel {self.parallel.mode}"
+            )
 
     @property
     def tensor_plane(self) -> str:
@@ -361,6 +373,7 @@ _ALIASES = {
     ("transport", "plane"): "--transport",
     ("executor", "kind"): "--executor",
     ("executor", "gpu"): "--gpu",
+    ("executor", "expert_gpu"): "--expert-gpu",
     ("executor", "time_scale"): "--time-scale",
     ("executor", "routing"): "--routing",
     ("server", "host"): "--host",

@@ -338,6 +338,8 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         args += ["--parallel-expert-map", ",".join(map(str, d.expert_map))]
     if emulated:
         args += ["--gpu", d.attn_gpu, "--routing", req.routing, "--executor-decode-only", "true"]
+        if d.mode != "ep" and d.expert_gpu != d.attn_gpu:
+            args += ["--expert-gpu", d.expert_gpu]
         if req.top_k is not None:
             args += ["--executor-top-k", str(req.top_k)]
     return " ".join(args)

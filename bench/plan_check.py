@@ -1,7 +1,8 @@
 """Is the planner right? Each plan's predicted throughput (amoe.emulation.bounds, what `amoe plan` ranks by) against
 the maximum the emulated runtime measures when it runs that plan's `amoe serve` command (issue 20).
 
-    .venv/bin/python bench/plan_check.py [--preset full|ci] [--repeats N] [--only ep,pingpong] [--out DIR]
+    .venv/bin/python bench/plan_check.py [--preset full|depth|ci] [--repeats N] [--only ep,pingpong] [--match S]
+        [--out DIR]
 
 For every plan: start the emulated deployment with the plan's flags (`amoe.plan.serve_command`, emulated), offer
 Poisson arrivals above its predicted rate so it runs at its maximum (admission holds it at the plan's concurrency),
@@ -52,8 +53,8 @@ class Check:
     concurrency: int | None = None  # requests in flight (AEP); None: the plan's own (amoe.plan.refine)
 
 
-def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None):
-    dep = bounds.Deployment("aep", gpu, a, gpu, e, attn_cap=cap, expert_cap=ecap)
+def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None, expert_gpu=None):
+    dep = bounds.Deployment("aep", gpu, a, expert_gpu or gpu, e, attn_cap=cap, expert_cap=ecap)
     return Check(profile, top_k, dep, concurrency)
 
 
@@ -76,12 +77,14 @@ class CheckPreset:
 
 
 PRESETS = {
-    # AEP splits, EP, ping-pong; A100 and H100; top-1 and top-2: the issue's "≥ 6 diverse plans".
+    # AEP splits (one heterogeneous), EP, ping-pong; A100 and H100; top-1 and top-2: the issue's "≥ 6 diverse
+    # plans".
     "full": CheckPreset(
         checks=(
             _aep("a100-80g", 4, 4, 1),
             _aep("h100", 3, 5, 2),
             _aep("a100-80g", 2, 6, 2),
+            _aep("a100-80g", 3, 3, 2, expert_gpu="h100"),  # heterogeneous: experts on the faster GPU
             _ep("a100-80g", 8, 1),
             _ep("h100", 4, 2),
             _pingpong("a100-80g", 4, 4, 2, 1),
@@ -89,15 +92,14 @@ PRESETS = {
         ),
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
-    # At the profiles' full depth (32 blocks): one copy of four plans, AEP at a fixed 256 requests per attention
-    # GPU, because the concurrency an AEP plan needs to fill 32 blocks' queues (thousands of requests, ITLs near a
-    # second) takes this host an hour per point; ~30 minutes here. It checks the simulation behind the planner's
+    # At the profiles' full depth (32 blocks): three plans, AEP at a fixed 256 requests per attention GPU, because
+    # the concurrency an AEP plan needs to fill 32 blocks' queues (thousands of requests, ITLs near a second) takes
+    # this host an hour per point; 20-40 minutes here. It checks the simulation behind the planner's
     # full-depth table (docs/results.md) where that table's numbers come from, at 32 blocks.
     "depth": CheckPreset(
         checks=(
-            _aep("a100-80g", 4, 4, 1, cap=64, ecap=256, concurrency=1024),
-            _aep("h100", 3, 5, 2, cap=64, ecap=512, concurrency=768),
             _ep("h100", 2, 2, cap=128),
+            _aep("a100-80g", 4, 4, 1, cap=64, ecap=256, concurrency=1024),
             _pingpong("h100", 2, 2, 3, 2, cap=64),
         ),
         blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
@@ -207,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is reported")
     parser.add_argument("--out", default=None, help="write plan_check.json here")
     parser.add_argument("--only", default=None, help="run only the plans of these modes, e.g. ep,pingpong")
+    parser.add_argument("--match", default=None, help="run only the plans whose description contains this")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     p = PRESETS[args.preset]
     if args.only:
         modes = set(args.only.split(","))
         p = dataclasses.replace(p, checks=tuple(c for c in p.checks if c.deployment.mode in modes))
+    if args.match:
+        p = dataclasses.replace(p, checks=tuple(c for c in p.checks if args.match in describe(c.deployment)))
     started = time.monotonic()
     rows, host = asyncio.run(run(p, max(1, args.repeats)))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]

@@ -3,7 +3,7 @@ plan of each mode (AEP, EP, ping-pong; copies allowed) as `amoe plan` ranks them
 its refined prediction (the discrete-event simulation, docs/emulation.md "Simulation"; ping-pong analytic) and the
 fraction of the bound it reaches, AEP / EP against the bounds' AEP / EP, and the planner's pick.
 
-    .venv/bin/python bench/plan_table.py [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--out DIR]
+    .venv/bin/python bench/plan_table.py [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
     .venv/bin/python bench/plan_table.py --figure10 --gpus a100-80g
 
 These are predictions, not measurements: bench/plan_check.py is what measures the emulated runtime against them
@@ -14,8 +14,10 @@ final JSON line; writes plan_table.json to --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from amoe.emulation.routing import DEFAULT_LAMBDA
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--routings", default=";".join(ROUTINGS), help="';'-separated routing specs")
     parser.add_argument("--profile", default=PROFILE)
     parser.add_argument("--out", default="docs/results/plan_table")
+    parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
     parser.add_argument(
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
@@ -127,13 +130,16 @@ def main() -> None:
         for routing in args.routings.split(";"):
             print(json.dumps(figure10(args.gpus.split(",")[0], routing)), flush=True)
         return
+    grid = itertools.product(
+        args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
+        args.routings.split(";"), [args.profile],
+    )  # fmt: skip
     rows = []
-    for gpu in args.gpus.split(","):
-        for n in (int(s) for s in args.sizes.split(",")):
-            for k in (int(s) for s in args.top_k.split(",")):
-                for routing in args.routings.split(";"):
-                    rows.append(cell(gpu, n, k, routing, args.profile))
-                    print(json.dumps(rows[-1]), flush=True)
+    # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        for row in pool.map(cell, *zip(*grid)):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(markdown(rows))
     picks = {m: sum(r["pick"] == m for r in rows) for m in ("aep", "ep", "pingpong")}
     ratios = [r["of_bounds_ratio"] for r in rows if "of_bounds_ratio" in r]

@@ -185,7 +185,18 @@ def test_planner_with_prices_and_heterogeneous_gpus():
     plans = search(req)
     costs = [p.cost_per_mtok for p in plans]
     assert costs == sorted(costs)
-    assert any(p.deployment.attn_gpu != p.deployment.expert_gpu for p in plans if p.deployment.mode == "aep")
+    mixed = [
+        p for p in plans if p.deployment.mode == "aep" and p.deployment.attn_gpu != p.deployment.expert_gpu
+    ]
+    assert mixed
+    from amoe.cli import build_parser
+
+    # Its emulated command runs the experts on their own GPU type.
+    config = config_from_args(
+        build_parser().parse_args(serve_command(mixed[0], req, emulated=True).split()[1:])
+    )
+    assert (config.executor.gpu, config.executor.expert_gpu) == (mixed[0].deployment.attn_gpu,
+                                                                  mixed[0].deployment.expert_gpu)  # fmt: skip
     with pytest.raises(ConfigError, match="no price for h100"):
         parse_prices("a100-80g=1", gpus)
     with pytest.raises(ConfigError, match="unknown GPU"):

@@ -282,6 +282,31 @@ def test_an_ep_device_runs_its_experts_of_a_block_as_one_grouped_step():
     assert type(kinds["busy_s"]) is float  # the runtime report encodes it (no numpy scalars on the wire)
 
 
+def test_expert_runtimes_of_a_heterogeneous_deployment_are_timed_on_their_own_gpu():
+    """--expert-gpu: the expert runtimes' layers take the expert GPU's time (MegaScale-Infer's heterogeneous
+    split); attention, KV and links stay on --gpu; an EP device or a torch executor refuses it."""
+    from amoe.config import AmoeConfig, ParallelSection
+
+    em = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g", expert_gpu="h100", time_scale=1e-3))
+    assert (em.gpu.name, em.expert_gpu.name) == (gpu_profile("a100-80g").name, gpu_profile("h100").name)
+    ex = em.expert_executor()
+    rows = torch.zeros(64, dtype=torch.int64)
+    from amoe.runtime.sync.batch import LayerBatch
+
+    ex.run(LayerBatch("expert", 0, 0, rows, rows, x=torch.zeros(64, 16), weights=torch.ones(64)))
+    busy = ex.stats()["kinds"]["expert"]["busy_s"]
+    assert busy == pytest.approx(cm.expert_layer_time(em.profile, gpu_profile("h100"), 64, em.host))
+    assert busy < cm.expert_layer_time(em.profile, gpu_profile("a100-80g"), 64, em.host)
+    same = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g"))
+    assert same.expert_gpu == same.gpu
+    with pytest.raises(ConfigError):
+        emulated(expert_gpu="v100")
+    with pytest.raises(ConfigError, match="expert-gpu"):
+        AmoeConfig(executor=emulated(expert_gpu="h100"), parallel=ParallelSection(mode="ep", attn_ranks=2))
+    with pytest.raises(ConfigError, match="expert-gpu"):
+        AmoeConfig(executor=ExecutorSection(expert_gpu="h100"))
+
+
 @pytest.mark.timeout(60)
 def test_emulated_cluster_runs_requests_to_max_tokens():
     em = Emulation(emulated(gpu="h100", profile="mixtral-8x7b-mqa", top_k=2, time_scale=0.5))

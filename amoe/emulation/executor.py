@@ -55,6 +55,7 @@ class Emulation:
         self.config = executor
         self.spin_s = spin_s
         self.gpu = gpu_profile(executor.gpu)
+        self.expert_gpu = gpu_profile(executor.expert_gpu or executor.gpu)  # what expert layers are timed on
         self.host = host_overhead(executor.host_overhead)
         if executor.profile is not None:
             self.profile = model_profile(executor.profile, executor.top_k)
@@ -106,14 +107,14 @@ class EmulatedExpertExecutor:
     def run(self, batch) -> torch.Tensor:
         n = batch.num_rows
         self.clock.hold(
-            cost_model.expert_layer_time(self.em.profile, self.em.gpu, n, self.em.host), "expert", n
+            cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host), "expert", n
         )
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
         """An EP device's experts of one block in one grouped GEMM: one hold for all of them (cost_model)."""
         rows = [b.num_rows for b in batches]
-        t = cost_model.grouped_expert_time(self.em.profile, self.em.gpu, rows, self.em.host)
+        t = cost_model.grouped_expert_time(self.em.profile, self.em.expert_gpu, rows, self.em.host)
         self.clock.hold(t, "expert", sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 
