@@ -51,6 +51,7 @@ class Check:
     top_k: int
     deployment: bounds.Deployment
     concurrency: int | None = None  # requests in flight (AEP); None: the plan's own (amoe.plan.refine)
+    routing: str = ROUTING
 
 
 def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None, expert_gpu=None):
@@ -118,14 +119,17 @@ def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
     model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
     host = host_overhead("amoe-paper")
     return refine(
-        model, check.deployment, ROUTING, mean_context(workload), host, concurrency=check.concurrency
+        model, check.deployment, check.routing, mean_context(workload), host, concurrency=check.concurrency
     )
 
 
 def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[str]:
     """The plan's emulated `amoe serve` command (what `amoe plan --emulated` prints), at this run's time scale."""
     req = PlanRequest(
-        f"{check.profile}:{p.blocks}", {check.deployment.attn_gpu: 8}, top_k=check.top_k, routing=ROUTING
+        f"{check.profile}:{p.blocks}",
+        {check.deployment.attn_gpu: 8},
+        top_k=check.top_k,
+        routing=check.routing,
     )
     argv = serve_command(plan, req, emulated=True).split()[2:]
     return argv + [

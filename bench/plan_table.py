@@ -6,20 +6,32 @@ fraction of the bound it reaches, AEP / EP against the bounds' AEP / EP, and the
     .venv/bin/python bench/plan_table.py [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
     .venv/bin/python bench/plan_table.py --figure10 --gpus a100-80g
 
-These are predictions, not measurements: bench/plan_check.py is what measures the emulated runtime against them
-(within 10 % for six of seven plans on 4-block profiles, docs/results.md "Planner"). Prints a markdown table and a
-final JSON line; writes plan_table.json to --out.
+These are predictions. With --measure each cell's best plan of each mode also runs, one copy, on the emulated
+runtime at full depth (bench/plan_check.py's measurement: its `amoe serve` command loaded above its predicted rate),
+and the row reports measured throughput (× copies) beside the prediction. At the plans' own concurrency that is
+up to an hour per point on a 2-core host; an ITL objective (--itl-slo-ms) keeps the plans to fewer requests:
+
+    .venv/bin/python bench/plan_table.py --measure --itl-slo-ms 150 --gpus a100-80g --sizes 8 --top-k 1 \
+        --routings skew-exp:0.08 --out docs/results/plan_table_measured
+
+Prints a markdown table and a final JSON line; writes plan_table.json to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import itertools
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import plan_check  # bench/, beside this script
+
+from amoe.emulation import bounds
+from amoe.emulation.profiles import model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
 from amoe.plan import PlanRequest, best_per_mode, describe, search
 
@@ -28,9 +40,13 @@ ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.
 PROFILE = "mixtral-8x7b-mqa"
 
 
-def cell(gpu: str, n: int, top_k: int, routing: str, profile: str) -> dict:
+def cell(gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None) -> dict:
     """The best plan of each mode on n GPUs of one type, and the planner's pick."""
-    plans = search(PlanRequest(profile, {gpu: n}, top_k=top_k, routing=routing))
+    return _cell(gpu, n, top_k, routing, profile, itl_slo_ms)[0]
+
+
+def _cell(gpu, n, top_k, routing, profile, itl_slo_ms=None) -> tuple[dict, dict]:
+    plans = search(PlanRequest(profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms))
     best = best_per_mode(plans)
     modes = {}
     for mode, plan in best.items():
@@ -55,7 +71,31 @@ def cell(gpu: str, n: int, top_k: int, routing: str, profile: str) -> dict:
         row["aep_over_ep"] = round(aep["tokens_per_s"] / ep["tokens_per_s"], 3)
         row["bounds_aep_over_ep"] = round(aep["bound"] / ep["bound"], 3)
         row["of_bounds_ratio"] = round(row["aep_over_ep"] / row["bounds_aep_over_ep"], 3)
-    return row
+    return row, best
+
+
+async def measure_row(row: dict, best: dict, profile: str, base_scale: float, probe_s: float) -> None:
+    """Each mode's plan of the row, one copy on the emulated runtime at full depth (bench/plan_check.py), its
+    measured throughput times the copies, beside the prediction."""
+    blocks = bounds.full_depth(model_profile(profile)).num_blocks
+    preset = plan_check.CheckPreset((), blocks, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10)
+    for mode, plan in best.items():
+        d = plan.deployment
+        per_copy = plan.prediction.concurrency // d.replicas
+        check = plan_check.Check(
+            profile, row["top_k"], dataclasses.replace(d, replicas=1), per_copy, row["routing"]
+        )
+        got = await plan_check.run_check(check, preset, base_scale, probe_s, repeats=1)
+        measured = got["measured"] * d.replicas
+        row[mode].update(
+            measured=round(measured), measured_over_predicted=got["ratio"],
+            measured_fraction_of_bound=round(measured / row[mode]["bound"], 3) if row[mode]["bound"] else None,
+            measured_runs=got["runs"],
+        )  # fmt: skip
+    if "aep" in best and "ep" in best:
+        row["measured_aep_over_ep"] = round(row["aep"]["measured"] / row["ep"]["measured"], 3)
+        row["measured_of_bounds_ratio"] = round(row["measured_aep_over_ep"] / row["bounds_aep_over_ep"], 3)
+    row["measured_pick"] = max(best, key=lambda m: row[m]["measured"])
 
 
 def figure10(gpu: str, routing: str, workload: str = "short") -> dict:
@@ -92,22 +132,32 @@ def _k(x: int) -> str:
     return f"{x / 1000:.1f} k"
 
 
+def _measured(row: dict, key: str) -> str:
+    return f" (measured {row[key]})" if key in row else ""
+
+
 def markdown(rows: list[dict]) -> str:
     head = (
         "| GPUs | top-k | routing | pick | AEP plan | AEP tok/s (of bound) | EP plan | EP tok/s (of bound) "
-        "| ping-pong tok/s | AEP / EP | bounds' AEP / EP | AEP / EP of bounds' |"
+        "| ping-pong tok/s (of bound) | AEP / EP | bounds' AEP / EP | AEP / EP of bounds' |"
     )
     lines = [head, "|" + " --- |" * 12]
     for r in rows:
         aep, ep, pp = r.get("aep", {}), r.get("ep", {}), r.get("pingpong", {})
 
         def tps(m: dict) -> str:
-            return f"{_k(m['tokens_per_s'])} ({m['fraction_of_bound']:.2f})" if m else "–"
+            if not m:
+                return "–"
+            text = f"{_k(m['tokens_per_s'])} ({m['fraction_of_bound']:.2f})"
+            if "measured" in m:  # --measure
+                text += f", measured {_k(m['measured'])} ({m['measured_fraction_of_bound']:.2f})"
+            return text
 
         lines.append(
             f"| {r['gpus']}× {r['gpu']} | {r['top_k']} | {r['routing']} | **{r['pick']}** | {aep.get('plan', '–')} "
-            f"| {tps(aep)} | {ep.get('plan', '–')} | {tps(ep)} | {_k(pp['tokens_per_s']) if pp else '–'} "
-            f"| {r.get('aep_over_ep', '–')} | {r.get('bounds_aep_over_ep', '–')} | {r.get('of_bounds_ratio', '–')} |"
+            f"| {tps(aep)} | {ep.get('plan', '–')} | {tps(ep)} | {tps(pp)} "
+            f"| {r.get('aep_over_ep', '–')}{_measured(r, 'measured_aep_over_ep')} | {r.get('bounds_aep_over_ep', '–')} "
+            f"| {r.get('of_bounds_ratio', '–')}{_measured(r, 'measured_of_bounds_ratio')} |"
         )
     return "\n".join(lines)
 
@@ -121,6 +171,10 @@ def main() -> None:
     parser.add_argument("--profile", default=PROFILE)
     parser.add_argument("--out", default="docs/results/plan_table")
     parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
+    parser.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL objective")
+    parser.add_argument(
+        "--measure", action="store_true", help="also run each cell's plans on the emulated runtime (slow)"
+    )
     parser.add_argument(
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
@@ -132,14 +186,21 @@ def main() -> None:
         return
     grid = itertools.product(
         args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
-        args.routings.split(";"), [args.profile],
+        args.routings.split(";"), [args.profile], [args.itl_slo_ms],
     )  # fmt: skip
     rows = []
     # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        for row in pool.map(cell, *zip(*grid)):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        cells = list(pool.map(_cell, *zip(*grid)))
+    if args.measure:
+        from amoe.bench import calibrate
+
+        base_scale, probe_s = calibrate.scaled(40.0)
+    for row, best in cells:
+        if args.measure:
+            asyncio.run(measure_row(row, best, args.profile, base_scale, probe_s))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     print(markdown(rows))
     picks = {m: sum(r["pick"] == m for r in rows) for m in ("aep", "ep", "pingpong")}
     ratios = [r["of_bounds_ratio"] for r in rows if "of_bounds_ratio" in r]
@@ -147,8 +208,14 @@ def main() -> None:
         "profile": args.profile, "cells": len(rows), "picks": picks,
         "aep_fraction_of_bound": sorted(r["aep"]["fraction_of_bound"] for r in rows if "aep" in r),
         "aep_over_ep_of_bounds_min_max": [min(ratios), max(ratios)] if ratios else None,
-        "wall_s": round(time.monotonic() - started, 1),
+        "itl_slo_ms": args.itl_slo_ms, "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
+    if args.measure:
+        summary["measured_over_predicted"] = {
+            f"{r['gpus']}x{r['gpu']} top{r['top_k']} {r['routing']} {m}": r[m]["measured_over_predicted"]
+            for r in rows for m in ("aep", "ep", "pingpong") if m in r
+        }  # fmt: skip
+        summary["measured_picks_agree"] = sum(r["measured_pick"] == r["pick"] for r in rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_table.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
