@@ -43,6 +43,25 @@ def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
     assert {c.top_k for c in p.checks} == {1, 2} and p.tolerance <= 0.10
 
 
+def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_command():
+    """The heterogeneous AEP plan's experts run on their own GPU type; a full-depth check that fixes AEP's
+    concurrency is predicted at that concurrency and admits exactly that many requests."""
+    full = plan_check.PRESETS["full"]
+    mixed = [
+        c for c in full.checks if c.deployment.expert_gpu != c.deployment.attn_gpu and c.deployment.num_expert
+    ]
+    assert len(mixed) == 1
+    argv = plan_check.flags(mixed[0], plan_check.prediction(mixed[0], full), full, time_scale=25.0)
+    assert argv[argv.index("--expert-gpu") + 1] == mixed[0].deployment.expert_gpu
+    depth = plan_check.PRESETS["depth"]
+    (aep,) = [c for c in depth.checks if c.deployment.mode == "aep"]
+    plan = plan_check.prediction(aep, depth)
+    assert plan.prediction.concurrency == aep.concurrency and depth.blocks == 32
+    argv = plan_check.flags(aep, plan, depth, time_scale=25.0)
+    assert int(argv[argv.index("--cache-max-num-seqs") + 1]) * aep.deployment.num_attn == aep.concurrency
+    assert argv[argv.index("--executor-profile") + 1] == f"{aep.profile}:32"
+
+
 def test_the_time_scale_follows_the_host_probe():
     """A host whose Python runs 2x slower gets twice the time scale: host work stays the same share of a step."""
     slow, probe = calibrate.scaled(25.0, probe_s=2 * calibrate.REFERENCE_PROBE_S)
