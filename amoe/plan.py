@@ -290,10 +290,8 @@ def mean_context(workload: str) -> float:
 
 
 def best_per_mode(plans: list[Plan]) -> dict[str, Plan]:
-    best: dict[str, Plan] = {}
-    for plan in plans:
-        best.setdefault(plan.deployment.mode, plan)
-    return best
+    """Each mode's best plan (the first of its mode in `plans`)."""
+    return {plan.deployment.mode: plan for plan in best_shapes(plans, 1)}
 
 
 def shape(d: bounds.Deployment) -> tuple:

@@ -95,8 +95,8 @@ PRESETS = {
     ),
     # At the profiles' full depth (32 blocks): three plans, AEP at a fixed 256 requests per attention GPU, because
     # the concurrency an AEP plan needs to fill 32 blocks' queues (thousands of requests, ITLs near a second) takes
-    # this host an hour per point; 20-40 minutes here. It checks the simulation behind the planner's
-    # full-depth table (docs/results.md) where that table's numbers come from, at 32 blocks.
+    # this host an hour per point; 20-40 minutes here. It checks, at 32 blocks, the simulation behind the
+    # planner's full-depth table (docs/results.md); bench/plan_table.py --measure runs at its settings.
     "depth": CheckPreset(
         checks=(
             _ep("h100", 2, 2, cap=128),

@@ -78,7 +78,7 @@ async def measure_row(row: dict, best: dict, profile: str, base_scale: float, pr
     """Each mode's plan of the row, one copy on the emulated runtime at full depth (bench/plan_check.py), its
     measured throughput times the copies, beside the prediction."""
     blocks = bounds.full_depth(model_profile(profile)).num_blocks
-    preset = plan_check.CheckPreset((), blocks, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10)
+    preset = dataclasses.replace(plan_check.PRESETS["depth"], checks=(), blocks=blocks)
     for mode, plan in best.items():
         d = plan.deployment
         per_copy = plan.prediction.concurrency // d.replicas
