@@ -95,3 +95,20 @@ def test_pingpong_lock_step_pays_the_pipelines_bubbles():
     dep = bounds.Deployment("pingpong", "a100-80g", 4, "a100-80g", 2, attn_cap=256, micro_batches=2)
     even = simulate(model, dep, "uniform", CTX, HOST, 1024).tokens_per_s
     assert simulate(model, dep, "skew-exp:0.4", CTX, HOST, 1024).tokens_per_s < 0.95 * even
+
+
+def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest():
+    """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests that all
+    started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs (2 simulated
+    ones) counted a wave's crest: the planner said 25.9 k where the runtime measured 21.8 k and 21.9 k
+    (docs/results/plan_check_depth/small_batches.jsonl). Requests now start at random layers and the window is
+    counted in simulated ITLs: the planner's estimate is the long-run rate."""
+    model = model_profile("mixtral-8x7b-mqa:4", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
+    planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128).prediction
+    long_run = simulate(model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1)
+    assert (
+        planned.itl_s > 3 * 128 / _bound(model, dep).tokens_per_s
+    )  # small batches: far from the bound's ITL
+    assert planned.tokens_per_s == pytest.approx(long_run.tokens_per_s, rel=0.05)
+    assert planned.tokens_per_s == pytest.approx(21_830, rel=0.05)  # the runtime's two measurements' mean
