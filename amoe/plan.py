@@ -345,6 +345,9 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         args += ["--gpu", d.attn_gpu, "--routing", req.routing, "--executor-decode-only", "true"]
         if d.mode != "ep" and d.expert_gpu != d.attn_gpu:
             args += ["--expert-gpu", d.expert_gpu]
+        if d.num_attn + d.num_expert > d.gpus_per_node:
+            # One copy spans hosts: the prediction priced its messages between them at the network's time.
+            args += ["--executor-gpus-per-node", str(d.gpus_per_node)]
         if req.top_k is not None:
             args += ["--executor-top-k", str(req.top_k)]
     return " ".join(args)

@@ -4,9 +4,12 @@ the maximum the emulated runtime measures when it runs that plan's `amoe serve` 
     .venv/bin/python bench/plan_check.py [--preset full|depth|ci] [--repeats N] [--only ep,pingpong] [--match S]
         [--out DIR]
 
-For every plan: start the emulated deployment with the plan's flags (`amoe.plan.serve_command`, emulated), offer
-Poisson arrivals above its predicted rate so it runs at its maximum (admission holds it at the plan's concurrency),
-and measure output tokens per emulated second over the steady part of the point. The time scale is the preset's,
+For every plan: start the emulated deployment with the plan's flags (`amoe.plan.serve_command`, emulated), run it
+at the plan's concurrency and measure output tokens per emulated second in steady state. By default the deployment
+starts in that steady state (amoe.bench.steady: the plan's requests as a running deployment holds them, a closed
+load, measured over ITLs; about 15 ITLs a point); `--fill poisson` instead offers Poisson arrivals above the
+predicted rate until admission holds the plan at its concurrency (~80 ITLs a point; both agree within 2 % on the
+full preset, docs/results.md). The time scale is the preset's,
 stretched by a host probe (amoe.bench.calibrate) so host work is the same fraction of each emulated step on any
 machine; a point whose server saturated the host's CPU is marked and rerun at twice the time scale. With
 --repeats N each plan runs N times and reports the median and spread.
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from amoe.bench import calibrate
+from amoe.bench import calibrate, steady
 from amoe.bench.compare import load_point
 from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens
 from amoe.bench.servers import ServerProcess
@@ -73,8 +76,9 @@ class CheckPreset:
     blocks: int  # blocks of each profile kept (the emulated runtimes' depth and the prediction's)
     duration_s: float  # emulated seconds of arrivals per point
     time_scale: float  # on the reference host (calibrate.REFERENCE_PROBE_S); stretched by the probe
-    overload: float  # offered rate over the predicted one
+    overload: float  # offered rate over the predicted one (--fill poisson)
     tolerance: float  # |measured / predicted - 1| allowed
+    min_window_s: float = steady.MIN_WINDOW_WALL_S  # wall seconds a steady point is measured over, at least
 
 
 PRESETS = {
@@ -108,7 +112,7 @@ PRESETS = {
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, a minute here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
-        blocks=2, duration_s=0.4, time_scale=40.0, overload=3.0, tolerance=0.15,
+        blocks=2, duration_s=0.4, time_scale=40.0, overload=3.0, tolerance=0.15, min_window_s=10.0,
     ),
 }  # fmt: skip
 
@@ -137,22 +141,31 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
     ]  # fmt: skip
 
 
-async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int) -> dict:
-    """One run of the plan at `overload` × its predicted rate: the point's measurement (amoe.bench.compare)."""
+async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int, fill: str) -> dict:
+    """One run of the plan at its concurrency (one copy's share of the prediction's). `steady` (the default): that
+    many steady-state requests, measured over ITLs (amoe.bench.steady); `poisson`: arrivals at `overload` × the
+    predicted rate until admission holds the plan at its concurrency, measured over the last 40 % of a point about
+    a request lifetime long (amoe.bench.compare; ~5× the wall time)."""
     d = check.deployment
     setup = Setup(d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu)
+    pred = plan.prediction
     # Arrivals fill the plan's concurrency in ITL × tokens per request / overload; the measured window (the last
     # 40 % of the point) opens well after that.
-    fill_s = plan.prediction.itl_s * mean_output_tokens(setup.workload) / p.overload
+    fill_s = pred.itl_s * mean_output_tokens(setup.workload) / p.overload
     preset = Preset(
         sweeps=(setup,), loads=(p.overload,), policy_load=None, policy_base=None,
         duration_s=max(p.duration_s, 2.5 * fill_s),
         time_scale=time_scale, attn_cap=d.attn_cap, expert_cap=d.expert_cap, blocks=p.blocks,
     )  # fmt: skip
-    rate = p.overload * plan.prediction.tokens_per_s / mean_output_tokens(setup.workload)
     server = ServerProcess(flags(check, plan, p, time_scale))
     with server:
         try:
+            if fill == "steady":
+                per_copy = pred.concurrency // d.replicas
+                return await steady.steady_point(
+                    server, setup, preset, seed, per_copy, pred.itl_s, "plan", p.min_window_s
+                )
+            rate = p.overload * pred.tokens_per_s / mean_output_tokens(setup.workload)
             return await load_point(server, setup, preset, seed, rate, "plan")
         except Exception:
             tail = "\n".join(list(server.lines)[-40:])
@@ -160,17 +173,27 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
             raise
 
 
-async def run_check(check: Check, p: CheckPreset, base_scale: float, probe_s: float, repeats: int) -> dict:
-    plan = prediction(check, p)
+async def run_check(
+    check: Check,
+    p: CheckPreset,
+    base_scale: float,
+    probe_s: float,
+    repeats: int,
+    fill: str = "steady",
+    plan: Plan | None = None,
+) -> dict:
+    """The check's plan (its prediction, or `plan` as predicted elsewhere) run `repeats` times: the median."""
+    plan = plan or prediction(check, p)
     start_scale = calibrate.plan_time_scale(base_scale, probe_s, plan.prediction.tokens_per_s)
     runs = []
     for i in range(repeats):
         scale = start_scale
         for attempt in range(2):
-            point = await measure(check, plan, p, scale, seed=i)
+            point = await measure(check, plan, p, scale, seed=i, fill=fill)
             hot = calibrate.saturated(point.get("host_cores"))
             runs.append({"time_scale": scale, "throughput": point["throughput"], "host_cores": point["host_cores"],
-                         "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"]})  # fmt: skip
+                         "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"],
+                         "running_mean": point.get("running_mean")})  # fmt: skip
             if not hot:
                 break
             logger.warning("[plan_check] %s saturated the host (%.2f cores): rerun at time scale %g",
@@ -190,10 +213,10 @@ async def run_check(check: Check, p: CheckPreset, base_scale: float, probe_s: fl
     }  # fmt: skip
 
 
-async def run(p: CheckPreset, repeats: int) -> tuple[list[dict], dict]:
+async def run(p: CheckPreset, repeats: int, fill: str = "steady") -> tuple[list[dict], dict]:
     base_scale, probe_s = calibrate.scaled(p.time_scale)
     logger.info("[plan_check] host probe %.0f µs per step: time scale %.1f", probe_s * 1e6, base_scale)
-    rows = [await run_check(c, p, base_scale, probe_s, repeats) for c in p.checks]
+    rows = [await run_check(c, p, base_scale, probe_s, repeats, fill) for c in p.checks]
     return rows, {"probe_us": round(probe_s * 1e6, 1), "time_scale": round(base_scale, 2)}
 
 
@@ -214,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write plan_check.json here")
     parser.add_argument("--only", default=None, help="run only the plans of these modes, e.g. ep,pingpong")
     parser.add_argument("--match", default=None, help="run only the plans whose description contains this")
+    parser.add_argument(
+        "--fill", default="steady", choices=("steady", "poisson"),
+        help="steady: the plan's requests at once, measured over ITLs (default); poisson: arrivals above its rate",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     p = PRESETS[args.preset]
@@ -223,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.match:
         p = dataclasses.replace(p, checks=tuple(c for c in p.checks if args.match in describe(c.deployment)))
     started = time.monotonic()
-    rows, host = asyncio.run(run(p, max(1, args.repeats)))
+    rows, host = asyncio.run(run(p, max(1, args.repeats), args.fill))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
-        "preset": args.preset, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "preset": args.preset, "fill": args.fill, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip

@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -33,7 +34,7 @@ import plan_check  # bench/, beside this script
 from amoe.emulation import bounds
 from amoe.emulation.profiles import model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
-from amoe.plan import PlanRequest, best_per_mode, describe, search
+from amoe.plan import Plan, PlanRequest, best_per_mode, describe, search
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
@@ -41,11 +42,8 @@ PROFILE = "mixtral-8x7b-mqa"
 
 
 def cell(gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None) -> dict:
-    """The best plan of each mode on n GPUs of one type, and the planner's pick."""
-    return _cell(gpu, n, top_k, routing, profile, itl_slo_ms)[0]
-
-
-def _cell(gpu, n, top_k, routing, profile, itl_slo_ms=None) -> tuple[dict, dict]:
+    """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
+    planner's pick."""
     plans = search(PlanRequest(profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms))
     best = best_per_mode(plans)
     modes = {}
@@ -56,7 +54,8 @@ def _cell(gpu, n, top_k, routing, profile, itl_slo_ms=None) -> tuple[dict, dict]
             "plan": describe(plan.deployment), "tokens_per_s": round(pred.tokens_per_s),
             "bound": round(bound), "fraction_of_bound": round(pred.tokens_per_s / bound, 3) if bound else None,
             "itl_ms": round(pred.itl_s * 1e3, 1), "concurrency": pred.concurrency,
-            "simulated": bool(pred.extra.get("simulated")),
+            "simulated": bool(pred.extra.get("simulated")), "bottleneck": pred.bottleneck,
+            "deployment": dataclasses.asdict(plan.deployment),
         }  # fmt: skip
     row = {
         "gpu": gpu,
@@ -71,42 +70,95 @@ def _cell(gpu, n, top_k, routing, profile, itl_slo_ms=None) -> tuple[dict, dict]
         row["aep_over_ep"] = round(aep["tokens_per_s"] / ep["tokens_per_s"], 3)
         row["bounds_aep_over_ep"] = round(aep["bound"] / ep["bound"], 3)
         row["of_bounds_ratio"] = round(row["aep_over_ep"] / row["bounds_aep_over_ep"], 3)
-    return row, best
+    return row
 
 
-async def measure_row(row: dict, best: dict, profile: str, base_scale: float, probe_s: float) -> None:
-    """Each mode's plan of the row, one copy on the emulated runtime at full depth (bench/plan_check.py), its
-    measured throughput times the copies, beside the prediction."""
-    blocks = bounds.full_depth(model_profile(profile)).num_blocks
-    preset = dataclasses.replace(plan_check.PRESETS["depth"], checks=(), blocks=blocks)
-    for mode, plan in best.items():
-        d = plan.deployment
-        per_copy = plan.prediction.concurrency // d.replicas
-        check = plan_check.Check(
-            profile, row["top_k"], dataclasses.replace(d, replicas=1), per_copy, row["routing"]
-        )
-        got = await plan_check.run_check(check, preset, base_scale, probe_s, repeats=1)
-        measured = got["measured"] * d.replicas
+def one_copy(mode_row: dict) -> Plan:
+    """A row's plan of one mode (as `_cell` wrote it), one copy of it: what --measure runs."""
+    dep = dict(mode_row["deployment"])
+    if dep.get("expert_map") is not None:
+        dep["expert_map"] = tuple(dep["expert_map"])
+    d = bounds.Deployment(**dep)
+    n = d.replicas
+    pred = bounds.Prediction(
+        tokens_per_s=mode_row["tokens_per_s"] / n, itl_s=mode_row["itl_ms"] / 1e3,
+        concurrency=mode_row["concurrency"] // n, bottleneck=mode_row.get("bottleneck", ""),
+        extra={"bound": mode_row["bound"] / n, "simulated": mode_row.get("simulated", False)},
+    )  # fmt: skip
+    return Plan(dataclasses.replace(d, replicas=1), pred, None)
+
+
+class Measured:
+    """Measured points by what they run (one copy's plan, top-k, routing, requests), one JSON line each in a file:
+    a plan that several cells share (8 and 16 GPUs of the same copies) runs once, and an interrupted --measure
+    picks up where it stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.points: dict[str, dict] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self.points[entry["key"]] = entry["result"]
+
+    @staticmethod
+    def key(profile: str, top_k: int, routing: str, plan: Plan) -> str:
+        return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}"
+
+    def put(self, key: str, result: dict) -> None:
+        self.points[key] = result
+        with self.path.open("a") as f:
+            f.write(json.dumps({"key": key, "result": result}) + "\n")
+
+
+async def measure_plan(
+    profile: str, top_k: int, routing: str, plan: Plan, base_scale: float, probe_s: float, measured: Measured
+) -> dict:
+    """One copy's plan run on the emulated runtime at full depth (bench/plan_check.py's steady point), or its
+    earlier run from `measured`."""
+    key = Measured.key(profile, top_k, routing, plan)
+    if key not in measured.points:
+        blocks = bounds.full_depth(model_profile(profile)).num_blocks
+        preset = dataclasses.replace(plan_check.PRESETS["depth"], checks=(), blocks=blocks)
+        check = plan_check.Check(profile, top_k, plan.deployment, plan.prediction.concurrency, routing)
+        got = await plan_check.run_check(check, preset, base_scale, probe_s, repeats=1, plan=plan)
+        measured.put(key, got)
+    return measured.points[key]
+
+
+async def measure_row(row: dict, profile: str, base_scale: float, probe_s: float, measured: Measured) -> None:
+    """Each mode's plan of the row, one copy on the emulated runtime at full depth, its measured throughput times
+    the copies, beside the prediction."""
+    modes = [m for m in ("aep", "ep", "pingpong") if m in row]
+    for mode in modes:
+        plan = one_copy(row[mode])
+        got = await measure_plan(profile, row["top_k"], row["routing"], plan, base_scale, probe_s, measured)
+        value = got["measured"] * row[mode]["deployment"]["replicas"]
         row[mode].update(
-            measured=round(measured), measured_over_predicted=got["ratio"],
-            measured_fraction_of_bound=round(measured / row[mode]["bound"], 3) if row[mode]["bound"] else None,
+            measured=round(value), measured_over_predicted=got["ratio"],
+            measured_fraction_of_bound=round(value / row[mode]["bound"], 3) if row[mode]["bound"] else None,
             measured_runs=got["runs"],
         )  # fmt: skip
-    if "aep" in best and "ep" in best:
+    if "aep" in modes and "ep" in modes:
         row["measured_aep_over_ep"] = round(row["aep"]["measured"] / row["ep"]["measured"], 3)
         row["measured_of_bounds_ratio"] = round(row["measured_aep_over_ep"] / row["bounds_aep_over_ep"], 3)
-    row["measured_pick"] = max(best, key=lambda m: row[m]["measured"])
+    row["measured_pick"] = max(modes, key=lambda m: row[m]["measured"])
 
 
-def figure10(gpu: str, routing: str, workload: str = "short") -> dict:
+FIGURE10_PROFILE = "mixtral-8x7b-16e"
+
+
+def figure10(gpu: str, routing: str, workload: str = "short", measure: tuple | None = None) -> dict:
     """The paper's Figure 10 setup at full depth (32 blocks): the 16-expert model on one 8-GPU host and on two
     (16 GPUs, links between hosts on the critical path), AEP 4 + 4 → 8 + 8 and EP 8 → 16, each refined by the
-    simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang)."""
-    from amoe.emulation import bounds
-    from amoe.emulation.profiles import host_overhead, model_profile
+    simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang). With `measure`
+    (base scale, probe seconds, Measured) each also runs on the emulated runtime, and the ratios are given on the
+    measured throughputs too."""
+    from amoe.emulation.profiles import host_overhead
     from amoe.plan import mean_context, refine
 
-    model = bounds.full_depth(model_profile("mixtral-8x7b-16e", 1))
+    model = bounds.full_depth(model_profile(FIGURE10_PROFILE, 1))
     ctx, host = mean_context(workload), host_overhead("amoe-paper")
     deployments = {
         "aep8": bounds.Deployment("aep", gpu, 4, gpu, 4),
@@ -116,16 +168,27 @@ def figure10(gpu: str, routing: str, workload: str = "short") -> dict:
     }
     got = {}
     for name, dep in deployments.items():
-        pred = refine(model, dep, routing, ctx, host).prediction
+        plan = refine(model, dep, routing, ctx, host)
+        pred = plan.prediction
         got[name] = {"plan": describe(dep), "tokens_per_s": round(pred.tokens_per_s),
-                     "bound": round(pred.extra.get("bound", pred.tokens_per_s)), "itl_ms": round(pred.itl_s * 1e3, 1)}  # fmt: skip
-    t = {k: v["tokens_per_s"] for k, v in got.items()}
-    return {
-        "gpu": gpu, "routing": routing, **got,
-        "aep_16_over_8": round(t["aep16"] / t["aep8"], 3), "ep_16_over_8": round(t["ep16"] / t["ep8"], 3),
-        "aep_over_ep_16": round(t["aep16"] / t["ep16"], 3), "aep_over_ep_8": round(t["aep8"] / t["ep8"], 3),
-        "paper": {"aep_16_over_8": 1.92, "aep_over_sglang_16": 3.0},
-    }  # fmt: skip
+                     "bound": round(pred.extra.get("bound", pred.tokens_per_s)), "itl_ms": round(pred.itl_s * 1e3, 1),
+                     "concurrency": pred.concurrency}  # fmt: skip
+        if measure:
+            m = asyncio.run(measure_plan(FIGURE10_PROFILE, 1, routing, plan, *measure))
+            got[name].update(
+                measured=round(m["measured"]), measured_over_predicted=m["ratio"], runs=m["runs"]
+            )
+    out = {"gpu": gpu, "routing": routing, **got, "paper": {"aep_16_over_8": 1.92, "aep_over_sglang_16": 3.0}}
+    for prefix, field in (("", "tokens_per_s"), ("measured_", "measured")):
+        if all(field in v for v in got.values()):
+            t = {k: v[field] for k, v in got.items()}
+            out |= {
+                f"{prefix}aep_16_over_8": round(t["aep16"] / t["aep8"], 3),
+                f"{prefix}ep_16_over_8": round(t["ep16"] / t["ep8"], 3),
+                f"{prefix}aep_over_ep_16": round(t["aep16"] / t["ep16"], 3),
+                f"{prefix}aep_over_ep_8": round(t["aep8"] / t["ep8"], 3),
+            }  # fmt: skip
+    return out
 
 
 def _k(x: int) -> str:
@@ -176,30 +239,49 @@ def main() -> None:
         "--measure", action="store_true", help="also run each cell's plans on the emulated runtime (slow)"
     )
     parser.add_argument(
+        "--plans", default=None, metavar="JSON",
+        help="take the rows (and their plans) of this earlier plan_table.json instead of planning them again",
+    )  # fmt: skip
+    parser.add_argument(
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
-    if args.figure10:
-        for routing in args.routings.split(";"):
-            print(json.dumps(figure10(args.gpus.split(",")[0], routing)), flush=True)
-        return
-    grid = itertools.product(
-        args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
-        args.routings.split(";"), [args.profile], [args.itl_slo_ms],
-    )  # fmt: skip
-    rows = []
-    # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        cells = list(pool.map(_cell, *zip(*grid)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    measure = None
     if args.measure:
         from amoe.bench import calibrate
 
-        base_scale, probe_s = calibrate.scaled(40.0)
-    for row, best in cells:
-        if args.measure:
-            asyncio.run(measure_row(row, best, args.profile, base_scale, probe_s))
-        rows.append(row)
+        measure = (*calibrate.scaled(40.0), Measured(out / "measured.jsonl"))
+    if args.figure10:
+        for routing in args.routings.split(";"):
+            print(json.dumps(figure10(args.gpus.split(",")[0], routing, measure=measure)), flush=True)
+        return
+    if args.plans:
+        rows = json.loads(Path(args.plans).read_text())["rows"]
+    else:
+        grid = itertools.product(
+            args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
+            args.routings.split(";"), [args.profile], [args.itl_slo_ms],
+        )  # fmt: skip
+        # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
+        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+            rows = list(pool.map(cell, *zip(*grid)))
+    if measure:
+        # The sourced skew's rows first, then the stress case, then affinity: an interrupted run has the most
+        # telling part (the points are kept; a rerun measures only what is missing).
+        order = sorted(
+            rows, key=lambda r: ({ROUTINGS[0]: 0, ROUTINGS[2]: 1}.get(r["routing"], 2), rows.index(r))
+        )
+        for row in order:
+            asyncio.run(measure_row(row, args.profile, *measure))
+            print(
+                json.dumps({k: v for k, v in row.items() if k not in ("aep", "ep", "pingpong")}), flush=True
+            )
+    for row in rows:
         print(json.dumps(row), flush=True)
     print(markdown(rows))
     picks = {m: sum(r["pick"] == m for r in rows) for m in ("aep", "ep", "pingpong")}
@@ -216,8 +298,6 @@ def main() -> None:
             for r in rows for m in ("aep", "ep", "pingpong") if m in r
         }  # fmt: skip
         summary["measured_picks_agree"] = sum(r["measured_pick"] == r["pick"] for r in rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "plan_table.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary))
 

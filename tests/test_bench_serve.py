@@ -24,6 +24,7 @@ from amoe.bench.workloads import (
     make_requests,
     make_workload,
     sample_lengths,
+    steady_state_requests,
 )
 from amoe.cli import main
 from amoe.errors import ConfigError
@@ -93,6 +94,26 @@ def test_id_prompts_have_the_exact_length_and_are_reproducible():
         assert isinstance(r.prompt, list) and len(r.prompt) == r.prompt_len
         assert all(10 <= t < 1000 for t in r.prompt)
         assert 70 <= r.output_len <= 130
+
+
+def test_steady_state_requests_are_a_running_deployments_snapshot():
+    """A deployment in steady state runs length-biased requests part-way through: the contexts (prompt plus what
+    was generated) average the cost model's steady-state decode context, and the tokens left sum a request's
+    output. Decode-only emulation takes the generated part as prompt, so these are what the server is sent."""
+    from amoe.emulation.cost_model import mean_decode_context
+
+    workload = make_workload("short")
+    requests = steady_state_requests(workload, 20_000, seed=3)
+    assert steady_state_requests(workload, 50, seed=3) == steady_state_requests(workload, 50, seed=3)
+    prompts = np.array([r.prompt_len for r in requests])
+    left = np.array([r.output_len for r in requests])
+    assert all(len(r.prompt) == r.prompt_len for r in requests[:100])
+    assert prompts.mean() == pytest.approx(mean_decode_context(*PAPER_WORKLOADS["short"]), rel=0.01)
+    assert left.min() >= 1 and left.max() <= 130 and prompts.min() >= 30 and prompts.max() < 70 + 130
+    # Length bias: a snapshot holds the requests that live long more often than arrivals do (mean 100 tokens).
+    assert (prompts - 50 + left).mean() == pytest.approx(np.mean(np.arange(70, 131) ** 2) / 100, rel=0.02)
+    with pytest.raises(ConfigError):
+        steady_state_requests(make_workload("sharegpt:" + __file__), 1)
 
 
 def test_text_prompts_reach_the_length_with_a_tokenizer(model_dir):

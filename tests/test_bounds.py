@@ -178,6 +178,27 @@ def test_planner_finds_sensible_plans_and_commands_that_parse():
         assert config.scheduler.attn_batch_cap == d.attn_cap and config.executor.gpu == d.attn_gpu
 
 
+def test_an_emulated_command_of_a_copy_that_spans_hosts_prices_its_links_as_the_prediction_did():
+    """One copy over more GPUs than a host holds crosses the network, as its prediction priced it: its emulated
+    command says where hosts end; a copy within one host does not."""
+    from amoe.cli import build_parser
+
+    req = PlanRequest("mixtral-8x7b-mqa", {"a100-80g": 16}, top_k=1)
+    pred = B.Prediction(1000.0, 0.1, 100, "attention")
+    wide = Plan(B.Deployment("pingpong", "a100-80g", 8, "a100-80g", 8, micro_batches=2), pred, None)
+    narrow = Plan(B.Deployment("ep", "a100-80g", 8, replicas=2), pred, None)
+    parse = build_parser().parse_args
+    assert (
+        config_from_args(parse(serve_command(wide, req, emulated=True).split()[1:])).executor.gpus_per_node
+        == 8
+    )
+    assert (
+        config_from_args(parse(serve_command(narrow, req, emulated=True).split()[1:])).executor.gpus_per_node
+        == 0
+    )
+    assert "--executor-gpus-per-node" not in serve_command(wide, req)  # real GPUs know where their hosts end
+
+
 def test_planner_with_prices_and_heterogeneous_gpus():
     gpus = parse_gpus("a100-80g:4,h100:4")
     prices = parse_prices("a100-80g=1.5,h100=3", gpus)

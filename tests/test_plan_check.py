@@ -88,3 +88,5 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     rows = json.loads((tmp_path / "plan_check.json").read_text())["plans"]
     assert summary["plans"] == 2 and all(r["measured"] > 0 for r in rows)
     assert summary["within"] == summary["plans"], result.stdout
+    for r in rows:  # started in its steady state, each plan ran at its concurrency throughout the window
+        assert r["runs"][0]["running_mean"] >= 0.97 * r["concurrency"], r

@@ -40,3 +40,41 @@ def test_the_table_shows_measured_numbers_beside_the_predictions():
     row.update(measured_aep_over_ep=0.947, measured_of_bounds_ratio=0.947)
     table = plan_table.markdown([row])
     assert "measured 0.9 k (0.45)" in table and "(measured 0.947)" in table
+
+
+def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_path, monkeypatch):
+    """--measure runs one copy of a row's plan (its requests, its rate), reports it times the copies, runs a copy
+    two rows share once, and a second run finds the points in measured.jsonl instead of running them again."""
+    import asyncio
+
+    def mode(plan, replicas, tps, conc):
+        dep = {"mode": plan, "attn_gpu": "h100", "num_attn": 2, "expert_gpu": "h100", "num_expert": 2,
+               "attn_cap": 256, "expert_cap": 512, "micro_batches": 2, "replicas": replicas,
+               "expert_map": [0, 1, 0, 1, 0, 1, 0, 1] if plan == "aep" else None, "gpus_per_node": 8}  # fmt: skip
+        return {"plan": f"{plan} x{replicas}", "tokens_per_s": tps, "bound": 2 * tps, "itl_ms": 100.0,
+                "concurrency": conc, "deployment": dep}  # fmt: skip
+
+    rows = [
+        {"gpu": "h100", "gpus": n, "top_k": 1, "routing": "skew-exp:0.08", "bounds_aep_over_ep": 1.0,
+         "aep": mode("aep", n // 4, 1000 * n, 100 * n), "ep": mode("ep", n // 4, 2000 * n, 50 * n)}
+        for n in (8, 16)
+    ]  # fmt: skip
+    copy = plan_table.one_copy(rows[1]["aep"])
+    assert copy.deployment.replicas == 1 and copy.deployment.expert_map == (0, 1) * 4
+    assert (copy.prediction.tokens_per_s, copy.prediction.concurrency) == (4000, 400)
+    ran = []
+
+    async def fake_run_check(check, p, base_scale, probe_s, repeats, plan=None):
+        ran.append((check.deployment.mode, check.concurrency, p.blocks))
+        return {"measured": 0.9 * plan.prediction.tokens_per_s, "ratio": 0.9, "runs": []}
+
+    monkeypatch.setattr(plan_table.plan_check, "run_check", fake_run_check)
+    measured = plan_table.Measured(tmp_path / "measured.jsonl")
+    for row in rows:
+        asyncio.run(plan_table.measure_row(row, "mixtral-8x7b-mqa", 40.0, 55e-6, measured))
+    assert ran == [("aep", 400, 32), ("ep", 200, 32)]  # 8 and 16 GPUs: 2 and 4 copies of the same one
+    assert rows[1]["aep"]["measured"] == 4 * 3600 and rows[1]["measured_aep_over_ep"] == 0.5
+    assert rows[1]["measured_pick"] == "ep"
+    again = plan_table.Measured(tmp_path / "measured.jsonl")
+    asyncio.run(plan_table.measure_row(dict(rows[0]), "mixtral-8x7b-mqa", 40.0, 55e-6, again))
+    assert len(ran) == 2

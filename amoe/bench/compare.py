@@ -210,7 +210,8 @@ async def load_point(
         await probe.stop()
         done = await _finish(load, p.duration_s * scale * 0.1)
         await _drain(http)
-    return _measure(setup, kind, rate, probe, start, span, done, scale)
+    window = (start + _WARMUP_FRACTION * span, start + span)
+    return measure(setup, kind, rate, probe, start, window, done, scale)
 
 
 async def _finish(load: asyncio.Future, grace_s: float) -> list:
@@ -237,13 +238,15 @@ async def _drain(http, timeout_s: float = 120.0) -> None:
     logger.warning("[compare] the server did not drain within %.0f s", timeout_s)
 
 
-def _measure(setup, kind, rate, probe, start, span, done, scale) -> dict[str, Any]:
+def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, Any]:
+    """A point's figures from the scrapes inside `window` (wall times): throughput, ITL, TTFT, busy fractions, host
+    CPU; `start` is the queue-depth series' origin."""
     from amoe.bench import calibrate
     from amoe.bench.probe import histogram_quantile
 
     point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
     point["time_scale"] = scale
-    window = probe.window(start + _WARMUP_FRACTION * span, start + span)
+    window = probe.window(*window)
     completed = [r for r in done if r.success]
     point["completed"] = len(completed)
     if window is None:

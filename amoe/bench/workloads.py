@@ -128,6 +128,28 @@ def make_requests(
     ]
 
 
+def steady_state_requests(workload: Workload, num_requests: int, *, seed: int = 0) -> list[RequestSpec]:
+    """`num_requests` id-prompt requests as a deployment in steady state holds them, for decode-only emulation
+    (amoe.bench.steady).
+
+    In steady state a running request is one picked with probability proportional to its output length, part-way
+    through it: it has generated a uniform part `a` of its `o` tokens (the length bias of
+    amoe.emulation.cost_model.mean_decode_context). Decode-only emulation takes a prompt's KV as written, so to the
+    server such a request is one whose prompt is `a` tokens longer and which has `o - a` tokens left to generate."""
+    (in_lo, in_hi), (out_lo, out_hi) = workload.input_range, workload.output_range
+    if workload.sharegpt_path is not None or out_lo < 1:
+        raise ConfigError(f"steady-state requests need a synthetic workload; got {workload.name!r}")
+    rng = np.random.default_rng((seed, 2))
+    outputs = np.arange(out_lo, out_hi + 1)
+    out = rng.choice(outputs, size=num_requests, p=outputs / outputs.sum())
+    inp = rng.integers(in_lo, in_hi + 1, size=num_requests)
+    age = (rng.random(num_requests) * out).astype(np.int64)  # uniform on [0, o)
+    return [
+        RequestSpec(_id_prompt(int(i + a), rng, None), int(i + a), int(o - a))
+        for i, a, o in zip(inp, age, out)
+    ]
+
+
 def sample_lengths(workload: Workload, num_requests: int, rng: np.random.Generator) -> list[tuple[int, int]]:
     """(input, output) lengths, each uniform over its inclusive range."""
     (in_lo, in_hi), (out_lo, out_hi) = workload.input_range, workload.output_range
