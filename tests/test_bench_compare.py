@@ -1,6 +1,7 @@
 """`amoe bench compare --preset ci`: starts an emulated AEP and an EP deployment, sweeps two rates against each,
 and writes sane numbers (not the AEP / EP ratio: that is what docs/results.md records) and both plots."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -242,3 +243,32 @@ def test_policies_compare_throughput_at_their_maxima_and_itl_at_a_load_all_susta
     # mtfs has no maximum point: only the at-load ratios.
     assert out["defrag_vs_mtfs"] == {"itl_mean": 0.9, "throughput_at_load": round(6000 / 5900, 3)}
     assert _policy_ratios([p for p in points if p["setup"]["policy"] != "defrag"]) == {}
+
+
+def test_steady_points_give_the_maxima_and_aep_at_eps_itl():
+    """With steady points (quick and full presets) the maxima are the steady points at the requests the best load
+    points held, AEP / EP at EP's ITL reads AEP's steady points aimed at that ITL, and defrag's maximum against
+    the other policies' is its steady point; the Poisson load points stay for the curves."""
+    from amoe.bench.compare_report import _group_ratios, _policy_ratios
+
+    p = PRESETS["quick"]
+    assert p.steady and not PRESETS["ci"].steady
+
+    def pt(mode, kind, rate, tps, itl, policy="defrag"):
+        setup = Setup(mode, 4 if mode == "aep" else 8, 4 if mode == "aep" else 0, policy=policy)
+        return {"kind": kind, "config": setup.name, "group": "main", "setup": dataclasses.asdict(setup),
+                "rate": rate, "throughput": tps, "itl_ms_mean": itl}  # fmt: skip
+
+    points = [
+        pt("aep", "sweep", 1500, 150_000, 7.0), pt("aep", "sweep", 3000, 260_000, 11.0),
+        pt("ep", "sweep", 1500, 148_000, 3.7), pt("ep", "sweep", 3000, 280_000, 7.4),  # a backlog's crest
+        pt("aep", "policy", 1300, 128_000, 6.5),
+        pt("aep", "max", 2.6e5, 250_000, 11.2), pt("ep", "max", 3.6e5, 270_000, 7.5),
+        pt("aep", "at_itl", 2e5, 170_000, 7.3), pt("aep", "at_itl", 2e5, 178_000, 7.6),
+        pt("aep", "policy", 1300, 125_000, 7.4, "mtfs"), pt("aep", "policy_max", 1e5, 200_000, 14.0, "mtfs"),
+    ]  # fmt: skip
+    out = _group_ratios(points, "main", p, 0)
+    assert out["aep_max_tokens_per_s"] == 250_000 and out["ep_max_tokens_per_s"] == 270_000
+    assert out["ep_itl_ms_at_max"] == 7.5
+    assert out["aep_over_ep"] == round((170_000 + 8_000 * 2 / 3) / 270_000, 3)  # between 7.3 and 7.6 ms
+    assert _policy_ratios(points)["defrag_vs_mtfs"]["throughput"] == 1.25  # 250 k / 200 k

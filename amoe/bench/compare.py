@@ -122,19 +122,72 @@ async def _run_preset(p: Preset, seed: int) -> list[dict[str, Any]]:
         for setup in group:
             with_policy = p.policy_base is not None and setup == p.policy_base
             points += await _sweep(setup, p, seed, with_policy)
+    if p.steady:
+        points += await _steady_points(p, seed, points)
     if p.policy_base is not None:
-        # Each other policy at defrag's policy load and at the rate where defrag measured its maximum: throughput
-        # is compared at the maxima (admission holds every policy at its concurrency there, a steady state), ITL
-        # at a load every policy sustains. A load past one policy's capacity measures how its backlog was
-        # building when the window closed, which moved 8 % between two runs (docs/results.md).
+        # Each other policy at defrag's policy load and at defrag's maximum: throughput is compared at the maxima,
+        # ITL at a load every policy sustains. With steady points every policy runs the requests defrag's
+        # maximum held (a load past one policy's capacity measures how its backlog was building when the window
+        # closed, which moved 8 % between two runs); without, Poisson arrivals at the rate of defrag's maximum.
         mine = [pt for pt in points if pt["config"] == p.policy_base.name]
         at_load = next(pt for pt in mine if pt["kind"] == "policy")
-        at_max = max((pt for pt in mine if pt["kind"] == "sweep"), key=lambda pt: pt["throughput"])
+        at_max = next((pt for pt in mine if pt["kind"] == "max"), None)
+        at_max = at_max or max((pt for pt in mine if pt["kind"] == "sweep"), key=lambda pt: pt["throughput"])
         for policy in ("mtfs", "flfs"):
             other = replace(p.policy_base, policy=policy)
             points += await _points(other, p, seed, [at_load["rate"]], kind="policy")
-            points += await _points(other, p, seed, [at_max["rate"]], kind="policy_max")
+            if p.steady:
+                held = round(at_max["running_mean"])
+                points.append(await _steady(other, p, seed, held, at_max["itl_ms_mean"], "policy_max"))
+            else:
+                points += await _points(other, p, seed, [at_max["rate"]], kind="policy_max")
     return points
+
+
+async def _steady_points(p: Preset, seed: int, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The headline's maxima and AEP at EP's ITL from steady points (amoe.bench.steady), which hold a number of
+    requests rather than a rate and so have no backlog to measure: each main setup at the requests its best load
+    point held, and AEP at the requests that give it EP's ITL there (a second try aimed by the first's ITL when
+    that missed by more than 3 %). On Poisson points alone AEP / EP at EP's ITL moved 6 % between two runs: it was
+    read between two load points 4 ms apart on the steep part of AEP's curve."""
+    out: list[dict[str, Any]] = []
+    best: dict[str, dict[str, Any]] = {}
+    for setup in p.sweeps:
+        sweep = [pt for pt in points if pt["config"] == setup.name and pt["kind"] == "sweep"]
+        top = max(sweep, key=lambda pt: pt["throughput"])
+        best[setup.mode] = await _steady(
+            setup, p, seed, round(top["running_mean"]), top["itl_ms_mean"], "max"
+        )
+        out.append(best[setup.mode])
+    aep = next((s for s in p.sweeps if s.mode == "aep"), None)
+    if aep is None or "ep" not in best or not best["ep"]["itl_ms_mean"]:
+        return out
+    from amoe.bench.compare_report import throughput_at_itl
+
+    target = best["ep"]["itl_ms_mean"]
+    curve = [pt for pt in points + out if pt["config"] == aep.name]
+    held = best["aep"]["running_mean"]
+    requests = min(held, throughput_at_itl(curve, target) * target / 1e3)  # Little: throughput × ITL
+    for _ in range(2):
+        if requests < 1:
+            break
+        pt = await _steady(aep, p, seed, round(requests), target, "at_itl")
+        out.append(pt)
+        if not pt["itl_ms_mean"] or abs(pt["itl_ms_mean"] / target - 1) <= 0.03:
+            break
+        requests = min(held, requests * target / pt["itl_ms_mean"])
+    return out
+
+
+async def _steady(
+    setup: Setup, p: Preset, seed: int, requests: int, itl_ms: float, kind: str
+) -> dict[str, Any]:
+    """One steady point on a fresh server: `requests` in flight from their steady state, ITL guessed at itl_ms."""
+    from amoe.bench.steady import steady_point
+
+    server = ServerProcess(serve_flags(setup, p, seed))
+    with server:
+        return await steady_point(server, setup, p, seed, requests, itl_ms / 1e3, kind)
 
 
 async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
@@ -251,8 +304,9 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
     point["completed"] = len(completed)
     if window is None:
         empty = dict.fromkeys(("itl_ms_mean", "itl_ms_p50", "itl_ms_p90", "ttft_ms_mean", "host_cores"))
-        return {**point, **empty, "throughput": 0.0, "busy": {}}
+        return {**point, **empty, "throughput": 0.0, "busy": {}, "running_mean": 0.0}
     first, last = window
+    running = [s.running for s in probe.scrapes if first.t <= s.t <= last.t]
     wall_s = last.t - first.t
     emulated_s = wall_s / scale
     measured_cpu = None not in (first.cpu_s, last.cpu_s)
@@ -269,6 +323,9 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
         # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
         host_cores=host,
         saturated=calibrate.saturated(host),
+        running_mean=round(
+            sum(running) / len(running), 1
+        ),  # requests in flight: a steady point's concurrency
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
     )
     return point

@@ -82,10 +82,16 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset, seed: int
     ep = [pt for pt in sweep if pt["setup"]["mode"] == "ep"]
     if not aep or not ep:
         return {}
+    # Steady points (amoe.bench.steady), where the preset has them: the maxima at the requests the best load
+    # point held, and AEP's curve near EP's ITL from points aimed at it.
+    steady = {pt["setup"]["mode"]: pt for pt in points if pt["group"] == group and pt["kind"] == "max"}
+    at_itl = [pt for pt in points if pt["group"] == group and pt["kind"] == "at_itl"]
     curve = [pt for pt in points if pt["group"] == group and pt["config"] == aep[0]["config"]]
-    ep_best = max(ep, key=lambda pt: pt["throughput"])
+    if "aep" in steady and at_itl:
+        curve = [steady["aep"], *at_itl]
+    ep_best = steady.get("ep") or max(ep, key=lambda pt: pt["throughput"])
     budget = ep_best["itl_ms_mean"] or float("inf")
-    aep_max = max(pt["throughput"] for pt in aep)
+    aep_max = steady["aep"]["throughput"] if "aep" in steady else max(pt["throughput"] for pt in aep)
     setup = Setup(**aep[0]["setup"])
     bound = upper_bound(setup, p)
     ep_bound = ep_upper_bound(Setup(**ep_best["setup"]), p, seed)
@@ -108,9 +114,9 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset, seed: int
 
 
 def throughput_at_itl(sweep: list[dict[str, Any]], itl_ms: float) -> float:
-    """The most throughput a setup's throughput-vs-ITL curve (Figure 9: its load points in rate order, linear
-    between neighbours) reaches at mean ITL ≤ itl_ms; 0 if even its lightest point is slower."""
-    pts = sorted((pt for pt in sweep if pt["itl_ms_mean"] is not None), key=lambda pt: pt["rate"])
+    """The most throughput a setup's throughput-vs-ITL curve (Figure 9: its points in ITL order, linear between
+    neighbours) reaches at mean ITL ≤ itl_ms; 0 if even its lightest point is slower."""
+    pts = sorted((pt for pt in sweep if pt["itl_ms_mean"] is not None), key=lambda pt: pt["itl_ms_mean"])
     best = max((pt["throughput"] for pt in pts if pt["itl_ms_mean"] <= itl_ms), default=0.0)
     for a, b in zip(pts, pts[1:]):
         lo, hi = a["itl_ms_mean"], b["itl_ms_mean"]
@@ -129,8 +135,9 @@ def _policy_ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if defrag is None:
         return out
-    sweep = [pt for pt in points if pt["kind"] == "sweep" and pt["config"] == defrag["config"]]
-    defrag_max = max(pt["throughput"] for pt in sweep) if sweep else None
+    sweep = [pt for pt in points if pt["kind"] in ("sweep", "max") and pt["config"] == defrag["config"]]
+    steady = [pt["throughput"] for pt in sweep if pt["kind"] == "max"]
+    defrag_max = (steady or [max(pt["throughput"] for pt in sweep)])[0] if sweep else None
     for other in ("mtfs", "flfs"):
         if other not in at_load:
             continue

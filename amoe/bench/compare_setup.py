@@ -53,6 +53,8 @@ class Preset:
     expert_cap: int
     extra: tuple[tuple[Setup, ...], ...] = field(default=())  # more groups, each swept like `sweeps`
     blocks: int | None = None  # keep only this many blocks of every profile (None: the model's depth)
+    # The headline's maxima, AEP at EP's ITL and the policies' maxima from steady points (amoe.bench.steady)
+    steady: bool = False
 
 
 _AEP = Setup("aep", 4, 4)
@@ -83,14 +85,14 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         sweeps=_group("main", _AEP, _EP),
         loads=(0.5, 1.0), policy_load=0.5, policy_base=_AEP,
-        duration_s=2.0, time_scale=25.0, attn_cap=256, expert_cap=512, blocks=4,
+        duration_s=2.0, time_scale=25.0, attn_cap=256, expert_cap=512, blocks=4, steady=True,
     ),
     # Each setup's maximum, top-2, the medium workload and two nodes (paper Figures 9-11). Time scale 40 keeps the
     # host near one core at 8 GPUs' top load; the 16-GPU group runs twice as slow again. About 75 min here.
     "full": Preset(
         sweeps=_group("main", _AEP, _EP),
         loads=(0.4, 0.8, 1.2), policy_load=0.5, policy_base=_AEP,
-        duration_s=2.5, time_scale=40.0, attn_cap=256, expert_cap=512, blocks=4,
+        duration_s=2.5, time_scale=40.0, attn_cap=256, expert_cap=512, blocks=4, steady=True,
         extra=(
             _group("top2", replace(_AEP, top_k=2), replace(_EP, top_k=2)),
             _group("medium", replace(_AEP, workload="medium"), replace(_EP, workload="medium")),

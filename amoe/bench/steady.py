@@ -13,8 +13,8 @@ is an hour of a 2-core host per point. Here the deployment starts where that fil
   that has been running (all at once they would move in waves that small batches never break up);
 * the load is closed: each request that ends is replaced by a new one of the workload, as admission replaces it
   from the waiting queue at the plan's concurrency;
-* once all are running the point warms up for WARMUP_ITLS of the predicted ITL and is measured over WINDOW_ITLS of
-  it (the simulation's estimate settles within ~2 % over the same 4 + 8, amoe.plan.refine), and over at least
+* once all are running the point warms up for WARMUP_ITLS of the predicted ITL (again in the ITL it measured, when
+  that is over 1.25× the prediction) and is measured over WINDOW_ITLS of it (the simulation's estimate settles within ~2 % over the same 4 + 8, amoe.plan.refine), and over at least
   MIN_WINDOW_WALL_S: the coordinator's token counter moves in bursts as its event loop gets to the runtimes'
   outputs, and an 8-ITL window of a few wall seconds read one burst more or less (±7 % on a 4-block plan).
 
@@ -46,6 +46,8 @@ MIN_SCRAPE_PERIOD_S = 0.25
 _ADMIT_GRACE_S = 120.0
 # "All running": this share of the requests, as a replaced request is briefly not running.
 _FULL = 0.99
+# A warm-up whose ITL is this much longer than the guess is redone in its own ITLs.
+_SLOWER = 1.25
 
 
 async def steady_point(
@@ -95,23 +97,39 @@ async def steady_point(
         probe.start()
         load = asyncio.ensure_future(run_requests(client, requests, arrivals, max_concurrency=concurrency))
         full = await _all_running(probe, _FULL * concurrency, start + arrivals[-1] + _ADMIT_GRACE_S)
-        window = (full + WARMUP_ITLS * itl_wall, full + (WARMUP_ITLS + window_itls) * itl_wall)
-        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()) + period)
+        await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
+        seen = _itl_since(probe, full)
+        if seen is not None and seen > _SLOWER * itl_wall:
+            # Slower than the guess (another policy at the same requests, a plan short of its prediction): warm
+            # up and measure in its own ITLs, as the simulation does (amoe.plan.refine).
+            logger.info(
+                "[steady] %s: ITL %.2f s wall, not %.2f: measuring in those", setup.name, seen, itl_wall
+            )
+            itl_wall = seen
+            window_itls = max(WINDOW_ITLS, math.ceil(min_window_wall_s / itl_wall))
+            await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
+        now = time.perf_counter()
+        window = (now, now + window_itls * itl_wall)
+        await asyncio.sleep(window_itls * itl_wall + period)
         await probe.stop()
         load.cancel()
         await asyncio.gather(load, return_exceptions=True)
     point = measure(setup, kind, rate, probe, start, window, [], scale)
-    inside = [s.running for s in probe.scrapes if window[0] <= s.t <= window[1]]
-    point.update(
-        concurrency=concurrency, predicted_itl_ms=itl_s * 1e3, window_itls=window_itls,
-        running_mean=round(sum(inside) / len(inside), 1) if inside else 0.0,
-    )  # fmt: skip
+    point.update(concurrency=concurrency, guessed_itl_ms=itl_s * 1e3, window_itls=window_itls)
     if point["running_mean"] < _FULL * concurrency:
         logger.warning(
             "[steady] %s: %.0f of %d requests running in the window",
             setup.name, point["running_mean"], concurrency,
         )  # fmt: skip
     return point
+
+
+def _itl_since(probe, t0: float) -> float | None:
+    """Mean ITL (wall seconds) the coordinator observed from the first scrape at or after t0 to the last one."""
+    after = [s for s in probe.scrapes if s.t >= t0]
+    if len(after) < 2 or after[-1].itl_count <= after[0].itl_count:
+        return None
+    return (after[-1].itl_sum - after[0].itl_sum) / (after[-1].itl_count - after[0].itl_count)
 
 
 async def _all_running(probe, running: float, deadline: float) -> float:
