@@ -97,10 +97,10 @@ PRESETS = {
         ),
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
-    # At the profiles' full depth (32 blocks): three plans, AEP at a fixed 256 requests per attention GPU, because
-    # the concurrency an AEP plan needs to fill 32 blocks' queues (thousands of requests, ITLs near a second) takes
-    # this host an hour per point; 20-40 minutes here. It checks, at 32 blocks, the simulation behind the
-    # planner's full-depth table (docs/results.md); bench/plan_table.py --measure runs at its settings.
+    # At the profiles' full depth (32 blocks): three plans, AEP at a fixed 256 requests per attention GPU, where its
+    # batches stay small (the simulation's hardest case: waves; at its own concurrency an AEP plan's steps are
+    # near their caps, and bench/plan_table.py --measure runs those at this preset's settings). It checks, at 32
+    # blocks, the simulation behind the planner's full-depth table (docs/results.md).
     "depth": CheckPreset(
         checks=(
             _ep("h100", 2, 2, cap=128),
@@ -109,7 +109,7 @@ PRESETS = {
         ),
         blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
     ),
-    # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, a minute here.
+    # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, ~35 s here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
         blocks=2, duration_s=0.4, time_scale=40.0, overload=3.0, tolerance=0.15, min_window_s=10.0,
