@@ -1,6 +1,7 @@
 """`amoe bench compare --preset ci`: starts an emulated AEP and an EP deployment, sweeps two rates against each,
 and writes sane numbers (not the AEP / EP ratio: that is what docs/results.md records) and both plots."""
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -272,3 +273,36 @@ def test_steady_points_give_the_maxima_and_aep_at_eps_itl():
     assert out["ep_itl_ms_at_max"] == 7.5
     assert out["aep_over_ep"] == round((170_000 + 8_000 * 2 / 3) / 270_000, 3)  # between 7.3 and 7.6 ms
     assert _policy_ratios(points)["defrag_vs_mtfs"]["throughput"] == 1.25  # 250 k / 200 k
+
+
+def test_steady_points_aim_aep_at_eps_itl_and_stay_within_what_its_maximum_held(monkeypatch):
+    """Each main setup gets a steady point at the requests its best load point held; AEP then runs at the requests
+    Little's law gives for EP's ITL on its curve, and once more aimed by the ITL that measured, never above what
+    its maximum held."""
+    from amoe.bench import compare
+
+    ran = []
+
+    async def fake_steady(setup, p, seed, requests, itl_ms, kind):
+        # AEP's ITL grows with its requests: 4 ms + 1 ms per 1,000; EP's is 7.5 ms.
+        itl = 4.0 + requests / 1000 if setup.mode == "aep" else 7.5
+        ran.append((setup.mode, kind, requests))
+        return {"config": setup.name, "group": setup.group, "setup": dataclasses.asdict(setup), "kind": kind,
+                "rate": requests / itl, "throughput": requests / itl * 1000, "itl_ms_mean": itl,
+                "running_mean": float(requests)}  # fmt: skip
+
+    monkeypatch.setattr(compare, "_steady", fake_steady)
+    p = PRESETS["quick"]
+    aep, ep = p.sweeps
+
+    def sweep(setup, tps, itl, held):
+        return {"config": setup.name, "group": "main", "kind": "sweep", "rate": 1.0, "throughput": tps,
+                "itl_ms_mean": itl, "running_mean": held}  # fmt: skip
+
+    points = [sweep(aep, 150_000, 7.0, 1050), sweep(aep, 260_000, 11.0, 7000), sweep(ep, 270_000, 7.4, 2000)]
+    out = asyncio.run(compare._steady_points(p, 0, points))
+    assert ran[:2] == [("aep", "max", 7000), ("ep", "max", 2000)]
+    # On the curve (7.0 ms, 150 k) .. (11.0 ms, 260 k) EP's 7.5 ms is 163.75 k, so 1,228 requests; those measure
+    # 5.23 ms (this fake is faster than the curve), so the second try takes 1,228 × 7.5 / 5.23.
+    assert ran[2] == ("aep", "at_itl", 1228) and ran[3] == ("aep", "at_itl", round(1228 * 7.5 / 5.228))
+    assert len(out) == 4 and all(r[2] <= 7000 for r in ran)
