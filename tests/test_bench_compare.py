@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from amoe.bench.compare import busy_fractions
 from amoe.bench.compare_report import busy_summary, throughput_at_itl
 from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
+from amoe.bench.point import busy_fractions
 from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
 

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from amoe.bench.compare_setup import (
     time_scale,
     upper_bound,
 )
+from amoe.bench.point import measure
 from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
 
@@ -289,66 +290,3 @@ async def _drain(http, timeout_s: float = 120.0) -> None:
             return
         await asyncio.sleep(0.2)
     logger.warning("[compare] the server did not drain within %.0f s", timeout_s)
-
-
-def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, Any]:
-    """A point's figures from the scrapes inside `window` (wall times): throughput, ITL, TTFT, busy fractions, host
-    CPU; `start` is the queue-depth series' origin."""
-    from amoe.bench import calibrate
-    from amoe.bench.probe import histogram_quantile
-
-    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
-    point["time_scale"] = scale
-    window = probe.window(*window)
-    completed = [r for r in done if r.success]
-    point["completed"] = len(completed)
-    if window is None:
-        empty = dict.fromkeys(("itl_ms_mean", "itl_ms_p50", "itl_ms_p90", "ttft_ms_mean", "host_cores"))
-        return {**point, **empty, "throughput": 0.0, "busy": {}, "running_mean": 0.0}
-    first, last = window
-    running = [s.running for s in probe.scrapes if first.t <= s.t <= last.t]
-    wall_s = last.t - first.t
-    emulated_s = wall_s / scale
-    measured_cpu = None not in (first.cpu_s, last.cpu_s)
-    host = round((last.cpu_s - first.cpu_s) / wall_s, 2) if measured_cpu else None
-    point.update(
-        throughput=(last.tokens - first.tokens) / emulated_s,  # output tokens per emulated second
-        window_tokens=last.tokens - first.tokens,
-        itl_ms_mean=_mean_ms(first, last, "itl", scale),
-        itl_ms_p50=_ms(histogram_quantile(0.5, first, last), scale),
-        itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
-        ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
-        busy=busy_fractions(first, last),
-        # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
-        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
-        host_cores=host,
-        saturated=calibrate.saturated(host),
-        running_mean=round(
-            sum(running) / len(running), 1
-        ),  # requests in flight: a steady point's concurrency
-        queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
-    )
-    return point
-
-
-def busy_fractions(first, last) -> dict[str, float]:
-    """Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's work
-    around it): how busy the emulated devices were, read from them rather than inferred from ITL. Divided by the
-    runtime's own uptime between the two reports the scrapes carry, not by the scrapes' wall time: reports arrive
-    every heartbeat (0.5 s), which over a short window would otherwise skew the fraction either way."""
-    out = {}
-    for key, busy in sorted(last.busy.items()):
-        elapsed = last.uptime.get(key, 0.0) - first.uptime.get(key, 0.0)
-        if elapsed > 0:  # no new report within the window: no measurement, rather than a made-up one
-            out[key] = round((busy - first.busy.get(key, 0.0)) / elapsed, 3)
-    return out
-
-
-def _mean_ms(first, last, name: str, scale: float) -> float | None:
-    """Mean of a histogram (itl, ttft) between two scrapes, in emulated ms."""
-    n = getattr(last, f"{name}_count") - getattr(first, f"{name}_count")
-    return (getattr(last, f"{name}_sum") - getattr(first, f"{name}_sum")) / n * 1000 / scale if n else None
-
-
-def _ms(seconds: float | None, scale: float) -> float | None:
-    return None if seconds is None else seconds * 1000 / scale

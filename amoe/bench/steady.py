@@ -30,8 +30,8 @@ import math
 import time
 from typing import Any
 
-from amoe.bench.compare import measure
 from amoe.bench.compare_setup import Preset, Setup, profile_name, time_scale
+from amoe.bench.point import measure
 from amoe.bench.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
