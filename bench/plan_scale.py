@@ -4,7 +4,11 @@ plan of each mode (`amoe plan`'s search) on 8 to 256 GPUs across hosts of 8.
     .venv/bin/python bench/plan_scale.py [--gpu h100] [--profile mixtral-8x7b-16e] [--top-k 1] [--out DIR]
 
 Prints a table and a final JSON line; writes scale.png (throughput per GPU vs GPUs) and scale.json to --out. These
-are predictions of the bounds (docs/emulation.md "Bounds"), not measurements: nothing here runs a runtime.
+are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/emulation.md "Bounds");
+with --simulate each best plan is refined by the discrete-event simulation as `amoe plan` refines its plans (one
+copy of it, so a plan of many small copies costs what one copy does); a plan whose copy needs more requests in
+flight than the simulation takes (amoe.plan.SIM_MAX_REQUESTS: AEP as one deployment over 32+ GPUs) keeps its
+bound, marked "simulated": false.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import json
 import time
 from pathlib import Path
 
+from amoe.emulation import bounds
+from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
-from amoe.plan import PlanRequest, describe, search
+from amoe.plan import PlanRequest, describe, mean_context, refine, search
 
 SIZES = (8, 16, 32, 64, 128, 256)
 
@@ -24,16 +30,21 @@ def best(gpu: str, n: int, mode: str, args, replicate: bool) -> dict | None:
     req = PlanRequest(
         args.profile, {gpu: n}, top_k=args.top_k, routing=args.routing, modes=(mode,), gpus_per_node=8,
         attn_caps=(256, 1024), expert_caps=(512,), balanced=False, itl_slo_ms=args.itl_slo_ms,
-        replicate=replicate, simulate_top=0,  # bounds only: simulating 256 GPUs would take minutes per plan
+        replicate=replicate, simulate_top=0,
     )  # fmt: skip
     plans = search(req)
     if not plans:
         return None
     p = plans[0]
+    if args.simulate:
+        model = bounds.full_depth(model_profile(args.profile, args.top_k))
+        p = refine(model, p.deployment, args.routing, mean_context("short"), host_overhead("amoe-paper"),
+                   p.prediction, args.itl_slo_ms)  # fmt: skip
     return {
         "gpus": n, "mode": mode if replicate else f"{mode}-1", "plan": describe(p.deployment), "used_gpus": p.deployment.num_gpus,
         "tokens_per_s": round(p.prediction.tokens_per_s), "per_gpu": round(p.prediction.tokens_per_s / n),
-        "itl_ms": round(p.prediction.itl_s * 1e3, 1),
+        "itl_ms": round(p.prediction.itl_s * 1e3, 1), "simulated": bool(p.prediction.extra.get("simulated")),
+        "bound": round(p.prediction.extra.get("bound", p.prediction.tokens_per_s)),
     }  # fmt: skip
 
 
@@ -45,6 +56,7 @@ def main() -> None:
     parser.add_argument("--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}")
     parser.add_argument("--itl-slo-ms", type=float, default=None)
     parser.add_argument("--out", default="docs/results/scale")
+    parser.add_argument("--simulate", action="store_true", help="refine each best plan by the simulation")
     args = parser.parse_args()
     started = time.monotonic()
     # Best of each mode with copies allowed (what a deployment would do), and as one deployment over every GPU
@@ -66,7 +78,9 @@ def main() -> None:
         key: _ratios(rows, a, e) for key, a, e in (("best", "aep", "ep"), ("one_deployment", "aep-1", "ep-1"))
     }
     print(json.dumps({"gpu": args.gpu, "profile": args.profile, "top_k": args.top_k, "routing": args.routing,
-                      "aep_over_ep_by_gpus": ratios, "wall_s": round(time.monotonic() - started, 1)}))  # fmt: skip
+                      "simulate": args.simulate, "aep_over_ep_by_gpus": ratios,
+                      "not_simulated": [f"{r['mode']}@{r['gpus']}" for r in rows if args.simulate and not r["simulated"]],
+                      "wall_s": round(time.monotonic() - started, 1)}))  # fmt: skip
 
 
 def _ratios(rows: list[dict], aep_mode: str, ep_mode: str) -> dict[int, float]:
@@ -94,7 +108,7 @@ def _plot(rows: list[dict], path: Path, args) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs (8 per host)")
-    ax.set_ylabel("output tokens/s per GPU (bound)")
+    ax.set_ylabel("output tokens/s per GPU (" + ("simulated" if args.simulate else "bound") + ")")
     ax.set_title(f"{args.profile} top-{args.top_k} on {args.gpu}, {args.routing}")
     ax.legend()
     fig.tight_layout()

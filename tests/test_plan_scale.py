@@ -1,0 +1,35 @@
+"""bench/plan_scale.py: throughput per GPU against cluster size. With --simulate each best plan is refined by the
+simulation (one copy of it), and never claims more than its bound; the table and plot are benchmark output
+(docs/results.md "Throughput per GPU")."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
+    spec = importlib.util.spec_from_file_location("plan_scale", ROOT / "bench" / "plan_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+plan_scale = _load()
+
+
+def test_the_best_plan_is_simulated_one_copy_at_a_time_and_stays_under_its_bound():
+    args = argparse.Namespace(
+        profile="mixtral-8x7b-16e", top_k=1, routing="skew-exp:0.08", itl_slo_ms=None, simulate=False
+    )
+    bound = plan_scale.best("h100", 16, "ep", args, replicate=True)
+    assert not bound["simulated"] and bound["tokens_per_s"] == bound["bound"]
+    args.simulate = True
+    sim = plan_scale.best("h100", 16, "ep", args, replicate=True)
+    assert sim["simulated"] and sim["plan"] == bound["plan"]
+    assert 0.5 * sim["bound"] < sim["tokens_per_s"] <= 1.01 * sim["bound"]
+    assert sim["per_gpu"] == round(sim["tokens_per_s"] / 16)
