@@ -113,6 +113,20 @@ class Measured:
             f.write(json.dumps({"key": key, "result": result}) + "\n")
 
 
+def fit_over_two_scrapes(points: dict[str, dict]) -> dict[str, list[float]]:
+    """Per mode, each measured run's least-squares throughput over its two-scrape one (amoe.bench.point
+    token_rate_fit), for the runs that recorded both: how far the table's reading of a lock-step deployment's
+    staircase counter is off."""
+    out: dict[str, list[float]] = {}
+    for result in points.values():
+        for run in result.get("runs", []):
+            if run.get("throughput_fit") and run.get("throughput"):
+                out.setdefault(result["plan"].split()[0], []).append(
+                    round(run["throughput_fit"] / run["throughput"], 3)
+                )
+    return {mode: sorted(v) for mode, v in sorted(out.items())}
+
+
 async def measure_plan(
     profile: str, top_k: int, routing: str, plan: Plan, base_scale: float, probe_s: float, measured: Measured
 ) -> dict | None:
@@ -315,6 +329,7 @@ def main() -> None:
             # The issue's goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
             measured_aep_at_085_of_bound=f"{sum(f >= 0.85 for f in aep)} of {len(aep)}",
             measured_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in of_bounds)} of {len(of_bounds)}",
+            fit_over_two_scrapes=fit_over_two_scrapes(measure[2].points),
         )  # fmt: skip
     (out / "plan_table.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary))

@@ -78,3 +78,12 @@ def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_p
     again = plan_table.Measured(tmp_path / "measured.jsonl")
     asyncio.run(plan_table.measure_row(dict(rows[0]), "mixtral-8x7b-mqa", 40.0, 55e-6, again))
     assert len(ran) == 2
+
+
+def test_the_summary_says_how_far_the_two_scrape_reading_is_from_the_fit():
+    points = {
+        "a": {"plan": "ep 2xh100 cap 1024", "runs": [{"throughput": 100.0, "throughput_fit": 97.0}]},
+        "b": {"plan": "aep 2xh100 attn + 2xh100 experts", "runs": [{"throughput": 100.0, "throughput_fit": 101.0}]},
+        "c": {"plan": "ep 4xh100 cap 1024", "runs": [{"throughput": 50.0}]},  # measured before the fit existed
+    }  # fmt: skip
+    assert plan_table.fit_over_two_scrapes(points) == {"aep": [1.01], "ep": [0.97]}
