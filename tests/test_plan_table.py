@@ -66,7 +66,9 @@ def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_p
 
     async def fake_run_check(check, p, base_scale, probe_s, repeats, plan=None):
         ran.append((check.deployment.mode, check.concurrency, p.blocks))
-        return {"measured": 0.9 * plan.prediction.tokens_per_s, "ratio": 0.9, "runs": []}
+        # Little's law: the copy's requests over its ITL (100 ms predicted, 90 % of the rate: 111.1 ms)
+        run = {"itl_ms": 100.0 / 0.9, "running_mean": plan.prediction.concurrency}
+        return {"measured": 0.9 * plan.prediction.tokens_per_s, "ratio": 0.9, "runs": [run]}
 
     monkeypatch.setattr(plan_table.plan_check, "run_check", fake_run_check)
     measured = plan_table.Measured(tmp_path / "measured.jsonl")
@@ -75,6 +77,9 @@ def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_p
     assert ran == [("aep", 400, 32), ("ep", 200, 32)]  # 8 and 16 GPUs: 2 and 4 copies of the same one
     assert rows[1]["aep"]["measured"] == 4 * 3600 and rows[1]["measured_aep_over_ep"] == 0.5
     assert rows[1]["measured_pick"] == "ep"
+    # By Little's law: 400 and 200 requests a copy at 111.1 ms, 4 copies; AEP / EP 2.0 against the bounds' 1.0
+    assert (rows[1]["aep"]["measured_little"], rows[1]["ep"]["measured_little"]) == (14400, 7200)
+    assert rows[1]["measured_little_of_bounds_ratio"] == 2.0
     again = plan_table.Measured(tmp_path / "measured.jsonl")
     asyncio.run(plan_table.measure_row(dict(rows[0]), "mixtral-8x7b-mqa", 40.0, 55e-6, again))
     assert len(ran) == 2
