@@ -215,8 +215,15 @@ def figure10(gpu: str, routing: str, workload: str = "short", measure: tuple | N
             got[name].update(
                 measured=round(m["measured"]), measured_over_predicted=m["ratio"], runs=m["runs"]
             )
+            little = [r for r in map(little_rate, m["runs"]) if r is not None]
+            if little:
+                got[name]["measured_little"] = round(statistics.median(little))
     out = {"gpu": gpu, "routing": routing, **got, "paper": {"aep_16_over_8": 1.92, "aep_over_sglang_16": 3.0}}
-    for prefix, field in (("", "tokens_per_s"), ("measured_", "measured")):
+    for prefix, field in (
+        ("", "tokens_per_s"),
+        ("measured_", "measured"),
+        ("measured_little_", "measured_little"),
+    ):
         if all(field in v for v in got.values()):
             t = {k: v[field] for k, v in got.items()}
             out |= {
