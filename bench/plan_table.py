@@ -243,6 +243,11 @@ def _measured(row: dict, key: str) -> str:
     return f" (measured {row[key]})" if key in row else ""
 
 
+def _little(row: dict) -> str:
+    key = "measured_little_of_bounds_ratio"
+    return f" (by Little's law {row[key]})" if key in row else ""
+
+
 def markdown(rows: list[dict]) -> str:
     head = (
         "| GPUs | top-k | routing | pick | AEP plan | AEP tok/s (of bound) | EP plan | EP tok/s (of bound) "
@@ -264,7 +269,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['gpus']}× {r['gpu']} | {r['top_k']} | {r['routing']} | **{r['pick']}** | {aep.get('plan', '–')} "
             f"| {tps(aep)} | {ep.get('plan', '–')} | {tps(ep)} | {tps(pp)} "
             f"| {r.get('aep_over_ep', '–')}{_measured(r, 'measured_aep_over_ep')} | {r.get('bounds_aep_over_ep', '–')} "
-            f"| {r.get('of_bounds_ratio', '–')}{_measured(r, 'measured_of_bounds_ratio')} |"
+            f"| {r.get('of_bounds_ratio', '–')}{_measured(r, 'measured_of_bounds_ratio')}{_little(r)} |"
         )
     return "\n".join(lines)
 

@@ -40,6 +40,8 @@ def test_the_table_shows_measured_numbers_beside_the_predictions():
     row.update(measured_aep_over_ep=0.947, measured_of_bounds_ratio=0.947)
     table = plan_table.markdown([row])
     assert "measured 0.9 k (0.45)" in table and "(measured 0.947)" in table
+    row["measured_little_of_bounds_ratio"] = 0.97
+    assert "(by Little's law 0.97)" in plan_table.markdown([row])
 
 
 def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_path, monkeypatch):
