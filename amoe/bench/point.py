@@ -63,7 +63,8 @@ def token_rate_fit(series: list[tuple[float, float]], scale: float) -> float | N
     counter is a staircase with one step per ITL. Two scrapes 8–14 ITLs apart count a step more or less depending
     on where they fall (±1/8 to ±1/14: EP 16 of the Figure 10 setup read 0.86–1.01 of its prediction over three
     routings while its ITLs were 1.01–1.09); the slope through ~32 scrapes averages over the phase of the steps.
-    For AEP, whose counter moves smoothly, both give the same figure. None with fewer than three scrapes."""
+    AEP's counter is smoother, but at full depth it moves in waves too (the two-scrape figure read 1.00–1.03 of
+    the slope there). None with fewer than three scrapes."""
     if len(series) < 3:
         return None
     n = len(series)
