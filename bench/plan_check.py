@@ -194,7 +194,8 @@ async def run_check(
             runs.append({"time_scale": scale, "throughput": point["throughput"],
                          "throughput_fit": point.get("throughput_fit"), "host_cores": point["host_cores"],
                          "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"],
-                         "running_mean": point.get("running_mean"), "tokens_series": point.get("tokens_series")})  # fmt: skip
+                         "running_mean": point.get("running_mean"), "ttft_ms": point.get("ttft_ms_mean"),
+                         "tokens_series": point.get("tokens_series")})  # fmt: skip
             if not hot:
                 break
             logger.warning("[plan_check] %s saturated the host (%.2f cores): rerun at time scale %g",

@@ -40,8 +40,8 @@ def test_the_table_shows_measured_numbers_beside_the_predictions():
     row.update(measured_aep_over_ep=0.947, measured_of_bounds_ratio=0.947)
     table = plan_table.markdown([row])
     assert "measured 0.9 k (0.45)" in table and "(measured 0.947)" in table
-    row["measured_little_of_bounds_ratio"] = 0.97
-    assert "(by Little's law 0.97)" in plan_table.markdown([row])
+    row["measured_two_scrapes_of_bounds_ratio"] = 0.97
+    assert "(two scrapes 0.97)" in plan_table.markdown([row])
 
 
 def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_path, monkeypatch):
@@ -68,20 +68,24 @@ def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_p
 
     async def fake_run_check(check, p, base_scale, probe_s, repeats, plan=None):
         ran.append((check.deployment.mode, check.concurrency, p.blocks))
-        # Little's law: the copy's requests over its ITL (100 ms predicted, 90 % of the rate: 111.1 ms)
-        run = {"itl_ms": 100.0 / 0.9, "running_mean": plan.prediction.concurrency}
-        return {"measured": 0.9 * plan.prediction.tokens_per_s, "ratio": 0.9, "runs": [run]}
+        # The copy's requests over an ITL at 95 % of the predicted rate (Little's law), while the two scrapes read
+        # 90 % of it: a step of the counter missed
+        pred = plan.prediction
+        run = {"itl_ms": pred.concurrency / (0.95 * pred.tokens_per_s) * 1e3, "running_mean": pred.concurrency}
+        return {"measured": 0.9 * pred.tokens_per_s, "ratio": 0.9, "runs": [run]}
 
     monkeypatch.setattr(plan_table.plan_check, "run_check", fake_run_check)
     measured = plan_table.Measured(tmp_path / "measured.jsonl")
     for row in rows:
         asyncio.run(plan_table.measure_row(row, "mixtral-8x7b-mqa", 40.0, 55e-6, measured))
     assert ran == [("aep", 400, 32), ("ep", 200, 32)]  # 8 and 16 GPUs: 2 and 4 copies of the same one
-    assert rows[1]["aep"]["measured"] == 4 * 3600 and rows[1]["measured_aep_over_ep"] == 0.5
+    # Led by Little's law (4 copies at 95 % of 4,000 and 8,000 tok/s), the two scrapes' 90 % beside it
+    aep, ep = rows[1]["aep"], rows[1]["ep"]
+    assert (aep["measured"], ep["measured"], aep["measured_by"]) == (15200, 30400, "little")
+    assert (aep["measured_two_scrapes"], ep["measured_two_scrapes"]) == (14400, 28800)
+    assert aep["measured_over_predicted"] == 0.95 and aep["measured_fraction_of_bound"] == 0.475
+    assert rows[1]["measured_aep_over_ep"] == 0.5 and rows[1]["measured_of_bounds_ratio"] == 0.5
     assert rows[1]["measured_pick"] == "ep"
-    # By Little's law: 400 and 200 requests a copy at 111.1 ms, 4 copies; AEP / EP 2.0 against the bounds' 1.0
-    assert (rows[1]["aep"]["measured_little"], rows[1]["ep"]["measured_little"]) == (14400, 7200)
-    assert rows[1]["measured_little_of_bounds_ratio"] == 2.0
     again = plan_table.Measured(tmp_path / "measured.jsonl")
     asyncio.run(plan_table.measure_row(dict(rows[0]), "mixtral-8x7b-mqa", 40.0, 55e-6, again))
     assert len(ran) == 2
@@ -94,3 +98,10 @@ def test_the_summary_says_how_far_the_two_scrape_reading_is_from_the_fit():
         "c": {"plan": "ep 4xh100 cap 1024", "runs": [{"throughput": 50.0}]},  # measured before the fit existed
     }  # fmt: skip
     assert plan_table.fit_over_two_scrapes(points) == {"aep": [1.01], "ep": [0.97]}
+
+
+def test_a_point_without_the_itl_or_requests_in_flight_is_read_by_its_two_scrapes():
+    got = {"measured": 100.0, "runs": [{"throughput": 100.0}]}
+    assert plan_table.readings(got, 2, 400.0) == {
+        "measured": 200, "measured_by": "two scrapes", "measured_two_scrapes": 200, "measured_over_predicted": 0.5,
+    }  # fmt: skip
