@@ -196,6 +196,9 @@ def search(req: PlanRequest) -> list[Plan]:
         if _meets_slo(pred, req):
             refined.append(Plan(plan.deployment, pred, _cost(plan.deployment, pred, req)))
     _rank(refined, req)
+    # A chosen plan too large to simulate (refine keeps its bound) ranks after every simulated one: its bound is
+    # optimistic and would otherwise beat the simulated figures it was chosen to be compared with.
+    refined.sort(key=lambda p: not p.prediction.extra.get("simulated"))
     return refined + [p for p in plans if p not in chosen]
 
 

@@ -293,3 +293,25 @@ def test_the_planner_ranks_simulated_plans_first_within_the_itl_objective():
     for p in simulated:
         assert p.prediction.tokens_per_s <= 1.01 * p.prediction.extra["bound"]
         assert p.prediction.itl_s * 1e3 <= 250
+
+
+def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch):
+    """refine keeps the bound of a plan whose copy needs more requests than the simulation takes; that optimistic
+    bound must not outrank the simulated figures of the plans it was chosen with."""
+    from dataclasses import replace
+
+    import amoe.plan as planner
+
+    def fake_refine(model, dep, routing, ctx, host, pred=None, itl_slo_ms=None, concurrency=None):
+        if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS
+            return planner.Plan(dep, pred, None)
+        extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
+        return planner.Plan(dep, replace(pred, tokens_per_s=0.5 * pred.tokens_per_s, extra=extra), None)
+
+    monkeypatch.setattr(planner, "refine", fake_refine)
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep", "ep"), attn_caps=(256,),
+                      expert_caps=(512,), balanced=False, replicate=False, simulate_top=2, simulate_per_mode=1)  # fmt: skip
+    plans = search(req)
+    flags = [bool(p.prediction.extra.get("simulated")) for p in plans]
+    assert flags[0] and flags == sorted(flags, reverse=True)
+    assert any(p.deployment.mode == "ep" for p in plans)
