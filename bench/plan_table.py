@@ -357,7 +357,11 @@ def main() -> None:
         done = [r for r in rows if "measured_pick" in r]
         aep = [r["aep"]["measured_fraction_of_bound"] for r in rows if "measured" in r.get("aep", {})]
         of_bounds = [r["measured_of_bounds_ratio"] for r in rows if "measured_of_bounds_ratio" in r]
-        two = [r["measured_two_scrapes_of_bounds_ratio"] for r in rows if "measured_two_scrapes_of_bounds_ratio" in r]
+        two = [
+            r["measured_two_scrapes_of_bounds_ratio"]
+            for r in rows
+            if "measured_two_scrapes_of_bounds_ratio" in r
+        ]
         summary.update(
             measured_cells=len(done), measured_picks_agree=sum(r["measured_pick"] == r["pick"] for r in done),
             measured_picks={m: sum(r["measured_pick"] == m for r in done) for m in ("aep", "ep", "pingpong")},

@@ -71,7 +71,10 @@ def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_p
         # The copy's requests over an ITL at 95 % of the predicted rate (Little's law), while the two scrapes read
         # 90 % of it: a step of the counter missed
         pred = plan.prediction
-        run = {"itl_ms": pred.concurrency / (0.95 * pred.tokens_per_s) * 1e3, "running_mean": pred.concurrency}
+        run = {
+            "itl_ms": pred.concurrency / (0.95 * pred.tokens_per_s) * 1e3,
+            "running_mean": pred.concurrency,
+        }
         return {"measured": 0.9 * pred.tokens_per_s, "ratio": 0.9, "runs": [run]}
 
     monkeypatch.setattr(plan_table.plan_check, "run_check", fake_run_check)
