@@ -68,6 +68,12 @@ class ClusterKeys:
         sock.curve_secretkey = self.client_secret.encode()
 
 
+def fingerprint(secret: bytes, salt: bytes) -> str:
+    """A public check that two hosts hold the same secret: BLAKE2b keyed by it (as the keys are derived) over a
+    random per-cluster salt. It reveals nothing of the secret short of a brute force of its 32+ random bytes."""
+    return hashlib.blake2b(b"amoe-secret-fingerprint" + salt, key=secret[:64], digest_size=16).hexdigest()
+
+
 def _derive(secret: bytes, purpose: bytes) -> bytes:
     """A CURVE secret key (Z85) from the cluster secret: BLAKE2b keyed by the secret, one purpose per pair."""
     raw = hashlib.blake2b(purpose, key=secret[:64], digest_size=32).digest()

@@ -45,7 +45,8 @@ class NodeAgent:
                 "orchestrator shares with every node"
             )
         self.config, self.model_dir, self.node = config, model_dir, dist.node_rank
-        self.keys = ClusterKeys.from_secret(load_secret(dist.cluster_secret_file))
+        self.secret = load_secret(dist.cluster_secret_file)
+        self.keys = ClusterKeys.from_secret(self.secret)
         self.node_ip = dist.node_ip or route_ip(dist.init_addr)
         self.procs: dict[int, tuple[int, subprocess.Popen]] = {}  # runtime -> (spawn seq, process)
         self.exited: list[tuple[int, int, int]] = []  # (runtime, seq, code) not yet reported
@@ -54,7 +55,10 @@ class NodeAgent:
 
     def run(self) -> int:
         """Join, then serve the coordinator until it says Shutdown (0) or goes silent (1)."""
-        control = Rendezvous(self.config.dist.init_addr, timeout_s=self.config.dist.timeout_s).control()
+        dist = self.config.dist
+        control = Rendezvous(dist.init_addr, timeout_s=dist.timeout_s).control(
+            self.secret, dist.cluster_secret_file
+        )
         run_dir = tempfile.mkdtemp(prefix="amoe-node-")  # private (0700): this node's ipc sockets
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)

@@ -25,7 +25,7 @@ import zmq
 
 from amoe import envs, wire
 from amoe.config import AmoeConfig
-from amoe.curve import ClusterKeys, load_secret, write_secret
+from amoe.curve import ClusterKeys, fingerprint, load_secret, write_secret
 from amoe.errors import AmoeError
 from amoe.hostaddr import STORE_READY, route_ip
 from amoe.placement import node_map
@@ -156,7 +156,12 @@ class Nodes:
         dist = config.dist
         self.dist = dist
         self.node_of = node_map(dist, num_runtimes)  # by runtime id
-        self.keys = ClusterKeys.from_secret(_cluster_secret(dist))
+        secret = _cluster_secret(dist)
+        self.keys = ClusterKeys.from_secret(secret)
+        salt = os.urandom(16)
+        self._secret_check = (
+            f"{salt.hex()}:{fingerprint(secret, salt)}"  # agents with another secret stop at it
+        )
         self.node_ip = node_ip or dist.node_ip or route_ip(dist.init_addr)
         self.agents = {
             n: NodeAgent(n, lambda msg, n=n: send(f"node{n}".encode(), msg), config, startup_timeout_s)
@@ -182,7 +187,7 @@ class Nodes:
         cannot listen there."""
         self._store = subprocess.Popen(
             [sys.executable, "-m", "amoe.rendezvous", "--addr", self.dist.init_addr, "--control", self.control,
-             "--parent-pid", str(os.getpid())],
+             "--secret-check", self._secret_check, "--parent-pid", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, close_fds=True,
         )  # fmt: skip
         try:

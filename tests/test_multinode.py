@@ -94,13 +94,15 @@ def test_three_hosts_serve_the_reference_over_curve(hosts, model_dir, reference,
         # Nobody without the secret gets a frame in: a raw client on the expert runtime's CURVE endpoint...
         endpoint = _secure_endpoint_of(cluster, runtime=2)
         _raw_send(endpoint, [b"\x02" + b"garbage"])
-        # ... and an agent with another secret, which also cannot join.
+        # ... an agent with another secret, refused at the rendezvous in a line naming its secret file...
         other = write_secret(tmp_path / "other", "x" * 64)
-        intruder = cluster.start_agent(1, "--cluster-secret-file", other, "--dist-timeout-s", "5")
+        intruder = cluster.start_agent(1, "--cluster-secret-file", other)
         try:
-            intruder.wait_for(r"did not take node 1 in within", timeout=60)
+            intruder.wait_for(rf"the cluster secret in {re.escape(other)} is not node 0's", timeout=60)
         finally:
             intruder.kill_all()
+        # ... and a raw client on the coordinator's CURVE control endpoint.
+        _raw_send(_control_endpoint_of(cluster), [b"node1", b"garbage"])
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
@@ -128,6 +130,11 @@ def _secure_endpoint_of(cluster: MultiHost, runtime: int) -> str:
                 for ip, port in listening(proc.pid):
                     return f"tcp://{ip}:{port}"
     raise AssertionError(f"no listening socket of runtime {runtime}")
+
+
+def _control_endpoint_of(cluster: MultiHost) -> str:
+    """Node 0's CURVE control endpoint, as its log names it."""
+    return cluster.head.wait_for(r"control plane for other nodes at (tcp://\S+) \(CURVE\)", timeout=5)[1]
 
 
 def _raw_send(endpoint: str, frames: list[bytes]) -> None:
