@@ -203,6 +203,9 @@ class ServerSection:
     # that the server drains and exits non-zero. 0: no replacement (fail-stop).
     max_restarts: int = 5
     restart_window_s: float = 300.0
+    # A lost attention runtime's requests move to the serving attention rank with the most free KV if its
+    # replacement is not serving within this (0: at once); without room elsewhere they wait for the replacement.
+    failover_after_s: float = 5.0
     served_model_name: str | None = None  # None: the model directory's name
     drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
@@ -227,8 +230,9 @@ class ServerSection:
             raise ConfigError("give server.api_key or server.api_key_file, not both")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("server.served_model_name must not be empty")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"server.drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "failover_after_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"server.{name} must be >= 0; got {getattr(self, name)}")
         if not isinstance(self.metrics_per_layer, bool):
             raise ConfigError(f"server.metrics_per_layer must be true or false; got {self.metrics_per_layer}")
 

@@ -92,6 +92,7 @@ def create_app(
     server = server or ServerSection()
     metrics = CoordinatorMetrics(backend, per_layer=server.metrics_per_layer)
     balancer = LoadBalancer(backend.kv_usage, backend.block_size, server.max_waiting)
+    backend.rebind = balancer.move  # a lost rank's requests may move to another (server.failover_after_s)
     runner = RequestRunner(
         backend, balancer, metrics, make_detokenizer, server.request_timeout_s, server.stall_timeout_s
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,18 @@ class RankKV:
     free_blocks: int
     total_blocks: int
     max_requests: int | None = None  # --cache-max-num-seqs; None: KV alone limits the rank
+    serving: bool = (
+        True  # False while the rank's runtime is being replaced: new requests go elsewhere if they can
+    )
 
 
 class Backend(abc.ABC):
     """Runs requests on one or more attention DP ranks; every method is called from the API's event loop."""
+
+    # Set by the API layer (the load balancer's `move`): moves a running request's KV reservation off `rank`, which
+    # is being replaced, to the serving rank with the most room; returns that rank, or None if none has room.
+    # None: requests stay on their rank.
+    rebind: Callable[[int, int], int | None] | None = None
 
     @abc.abstractmethod
     async def start(self) -> None:

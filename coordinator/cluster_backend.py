@@ -14,7 +14,9 @@ from the total reported to the load balancer, so admission never over-commits a 
 Self-healing: the backend keeps each running request's prompt, sampling parameters and tokens so far. When its
 attention runtime is lost, the request waits ("moving") and, once the replacement serves, is admitted there again
 with prompt + tokens so far (recomputed, as vLLM's preemption does): its stream pauses instead of failing, and
-greedy output is the same. A lost expert runtime needs nothing here: the attention runtimes ask its replacement
+greedy output is the same. If the replacement is not serving within server.failover_after_s, the request is admitted
+that way on the serving rank with the most free KV instead (the load balancer moves its reservation), if one has
+room; new requests avoid a rank being replaced while another can take them. A lost expert runtime needs nothing here: the attention runtimes ask its replacement
 again for what it never answered. `/health` says "degraded" (HTTP 200, with the reason) while a runtime is being
 replaced.
 """
@@ -69,6 +71,7 @@ class ClusterBackend(Backend):
         self.cluster = ClusterManager(config, model_dir, self, control_bind=control_bind)
         self._on_dead = on_dead  # told when the cluster cannot recover (`amoe serve` then drains and exits)
         self.readmitted = 0  # requests admitted again after their attention runtime was lost
+        self.moved = 0  # of those, admitted on another rank (server.failover_after_s)
         self._status = "created"
         self._streams: dict[int, _Stream] = {}  # request id → stream of a running request
         # request id → (rank, blocks, deadline): blocks held back until the rank frees them, or the deadline passes
@@ -99,6 +102,11 @@ class ClusterBackend(Backend):
     def control_dropped(self) -> int:
         """Control-plane messages dropped so far (for /metrics)."""
         return self.cluster.num_dropped
+
+    @property
+    def control_send_failures(self) -> int:
+        """Control-plane messages ZeroMQ could not take at once, each retried in order (for /metrics)."""
+        return self.cluster.send_failures
 
     @property
     def vocab_size(self) -> int:
@@ -218,6 +226,36 @@ class ClusterBackend(Backend):
                 stream.moving = True
         for request_id in [r for r, (held_rank, _, _) in self._aborting.items() if held_rank == rank]:
             del self._aborting[request_id]
+        self._fail_over_later(runtime)
+
+    def _fail_over_later(self, runtime: RuntimeProc) -> None:
+        """In server.failover_after_s, move whatever still waits for this lost rank elsewhere."""
+        asyncio.get_running_loop().call_later(
+            self.config.server.failover_after_s, self._fail_over, runtime, runtime.lost_at
+        )
+
+    def _fail_over(self, runtime: RuntimeProc, lost_at: float) -> None:
+        """The lost rank's replacement is not serving yet: its waiting requests are admitted again on the serving
+        rank with the most room (prompt + tokens so far, as on the replacement). Those that fit nowhere keep
+        waiting, and are tried again after as long."""
+        if runtime.lost is None or runtime.lost_at != lost_at or self._status != "ok" or self.rebind is None:
+            return  # back already (or lost again since, with its own timer), or nothing can move
+        rank = self.cluster.attn_runtimes.index(runtime)
+        waiting = [(r, s) for r, s in self._streams.items() if s.rank == rank and s.moving]
+        for request_id, stream in waiting:
+            target = self.rebind(request_id, rank)
+            if target is None:
+                continue
+            stream.rank, stream.moving = target, False
+            self.readmitted += 1
+            self.moved += 1
+            self.cluster.send(self._runtime_of(stream), self._readmission(request_id, stream))
+        moved = sum(1 for _, s in waiting if not s.moving)
+        if waiting:
+            logger.warning("%s is not serving after %g s: %d of its %d requests moved to other ranks",
+                           runtime.name, self.config.server.failover_after_s, moved, len(waiting))  # fmt: skip
+        if moved < len(waiting):
+            self._fail_over_later(runtime)
 
     def on_rejoined(self, runtime: RuntimeProc) -> None:
         """Its replacement serves: the requests that waited start there again from their tokens so far."""
@@ -260,7 +298,9 @@ class ClusterBackend(Backend):
         for rank, blocks, _ in self._aborting.values():
             held[rank] += blocks
         return [
-            RankKV(r.kv_free, r.num_kv_blocks - held[i], self.config.cache.max_num_seqs)
+            RankKV(
+                r.kv_free, r.num_kv_blocks - held[i], self.config.cache.max_num_seqs, serving=r.lost is None
+            )
             for i, r in enumerate(ranks)
         ]
 

@@ -1,22 +1,55 @@
-"""How runtimes are started: the cluster manager asks a launcher for "runtime r in role x" and gets back a handle
-it can poll and kill; whoever started it, the runtime then joins over the control plane like any other.
+"""How runtimes are started, behind one interface (`Launch`): the cluster manager asks for "runtime r in role x" and
+gets back a handle it can poll and kill (`RuntimeHandle`); whoever started it, the runtime then joins over the
+control plane like any other, which is also what makes a replacement just another join.
 
-`LocalLauncher` starts them as child processes of the coordinator (`python -m amoe.runtime.worker`, a JSON
-WorkerSpec on stdin), from the event loop's thread, which lives as long as they do: their PR_SET_PDEATHSIG is tied
-to the thread that forked them.
+Three ways, picked by `open_launch` from the config:
+- `Launch` itself: child processes of the coordinator (`LocalLauncher`: `python -m amoe.runtime.worker`, a JSON
+  WorkerSpec on stdin), from the event loop's thread, which lives as long as they do: their PR_SET_PDEATHSIG is
+  tied to the thread that forked them.
+- `MultiNodeLaunch` (`--nnodes N`): node 0's runtimes as child processes, the others through their node's agent
+  (coordinator/nodes.py), which joins the control plane over CURVE.
+- `RayLaunch` (`--distributed-backend ray`): every runtime a Ray actor (coordinator/ray_launcher.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING, Any, Protocol
 
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.curve import ClusterKeys
+from coordinator.control_plane import ControlPlane
+from coordinator.nodes import Nodes
+
+if TYPE_CHECKING:  # Ray is an optional extra: imported only when --distributed-backend ray asks for it
+    from coordinator.ray_launcher import RayLauncher
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeHandle(Protocol):
+    """A started runtime as the cluster manager holds it: a child process (subprocess.Popen), a runtime on another
+    node (coordinator.nodes.RemoteProc) or a Ray actor (coordinator.ray_launcher.RayProc)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+class Spawner(Protocol):
+    """Starts runtime `runtime` in `role` somewhere and returns its handle (LocalLauncher, RayLauncher)."""
+
+    def spawn(self, runtime: int, role: str) -> RuntimeHandle: ...
 
 
 class LocalLauncher:
@@ -73,3 +106,126 @@ def exit_text(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class Launch:
+    """One cluster's way of starting its runtimes; this base starts them all as child processes of this host."""
+
+    secure = False  # whether the control plane has a CURVE endpoint (whose refused handshakes are counted)
+
+    def __init__(self, spawner: Spawner) -> None:
+        self.spawner = spawner
+
+    async def open(self, roles: list[str]) -> None:
+        """Before the first spawn (multi-node: publish the rendezvous, log the placement)."""
+
+    def spawn(self, runtime: int, role: str) -> RuntimeHandle:
+        return self.spawner.spawn(runtime, role)
+
+    def tick(self, now: float) -> None:
+        """Every watchdog pass (multi-node: keep-alives to the agents, the loss of a silent one)."""
+
+    def missing_nodes(self) -> list[int]:
+        """Nodes whose agent has not joined (yet, or again)."""
+        return []
+
+    def handle(self, frames: list[bytes]) -> bool:
+        """A node agent's control message: True if `frames` was one (acted on, or WireError if invalid)."""
+        return False
+
+    def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
+        """Where the runtime runs, for /health (nothing to add on one host)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """After the runtimes were told to stop (multi-node: the agents too)."""
+
+
+class MultiNodeLaunch(Launch):
+    """Node 0's runtimes as child processes; every other node's through its agent."""
+
+    secure = True
+
+    def __init__(self, local: LocalLauncher, nodes: Nodes) -> None:
+        super().__init__(local)
+        self.nodes = nodes
+
+    async def open(self, roles: list[str]) -> None:
+        await self.nodes.publish()
+        self.nodes.log_placement(roles)
+
+    def spawn(self, runtime: int, role: str) -> RuntimeHandle:
+        node = self.nodes.node_of[runtime]
+        if node == 0:
+            return self.spawner.spawn(runtime, role)
+        return self.nodes.agents[node].spawn(runtime, role)
+
+    def tick(self, now: float) -> None:
+        self.nodes.tick(now)  # a silent node's runtimes end here, and are replaced by the watchdog
+
+    def missing_nodes(self) -> list[int]:
+        return self.nodes.missing()
+
+    def handle(self, frames: list[bytes]) -> bool:
+        if len(frames) != 2 or not frames[0].startswith(b"node"):
+            return False
+        node = self.nodes.node_of_identity(frames[0])
+        msg = wire.decode(frames[1])
+        if node is None or node < 0 or not isinstance(msg, wire.NODE_MESSAGES) or msg.node != node:
+            raise wire.WireError(f"a {type(msg).__name__} on socket {frames[0]!r}")
+        self.nodes.handle(node, msg)
+        return True
+
+    def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
+        return self.nodes.describe(runtime)
+
+    def shutdown(self) -> None:
+        self.nodes.shutdown()  # the agents stop what is left of their runtimes, and exit
+
+
+class RayLaunch(Launch):
+    """Every runtime a Ray actor; all of them reach the control plane over its CURVE endpoint."""
+
+    secure = True
+
+    def __init__(self, ray: RayLauncher) -> None:
+        super().__init__(ray)
+        self.ray = ray
+
+    def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
+        return {"host": handle.host}
+
+    def shutdown(self) -> None:
+        self.ray.shutdown()
+
+
+def open_launch(
+    config: AmoeConfig, model_dir: str, plane: ControlPlane, num_runtimes: int, startup_timeout_s: float
+) -> Launch:
+    """The way this config starts its runtimes, its control endpoints bound on `plane`."""
+
+    def local(**multi_node: Any) -> LocalLauncher:
+        return LocalLauncher(
+            config, model_dir, plane.run_dir, plane.endpoint, tcp_host=plane.tcp_host if not multi_node else None,
+            startup_timeout_s=startup_timeout_s, **multi_node,
+        )  # fmt: skip
+
+    def to_node(identity: bytes, msg: wire.Message) -> None:
+        plane.send(identity, msg, retry=False)  # an agent's own keep-alives tell whether it is still there
+
+    if not config.dist.multi_node:
+        return Launch(local())
+    if config.dist.backend == "ray":
+        from coordinator.ray_launcher import RayLauncher
+
+        ray = RayLauncher(config, model_dir, "", num_runtimes, startup_timeout_s)
+        nodes = Nodes(
+            config, num_runtimes, startup_timeout_s, to_node, node_ip=config.dist.node_ip or ray.node_ip
+        )
+        ray.control = nodes.bind(plane.sock)
+        return RayLaunch(ray)
+    # Several nodes: node 0's runtimes keep the ipc control socket and also listen on this node's address over
+    # CURVE for their peers elsewhere; the other nodes' come in through the CURVE control endpoint.
+    nodes = Nodes(config, num_runtimes, startup_timeout_s, to_node)
+    nodes.bind(plane.sock)
+    return MultiNodeLaunch(local(keys=nodes.keys, node_ip=nodes.node_ip), nodes)

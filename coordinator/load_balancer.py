@@ -115,28 +115,53 @@ class LoadBalancer:
 
     def release(self, request_id: int) -> None:
         """Return a finished or aborted request's reservation and admit whoever now fits; idempotent."""
-        binding = self._bindings.pop(request_id, None)
-        if binding is None:
-            return
-        rank, num_blocks = binding
-        self._reserved[rank] -= num_blocks
-        self._running[rank] -= 1
-        self._wake_waiters()
+        if self._unreserve(request_id) is not None:
+            self._wake_waiters()
+
+    def move(self, request_id: int, rank: int) -> int | None:
+        """Move a running request's reservation off `rank` (being replaced) to the serving rank with the most free
+        blocks; that rank, or None if none has room (it stays where it was)."""
+        binding = self._bindings.get(request_id)
+        if binding is None or binding[0] != rank:
+            return None
+        target = self._best_rank(binding[1], lambda r, kv: r != rank and kv.serving)
+        if target is None:
+            return None
+        self._unreserve(request_id)
+        self._reserve(request_id, target, binding[1])
+        return target
 
     def _bind(self, request_id: int, num_blocks: int) -> int | None:
+        # A rank being replaced takes a new request only when no serving rank can.
+        rank = self._best_rank(num_blocks, lambda r, kv: kv.serving)
+        rank = rank if rank is not None else self._best_rank(num_blocks, lambda r, kv: True)
+        if rank is not None:
+            self._reserve(request_id, rank, num_blocks)
+        return rank
+
+    def _best_rank(self, num_blocks: int, allowed: Callable[[int, RankKV], bool]) -> int | None:
+        """The allowed rank with the most free blocks that fits `num_blocks` and one more request."""
         ranks = self._kv_usage()
         free = [kv.total_blocks - self._reserved.get(r, 0) for r, kv in enumerate(ranks)]
         open_ranks = [
             r for r, kv in enumerate(ranks)
-            if free[r] >= num_blocks and (kv.max_requests is None or self._running.get(r, 0) < kv.max_requests)
+            if allowed(r, kv) and free[r] >= num_blocks
+            and (kv.max_requests is None or self._running.get(r, 0) < kv.max_requests)
         ]  # fmt: skip
-        if not open_ranks:
-            return None
-        rank = max(open_ranks, key=lambda r: free[r])  # ties go to the lowest rank
+        return max(open_ranks, key=lambda r: free[r]) if open_ranks else None  # ties go to the lowest rank
+
+    def _reserve(self, request_id: int, rank: int, num_blocks: int) -> None:
         self._reserved[rank] = self._reserved.get(rank, 0) + num_blocks
         self._running[rank] = self._running.get(rank, 0) + 1
         self._bindings[request_id] = (rank, num_blocks)
-        return rank
+
+    def _unreserve(self, request_id: int) -> tuple[int, int] | None:
+        binding = self._bindings.pop(request_id, None)
+        if binding is not None:
+            rank, num_blocks = binding
+            self._reserved[rank] -= num_blocks
+            self._running[rank] -= 1
+        return binding
 
     def _wake_waiters(self) -> None:
         while self._waiting:

@@ -265,8 +265,10 @@ class RuntimeCollector:
             fam.kv_used.add_metric([str(rank)], kv.total_blocks - kv.free_blocks)
             fam.kv_total.add_metric([str(rank)], kv.total_blocks)
         fam.control_dropped.add_metric([], getattr(self._backend, "control_dropped", 0))
+        fam.control_send_failures.add_metric([], getattr(self._backend, "control_send_failures", 0))
         fam.rejected_handshakes.add_metric([], getattr(self._backend, "rejected_handshakes", 0))
         fam.readmitted.add_metric([], getattr(self._backend, "readmitted", 0))
+        fam.moved.add_metric([], getattr(self._backend, "moved", 0))
         recoveries = list(getattr(self._backend, "recoveries", ()))
         bounds = [*(str(float(b)) for b in RECOVERY_BUCKETS), "+Inf"]
         counts = [sum(1 for r in recoveries if r <= b) for b in RECOVERY_BUCKETS] + [len(recoveries)]
@@ -403,6 +405,10 @@ class _Families:
             "amoe_coordinator_control_dropped_messages",
             "Control-plane messages the coordinator dropped (malformed, out of range, or from the wrong socket)",
         )
+        self.control_send_failures = CounterMetricFamily(
+            "amoe_coordinator_control_send_failures",
+            "Control-plane messages ZeroMQ could not take at once (no connection, a full queue); each is retried in order",
+        )
         self.rejected_handshakes = CounterMetricFamily(
             "amoe_coordinator_rejected_handshakes",
             "Connections to the control plane's CURVE endpoint refused: no CURVE, or not the cluster's keys",
@@ -410,6 +416,10 @@ class _Families:
         self.readmitted = CounterMetricFamily(
             "amoe_cluster_readmitted_requests",
             "Requests admitted again (prompt + tokens so far) after their attention runtime was lost",
+        )
+        self.moved = CounterMetricFamily(
+            "amoe_cluster_moved_requests",
+            "Of those, admitted on another attention rank: theirs was not serving within server.failover_after_s",
         )
         self.recovery = HistogramMetricFamily(
             "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
@@ -421,8 +431,9 @@ class _Families:
         return [
             self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
-            self.routed, self.kv_used, self.kv_total, self.control_dropped, self.rejected_handshakes,
-            self.readmitted, self.recovery,
+            self.routed, self.kv_used, self.kv_total, self.control_dropped, self.control_send_failures,
+            self.rejected_handshakes,
+            self.readmitted, self.moved, self.recovery,
         ]  # fmt: skip
 
 

@@ -156,6 +156,7 @@ class Nodes:
         dist = config.dist
         self.dist = dist
         self.node_of = node_map(dist, num_runtimes)  # by runtime id
+        self._startup_timeout_s = startup_timeout_s
         secret = _cluster_secret(dist)
         self.keys = ClusterKeys.from_secret(secret)
         salt = os.urandom(16)
@@ -190,12 +191,16 @@ class Nodes:
              "--secret-check", self._secret_check, "--parent-pid", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, close_fds=True,
         )  # fmt: skip
+        # A local process that imports torch: on a busy host that can take longer than other nodes get to join
+        # (--dist-timeout-s), so it gets as long as a runtime gets to start.
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(self._store.stdout.readline), self.dist.timeout_s)
+            line = await asyncio.wait_for(
+                asyncio.to_thread(self._store.stdout.readline), self._startup_timeout_s
+            )
         except asyncio.TimeoutError:
             self._store.kill()  # its readline then returns at end of file
             raise AmoeError(
-                f"the rendezvous store at {self.dist.init_addr} did not start within {self.dist.timeout_s:.0f} s"
+                f"the rendezvous store at {self.dist.init_addr} did not start within {self._startup_timeout_s:.0f} s"
             ) from None
         if line.strip() != STORE_READY:
             self._store.wait()
@@ -205,9 +210,6 @@ class Nodes:
             )
         logger.info("rendezvous store at %s; control plane for other nodes at %s (CURVE)", self.dist.init_addr,
                     self.control)  # fmt: skip
-
-    def launcher(self, local: Any) -> NodeLauncher:
-        return NodeLauncher(self, local)
 
     def log_placement(self, roles: list[str]) -> None:
         for runtime, node in enumerate(self.node_of):
@@ -258,26 +260,14 @@ class Nodes:
     def shutdown(self) -> None:
         """Tell every agent to stop (their runtimes go with them) and stop the store."""
         for agent in self.agents.values():
-            agent.send(wire.Shutdown())
+            if agent.connected:
+                agent.send(wire.Shutdown())
             for proc in agent.procs.values():
                 if proc.returncode is None:
                     proc.returncode, proc.why = -signal.SIGKILL, f"stopped with node {agent.node}"
         if self._store is not None and self._store.poll() is None:
             self._store.kill()
             self._store.wait()
-
-
-class NodeLauncher:
-    """Starts each runtime on its node: node 0's as child processes, the others' through their node's agent."""
-
-    def __init__(self, nodes: Nodes, local: Any) -> None:
-        self.nodes, self.local = nodes, local
-
-    def spawn(self, runtime: int, role: str) -> Any:
-        node = self.nodes.node_of[runtime]
-        if node == 0:
-            return self.local.spawn(runtime, role)
-        return self.nodes.agents[node].spawn(runtime, role)
 
 
 def _cluster_secret(dist: Any) -> bytes:

@@ -1,15 +1,16 @@
 """The runtime table of the cluster manager: one RuntimeProc per runtime (its current process and what the
-control plane last heard from it), and the budget of replacements self-healing may spend."""
+control plane last heard from it), the budget of replacements self-healing may spend, and what the cluster tells
+its backend (ClusterEvents)."""
 
 from __future__ import annotations
 
 import collections
-import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from coordinator.launcher import exit_text
+from amoe import wire
+from coordinator.launcher import RuntimeHandle, exit_text
 
 
 @dataclass
@@ -18,7 +19,7 @@ class RuntimeProc:
 
     id: int
     role: str  # "attention" | "expert"
-    proc: subprocess.Popen
+    proc: RuntimeHandle  # its current process
     endpoint: str | None = None  # set by Hello, with the four below
     secure_endpoint: str | None = None  # multi-node: its CURVE endpoint, for runtimes on other nodes
     num_kv_blocks: int = 0
@@ -38,6 +39,11 @@ class RuntimeProc:
     def name(self) -> str:
         return f"{self.role} runtime {self.id}"
 
+    @property
+    def identity(self) -> bytes:
+        """Its control socket's ZeroMQ identity (its loop thread's sends come from "<identity>.out")."""
+        return f"rt{self.id}".encode()
+
     def describe(self) -> dict[str, Any]:
         code = self.proc.poll()
         return {
@@ -52,6 +58,21 @@ class RuntimeProc:
             "heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
             "loop_progress_age_s": round(time.monotonic() - self.progressed, 3),
         }
+
+
+class ClusterEvents(Protocol):
+    """What the cluster tells its backend (all on the event loop)."""
+
+    def on_tokens(self, msg: wire.TokenOut) -> None: ...
+
+    def on_lost(self, runtime: RuntimeProc, reason: str) -> None:
+        """A runtime is gone and being replaced."""
+
+    def on_rejoined(self, runtime: RuntimeProc) -> None:
+        """Its replacement is connected and serving."""
+
+    def on_death(self, reason: str) -> None:
+        """The cluster cannot serve any more."""
 
 
 class RestartBudget:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -56,26 +55,18 @@ def test_busy_fraction_is_read_on_the_runtimes_clock():
 def test_busy_summary_and_host_cpu():
     assert busy_summary({"attention 0": 0.5, "attention 1": 0.7, "expert 2": 0.25}) == "a0.60/e0.25"
     assert busy_summary({}) == "n/a"
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(5)",
-        ]
+    # The child burns 0.3 s of CPU, says so, then sleeps: the check waits for its word, not for a deadline a
+    # busy host may not meet.
+    burn = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(flush=True)\n"
     )
-
-    def child_share() -> float:
-        # Own CPU is read before the scan: read after it, CPU this process's other threads spend in between (pytest
-        # leaves some running) would be subtracted from the child's share and make the test flaky.
-        own = sum(os.times()[:2])
-        return (process_tree_cpu_s(os.getpid()) or 0) - own
-
+    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"], stdout=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 10
-        while child_share() < 0.25 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # The child's 0.3 s of CPU counts toward this process's tree.
-        assert child_share() >= 0.25
+        child.stdout.readline()
+        # Own CPU is read before the scan: read after it, CPU this process's other threads spend in between (pytest
+        # leaves some running) would be subtracted from the child's share.
+        own = sum(os.times()[:2])
+        assert (process_tree_cpu_s(os.getpid()) or 0) - own >= 0.25  # the child's CPU counts toward this tree
         assert process_tree_cpu_s(child.pid) >= 0.25
     finally:
         child.kill()

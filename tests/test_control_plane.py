@@ -108,10 +108,10 @@ def test_frames_that_are_no_message_or_come_from_the_wrong_socket_are_dropped(ba
 
 def test_a_failed_data_link_reported_in_a_heartbeat_gets_that_peer_replaced(backend):
     cluster = backend.cluster
-    cluster._launcher, cluster._started = _Launcher(), True
+    cluster.watch.launch, cluster.watch.started = _Launcher(), True
     old = cluster.runtimes[1].proc
     beat(cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))
-    assert old.returncode == -9 and cluster._launcher.spawned == [(1, "expert")]
+    assert old.returncode == -9 and cluster.watch.launch.spawned == [(1, "expert")]
     assert cluster.runtimes[1].lost == "attention runtime 0 lost its data link to expert runtime 1"
     health = backend.health()
     assert health["status"] == "degraded" and "lost its data link" in health["reason"] and not backend.deaths
@@ -120,11 +120,11 @@ def test_a_failed_data_link_reported_in_a_heartbeat_gets_that_peer_replaced(back
 def test_a_failed_data_link_fails_a_cluster_that_cannot_heal(backend):
     """ep / pingpong (and a gloo / nccl plane) cannot take a replacement: the loss is the cluster's end."""
     cluster = backend.cluster
-    cluster._launcher, cluster._started, cluster._heals = _Launcher(), True, False
+    cluster.watch.launch, cluster.watch.started, cluster.watch.heals = _Launcher(), True, False
     beat(cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))
     assert backend.deaths == ["attention runtime 0 lost its data link to expert runtime 1"]
     assert backend.health()["error"].endswith("lost its data link to expert runtime 1")
-    assert not cluster._launcher.spawned
+    assert not cluster.watch.launch.spawned
 
 
 def test_only_a_requests_own_rank_reports_its_tokens(backend):

@@ -218,7 +218,8 @@ def test_a_huge_prompt_does_not_freeze_other_streams(server):
     streamer.join()
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"  # longer than the model
     assert took > 1.0, "the prompt should take a while to tokenize"
-    assert max(gaps[1:]) < min(1.0, took / 2), (max(gaps), took)  # the stream never waited for it
+    # The stream never waited for it: had tokenizing blocked the event loop, one gap would be about `took`.
+    assert max(gaps[1:]) < took / 2, (max(gaps), took)
 
 
 # ---- no message from a runtime or a peer can crash or wedge anything

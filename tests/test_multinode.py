@@ -242,7 +242,7 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
                 time.sleep(0.2)
             assert asyncio.run(_complete_all(url)) == reference  # and it answers exactly
             head.proc.send_signal(signal.SIGTERM)
-            assert head.proc.wait(60) == 0
+            assert head.proc.wait(60) == 0, head.log()
         finally:
             head.kill_all()
 
