@@ -12,7 +12,7 @@ PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.amoe-installed
 CPP_SOURCES := $(wildcard cpp/*.cpp cpp/*.h)
 
-.PHONY: install serve test test-gpu lint format bench bench-gpu clean
+.PHONY: install serve test test-busy test-gpu lint format bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -36,6 +36,14 @@ serve: install
 # tests/gpu are collected and skipped, with the reason; `make test-gpu` runs them on a GPU host.
 test: install lint
 	AMOE_DEVICE=cpu $(PY) -m pytest -q tests
+
+# The same suite with a busy loop on each core beside it: CI runs on a shared machine, and a test that only passes
+# on an idle one is a test of the machine. BUSY_CORES=N sets how many loops (default: one per core).
+BUSY_CORES ?= $(shell nproc)
+test-busy: install lint
+	@pids=""; for i in $$(seq $(BUSY_CORES)); do sh -c 'while :; do :; done' & pids="$$pids $$!"; done; \
+	echo "[test-busy] $(BUSY_CORES) busy loops:$$pids"; \
+	AMOE_DEVICE=cpu $(PY) -m pytest -q tests; rc=$$?; kill $$pids; exit $$rc
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/gpu

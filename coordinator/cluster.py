@@ -286,8 +286,10 @@ class ClusterManager:
         while any(r.proc.poll() is None for r in self.runtimes) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if self.launch is not None:
-            self.launch.shutdown()
+            self.launch.stop()
         self.kill_all()
+        if self.launch is not None:
+            self.launch.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -137,8 +137,11 @@ class Launch:
         """Where the runtime runs, for /health (nothing to add on one host)."""
         return {}
 
-    def shutdown(self) -> None:
-        """After the runtimes were told to stop (multi-node: the agents too)."""
+    def stop(self) -> None:
+        """After the runtimes were told to stop, before the stragglers are killed (multi-node: the agents)."""
+
+    def close(self) -> None:
+        """Last, once every runtime is gone (Ray: its placement group and connection)."""
 
 
 class MultiNodeLaunch(Launch):
@@ -179,7 +182,7 @@ class MultiNodeLaunch(Launch):
     def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
         return self.nodes.describe(runtime)
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         self.nodes.shutdown()  # the agents stop what is left of their runtimes, and exit
 
 
@@ -195,8 +198,8 @@ class RayLaunch(Launch):
     def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
         return {"host": handle.host}
 
-    def shutdown(self) -> None:
-        self.ray.shutdown()
+    def close(self) -> None:
+        self.ray.shutdown()  # after kill_all: polling an actor needs Ray
 
 
 def open_launch(
