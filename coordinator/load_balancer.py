@@ -123,6 +123,14 @@ class LoadBalancer:
         self._running[rank] -= 1
         self._wake_waiters()
 
+    def withdraw(self, request_id: int) -> None:
+        """Take a request out of the waiting queue (its admission raises CancelledError) and give back what it was
+        granted meanwhile (its admission then still returns that rank, no longer reserved); idempotent."""
+        for waiter in [w for w in self._waiting if w.request_id == request_id]:
+            waiter.future.cancel()
+            self._forget_waiter(waiter)
+        self.release(request_id)
+
     def _bind(self, request_id: int, num_blocks: int) -> int | None:
         ranks = self._kv_usage()
         free = [kv.total_blocks - self._reserved.get(r, 0) for r, kv in enumerate(ranks)]
