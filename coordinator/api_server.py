@@ -311,10 +311,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone = watcher.done()
         watcher.cancel()
-        if not task.done():  # the client left (or this handler is cancelled)
+        if not task.done():  # the client left, or this handler is cancelled
             # Aborted here, not by the cancellation: that one only stops `work` from going on.
-            lifetime.abort("the client disconnected")
+            lifetime.abort("the client disconnected" if gone else "its handler was cancelled")
             task.cancel()
             await asyncio.wait({task})
     if task not in done:

@@ -86,10 +86,14 @@ class RequestLifetime:
         """It is about to be sent to the backend; False if it has ended already (nothing to send)."""
         if self.phase is not Phase.ADMITTED:
             return False
-        self.phase, self._in_backend = Phase.RUNNING, True
+        self.phase = Phase.RUNNING
         self._metrics.running.inc()
         self._metrics.prompt_tokens.inc(len(self.req.prompt_token_ids))
         return True
+
+    def sent(self) -> None:
+        """The backend took it (generate() returned its stream): ending it early now aborts it there."""
+        self._in_backend = True
 
     def tokens(self, n: int) -> None:
         """`n` output tokens arrived from the backend."""

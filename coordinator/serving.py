@@ -96,10 +96,11 @@ class RequestRunner:
             yield "", state
             return
         reason, cause = "abort", "its stream was closed before its end"  # unless set below
-        stream = self.backend.generate(
-            req.request_id, req.prompt_token_ids, req.sampling_params, lifetime.rank
-        )
         try:
+            stream = self.backend.generate(
+                req.request_id, req.prompt_token_ids, req.sampling_params, lifetime.rank
+            )
+            lifetime.sent()
             async with contextlib.aclosing(stream):
                 while (delta := await self._next(stream, lifetime)) is not None:
                     state.append(delta.token_ids, delta.finish_reason)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from amoe.config import ServerSection
-from amoe.errors import RequestFailed
+from amoe.errors import EngineDeadError, RequestFailed
 from coordinator.api_server import abort_all, create_app
 from coordinator.backend import Backend, RankKV, TokenDelta
 from coordinator.protocol import CompletionRequest
@@ -621,6 +621,25 @@ def test_a_request_the_backend_fails_is_not_aborted_there_again(stream):
         else:
             assert client.status == 500 and client.json()["error"]["code"] == "request_failed"
         h.assert_ended_once("error", "error", stopped=False, reached=True)
+
+    run(scenario())
+
+
+class RefusingBackend(GatedBackend):
+    """A backend whose generate() raises at once, before there is a stream (it need not be a generator)."""
+
+    def generate(self, request_id, prompt_token_ids, sampling_params, rank=0):
+        raise EngineDeadError("the engine is gone")
+
+
+@pytest.mark.timeout(20)
+def test_a_request_the_backend_refuses_outright_ends_once():
+    async def scenario():
+        h = Harness(RefusingBackend())
+        client = h.client("completions", False)
+        await served(h, client)
+        assert client.status == 503 and client.json()["error"]["code"] == "engine_dead"
+        h.assert_ended_once("error", "error", stopped=False, reached=False)
 
     run(scenario())
 
