@@ -53,9 +53,8 @@ class RequestLifetime:
         self.deadline = time.monotonic() + timeout_s
         self.phase = Phase.WAITING
         self.rank: int | None = None
-        self.reason: str | None = (
-            None  # why it ended (a metrics reason: stop, length, abort, error, rejected)
-        )
+        # Why it ended: a metrics reason (stop, length, abort, error, rejected).
+        self.reason: str | None = None
         self.num_output_tokens = 0
         self._in_backend = False  # sent to the backend, and the backend has not reported its end
         self._backend = backend
