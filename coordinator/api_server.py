@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: routes, streaming as server-sent events, disconnect handling."""
+"""The OpenAI-compatible HTTP API: routes, streaming as server-sent events, disconnect handling (a client that
+leaves ends its request's lifetime at once, coordinator/lifetime.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from amoe import __version__
 from amoe.config import ServerSection
@@ -22,6 +22,7 @@ from amoe.errors import AmoeError
 from coordinator.auth import ApiKeyMiddleware, authorized
 from coordinator.backend import Backend
 from coordinator.body_limit import BodyLimitMiddleware
+from coordinator.lifetime import RequestLifetime
 from coordinator.load_balancer import LoadBalancer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import (
@@ -48,7 +49,7 @@ from coordinator.protocol import (
 )
 from coordinator.request_state import Detokenizer, RequestState
 from coordinator.serving import RequestRunner
-from coordinator.validation import ModelInfo, PreparedRequest, Tokenizer, prepare_chat, prepare_completion
+from coordinator.validation import ModelInfo, Tokenizer, prepare_chat, prepare_completion
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +157,13 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
         with _count_rejections(runner, endpoint, request_id):
             # Tokenizing and templating off the event loop: a huge prompt must not freeze every other stream.
             req = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, request_id)
-            rank = await _unless_disconnected(request, runner.admit(req))
+        lifetime = runner.open(req, endpoint)  # from here on, whatever happens ends it (and counts it)
+        await _unless_disconnected(request, runner.admit(lifetime), lifetime)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(runner, req, rank, served.model.name, include_usage)
-            return _sse_response(events, runner, req)
-        return await _unless_disconnected(request, complete(runner, req, rank, served.model.name))
+            events = stream_events(runner, lifetime, served.model.name, include_usage)
+            return _EventStream(events, lifetime)
+        return await _unless_disconnected(request, complete(runner, lifetime, served.model.name), lifetime)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -188,36 +190,37 @@ _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 @contextlib.contextmanager
 def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
+    """Count a request refused while it is prepared (before it has a lifetime)."""
     try:
         yield
-    except (ApiError, AmoeError, ClientDisconnected) as exc:
-        runner.metrics.reject(endpoint, "abort" if isinstance(exc, ClientDisconnected) else "rejected")
+    except (ApiError, AmoeError):
+        runner.metrics.reject(endpoint, "rejected")
         raise
-    except Exception as exc:  # a bug preparing or admitting this request: it fails alone, with a 500
+    except Exception as exc:  # a bug preparing this request: it fails alone, with a 500
         runner.metrics.reject(endpoint, "error")
         logger.exception("request %d failed before it ran", request_id)
         raise internal_error(exc) from None
 
 
-async def _generate(runner: RequestRunner, req: PreparedRequest, rank: int, endpoint: str) -> RequestState:
+async def _generate(runner: RequestRunner, lifetime: RequestLifetime) -> RequestState:
     state = None
-    async for _, update in runner.run(req, rank, endpoint):
+    async for _, update in runner.run(lifetime):
         state = update
     if state is None or not state.is_finished:
         raise ApiError(500, "the backend ended the request without finishing it", type="server_error")
     return state
 
 
-async def _complete(runner: RequestRunner, req: PreparedRequest, rank: int, model: str) -> CompletionResponse:
-    state = await _generate(runner, req, rank, "completions")
+async def _complete(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> CompletionResponse:
+    req, state = lifetime.req, await _generate(runner, lifetime)
     choice = CompletionChoice(text=state.text, finish_reason=state.finish_reason)
     return CompletionResponse(
         id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
     )
 
 
-async def _chat(runner: RequestRunner, req: PreparedRequest, rank: int, model: str) -> ChatCompletionResponse:
-    state = await _generate(runner, req, rank, "chat")
+async def _chat(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> ChatCompletionResponse:
+    req, state = lifetime.req, await _generate(runner, lifetime)
     choice = ChatChoice(message=AssistantMessage(content=state.text), finish_reason=state.finish_reason)
     return ChatCompletionResponse(
         id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
@@ -229,12 +232,12 @@ def _usage(state: RequestState) -> Usage:
 
 
 async def _completion_events(
-    runner: RequestRunner, req: PreparedRequest, rank: int, model: str, include_usage: bool
+    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    req, created = lifetime.req, int(time.time())
     usage_field = {"usage": None} if include_usage else {}
     state = None
-    async for text, state in runner.run(req, rank, "completions"):
+    async for text, state in runner.run(lifetime):
         choice = CompletionChoice(text=text, finish_reason=state.finish_reason)
         chunk = CompletionResponse(id=req.response_id, created=created, model=model, choices=[choice])
         yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
@@ -246,9 +249,9 @@ async def _completion_events(
 
 
 async def _chat_events(
-    runner: RequestRunner, req: PreparedRequest, rank: int, model: str, include_usage: bool
+    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    req, created = lifetime.req, int(time.time())
     exclude = set() if include_usage else {"usage"}
 
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
@@ -260,7 +263,7 @@ async def _chat_events(
 
     yield chunk(DeltaMessage(role="assistant", content=""))  # OpenAI opens every chat stream with the role
     state = None
-    async for text, state in runner.run(req, rank, "chat"):
+    async for text, state in runner.run(lifetime):
         if text:
             yield chunk(DeltaMessage(content=text))
         if state.is_finished:
@@ -272,12 +275,19 @@ async def _chat_events(
         yield _event(final.model_dump())
 
 
-def _sse_response(
-    events: AsyncIterator[str], runner: RequestRunner, req: PreparedRequest
-) -> StreamingResponse:
-    # The background task frees the reservation even if the client left before the stream ever started.
-    release = BackgroundTask(runner.release, req.request_id)
-    return StreamingResponse(_with_done(events), media_type="text/event-stream", background=release)
+class _EventStream(StreamingResponse):
+    """A request's server-sent events. However the response ends (all sent, the client gone, a failure), the
+    request ends with it, directly: the event generators may sit at a `yield` that no cancellation reaches."""
+
+    def __init__(self, events: AsyncIterator[str], lifetime: RequestLifetime) -> None:
+        super().__init__(_with_done(events), media_type="text/event-stream")
+        self._lifetime = lifetime
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._lifetime.abort("its event stream ended early (the client left)")
 
 
 async def _with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -295,19 +305,23 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it (which aborts its request) if the client disconnects first."""
+async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime: RequestLifetime) -> Any:
+    """Await `work`; if the client disconnects first, abort its request, then cancel `work`."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone = watcher.done()
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the client left, or this handler is cancelled
+            # Aborted here, not by the cancellation: that one only stops `work` from going on.
+            lifetime.abort("the client disconnected" if gone else "its handler was cancelled")
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
+            await asyncio.wait({task})
+    if task not in done:
+        if not task.cancelled():
+            task.exception()  # marked as read: with the client gone, nobody needs how `work` ended
         raise ClientDisconnected()
     return task.result()
 

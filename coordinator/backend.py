@@ -61,7 +61,8 @@ class Backend(abc.ABC):
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV blocks; its stream, if still read, ends with finish_reason "abort".
 
-        Unknown or finished ids are ignored.
+        Unknown or finished ids are ignored: the coordinator calls it directly whenever a request ends early
+        (coordinator/lifetime.py), whether or not its stream was closed too.
         """
 
     @abc.abstractmethod

@@ -131,6 +131,14 @@ class LoadBalancer:
         self._reserve(request_id, target, binding[1])
         return target
 
+    def withdraw(self, request_id: int) -> None:
+        """Take a request out of the waiting queue (its admission raises CancelledError) and give back what it was
+        granted meanwhile (its admission then still returns that rank, no longer reserved); idempotent."""
+        for waiter in [w for w in self._waiting if w.request_id == request_id]:
+            waiter.future.cancel()
+            self._forget_waiter(waiter)
+        self.release(request_id)
+
     def _bind(self, request_id: int, num_blocks: int) -> int | None:
         # A rank being replaced takes a new request only when no serving rank can.
         rank = self._best_rank(num_blocks, lambda r, kv: kv.serving)

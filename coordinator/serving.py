@@ -1,5 +1,6 @@
 """Runs one prepared request: admission by the load balancer, the backend's token stream, detokenization, stop
-strings, metrics, its deadline and stall watchdog, and, whatever happens, the release of its KV reservation."""
+strings, its deadline and stall watchdog. Its RequestLifetime (coordinator/lifetime.py) owns how it ends: every
+path out of here ends it, and so may the API layer (client gone) or a drain, at any time."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from amoe.errors import AmoeError
-from coordinator.backend import Backend
+from coordinator.backend import Backend, TokenDelta
+from coordinator.lifetime import RequestLifetime
 from coordinator.load_balancer import LoadBalancer
-from coordinator.metrics import CoordinatorMetrics, RequestClock
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import ApiError, internal_error
 from coordinator.request_state import Detokenizer, RequestState
 from coordinator.validation import PreparedRequest
@@ -38,114 +40,107 @@ class RequestRunner:
         self._make_detokenizer = make_detokenizer
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
-        # Requests admitted but not yet run: their clocks, from admit() to run() or release().
-        self._clocks: dict[int, RequestClock] = {}
-        self._deadlines: dict[int, float] = {}  # request id -> monotonic deadline, from admit() on
+        self._live: dict[int, RequestLifetime] = {}  # request id -> lifetime, from open() until it ends
+
+    def open(self, req: PreparedRequest, endpoint: str) -> RequestLifetime:
+        """The lifetime of a request that has just arrived; its deadline starts now."""
+        lifetime = RequestLifetime(
+            req, endpoint, self.backend, self.balancer, self.metrics, self.request_timeout_s,
+            on_end=lambda ended: self._live.pop(ended.request_id, None),
+        )  # fmt: skip
+        self._live[req.request_id] = lifetime
+        return lifetime
 
     def abort_all(self) -> None:
-        """End of a drain: fail waiting requests and abort running ones (their streams end with "abort")."""
+        """End of a drain: waiting requests fail (503), the others are aborted (their output ends with "abort")."""
         self.balancer.close()
-        running = self.balancer.running_ids()
-        if running:
-            logger.warning("aborting %d in-flight requests", len(running))
-        for request_id in running:
-            self.backend.abort(request_id)
+        if self._live:
+            logger.warning("aborting %d in-flight requests", len(self._live))
+        for lifetime in list(self._live.values()):
+            lifetime.abort("the server is draining")
 
-    async def admit(self, req: PreparedRequest) -> int:
-        """Bind the request to a rank (may wait for KV space); raises OverloadedError or RequestError."""
-        clock = self.metrics.clock()
-        deadline = time.monotonic() + self.request_timeout_s
-        self.metrics.waiting.inc()
+    async def admit(self, lifetime: RequestLifetime) -> None:
+        """Bind the request to a rank, waiting for KV space up to its deadline; on any failure (OverloadedError,
+        RequestError, a 504) the request has ended."""
+        req = lifetime.req
         try:
-            admission = self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
-            rank = await asyncio.wait_for(admission, self.request_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: it cannot drop a cancellation (the client leaving) on the way.
+            async with asyncio.timeout(lifetime.deadline - time.monotonic()):
+                rank = await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
+        except TimeoutError:
+            lifetime.end("error", "no KV space before its deadline")
             raise _timeout(
                 f"waited {self.request_timeout_s:g} s for KV space (server.request_timeout_s)"
             ) from None
-        finally:
-            self.metrics.waiting.dec()
-        clock.admitted()
-        self._clocks[req.request_id] = clock
-        self._deadlines[req.request_id] = deadline
-        return rank
+        except (ApiError, AmoeError):
+            lifetime.end("rejected")
+            raise
+        except Exception as exc:  # a bug admitting this request: it fails alone, loudly
+            logger.exception("request %d failed before it ran", req.request_id)
+            lifetime.end("error")
+            raise internal_error(exc) from None
+        except asyncio.CancelledError:
+            lifetime.abort("cancelled while waiting for KV space")
+            raise
+        lifetime.admitted(rank)
 
-    def release(self, request_id: int) -> None:
-        """Free an admitted request's reservation, whether or not it ever ran; idempotent."""
-        self._clocks.pop(request_id, None)
-        self._deadlines.pop(request_id, None)
-        self.balancer.release(request_id)
-
-    async def run(
-        self, req: PreparedRequest, rank: int, endpoint: str
-    ) -> AsyncIterator[tuple[str, RequestState]]:
-        """Yield (new text, state) per backend delta of an admitted request; closing early aborts it."""
+    async def run(self, lifetime: RequestLifetime) -> AsyncIterator[tuple[str, RequestState]]:
+        """Yield (new text, state) per backend delta of an admitted request, the last with the state finished.
+        However this ends — finished, stop string, closed early, timeout, failure — the lifetime ends with it."""
+        req = lifetime.req
         state = RequestState(
             self._make_detokenizer(req.prompt_token_ids), req.stop, len(req.prompt_token_ids)
         )
-        clock = self._clocks.pop(req.request_id, None) or self.metrics.clock()
-        deadline = self._deadlines.get(req.request_id, time.monotonic() + self.request_timeout_s)
-        outcome, reason = "error", "error"
-        self.metrics.running.inc()
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        stream = self.backend.generate(req.request_id, req.prompt_token_ids, req.sampling_params, rank=rank)
+        if not lifetime.start():  # ended before it ran (the server drains): its output ends with "abort"
+            state.append([], "abort")
+            yield "", state
+            return
+        reason, cause = "abort", "its stream was closed before its end"  # unless set below
         try:
-            # aclosing: leaving this loop early (stop string, client gone) closes the stream, which aborts the
-            # request in the backend at once instead of whenever the generator is garbage collected.
-            watched = self._watched(stream, deadline)
-            async with contextlib.aclosing(stream), contextlib.aclosing(watched):
-                async for delta in watched:
+            stream = self.backend.generate(
+                req.request_id, req.prompt_token_ids, req.sampling_params, lifetime.rank
+            )
+            lifetime.sent()
+            async with contextlib.aclosing(stream):
+                while (delta := await self._next(stream, lifetime)) is not None:
                     state.append(delta.token_ids, delta.finish_reason)
-                    self.metrics.generation_tokens.inc(len(delta.token_ids))
-                    clock.tokens(len(delta.token_ids))
+                    lifetime.tokens(len(delta.token_ids))
+                    if state.is_finished:  # all its output is here: end it (a stop string aborts it) first
+                        lifetime.end(state.finish_reason)
                     text = state.take_text()
                     if text or state.is_finished:
                         yield text, state
                     if state.is_finished:
-                        break
-            outcome = {None: "error", "abort": "aborted"}.get(state.finish_reason, "success")
-            reason = state.finish_reason or "error"
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome, reason = "aborted", "abort"
-            logger.info(
-                "request %d (%s) aborted after %d tokens",
-                req.request_id,
-                req.response_id,
-                state.num_output_tokens,
-            )
-            raise
+                        return
+            reason, cause = "error", "the backend's stream ended without a finish reason"
         except (ApiError, AmoeError) as exc:
+            reason, cause = "error", ""
             logger.info("request %d (%s) failed: %s", req.request_id, req.response_id, exc)
             raise
-        except (
-            Exception
-        ) as exc:  # a bug in this request's processing (e.g. detokenizing): it fails alone, loudly
+        except Exception as exc:  # a bug here (e.g. detokenizing): the request fails alone, loudly
+            reason, cause = "error", ""
             logger.exception("request %d (%s) failed", req.request_id, req.response_id)
             raise internal_error(exc) from None
         finally:
-            self.release(req.request_id)
-            self.metrics.running.dec()
-            self.metrics.requests.labels(endpoint, outcome).inc()
-            clock.finished(reason)
+            lifetime.end(reason, cause)
 
-    async def _watched(self, stream: AsyncIterator, deadline: float) -> AsyncIterator:
-        """The stream's deltas, each within the stall timeout and all before the deadline (504 otherwise; leaving
-        the stream closes it, which aborts the request and frees its KV)."""
-        iterator = aiter(stream)
-        while True:
-            left = deadline - time.monotonic()
-            wait = min(self.stall_timeout_s, left)
-            try:
-                delta = await asyncio.wait_for(anext(iterator), max(wait, 0.0))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                if wait < self.stall_timeout_s:
-                    raise _timeout(
-                        f"the request ran past its deadline of {self.request_timeout_s:g} s"
-                    ) from None
-                raise _timeout(f"no token for {self.stall_timeout_s:g} s (server.stall_timeout_s)") from None
-            yield delta
+    async def _next(self, stream: AsyncIterator[TokenDelta], lifetime: RequestLifetime) -> TokenDelta | None:
+        """The stream's next delta (None at its end), within the stall timeout and before the deadline (504)."""
+        wait = min(self.stall_timeout_s, lifetime.deadline - time.monotonic())
+        try:
+            # asyncio.timeout, not wait_for: a cancellation arriving with the token is not lost (gh-86296).
+            async with asyncio.timeout(max(wait, 0.0)):
+                delta = await anext(stream, None)
+        except TimeoutError:
+            if wait < self.stall_timeout_s:
+                raise _timeout(f"the request ran past its deadline of {self.request_timeout_s:g} s") from None
+            raise _timeout(f"no token for {self.stall_timeout_s:g} s (server.stall_timeout_s)") from None
+        except Exception:
+            lifetime.backend_ended()  # the backend failed it: it holds nothing
+            raise
+        if delta is None or delta.is_finished:
+            lifetime.backend_ended()
+        return delta
 
 
 def _timeout(message: str) -> ApiError:

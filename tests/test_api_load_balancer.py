@@ -115,6 +115,35 @@ def test_full_queue_is_overloaded_and_a_cancelled_waiter_leaves_it():
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("granted", [False, True], ids=["still waiting", "granted meanwhile"])
+def test_withdrawing_a_waiting_request_leaves_nothing_reserved(granted):
+    """Ending a waiting request (its client left) takes it out of the queue, or gives back what it was granted in
+    the same loop turn; the next waiter is admitted in its place."""
+
+    async def scenario():
+        lb = make_balancer(1)
+        await lb.admit("a", BLOCK)
+        waiter = asyncio.create_task(lb.admit("w", BLOCK))
+        after = asyncio.create_task(lb.admit("next", BLOCK))
+        await asyncio.sleep(0)
+        if granted:
+            lb.release("a")  # "w" is bound to rank 0 before it runs again
+        lb.withdraw("w")
+        lb.withdraw("w")
+        if granted:  # its admission still returns the rank, no longer reserved for it
+            assert await waiter == 0
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+        if not granted:
+            assert lb.num_waiting == 1 and lb.rank_of("w") is None
+            lb.release("a")
+        assert await after == 0 and lb.rank_of("w") is None and lb.num_waiting == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(10)
 def test_a_request_larger_than_any_rank_is_rejected_not_queued():
     async def scenario():
         lb = make_balancer(2, 3)

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from amoe.config import AmoeConfig
 from amoe.llm import LLM
@@ -65,6 +66,24 @@ def wait_until_kv_free(server, timeout=15.0):  # an abort frees KV once its toke
             return
         time.sleep(0.05)
     raise AssertionError(f"KV blocks still in use: {server.backend.kv_usage()}")
+
+
+def num_requests(server, outcome: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "amoe_coordinator_requests"
+        for s in family.samples
+        if s.labels.get("outcome") == outcome
+    )
+
+
+def wait_until_aborted(server, count: float, timeout=15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while num_requests(server, "aborted") < count:
+        assert time.monotonic() < deadline, f"{count} aborted requests expected"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)
@@ -227,8 +246,11 @@ def test_client_disconnecting_mid_stream_frees_its_kv(server):
 
 @pytest.mark.timeout(60)
 def test_client_disconnecting_from_a_non_streaming_request_frees_its_kv(server):
+    aborted = num_requests(server, "aborted")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.5))
+    # Ended first: free KV alone could be a request that has not reached the engine yet.
+    wait_until_aborted(server, aborted + 1)
     wait_until_kv_free(server)
     assert httpx.get(f"{server.url}/health").json()["running"] == 0
 
