@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,6 +19,11 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import ApiError, internal_error
 from coordinator.request_state import Detokenizer, RequestState
 from coordinator.validation import PreparedRequest
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # the same semantics before 3.11: it cancels the awaiting task itself and never swallows an outside cancel
+    from async_timeout import timeout
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +71,9 @@ class RequestRunner:
         req = lifetime.req
         try:
             # asyncio.timeout, not wait_for: it cannot drop a cancellation (the client leaving) on the way.
-            async with asyncio.timeout(lifetime.deadline - time.monotonic()):
+            async with timeout(lifetime.deadline - time.monotonic()):
                 rank = await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
             lifetime.end("error", "no KV space before its deadline")
             raise _timeout(
                 f"waited {self.request_timeout_s:g} s for KV space (server.request_timeout_s)"
@@ -129,9 +135,9 @@ class RequestRunner:
         wait = min(self.stall_timeout_s, lifetime.deadline - time.monotonic())
         try:
             # asyncio.timeout, not wait_for: a cancellation arriving with the token is not lost (gh-86296).
-            async with asyncio.timeout(max(wait, 0.0)):
+            async with timeout(max(wait, 0.0)):
                 delta = await anext(stream, None)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
             if wait < self.stall_timeout_s:
                 raise _timeout(f"the request ran past its deadline of {self.request_timeout_s:g} s") from None
             raise _timeout(f"no token for {self.stall_timeout_s:g} s (server.stall_timeout_s)") from None
