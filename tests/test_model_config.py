@@ -58,7 +58,7 @@ def test_transformers_save_pretrained_config_parses(tmp_path):
         ("{not json", "config.json: invalid JSON"),
         ("[1, 2]", "config.json: expected a JSON object"),
         (mixtral_config(architectures=["LlamaForCausalLM"]), "unsupported architecture 'LlamaForCausalLM'"),
-        (mixtral_config(architectures=None, model_type="qwen2_moe"), "unsupported model_type 'qwen2_moe'"),
+        (mixtral_config(architectures=None, model_type="llama"), "unsupported model_type 'llama'"),
         (
             {k: v for k, v in mixtral_config().items() if k != "num_local_experts"},
             "missing key 'num_local_experts'",
@@ -67,8 +67,8 @@ def test_transformers_save_pretrained_config_parses(tmp_path):
         (mixtral_config(num_key_value_heads=3), "must be a multiple of num_kv_heads"),
         (mixtral_config(hidden_size=-64), "hidden_size must be a positive integer"),
         (
-            mixtral_config(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
-            "rope_type 'yarn' is not supported",
+            mixtral_config(rope_parameters={"rope_type": "longrope", "factor": 4.0}),
+            "rope_type 'longrope' is not supported",
         ),
         (mixtral_config(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (mixtral_config(eos_token_id=5000), "eos_token_id 5000 is outside the vocabulary"),

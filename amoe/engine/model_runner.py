@@ -11,7 +11,7 @@ from amoe import core
 from amoe.device import CPU, Device
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
-from amoe.model.kv_cache import PagedKVCache
+from amoe.model.kv_cache import LatentKVCache, PagedKVCache, kv_cache_for
 from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
 
 
@@ -43,17 +43,13 @@ class ModelRunner:
         rank = build_attention_rank(model_dir, cfg, dtype, device.torch)
         self.attention, self.head = rank.layers, rank.head
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
-            model_dir, cfg, range(cfg.num_experts), dtype, device.torch
+            model_dir, cfg, range(cfg.num_expert_ids), dtype, device.torch
         )
-        self.kv: PagedKVCache | None = None
+        self.kv: PagedKVCache | LatentKVCache | None = None
 
     def allocate_kv(self, num_kv_blocks: int) -> None:
         """The KV cache, once the weights are on the device (its size may depend on what they leave)."""
-        cfg = self.cfg
-        self.kv = PagedKVCache(
-            cfg.num_blocks, num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-            self.device.torch,
-        )  # fmt: skip
+        self.kv = kv_cache_for(self.cfg, num_kv_blocks, self.block_size, self.dtype, self.device.torch)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
@@ -96,13 +92,15 @@ class ModelRunner:
         """x [N, H] routed to K experts each → weighted expert outputs [N, K, H] (slot k ↔ topk_ids[:, k])."""
         n, k = topk_ids.shape
         # Grouping is host work on the routing (which crosses to the CPU anyway); the permutation goes back up.
-        perm, offsets = core.group_by_destination(self.device.host(topk_ids).flatten(), self.cfg.num_experts)
+        perm, offsets = core.group_by_destination(
+            self.device.host(topk_ids).flatten(), self.cfg.num_expert_ids
+        )
         perm = self.device.put(perm)  # [N*K]; offsets [E+1] stay on the host
         grouped_x = x.index_select(0, perm // k)  # [N*K, H], rows of expert 0 first, then expert 1, ...
         grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
         grouped_out = torch.empty_like(grouped_x)
         bounds = offsets.tolist()
-        for e in range(self.cfg.num_experts):
+        for e in range(self.cfg.num_expert_ids):
             lo, hi = bounds[e], bounds[e + 1]
             if lo < hi:
                 grouped_out[lo:hi] = self.experts[(block, e)](grouped_x[lo:hi], grouped_w[lo:hi])

@@ -104,7 +104,7 @@ def kv_budget(config: AmoeConfig, cfg: ModelConfig, dev: Device, share: int) -> 
     return devices.kv_budget(
         dev,
         block_bytes=devices.kv_block_bytes(
-            cfg.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype(config, cfg, dev)
+            cfg.num_layers, bs, cfg.kv_elements_per_token, dtype(config, cfg, dev)
         ),
         utilization=config.device.memory_utilization,
         share=share,

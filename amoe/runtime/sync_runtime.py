@@ -36,7 +36,7 @@ class SyncRuntime:
         self.mode = self.config.parallel.mode
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
-        self.placement = place = build.placement(self.config, cfg.num_experts)
+        self.placement = place = build.placement(self.config, cfg.num_expert_ids)
         self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
         self.comm = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
