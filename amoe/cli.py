@@ -111,7 +111,11 @@ def add_plan_command(sub: Any) -> None:
     from amoe.emulation.routing import DEFAULT_LAMBDA
 
     p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
-    p.add_argument("--model-profile", required=True, metavar="P", help="model shapes (mixtral-8x7b-mqa, ...)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model-profile", metavar="P", help="named model shapes (mixtral-8x7b-mqa, ...)")
+    which.add_argument(
+        "--model", metavar="DIR", help="a checkpoint: the shapes of its config.json (any family)"
+    )
     p.add_argument(
         "--gpus", required=True, metavar="TYPE:N[,...]", help="GPUs at hand, e.g. a100-80g:8,h100:4"
     )

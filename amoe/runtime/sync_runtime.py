@@ -55,7 +55,7 @@ class SyncRuntime:
         if hosted:  # first: in EP the KV cache gets what the experts leave of the device's memory
             experts = build.expert_executor(self.config, model_dir, cfg, hosted, em, self.gpu)
         if rank is not None:
-            local = len(hosted) if self.mode == "ep" else 0  # EP: the experts share the GPU's memory
+            local = hosted if self.mode == "ep" else []  # EP: the experts share the GPU's memory
             attention = build.attention_executor(
                 self.config, model_dir, cfg, em, local, dev=self.gpu, runtime=self.id
             )
