@@ -1,0 +1,151 @@
+"""Every family beyond Mixtral, built by transformers itself (its config class, its model, its save_pretrained),
+against transformers' own greedy `generate` on the same checkpoint: offline, in every mode (aep, ep, pingpong),
+through `amoe generate` and `amoe serve`, with prompts longer than one KV block; a seeded sampled run gives the
+same tokens in every mode; the packed expert layout loads like the per-expert one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from factories import random_prompts, transformers_checkpoint
+from metrics_support import ServerProcess
+
+from amoe.engine.config import EngineConfig
+from amoe.engine.local import LocalEngine
+from amoe.sampling_params import SamplingParams
+from amoe.testing.inproc import InProcessCluster
+from amoe.testing.sync_inproc import SyncCluster
+from amoe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+PROMPT_LENGTHS = [
+    5,
+    21,
+    37,
+]  # in-process KV blocks hold 4 tokens, served ones 16: the longer two span several
+NEW_TOKENS = 10
+TEXT = "The expert said that the tokens of a long prompt travel through every block of the model in order."
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+MODES = {
+    "aep": lambda d: InProcessCluster(
+        d, num_attn_ranks=2, num_expert_ranks=3, block_size=4, num_kv_blocks=64
+    ),
+    "ep": lambda d: SyncCluster(d, mode="ep", num_devices=2, block_size=4, num_kv_blocks=64),
+    "pingpong": lambda d: SyncCluster(
+        d, mode="pingpong", num_attn=1, num_expert=2, micro_batches=2, block_size=4, num_kv_blocks=64
+    ),
+}
+
+
+def _sampled(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@dataclass
+class Case:
+    name: str
+    model_dir: Path
+    prompts: list[list[int]]
+    greedy: list[list[int]]  # transformers' generate
+    sampled: list[list[int]]  # the reference engine's seeded sampling
+
+
+def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt alone (no padding), eos not stopping them."""
+    with torch.inference_mode():
+        return [
+            model.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]  # fmt: skip
+
+
+def _local(model_dir: Path, prompts, params) -> list[list[int]]:
+    engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_kv_blocks=128))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, prompt, params[i] if isinstance(params, list) else params)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tmp_path_factory) -> Case:
+    model_dir = transformers_checkpoint(
+        request.param, tmp_path_factory.mktemp(request.param) / "model", seed=1
+    )
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampled = _local(model_dir, prompts, [_sampled(i) for i in range(len(prompts))])
+    return Case(request.param, model_dir, prompts, _hf_greedy(model, prompts), sampled)
+
+
+@pytest.mark.timeout(120)
+def test_offline_matches_transformers(case):
+    assert _local(case.model_dir, case.prompts, GREEDY) == case.greedy
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_matches_transformers_and_samples_alike(case, mode):
+    with MODES[mode](case.model_dir) as cluster:
+        greedy = cluster.generate(case.prompts, GREEDY, timeout=60)
+        if isinstance(cluster, InProcessCluster):
+            reqs = [cluster.add_request(i % 2, 1000 + i, p, _sampled(i)) for i, p in enumerate(case.prompts)]
+            assert all(r.done.wait(60) for r in reqs)
+            sampled = [r.output for r in reqs]
+        else:
+            sampled = cluster.wait(
+                [cluster.submit(p, _sampled(i)) for i, p in enumerate(case.prompts)], timeout=60
+            )
+    assert greedy == case.greedy
+    assert sampled == case.sampled
+
+
+def _expected_text(model_dir: Path, prompt_ids: list[int], tokens: list[int]) -> str:
+    detok = IncrementalDetokenizer(Tokenizer.from_dir(model_dir), prompt_ids)
+    return "".join(detok.add(t) for t in tokens) + detok.flush()
+
+
+@pytest.mark.timeout(180)
+def test_amoe_generate_and_serve_match_transformers(case, capsys):
+    """The text `amoe generate` prints and `amoe serve` (default mode) answers is transformers' greedy tokens'."""
+    import asyncio
+
+    import httpx
+
+    from amoe.cli import main
+
+    prompt_ids = Tokenizer.from_dir(case.model_dir).encode(TEXT)
+    assert len(prompt_ids) > 16  # longer than one KV block of the served cache
+    model = transformers.AutoModelForCausalLM.from_pretrained(case.model_dir, dtype=torch.float32).eval()
+    (tokens,) = _hf_greedy(model, [prompt_ids])
+    assert 2 not in tokens, "the reference reaches eos, where amoe would stop: pick another text"
+    expected = _expected_text(case.model_dir, prompt_ids, tokens)
+    args = ["generate", "--model", str(case.model_dir), "--prompt", TEXT, "--temperature", "0"]
+    assert main([*args, "--max-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+    server = ServerProcess(case.model_dir)
+    try:
+        url = server.wait_for_url()
+        body = {"model": case.model_dir.name, "prompt": TEXT, "max_tokens": NEW_TOKENS, "temperature": 0}
+
+        async def complete():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return (await client.post("/v1/completions", json=body)).json()
+
+        answer = asyncio.run(complete())
+    finally:
+        server.stop()
+    assert answer["choices"][0]["text"] == expected, answer
+    assert answer["usage"]["completion_tokens"] == NEW_TOKENS
