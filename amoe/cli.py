@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def add_make_model_command(sub: Any) -> None:
     from amoe.model.presets import PRESETS
 
-    p = sub.add_parser("make-model", help="write a random-weight model in the Hugging Face Mixtral format")
+    p = sub.add_parser(
+        "make-model", help="write a random-weight model in the Hugging Face format (any supported family)"
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory to write")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")

@@ -13,6 +13,7 @@ from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import LatentKVCache, PagedKVCache, kv_cache_for
 from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
+from amoe.model.moe import GroupedExperts
 
 
 @dataclass
@@ -45,6 +46,10 @@ class ModelRunner:
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
             model_dir, cfg, range(cfg.num_expert_ids), dtype, device.torch
         )
+        self.grouped: dict[int, GroupedExperts] = {}  # block -> its routed experts, where grouped GEMMs run
+        if GroupedExperts.supported(device.torch):
+            for b in range(cfg.num_blocks):  # block by block, so the stacked copy never doubles the model
+                self.grouped[b] = GroupedExperts([self.experts.pop((b, e)) for e in range(cfg.num_experts)])
         self.kv: PagedKVCache | LatentKVCache | None = None
 
     def allocate_kv(self, num_kv_blocks: int) -> None:
@@ -100,7 +105,12 @@ class ModelRunner:
         grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
         grouped_out = torch.empty_like(grouped_x)
         bounds = offsets.tolist()
-        for e in range(self.cfg.num_expert_ids):
+        first = 0
+        if block in self.grouped:  # the routed experts at once; the shared one (id E, own width) below
+            first, end = self.cfg.num_experts, bounds[self.cfg.num_experts]
+            ends = offsets[1 : first + 1].to(device=grouped_x.device, dtype=torch.int32)
+            grouped_out[:end] = self.grouped[block](grouped_x[:end], ends, grouped_w[:end])
+        for e in range(first, self.cfg.num_expert_ids):
             lo, hi = bounds[e], bounds[e + 1]
             if lo < hi:
                 grouped_out[lo:hi] = self.experts[(block, e)](grouped_x[lo:hi], grouped_w[lo:hi])

@@ -22,6 +22,7 @@ class _ChunkGroup:
     valid: torch.Tensor | None  # [G, Q] bool; None when no padding
     slots: torch.Tensor  # [G, L] KV slot of each context position
     mask: torch.Tensor  # [G, 1, Q, L] bool: True = may attend
+    whole: bool = False  # the rows are every row of the batch, in order: no gather or scatter of queries
 
 
 @dataclass
@@ -39,7 +40,7 @@ class AttnPlan:
             return None if t is None else t.to(device, non_blocking=True)
 
         return AttnPlan(
-            [_ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask)) for g in self.groups]
+            [_ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole) for g in self.groups]
         )
 
     @classmethod
@@ -86,7 +87,10 @@ def _group(chunks, positions, cu_rows, q_lens, context_lens, block_tables, block
     mask = (j <= qpos[..., None]) & (j < ctx[:, None, None])  # [G, Q, L]
     if sliding_window is not None:
         mask &= j > qpos[..., None] - sliding_window  # HF: kv_idx > q_idx - sliding_window
-    return _ChunkGroup(rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None])
+    whole = rows.numel() == positions.numel() and bool((rows.flatten() == torch.arange(rows.numel())).all())
+    return _ChunkGroup(
+        rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None], whole=whole
+    )
 
 
 @dataclass
@@ -155,7 +159,7 @@ class GQAttention:
 
     def _attend_group(self, q: torch.Tensor, kv: PagedKVCache, g: _ChunkGroup, out: torch.Tensor) -> None:
         keys, values = kv.gather(self.layer, g.slots)  # [G, L, kv_heads, D]
-        queries = q.index_select(0, g.rows.flatten()).view(*g.rows.shape, *q.shape[1:])  # [G, Q, heads, D]
+        queries = gather_rows(q, g)  # [G, Q, heads, D]
         o = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [G, heads, Q, D]
             keys.transpose(1, 2),
@@ -167,9 +171,18 @@ class GQAttention:
         scatter_rows(out, g, o)
 
 
+def gather_rows(q: torch.Tensor, g: _ChunkGroup) -> torch.Tensor:
+    """The group's query rows of q [N, ...] as [G, Q, ...]."""
+    if g.whole:
+        return q.view(*g.rows.shape, *q.shape[1:])
+    return q.index_select(0, g.rows.flatten()).view(*g.rows.shape, *q.shape[1:])
+
+
 def scatter_rows(out: torch.Tensor, g: _ChunkGroup, o: torch.Tensor) -> None:
     """Each query row's output [G, Q, ...] back to its row of `out` [N, ...] (padding rows dropped)."""
-    if g.valid is None:
+    if g.whole:
+        out.copy_(o.reshape(out.shape))
+    elif g.valid is None:
         out.index_copy_(0, g.rows.flatten(), o.flatten(0, 1))
     else:
         out[g.rows[g.valid]] = o[g.valid]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from amoe.model.attention import AttnInput, AttnPlan, _ChunkGroup, linear_bias, scatter_rows
+from amoe.model.attention import AttnInput, AttnPlan, _ChunkGroup, gather_rows, linear_bias, scatter_rows
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import LatentKVCache
 from amoe.model.ops import RotaryEmbedding, rms_norm, yarn_mscale
@@ -73,9 +73,7 @@ class MLAttention:
         decoded = F.linear(latent, self.kv_b).view(G, L, -1, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, values = decoded.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)  # [G, L, heads, *]
         keys = torch.cat([k_nope, k_rot[:, :, None, :].expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        queries = query.index_select(0, g.rows.flatten()).view(
-            *g.rows.shape, *query.shape[1:]
-        )  # [G, Q, heads, qk]
+        queries = gather_rows(query, g)  # [G, Q, heads, qk]
         o = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [G, heads, Q, qk]
             keys.transpose(1, 2),
