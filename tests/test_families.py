@@ -52,23 +52,43 @@ class Case:
     model_dir: Path
     prompts: list[list[int]]
     greedy: list[list[int]]  # transformers' generate
+    logits: list[torch.Tensor]  # and its logits, [NEW_TOKENS, V] per prompt
     sampled: list[list[int]]  # the reference engine's seeded sampling
 
 
-def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens of each prompt alone (no padding), eos not stopping them."""
+def _hf_greedy(model, prompts: list[list[int]], logits: list | None = None) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt alone (no padding), eos not stopping them; each prompt's logits
+    per step [NEW_TOKENS, V] appended to `logits` when given."""
+    tokens = []
     with torch.inference_mode():
-        return [
-            model.generate(
+        for p in prompts:
+            out = model.generate(
                 torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]  # fmt: skip
+                eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            tokens.append(out.sequences[0, len(p) :].tolist())
+            if logits is not None:
+                logits.append(torch.stack([step[0] for step in out.logits]))
+    return tokens
 
 
-def _local(model_dir: Path, prompts, params) -> list[list[int]]:
+def _local(model_dir: Path, prompts, params, logits: dict | None = None) -> list[list[int]]:
+    """The reference engine's tokens for the prompts, batched; each request's logits per step into `logits`."""
     engine = LocalEngine(model_dir, EngineConfig(block_size=4, num_kv_blocks=128))
+    if logits is not None:
+        schedule, sample, ids = engine.scheduler.schedule, engine.sampler, []
+
+        def scheduling():  # a step's logits rows follow its chunks
+            chunks = schedule()
+            ids[:] = [c.request.request_id for c in chunks]
+            return chunks
+
+        def sampling(rows, params, generators):
+            for row, request_id in zip(rows, ids):
+                logits.setdefault(request_id, []).append(row.clone())
+            return sample(rows, params, generators)
+
+        engine.scheduler.schedule, engine.sampler = scheduling, sampling
     for i, prompt in enumerate(prompts):
         engine.add_request(i, prompt, params[i] if isinstance(params, list) else params)
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -85,13 +105,19 @@ def case(request, tmp_path_factory) -> Case:
     )
     prompts = random_prompts(PROMPT_LENGTHS, seed=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logits: list[torch.Tensor] = []
+    greedy = _hf_greedy(model, prompts, logits)
     sampled = _local(model_dir, prompts, [_sampled(i) for i in range(len(prompts))])
-    return Case(request.param, model_dir, prompts, _hf_greedy(model, prompts), sampled)
+    return Case(request.param, model_dir, prompts, greedy, logits, sampled)
 
 
 @pytest.mark.timeout(120)
 def test_offline_matches_transformers(case):
-    assert _local(case.model_dir, case.prompts, GREEDY) == case.greedy
+    """Greedy tokens equal, and every step's logits within 1e-5 (measured: within 2e-7)."""
+    logits: dict[int, list[torch.Tensor]] = {}
+    assert _local(case.model_dir, case.prompts, GREEDY, logits) == case.greedy
+    for i, ref in enumerate(case.logits):
+        torch.testing.assert_close(torch.stack(logits[i]), ref, atol=1e-5, rtol=0, msg=f"prompt {i} logits")
 
 
 @pytest.mark.timeout(120)

@@ -23,6 +23,9 @@ class _ChunkGroup:
     slots: torch.Tensor  # [G, L] KV slot of each context position
     mask: torch.Tensor  # [G, 1, Q, L] bool: True = may attend
     whole: bool = False  # the rows are every row of the batch, in order: no gather or scatter of queries
+    context: torch.Tensor | None = (
+        None  # [S] flat (g, j) of the positions inside their chunk's context; None: all
+    )
 
 
 @dataclass
@@ -40,7 +43,10 @@ class AttnPlan:
             return None if t is None else t.to(device, non_blocking=True)
 
         return AttnPlan(
-            [_ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole) for g in self.groups]
+            [
+                _ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole, put(g.context))
+                for g in self.groups
+            ]
         )
 
     @classmethod
@@ -88,9 +94,13 @@ def _group(chunks, positions, cu_rows, q_lens, context_lens, block_tables, block
     if sliding_window is not None:
         mask &= j > qpos[..., None] - sliding_window  # HF: kv_idx > q_idx - sliding_window
     whole = rows.numel() == positions.numel() and bool((rows.flatten() == torch.arange(rows.numel())).all())
+    in_context = (
+        j[None, :] < ctx[:, None]
+    ).flatten()  # [G * L]: padding past a shorter chunk's context is not
     return _ChunkGroup(
-        rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None], whole=whole
-    )
+        rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None], whole=whole,
+        context=None if bool(in_context.all()) else in_context.nonzero().flatten(),
+    )  # fmt: skip
 
 
 @dataclass

@@ -68,17 +68,31 @@ class MLAttention:
         self, query: torch.Tensor, kv: LatentKVCache, g: _ChunkGroup, out: torch.Tensor
     ) -> None:
         m = self.m
-        latent, k_rot = kv.gather(self.layer, g.slots).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         G, L = g.slots.shape  # noqa: N806 (shape names)
-        decoded = F.linear(latent, self.kv_b).view(G, L, -1, m.qk_nope_head_dim + m.v_head_dim)
-        k_nope, values = decoded.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)  # [G, L, heads, *]
-        keys = torch.cat([k_nope, k_rot[:, :, None, :].expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        decoded, k_rot = self._decode_context(kv, g)  # [G * L, heads * (nope + v)], [G * L, rope]
+        # Keys and values laid out as transformers lays them out ([G, heads, L, *], keys contiguous): SDPA's CPU
+        # kernel rounds differently with other strides when key and value widths differ.
+        decoded = decoded.view(G, L, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+        k_nope, values = decoded.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)  # [G, heads, L, *]
+        keys = decoded.new_empty(*k_nope.shape[:-1], m.qk_head_dim)
+        keys[..., : m.qk_nope_head_dim].copy_(k_nope)
+        keys[..., m.qk_nope_head_dim :].copy_(k_rot.view(G, 1, L, -1))  # the one rope key, every head
         queries = gather_rows(query, g)  # [G, Q, heads, qk]
         o = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),  # [G, heads, Q, qk]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),  # [G, heads, L, v]
-            attn_mask=g.mask,
-            scale=self.scale,
+            queries.transpose(1, 2), keys, values, attn_mask=g.mask, scale=self.scale
         ).transpose(1, 2)  # [G, Q, heads, v]
         scatter_rows(out, g, o)
+
+    def _decode_context(self, kv: LatentKVCache, g: _ChunkGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys and values decoded from the group's context latents [G * L, heads * (nope + v)], and
+        the rope keys [G * L, rope]. Only positions inside their chunk's context are decoded: the others pad a
+        shorter chunk to the group's length, are masked, and stay zero — decoding is most of MLA's arithmetic."""
+        m, flat = self.m, g.slots.flatten()
+        if g.context is not None:
+            flat = flat.index_select(0, g.context)
+        latent, k_rot = kv.gather(self.layer, flat).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        decoded = F.linear(latent, self.kv_b)  # [S, heads * (nope + v)]
+        if g.context is None:
+            return decoded, k_rot
+        padded = decoded.new_zeros(g.slots.numel(), decoded.shape[1]).index_copy_(0, g.context, decoded)
+        return padded, k_rot.new_zeros(g.slots.numel(), k_rot.shape[1]).index_copy_(0, g.context, k_rot)

@@ -68,8 +68,10 @@ class GroupedExperts:
 def merge_expert_outputs(
     residual: torch.Tensor, expert_out: torch.Tensor, expert_ids: torch.Tensor
 ) -> torch.Tensor:
-    """residual [N, H] + the K weighted outputs [N, K, H], summed in ascending expert id as HF's index_add_ does;
-    the shared expert (the highest id) comes last, as transformers adds it to the routed sum."""
+    """residual [N, H] + the K weighted outputs [N, K, H], summed in ascending expert id as transformers' eager
+    experts (index_add_) do; the shared expert (the highest id) comes last, as transformers adds it to the routed
+    sum. (Its default grouped-GEMM experts sum a token's top-k in router order instead: the same floats for two,
+    possibly a last-bit difference for three or more.)"""
     ordered = expert_out
     if expert_out.shape[1] > 2:  # two terms add alike in either order (a + b == b + a in IEEE arithmetic)
         order = expert_ids.argsort(dim=1)  # [N, K]
