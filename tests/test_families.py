@@ -142,36 +142,66 @@ def _expected_text(model_dir: Path, prompt_ids: list[int], tokens: list[int]) ->
     return "".join(detok.add(t) for t in tokens) + detok.flush()
 
 
-@pytest.mark.timeout(180)
-def test_amoe_generate_and_serve_match_transformers(case, capsys):
-    """The text `amoe generate` prints and `amoe serve` (default mode) answers is transformers' greedy tokens'."""
+def _reference_text(model_dir: Path) -> tuple[str, list[int]]:
+    """The text transformers' greedy tokens for TEXT decode to (as amoe streams it), and TEXT's token ids."""
+    prompt_ids = Tokenizer.from_dir(model_dir).encode(TEXT)
+    assert len(prompt_ids) > 16  # longer than one KV block of the served cache
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    (tokens,) = _hf_greedy(model, [prompt_ids])
+    assert 2 not in tokens, "the reference reaches eos, where amoe would stop: pick another text"
+    return _expected_text(model_dir, prompt_ids, tokens), prompt_ids
+
+
+def _served_text(model_dir: Path, *flags: str) -> dict:
+    """`amoe serve --model DIR FLAGS`'s greedy completion of TEXT."""
     import asyncio
 
     import httpx
 
-    from amoe.cli import main
-
-    prompt_ids = Tokenizer.from_dir(case.model_dir).encode(TEXT)
-    assert len(prompt_ids) > 16  # longer than one KV block of the served cache
-    model = transformers.AutoModelForCausalLM.from_pretrained(case.model_dir, dtype=torch.float32).eval()
-    (tokens,) = _hf_greedy(model, [prompt_ids])
-    assert 2 not in tokens, "the reference reaches eos, where amoe would stop: pick another text"
-    expected = _expected_text(case.model_dir, prompt_ids, tokens)
-    args = ["generate", "--model", str(case.model_dir), "--prompt", TEXT, "--temperature", "0"]
-    assert main([*args, "--max-tokens", str(NEW_TOKENS)]) == 0
-    assert capsys.readouterr().out == expected + "\n"
-
-    server = ServerProcess(case.model_dir)
+    server = ServerProcess(model_dir, *flags)
     try:
         url = server.wait_for_url()
-        body = {"model": case.model_dir.name, "prompt": TEXT, "max_tokens": NEW_TOKENS, "temperature": 0}
+        body = {"model": model_dir.name, "prompt": TEXT, "max_tokens": NEW_TOKENS, "temperature": 0}
 
         async def complete():
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 return (await client.post("/v1/completions", json=body)).json()
 
-        answer = asyncio.run(complete())
+        return asyncio.run(complete())
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_amoe_generate_and_serve_match_transformers(case, capsys):
+    """The text `amoe generate` prints and `amoe serve` (default mode) answers is transformers' greedy tokens'."""
+    from amoe.cli import main
+
+    expected, _ = _reference_text(case.model_dir)
+    args = ["generate", "--model", str(case.model_dir), "--prompt", TEXT, "--temperature", "0"]
+    assert main([*args, "--max-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    answer = _served_text(case.model_dir)
     assert answer["choices"][0]["text"] == expected, answer
     assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory) -> Path:
+    return transformers_checkpoint("tiny-deepseek-v3", tmp_path_factory.mktemp("served") / "model", seed=1)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--parallel", "ep", "--attn-ranks", "2"),
+        ("--parallel", "pingpong", "--attn-ranks", "1", "--expert-ranks", "2"),
+    ],
+    ids=["ep", "pingpong"],
+)
+def test_served_sync_modes_match_transformers(deepseek_v3, flags):
+    """The synchronous modes' runtime processes with every family feature at once (MLA, a dense layer, a shared
+    expert hosted by an expert device, grouped routing): transformers' text."""
+    expected, _ = _reference_text(deepseek_v3)
+    assert _served_text(deepseek_v3, *flags)["choices"][0]["text"] == expected
