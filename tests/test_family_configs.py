@@ -22,7 +22,7 @@ from amoe.emulation.shapes import profile_of
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
-from amoe.model.config import ModelConfig, load_model_config
+from amoe.model.config import load_model_config, model_config_from_hf
 from amoe.model.families import SUPPORTED_ARCHITECTURES
 from amoe.model.kv_cache import LatentKVCache, kv_cache_for
 from amoe.model.presets import preset
@@ -34,7 +34,7 @@ FAMILIES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v2"
 
 
 def test_each_family_reads_its_distinctive_fields():
-    cfgs = {name: ModelConfig.from_hf_dict(preset(name)) for name in FAMILIES}
+    cfgs = {name: model_config_from_hf(preset(name)) for name in FAMILIES}
     qwen2, qwen3, olmoe, v2, v3 = cfgs.values()
     assert (qwen2.dense_layers, qwen2.num_blocks, qwen2.moe_layers) == ((1,), 2, (0, 2))
     assert (qwen2.shared_gate, qwen2.num_expert_ids, qwen2.experts_per_token, qwen2.attention_bias) == (
@@ -134,7 +134,7 @@ def test_packed_experts_load_like_one_tensor_per_expert(saved):
 
 
 def test_mla_cache_holds_the_latent_and_sizes_the_budget():
-    cfg = ModelConfig.from_hf_dict(preset("tiny-deepseek-v3"))
+    cfg = model_config_from_hf(preset("tiny-deepseek-v3"))
     cache = kv_cache_for(cfg, num_kv_blocks=3, block_size=4, dtype=torch.float32)
     assert isinstance(cache, LatentKVCache) and len(cache.entries) == cfg.num_layers == 3
     assert cache.entries[0].shape == (12, 32 + 4)
@@ -146,7 +146,7 @@ def test_mla_cache_holds_the_latent_and_sizes_the_budget():
 
 
 def test_a_checkpoints_cost_profile_runs_the_shared_expert_on_the_expert_side():
-    cfg = ModelConfig.from_hf_dict(preset("tiny-deepseek-v3"))
+    cfg = model_config_from_hf(preset("tiny-deepseek-v3"))
     model = profile_of(cfg)
     assert (model.num_expert_ids, model.experts_per_token, model.shared_intermediate) == (9, 3, 32)
     assert model.kv_bytes_per_token == round(3 * 36 * 2 / 2)  # every layer's latent, spread over the 2 blocks

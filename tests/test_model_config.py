@@ -5,7 +5,7 @@ import json
 import pytest
 
 from amoe.errors import ModelLoadError
-from amoe.model.config import ModelConfig, load_model_config
+from amoe.model.config import load_model_config, model_config_from_hf
 from amoe.model.presets import PRESETS, preset
 
 
@@ -19,7 +19,7 @@ def _write(tmp_path, config) -> str:
 
 
 def test_tiny_preset_parses():
-    cfg = ModelConfig.from_hf_dict(preset("tiny"))
+    cfg = model_config_from_hf(preset("tiny"))
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_blocks, cfg.num_experts, cfg.top_k) == (
         1024,
         64,
@@ -33,7 +33,7 @@ def test_tiny_preset_parses():
 
 
 def test_hf_variants_head_dim_rope_theta_eos_list():
-    cfg = ModelConfig.from_hf_dict(
+    cfg = model_config_from_hf(
         mixtral_config(
             head_dim=None, rope_parameters=None, rope_theta=5e5, eos_token_id=[2, 7], sliding_window=64
         )

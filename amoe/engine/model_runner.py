@@ -47,7 +47,7 @@ class ModelRunner:
             model_dir, cfg, range(cfg.num_expert_ids), dtype, device.torch
         )
         self.grouped: dict[int, GroupedExperts] = {}  # block -> its routed experts, where grouped GEMMs run
-        if GroupedExperts.supported(device.torch):
+        if GroupedExperts.supported(device.torch, dtype):
             for b in range(cfg.num_blocks):  # block by block, so the stacked copy never doubles the model
                 self.grouped[b] = GroupedExperts([self.experts.pop((b, e)) for e in range(cfg.num_experts)])
         self.kv: PagedKVCache | LatentKVCache | None = None

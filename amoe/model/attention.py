@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import PagedKVCache
 from amoe.model.ops import RotaryEmbedding, rms_norm
+from amoe.model.spec import ModelConfig
 
 
 @dataclass
-class _ChunkGroup:
+class ChunkGroup:
     """Chunks attended in one padded SDPA call: [G chunks, Q query rows, L context keys]."""
 
     rows: torch.Tensor  # [G, Q] row of each query (padding repeats the chunk's first row)
@@ -32,7 +32,7 @@ class _ChunkGroup:
 class AttnPlan:
     """Gather indices and masks derived from the chunk metadata; the same for every block of one step."""
 
-    groups: list[_ChunkGroup]
+    groups: list[ChunkGroup]
 
     def to(self, device: torch.device) -> AttnPlan:
         """The plan's indices and masks on `device` (built on the host, used where the KV cache is)."""
@@ -44,7 +44,7 @@ class AttnPlan:
 
         return AttnPlan(
             [
-                _ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole, put(g.context))
+                ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole, put(g.context))
                 for g in self.groups
             ]
         )
@@ -97,7 +97,7 @@ def _group(chunks, positions, cu_rows, q_lens, context_lens, block_tables, block
     in_context = (
         j[None, :] < ctx[:, None]
     ).flatten()  # [G * L]: padding past a shorter chunk's context is not
-    return _ChunkGroup(
+    return ChunkGroup(
         rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None], whole=whole,
         context=None if bool(in_context.all()) else in_context.nonzero().flatten(),
     )  # fmt: skip
@@ -167,7 +167,7 @@ class GQAttention:
             self._attend_group(q, kv, group, out)
         return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
 
-    def _attend_group(self, q: torch.Tensor, kv: PagedKVCache, g: _ChunkGroup, out: torch.Tensor) -> None:
+    def _attend_group(self, q: torch.Tensor, kv: PagedKVCache, g: ChunkGroup, out: torch.Tensor) -> None:
         keys, values = kv.gather(self.layer, g.slots)  # [G, L, kv_heads, D]
         queries = gather_rows(q, g)  # [G, Q, heads, D]
         o = F.scaled_dot_product_attention(
@@ -181,14 +181,14 @@ class GQAttention:
         scatter_rows(out, g, o)
 
 
-def gather_rows(q: torch.Tensor, g: _ChunkGroup) -> torch.Tensor:
+def gather_rows(q: torch.Tensor, g: ChunkGroup) -> torch.Tensor:
     """The group's query rows of q [N, ...] as [G, Q, ...]."""
     if g.whole:
         return q.view(*g.rows.shape, *q.shape[1:])
     return q.index_select(0, g.rows.flatten()).view(*g.rows.shape, *q.shape[1:])
 
 
-def scatter_rows(out: torch.Tensor, g: _ChunkGroup, o: torch.Tensor) -> None:
+def scatter_rows(out: torch.Tensor, g: ChunkGroup, o: torch.Tensor) -> None:
     """Each query row's output [G, Q, ...] back to its row of `out` [N, ...] (padding rows dropped)."""
     if g.whole:
         out.copy_(o.reshape(out.shape))

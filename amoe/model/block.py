@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from amoe.model.attention import AttnInput, AttnOutput, AttnPlan, GQAttention
-from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import LatentKVCache, PagedKVCache
 from amoe.model.mla import MLAttention
 from amoe.model.moe import SwiGLU, merge_expert_outputs
 from amoe.model.ops import RotaryEmbedding, rms_norm
 from amoe.model.routing import Router
+from amoe.model.spec import ModelConfig
 from amoe.model.weights import LayerWeights
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from amoe.device import torch_dtype
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
-from amoe.model.config import ModelConfig
+from amoe.model.config import ModelConfig, model_config_from_hf
 from amoe.model.families import family
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def write_random_checkpoint(
     if not hf_config.get("architectures") and not hf_config.get("model_type"):
         hf_config = {**hf_config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
     hf_config = {**hf_config, "dtype": "float32", "torch_dtype": "float32"}
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    cfg = model_config_from_hf(hf_config)
     std = float(hf_config.get("initializer_range", 0.02))
     gen = torch.Generator().manual_seed(seed)
     tensors = {name: _random_tensor(name, shape, std, gen) for name, shape in W.canonical_shapes(cfg).items()}

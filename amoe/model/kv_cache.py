@@ -8,7 +8,7 @@ from collections import deque
 import torch
 
 from amoe.errors import AmoeError
-from amoe.model.config import ModelConfig
+from amoe.model.spec import ModelConfig
 
 logger = logging.getLogger(__name__)
 

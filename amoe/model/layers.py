@@ -10,10 +10,10 @@ import torch
 from amoe.model.attention import AttnInput, AttnOutput, AttnPlan
 from amoe.model.block import AttentionLayer, DecoderLayer
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
-from amoe.model.config import ModelConfig
 from amoe.model.head import Head
 from amoe.model.moe import ExpertLayer
 from amoe.model.ops import RotaryEmbedding
+from amoe.model.spec import ModelConfig
 
 __all__ = [
     "AttentionLayer",

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from amoe.model.attention import AttnInput, AttnPlan, _ChunkGroup, gather_rows, linear_bias, scatter_rows
-from amoe.model.config import ModelConfig
+from amoe.model.attention import AttnInput, AttnPlan, ChunkGroup, gather_rows, linear_bias, scatter_rows
 from amoe.model.kv_cache import LatentKVCache
 from amoe.model.ops import RotaryEmbedding, rms_norm, yarn_mscale
+from amoe.model.spec import ModelConfig
 
 # transformers builds the latents' RMSNorms with their default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -64,9 +64,7 @@ class MLAttention:
             self._attend_group(query, kv, group, out)
         return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
 
-    def _attend_group(
-        self, query: torch.Tensor, kv: LatentKVCache, g: _ChunkGroup, out: torch.Tensor
-    ) -> None:
+    def _attend_group(self, query: torch.Tensor, kv: LatentKVCache, g: ChunkGroup, out: torch.Tensor) -> None:
         m = self.m
         G, L = g.slots.shape  # noqa: N806 (shape names)
         decoded, k_rot = self._decode_context(kv, g)  # [G * L, heads * (nope + v)], [G * L, rope]
@@ -83,7 +81,7 @@ class MLAttention:
         ).transpose(1, 2)  # [G, Q, heads, v]
         scatter_rows(out, g, o)
 
-    def _decode_context(self, kv: LatentKVCache, g: _ChunkGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_context(self, kv: LatentKVCache, g: ChunkGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's keys and values decoded from the group's context latents [G * L, heads * (nope + v)], and
         the rope keys [G * L, rope]. Only positions inside their chunk's context are decoded: the others pad a
         shorter chunk to the group's length, are masked, and stay zero — decoding is most of MLA's arithmetic."""

@@ -54,9 +54,9 @@ class GroupedExperts:
         self.down = torch.stack([layer.mlp.down for layer in layers])  # [E, H, I]
 
     @staticmethod
-    def supported(device: torch.device) -> bool:
-        # Where we have checked it bitwise against F.linear; elsewhere the experts run one by one.
-        return device.type == "cpu" and hasattr(torch, "_grouped_mm")
+    def supported(device: torch.device, dtype: torch.dtype) -> bool:
+        # Where we have checked it bitwise against F.linear (float32 on the CPU); elsewhere experts run one by one.
+        return device.type == "cpu" and dtype == torch.float32 and hasattr(torch, "_grouped_mm")
 
     def __call__(self, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [S, H] grouped by expert (expert e's rows end at offsets[e], int32 [E]), weight [S] → [S, H]."""

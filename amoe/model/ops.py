@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from amoe.model.config import ModelConfig, Yarn
+from amoe.model.spec import ModelConfig, Yarn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

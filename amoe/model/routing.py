@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from amoe.model.config import ModelConfig
+from amoe.model.spec import ModelConfig
 from amoe.model.weights import LayerWeights
 
 

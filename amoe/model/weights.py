@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from amoe.model.config import ModelConfig
 from amoe.model.families import Family, family
+from amoe.model.spec import ModelConfig
 
 Shape = tuple[int, ...]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amoe.model.config import ModelConfig, Yarn
+from amoe.model.spec import ModelConfig, Yarn
 
 HF_NAMES = ("gate_proj", "up_proj", "down_proj")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from amoe.model.config import MlaShape, RouterSpec
 from amoe.model.families.base import Family, either
+from amoe.model.spec import MlaShape, RouterSpec
 
 
 class _DeepSeek(Family):

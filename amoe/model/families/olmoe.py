@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from amoe.model.config import RouterSpec
 from amoe.model.families.base import Family, either
+from amoe.model.spec import RouterSpec
 
 
 class Olmoe(Family):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from amoe.model.config import RouterSpec
 from amoe.model.families.base import Family, either, qwen_dense_layers
+from amoe.model.spec import RouterSpec
 
 
 class Qwen3Moe(Family):
