@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def add_make_model_command(sub: Any) -> None:
     from amoe.model.presets import PRESETS
 
-    p = sub.add_parser("make-model", help="write a random-weight model in the Hugging Face Mixtral format")
+    p = sub.add_parser(
+        "make-model", help="write a random-weight model in the Hugging Face format (any supported family)"
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory to write")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
@@ -111,7 +113,11 @@ def add_plan_command(sub: Any) -> None:
     from amoe.emulation.routing import DEFAULT_LAMBDA
 
     p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
-    p.add_argument("--model-profile", required=True, metavar="P", help="model shapes (mixtral-8x7b-mqa, ...)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model-profile", metavar="P", help="named model shapes (mixtral-8x7b-mqa, ...)")
+    which.add_argument(
+        "--model", metavar="DIR", help="a checkpoint: the shapes of its config.json (any family)"
+    )
     p.add_argument(
         "--gpus", required=True, metavar="TYPE:N[,...]", help="GPUs at hand, e.g. a100-80g:8,h100:4"
     )

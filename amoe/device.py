@@ -163,11 +163,10 @@ def kv_budget(
     return KVBudget(blocks, block_bytes, budget, blocks / max(blocks_per_request, 1))
 
 
-def kv_block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes of one KV block over every layer of a rank (K and V)."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_block_bytes(num_layers: int, block_size: int, elements_per_token: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over every layer of a rank: `elements_per_token` per token and layer (K and V of
+    every KV head, or MLA's latent and rope key: ModelConfig.kv_elements_per_token)."""
+    return num_layers * block_size * elements_per_token * torch.empty((), dtype=dtype).element_size()
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -9,6 +9,7 @@ drops those over the ITL objective; and prints the best, each with the `amoe ser
 
     amoe plan --model-profile mixtral-8x7b-mqa --gpus a100-80g:8 --workload short --top-k 1
     amoe plan --model-profile mixtral-8x7b-mqa --gpus a100-80g:8,h100:4 --price a100-80g=1.5,h100=3 --json
+    amoe plan --model /models/DeepSeek-V3 --gpus h100:16     # any supported checkpoint: its config.json's shapes
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -35,7 +37,7 @@ MICRO_BATCHES = (2, 3, 4)
 class PlanRequest:
     """What the user asks `amoe plan` for."""
 
-    profile: str
+    profile: str  # a named model profile, or (with model_dir) the checkpoint's name
     gpus: dict[str, int]  # available GPUs by type
     workload: str = "short"
     top_k: int | None = None
@@ -56,6 +58,7 @@ class PlanRequest:
     # ... and, of each mode, the best plan of this many shapes (GPUs in each role, copies, micro-batches): the best
     # by the bound can need far more requests in flight to fill its batches than a smaller split (H100 top-1).
     simulate_per_mode: int = 3
+    model_dir: str | None = None  # plan for this checkpoint's config.json instead of a named profile
 
 
 @dataclass(frozen=True)
@@ -173,13 +176,13 @@ def search(req: PlanRequest) -> list[Plan]:
     mode the best of its `simulate_per_mode` best shapes, are then refined by the simulation (`refine`) and ranked
     first on those numbers: a bound is optimistic, so a simulated plan is never ranked below one that only has its
     bound."""
-    model = bounds.full_depth(model_profile(req.profile, req.top_k))
+    model = bounds.full_depth(plan_profile(req))
     RoutingSpec.parse(req.routing)  # a clear error before any work
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
     ctx = mean_context(req.workload)
     host = host_overhead(req.host)
     plans = []
-    for dep in candidates(req, model.num_experts, inclusion):
+    for dep in candidates(req, model.num_expert_ids, inclusion):
         pred = bounds.predict(model, dep, inclusion, ctx, host)
         if pred.tokens_per_s > 0 and _meets_slo(pred, req):
             plans.append(Plan(dep, pred, _cost(dep, pred, req)))
@@ -200,6 +203,22 @@ def search(req: PlanRequest) -> list[Plan]:
     # optimistic and would otherwise beat the simulated figures it was chosen to be compared with.
     refined.sort(key=lambda p: not p.prediction.extra.get("simulated"))
     return refined + [p for p in plans if p not in chosen]
+
+
+def plan_profile(req: PlanRequest):
+    """The model a plan is for: a named profile, or the shapes of a checkpoint's config.json (any supported
+    family; no weights are read)."""
+    if req.model_dir is None:
+        return model_profile(req.profile, req.top_k)
+    from amoe.emulation.shapes import profile_of
+    from amoe.model.config import load_model_config
+
+    profile = profile_of(load_model_config(req.model_dir), name=req.profile)
+    if req.top_k is None or req.top_k == profile.top_k:
+        return profile
+    if not 1 <= req.top_k <= profile.num_experts:
+        raise ConfigError(f"top_k must be in [1, {profile.num_experts}] for {req.profile}; got {req.top_k}")
+    return replace(profile, top_k=req.top_k)
 
 
 def _meets_slo(pred: bounds.Prediction, req: PlanRequest) -> bool:
@@ -326,9 +345,11 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
     routing the plan assumed, as bench/plan_check.py runs it)."""
     d = plan.deployment
     args = ["amoe", "serve"]
-    args += (
-        ["--executor", "emulated", "--executor-profile", req.profile] if emulated else ["--model", model_dir]
-    )
+    if emulated:
+        where = ["--model", req.model_dir] if req.model_dir else ["--executor-profile", req.profile]
+        args += ["--executor", "emulated", *where]
+    else:
+        args += ["--model", req.model_dir or model_dir]
     if d.mode == "ep":
         args += ["--parallel", "ep", "--attn-ranks", str(d.num_attn)]
     else:
@@ -417,11 +438,12 @@ def plan_json(plan: Plan, req: PlanRequest) -> dict:
 def main(args) -> int:
     """`amoe plan` (amoe.cli)."""
     gpus = parse_gpus(args.gpus)
+    model_dir = getattr(args, "model", None)
     req = PlanRequest(
-        profile=args.model_profile, gpus=gpus, workload=args.workload, top_k=args.top_k, routing=args.routing,
-        itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus), gpus_per_node=args.gpus_per_node,
-        modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
-        simulate_per_mode=args.simulate_per_mode,
+        profile=args.model_profile or Path(model_dir).resolve().name, gpus=gpus, workload=args.workload,
+        top_k=args.top_k, routing=args.routing, itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus),
+        gpus_per_node=args.gpus_per_node, modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
+        simulate_per_mode=args.simulate_per_mode, model_dir=model_dir,
     )  # fmt: skip
     if req.simulate_top < 0 or req.simulate_per_mode < 0:
         raise ConfigError(

@@ -26,3 +26,40 @@ def reference_tokens(checkpoint: Path, prompts: list[list[int]], params) -> list
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     return [out[i] for i in range(len(prompts))]
+
+
+def transformers_checkpoint(preset_name: str, out_dir: Path, seed: int = 0, packed: bool = False) -> Path:
+    """A random-weight checkpoint of a family preset, built by transformers itself: its config class, its model,
+    its save_pretrained (one tensor per expert) — or, `packed`, its in-memory state dict (experts packed as
+    `mlp.experts.gate_up_proj` / `down_proj`). Weights are seeded like amoe's (norms near 1, a correction bias
+    that changes the routing), plus amoe's tokenizer and generation config."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from amoe.model.checkpoint import _random_tensor
+    from amoe.model.presets import preset
+    from amoe.tokenizer import write_tokenizer
+
+    hf = preset(preset_name)
+    config_class = transformers.AutoConfig.for_model(hf["model_type"]).__class__
+    config = config_class(**{k: v for k, v in hf.items() if k not in ("model_type", "dtype")})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "rotary_emb" not in name:
+                tensor.copy_(_random_tensor(name, tuple(tensor.shape), config.initializer_range, gen))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    if packed:
+        for old in out_dir.glob("*.safetensors*"):
+            old.unlink()
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
+        )
+    write_tokenizer(out_dir, hf["vocab_size"], model_max_length=hf["max_position_embeddings"])
+    generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation) + "\n")
+    return out_dir

@@ -30,6 +30,14 @@ def _load_everything(model_dir):
     return attn, experts
 
 
+def _expert(block, expert, proj):
+    return f"model.layers.{block}.block_sparse_moe.experts.{expert}.{proj}.weight"
+
+
+def _router(block, moe="block_sparse_moe"):
+    return f"model.layers.{block}.{moe}.gate.weight"
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -53,7 +61,10 @@ def test_sharded_checkpoint_loads_identically(make_checkpoint):
     assert (sharded / ckpt.INDEX_FILE).exists() and not (sharded / ckpt.SINGLE_FILE).exists()
     (a_attn, a_exp), (b_attn, b_exp) = _load_everything(single), _load_everything(sharded)
     assert torch.equal(a_attn.embed, b_attn.embed) and torch.equal(a_attn.lm_head, b_attn.lm_head)
-    assert all(torch.equal(x.q_proj, y.q_proj) for x, y in zip(a_attn.blocks, b_attn.blocks))
+    assert all(
+        torch.equal(x.attention["q_proj.weight"], y.attention["q_proj.weight"])
+        for x, y in zip(a_attn.layers, b_attn.layers)
+    )
     assert all(torch.equal(a_exp[k].gate_up, b_exp[k].gate_up) for k in a_exp)
 
 
@@ -66,19 +77,15 @@ def test_transformers_fused_expert_names_load_like_canonical(tiny_checkpoint, tm
             fused[name] = tensor
     for b in range(cfg.num_blocks):
         experts = range(cfg.num_experts)
-        gate_up = [
-            torch.cat([tensors[W.expert_name(b, e, "w1")], tensors[W.expert_name(b, e, "w3")]])
-            for e in experts
-        ]
-        fused[W.fused_expert_name(b, "gate_up_proj")] = torch.stack(gate_up)
-        fused[W.fused_expert_name(b, "down_proj")] = torch.stack(
-            [tensors[W.expert_name(b, e, "w2")] for e in experts]
-        )
-        fused[W.router_name(b, fused=True)] = tensors[W.router_name(b)]
+        gate_up = [torch.cat([tensors[_expert(b, e, "w1")], tensors[_expert(b, e, "w3")]]) for e in experts]
+        gate_up_name, down_name = W.packed_expert_names(cfg, b)
+        fused[gate_up_name] = torch.stack(gate_up)
+        fused[down_name] = torch.stack([tensors[_expert(b, e, "w2")] for e in experts])
+        fused[_router(b, "mlp")] = tensors[_router(b)]
     shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
     save_file(fused, str(tmp_path / ckpt.SINGLE_FILE))
     (a_attn, a_exp), (b_attn, b_exp) = _load_everything(tiny_checkpoint), _load_everything(tmp_path)
-    assert all(torch.equal(x.router, y.router) for x, y in zip(a_attn.blocks, b_attn.blocks))
+    assert all(torch.equal(x.router, y.router) for x, y in zip(a_attn.layers, b_attn.layers))
     assert all(
         torch.equal(a_exp[k].gate_up, b_exp[k].gate_up) and torch.equal(a_exp[k].down, b_exp[k].down)
         for k in a_exp
@@ -117,7 +124,7 @@ def test_expert_rank_reads_only_its_experts(tiny_checkpoint, monkeypatch):
 
 def test_missing_tensor_names_tensor_and_dir(tiny_checkpoint, tmp_path):
     tensors = _all_tensors(tiny_checkpoint)
-    missing = W.expert_name(2, 3, "w2")
+    missing = _expert(2, 3, "w2")
     del tensors[missing]
     shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
     save_file(tensors, str(tmp_path / ckpt.SINGLE_FILE))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from amoe.errors import ModelLoadError
-from amoe.model.config import ModelConfig, load_model_config
+from amoe.model.config import load_model_config, model_config_from_hf
 from amoe.model.presets import PRESETS, preset
 
 
@@ -19,7 +19,7 @@ def _write(tmp_path, config) -> str:
 
 
 def test_tiny_preset_parses():
-    cfg = ModelConfig.from_hf_dict(preset("tiny"))
+    cfg = model_config_from_hf(preset("tiny"))
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_blocks, cfg.num_experts, cfg.top_k) == (
         1024,
         64,
@@ -33,7 +33,7 @@ def test_tiny_preset_parses():
 
 
 def test_hf_variants_head_dim_rope_theta_eos_list():
-    cfg = ModelConfig.from_hf_dict(
+    cfg = model_config_from_hf(
         mixtral_config(
             head_dim=None, rope_parameters=None, rope_theta=5e5, eos_token_id=[2, 7], sliding_window=64
         )
@@ -58,7 +58,7 @@ def test_transformers_save_pretrained_config_parses(tmp_path):
         ("{not json", "config.json: invalid JSON"),
         ("[1, 2]", "config.json: expected a JSON object"),
         (mixtral_config(architectures=["LlamaForCausalLM"]), "unsupported architecture 'LlamaForCausalLM'"),
-        (mixtral_config(architectures=None, model_type="qwen2_moe"), "unsupported model_type 'qwen2_moe'"),
+        (mixtral_config(architectures=None, model_type="llama"), "unsupported model_type 'llama'"),
         (
             {k: v for k, v in mixtral_config().items() if k != "num_local_experts"},
             "missing key 'num_local_experts'",
@@ -67,8 +67,8 @@ def test_transformers_save_pretrained_config_parses(tmp_path):
         (mixtral_config(num_key_value_heads=3), "must be a multiple of num_kv_heads"),
         (mixtral_config(hidden_size=-64), "hidden_size must be a positive integer"),
         (
-            mixtral_config(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
-            "rope_type 'yarn' is not supported",
+            mixtral_config(rope_parameters={"rope_type": "longrope", "factor": 4.0}),
+            "rope_type 'longrope' is not supported",
         ),
         (mixtral_config(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (mixtral_config(eos_token_id=5000), "eos_token_id 5000 is outside the vocabulary"),

@@ -57,7 +57,7 @@ def all_to_all_time(
     DeepEP's measured fraction of it; the slower of the two paths sets the time."""
     if devices <= 1 or rows <= 0:
         return 0.0
-    per_peer = rows * model.top_k * model.hidden_size * model.bytes_per_activation / devices
+    per_peer = rows * model.experts_per_token * model.hidden_size * model.bytes_per_activation / devices
     node = devices if gpus_per_node <= 0 else min(gpus_per_node, devices)
     local = per_peer * (node - 1) / gpu.nvlink.usable_bandwidth
     if node == devices:
@@ -141,13 +141,15 @@ def full_depth(model: ModelProfile) -> ModelProfile:
 
 
 def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.ndarray:
-    """q [blocks, experts]: each expert's probability of being among a token's top-k, per block, under the
-    routing override `routing` (seeded as the emulated runtimes seed it). Request affinity does not change it."""
+    """q [blocks, expert ids]: each expert's probability of being among a token's top-k, per block, under the
+    routing override `routing` (seeded as the emulated runtimes seed it), and 1 for the shared expert. Request
+    affinity does not change it."""
     spec = RoutingSpec.parse(routing)
     if not spec.is_override:
         spec = RoutingSpec("uniform")
     router = RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed)
-    return inclusion_probabilities(router.popularity, model.top_k)
+    q = inclusion_probabilities(router.popularity, model.top_k)
+    return np.concatenate([q, np.ones((model.num_blocks, model.num_shared_experts))], axis=1)
 
 
 def predict(
@@ -181,10 +183,10 @@ def _disaggregated(
     model: ModelProfile, dep: Deployment, q: np.ndarray, mean_context: float, host: HostOverhead
 ) -> Prediction:
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
-    placed = dep.experts_on(model.num_experts)
+    placed = dep.experts_on(model.num_expert_ids)
     b = _attention_batch(model, ga, dep.attn_cap, cm.attention_rank_weight_bytes(model), mean_context)
-    heaviest = max(len(experts) for experts in placed)
-    if b < 1 or cm.expert_rank_weight_bytes(model, heaviest) > ge.memory * ge.memory_utilization:
+    heaviest = max(cm.expert_rank_weight_bytes(model, experts) for experts in placed)
+    if b < 1 or heaviest > ge.memory * ge.memory_utilization:
         return MEMORY
     ctx = int(round(mean_context))
     if dep.mode == "pingpong":
@@ -225,7 +227,7 @@ def _aep_at(model, dep, q, ga, ge, placed, b, ctx, host, concurrency) -> Predict
         for blk in range(blocks):
             for e in experts:
                 rows = round(max(1.0, min(dep.expert_cap, concurrency * q[blk, e])))
-                load[g] += q[blk, e] * _expert_row_s(model, ge, rows, host)
+                load[g] += q[blk, e] * _expert_row_s(model, ge, rows, host, e >= model.num_experts)
     expert_tps = 1.0 / load.max()
     tps = min(attn_tps, expert_tps)
     return Prediction(
@@ -236,9 +238,10 @@ def _aep_at(model, dep, q, ga, ge, placed, b, ctx, host, concurrency) -> Predict
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _expert_row_s(model: ModelProfile, gpu: GpuProfile, rows: int, host: HostOverhead) -> float:
-    """Seconds per row of an expert step of `rows` rows (cached: the planner asks for the same few thousand)."""
-    return cm.expert_layer_time(model, gpu, rows, host) / rows
+def _expert_row_s(model: ModelProfile, gpu: GpuProfile, rows: int, host: HostOverhead, shared: bool) -> float:
+    """Seconds per row of a (routed or shared) expert step of `rows` rows (cached: the planner asks for the same
+    few thousand)."""
+    return cm.expert_layer_time(model, gpu, rows, host, model.num_experts if shared else 0) / rows
 
 
 def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
@@ -247,11 +250,11 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
     t_attn = cm.decode_attention_time(model, ga, micro, ctx, host)
     rows_in = dep.num_attn * micro  # one micro-batch of every attention GPU reaches the experts together
     link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
-    t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.top_k), link)
+    t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
     block_s, skew = 0.0, []
     for blk in range(model.num_blocks):
         per_gpu = [
-            cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host) for es in placed
+            cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es) for es in placed
         ]
         t_exp = max(per_gpu)
         skew.append(t_exp / (sum(per_gpu) / len(per_gpu)))
@@ -271,8 +274,9 @@ def _ep(
     model: ModelProfile, dep: Deployment, q: np.ndarray, mean_context: float, host: HostOverhead
 ) -> Prediction:
     gpu, n = gpu_profile(dep.attn_gpu), dep.num_attn
-    local = dep.experts_on(model.num_experts)
-    weights = cm.attention_rank_weight_bytes(model) + cm.expert_rank_weight_bytes(model, max(map(len, local)))
+    local = dep.experts_on(model.num_expert_ids)
+    heaviest = max(cm.expert_rank_weight_bytes(model, es) for es in local)
+    weights = cm.attention_rank_weight_bytes(model) + heaviest
     b = _attention_batch(model, gpu, dep.attn_cap, weights, mean_context)
     if b < 1:
         return MEMORY
@@ -283,7 +287,7 @@ def _ep(
     iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
     for blk in range(model.num_blocks):
         per_device = [
-            cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host) for es in local
+            cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local
         ]
         slowest = max(per_device)
         stall += slowest - sum(per_device) / len(per_device)

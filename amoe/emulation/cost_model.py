@@ -32,25 +32,34 @@ def roofline(gpu: GpuProfile, flops: float, num_bytes: float) -> float:
     return max(flops / gpu.usable_flops, num_bytes / gpu.usable_bandwidth)
 
 
-def expert_layer_time(model: ModelProfile, gpu: GpuProfile, rows: int, host: HostOverhead = NO_HOST) -> float:
-    """One expert layer (SwiGLU) on `rows` tokens: weights streamed once, FLOPs linear in rows."""
+def expert_layer_time(
+    model: ModelProfile, gpu: GpuProfile, rows: int, host: HostOverhead = NO_HOST, expert: int = 0
+) -> float:
+    """One expert layer (SwiGLU) on `rows` tokens: weights streamed once, FLOPs linear in rows. `expert`: its id
+    (the shared expert, id num_experts, has its own width)."""
     if rows <= 0:
         return 0.0
-    gpu_s = _swiglu_time(model, gpu, rows, model.expert_intermediate) + EXPERT_KERNELS * gpu.launch_s
+    gpu_s = _swiglu_time(model, gpu, rows, model.intermediate_of(expert)) + EXPERT_KERNELS * gpu.launch_s
     return gpu_s + host.expert_step_s + rows * host.expert_row_s
 
 
 def grouped_expert_time(
-    model: ModelProfile, gpu: GpuProfile, rows_per_expert: Sequence[float], host: HostOverhead = NO_HOST
+    model: ModelProfile,
+    gpu: GpuProfile,
+    rows_per_expert: Sequence[float],
+    host: HostOverhead = NO_HOST,
+    experts: Sequence[int] | None = None,
 ) -> float:
     """A device's local experts in one grouped GEMM (what EP serving systems run): FLOPs and weight bytes of every
-    expert with rows, in one kernel sequence and one host step."""
-    rows = [r for r in rows_per_expert if r > 0]
-    if not rows:
+    expert with rows, in one kernel sequence and one host step. `experts`: their ids (default: routed ones)."""
+    ids = experts if experts is not None else [0] * len(rows_per_expert)
+    busy = [(r, e) for r, e in zip(rows_per_expert, ids) if r > 0]
+    if not busy:
         return 0.0
+    rows = [r for r, _ in busy]
     phases = np.zeros((3, 2))
-    for r in rows:
-        phases += np.asarray(_swiglu_phases(model, gpu, max(1, round(r)), model.expert_intermediate))
+    for r, e in busy:
+        phases += np.asarray(_swiglu_phases(model, gpu, max(1, round(r)), model.intermediate_of(e)))
     gpu_s = sum(roofline(gpu, f, b) for f, b in phases) + EXPERT_KERNELS * gpu.launch_s
     return float(gpu_s + host.expert_step_s + sum(rows) * host.expert_row_s)
 
@@ -65,7 +74,7 @@ def attention_layer_time(
     """One attention layer over R chunks: chunk r has chunk_lens[r] new rows and context_lens[r] tokens after it.
 
     Decode rows are chunks of 1; a prefill chunk of L rows attends causally (row i sees context - L + 1 + i tokens).
-    The layer also runs the router and the model's shared experts (they see every token).
+    The layer also runs the router (the shared expert is an expert layer: expert_layer_time).
     """
     chunk = np.asarray(chunk_lens, dtype=np.float64)
     ctx = np.asarray(context_lens, dtype=np.float64)
@@ -80,10 +89,11 @@ def attention_layer_time(
     kv_bytes = float(ctx.sum()) * model.kv_bytes_per_token + rows * model.kv_bytes_per_token  # read + write
     attended = float((chunk * (ctx - (chunk - 1) / 2)).sum())  # context tokens summed over query rows
     core = roofline(gpu, attended * model.attn_flops_per_context_token, kv_bytes)
-    elementwise = (ATTENTION_ELEMENTWISE_PASSES + model.top_k) * rows * h * ba / gpu.usable_bandwidth
-    shared = _shared_experts_time(model, gpu, int(rows))
-    launches = (ATTENTION_KERNELS + (EXPERT_KERNELS if model.num_shared_experts else 0)) * gpu.launch_s
-    return proj + core + elementwise + shared + launches + host.attn_step_s + rows * host.attn_row_s
+    elementwise = (
+        (ATTENTION_ELEMENTWISE_PASSES + model.experts_per_token) * rows * h * ba / gpu.usable_bandwidth
+    )
+    launches = ATTENTION_KERNELS * gpu.launch_s
+    return proj + core + elementwise + launches + host.attn_step_s + rows * host.attn_row_s
 
 
 def decode_attention_time(
@@ -107,7 +117,7 @@ def head_time(
         return 0.0
     rows = num_chunks if rows is None else rows
     h, v = model.hidden_size, model.vocab_size
-    merge = (model.top_k + 2) * rows * h * model.bytes_per_activation / gpu.usable_bandwidth
+    merge = (model.experts_per_token + 2) * rows * h * model.bytes_per_activation / gpu.usable_bandwidth
     lm_head = roofline(gpu, 2 * num_chunks * h * v, h * v * model.bytes_per_param + 2 * num_chunks * v * 4)
     full = merge + lm_head + HEAD_KERNELS * gpu.launch_s + host.head_step_s + num_chunks * host.head_row_s
     return full * model.head_share
@@ -126,15 +136,16 @@ def hidden_bytes(model: ModelProfile, rows: int) -> int:
 
 
 def attention_rank_weight_bytes(model: ModelProfile) -> int:
-    """Weights an attention rank holds: every block's attention, router and shared experts, embedding, lm_head."""
-    per_block = model.attn_params + model.shared_params + 2 * model.hidden_size  # + two RMSNorm weights
+    """Weights an attention rank holds: every block's attention and router, embedding, lm_head."""
+    per_block = model.attn_params + 2 * model.hidden_size  # + two RMSNorm weights
     embed_and_head = 2 * model.vocab_size * model.hidden_size + model.hidden_size
     return (model.num_blocks * per_block + embed_and_head) * model.bytes_per_param
 
 
-def expert_rank_weight_bytes(model: ModelProfile, num_local_experts: int) -> int:
-    """Weights an expert rank holds: `num_local_experts` experts in every block (AMoE §3.3 placement)."""
-    return num_local_experts * model.num_blocks * model.expert_params * model.bytes_per_param
+def expert_rank_weight_bytes(model: ModelProfile, experts: int | Sequence[int]) -> int:
+    """Weights an expert rank holds: its experts (ids, or a count of routed ones) in every block (AMoE §3.3)."""
+    ids = range(experts) if isinstance(experts, int) else experts
+    return sum(model.params_of(e) for e in ids) * model.num_blocks * model.bytes_per_param
 
 
 def kv_capacity_tokens(gpu: GpuProfile, model: ModelProfile, weight_bytes: float) -> int:
@@ -183,9 +194,3 @@ def _swiglu_time(model: ModelProfile, gpu: GpuProfile, rows: int, inter: int) ->
 def _swiglu_is_compute_bound(model: ModelProfile, gpu: GpuProfile, rows: int) -> bool:
     gate_up = _swiglu_phases(model, gpu, rows, model.expert_intermediate)[0]
     return gate_up[0] / gpu.usable_flops >= gate_up[1] / gpu.usable_bandwidth
-
-
-def _shared_experts_time(model: ModelProfile, gpu: GpuProfile, rows: int) -> float:
-    if not model.num_shared_experts:
-        return 0.0
-    return _swiglu_time(model, gpu, rows, model.shared_intermediate * model.num_shared_experts)

@@ -10,6 +10,7 @@ so every request runs to max_tokens. The rest of the system (engines, queues, sc
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -74,17 +75,20 @@ class Emulation:
         """A router; every runtime builds it from the same seed, so all ranks agree on which experts are hot."""
         spec = RoutingSpec.parse(self.config.routing)
         cfg = self.model_config
-        return RouterOverride(spec, cfg.num_experts, cfg.top_k, cfg.num_blocks, seed=self.config.seed)
+        return RouterOverride(
+            spec, cfg.num_experts, cfg.top_k, cfg.num_blocks, seed=self.config.seed,
+            num_shared=cfg.num_shared_experts,
+        )  # fmt: skip
 
     def clock(self) -> EmulatedClock:
         return EmulatedClock(self.config.time_scale, self.spin_s)
 
-    def num_kv_blocks(self, block_size: int, num_local_experts: int = 0) -> int:
-        """KV blocks an attention GPU holds beside the attention rank's weights and, in EP, the experts that share
-        the GPU."""
+    def num_kv_blocks(self, block_size: int, local_experts: Sequence[int] = ()) -> int:
+        """KV blocks an attention GPU holds beside the attention rank's weights and, in EP, the experts (ids) that
+        share the GPU."""
         weights = cost_model.attention_rank_weight_bytes(self.profile)
-        if num_local_experts:
-            weights += cost_model.expert_rank_weight_bytes(self.profile, num_local_experts)
+        if local_experts:
+            weights += cost_model.expert_rank_weight_bytes(self.profile, local_experts)
         blocks = cost_model.kv_capacity_tokens(self.gpu, self.profile, weights) // block_size
         if blocks < 1:
             raise ConfigError(f"{self.profile.name}'s weights leave no room for KV on a {self.gpu.name}")
@@ -106,15 +110,15 @@ class EmulatedExpertExecutor:
 
     def run(self, batch) -> torch.Tensor:
         n = batch.num_rows
-        self.clock.hold(
-            cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host), "expert", n
-        )
+        t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, batch.index)
+        self.clock.hold(t, "expert", n)
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
         """An EP device's experts of one block in one grouped GEMM: one hold for all of them (cost_model)."""
         rows = [b.num_rows for b in batches]
-        t = cost_model.grouped_expert_time(self.em.profile, self.em.expert_gpu, rows, self.em.host)
+        experts = [b.index for b in batches]
+        t = cost_model.grouped_expert_time(self.em.profile, self.em.expert_gpu, rows, self.em.host, experts)
         self.clock.hold(t, "expert", sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 

@@ -132,7 +132,9 @@ class ModelProfile:
     num_heads: int  # for the runtime's ModelConfig only; the cost uses the fields above
     num_kv_heads: int
     head_dim: int
-    num_shared_experts: int = 0  # charged to the attention rank: every token runs them
+    # Shared expert layers (0 or 1): expert id num_experts of every block, run on the expert GPU that hosts it and
+    # picked by every token, as amoe runs it (docs/engine.md "Families").
+    num_shared_experts: int = 0
     shared_intermediate: int = 0
     max_position_embeddings: int = 32768
     bytes_per_param: int = 2  # BF16 weights
@@ -145,6 +147,8 @@ class ModelProfile:
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ConfigError(f"{self.name}: top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.num_shared_experts not in (0, 1):
+            raise ConfigError(f"{self.name}: num_shared_experts must be 0 or 1 (several are one wider MLP)")
 
     @property
     def head_share(self) -> float:
@@ -158,8 +162,21 @@ class ModelProfile:
         return 3 * self.hidden_size * self.expert_intermediate
 
     @property
-    def shared_params(self) -> int:
-        return 3 * self.hidden_size * self.shared_intermediate * self.num_shared_experts
+    def num_expert_ids(self) -> int:
+        """Expert layers per block: the routed experts, then the shared one."""
+        return self.num_experts + self.num_shared_experts
+
+    @property
+    def experts_per_token(self) -> int:
+        """Expert layers each token visits per block: its top-k and the shared expert."""
+        return self.top_k + self.num_shared_experts
+
+    def intermediate_of(self, expert: int) -> int:
+        """SwiGLU width of expert id `expert` (the shared expert's from num_experts on)."""
+        return self.shared_intermediate if expert >= self.num_experts else self.expert_intermediate
+
+    def params_of(self, expert: int) -> int:
+        return 3 * self.hidden_size * self.intermediate_of(expert)
 
 
 def gqa_attention(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, num_experts: int):

@@ -179,17 +179,24 @@ def row_keys(request_ids, positions) -> np.ndarray:
 
 
 class RouterOverride:
-    """Seeded expert choice for `uniform` or `skew-exp`: route(block, n) → (topk_ids [n, K], topk_weights [n, K])."""
+    """Seeded expert choice for `uniform` or `skew-exp`: route(block, n) → (topk_ids [n, K], topk_weights [n, K]);
+    with `num_shared` shared experts, every row also goes to ids num_experts.. (weight 1): [n, K + num_shared]."""
 
     def __init__(
-        self, spec: RoutingSpec, num_experts: int, top_k: int, num_blocks: int, seed: int = 0
+        self,
+        spec: RoutingSpec,
+        num_experts: int,
+        top_k: int,
+        num_blocks: int,
+        seed: int = 0,
+        num_shared: int = 0,
     ) -> None:
         if not spec.is_override:
             raise ConfigError("routing 'model' uses the model's own router; nothing to override")
         if not 1 <= top_k <= num_experts:
             raise ConfigError(f"top_k must be in [1, {num_experts}]; got {top_k}")
         self.spec, self.num_experts, self.top_k, self.num_blocks = spec, num_experts, top_k, num_blocks
-        self.seed = seed
+        self.seed, self.num_shared = seed, num_shared
         self._rng = np.random.default_rng([seed, 1])  # the unkeyed stream
         lam = spec.lam if spec.mode == "skew-exp" else 0.0
         self._by_rank = popularity_by_rank(num_experts, lam)
@@ -235,7 +242,12 @@ class RouterOverride:
         noise = self._gumbel_noise(block, n, keys)  # [n, E]
         ids = _gumbel_top_k(np.log(popularity), noise, self.top_k)  # [n, K]
         w = popularity[ids]
-        return ids.astype(np.int64), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+        ids, w = ids.astype(np.int64), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+        if self.num_shared:
+            shared = np.arange(self.num_experts, self.num_experts + self.num_shared, dtype=np.int64)
+            ids = np.concatenate([ids, np.broadcast_to(shared, (n, self.num_shared))], axis=1)
+            w = np.concatenate([w, np.ones((n, self.num_shared), dtype=np.float32)], axis=1)
+        return ids, w
 
     def _affine_positions(self, block: int, rid: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The position whose draw each token keeps: walk back while a keyed coin (P = ρ) says "same as the token

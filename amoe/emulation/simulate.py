@@ -82,7 +82,9 @@ def simulate(
 
 def _router(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
     spec = RoutingSpec.parse(routing)
-    return RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed=seed)
+    return RouterOverride(
+        spec, model.num_experts, model.top_k, model.num_blocks, seed=seed, num_shared=model.num_shared_experts
+    )
 
 
 class _Aep:
@@ -94,10 +96,10 @@ class _Aep:
         self.model, self.dep, self.host, self.ctx = model, dep, host, int(round(ctx))
         self.ga, self.ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
         self.router = _router(model, routing, seed)
-        self.blocks, self.k = model.num_blocks, model.top_k
-        placed = dep.experts_on(model.num_experts)
-        self.gpu_of = np.empty(model.num_experts, dtype=np.int64)
-        self.col_of = np.empty(model.num_experts, dtype=np.int64)
+        self.blocks, self.k = model.num_blocks, model.experts_per_token
+        self.placed = placed = dep.experts_on(model.num_expert_ids)
+        self.gpu_of = np.empty(model.num_expert_ids, dtype=np.int64)
+        self.col_of = np.empty(model.num_expert_ids, dtype=np.int64)
         for g, experts in enumerate(placed):
             for c, e in enumerate(experts):
                 self.gpu_of[e], self.col_of[e] = g, c
@@ -194,7 +196,7 @@ class _Aep:
         else:
             parts = self._take(self.exp_q[i][block][col], min(self.dep.expert_cap, sched.depth(block, col)))
             sched.add(block, col, -len(parts))
-            t = cm.expert_layer_time(self.model, self.ge, len(parts), self.host)
+            t = cm.expert_layer_time(self.model, self.ge, len(parts), self.host, self.placed[i][col])
             self._count("exp", len(parts), t)
             self._at(self.now + t, self._exp_done, i, block, parts)
 
@@ -266,8 +268,8 @@ def _simulate_ep(
     b = max(1, min(dep.attn_cap, -(-concurrency // n)))
     tokens = n * b
     router = _router(model, routing, seed)
-    local = dep.experts_on(model.num_experts)
-    where = np.empty(model.num_experts, dtype=np.int64)
+    local = dep.experts_on(model.num_expert_ids)
+    where = np.empty(model.num_expert_ids, dtype=np.int64)
     for d, experts in enumerate(local):
         where[experts] = d
     c = int(round(ctx))
@@ -282,15 +284,21 @@ def _simulate_ep(
             ids, _ = router.route(
                 blk, tokens, request_ids=rid, positions=np.full(tokens, position), now_s=elapsed
             )
-            counts = np.bincount(ids.reshape(-1), minlength=model.num_experts)
-            slowest = max(cm.grouped_expert_time(model, gpu, counts[es].tolist(), host) for es in local)
+            counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
+            slowest = max(cm.grouped_expert_time(model, gpu, counts[es].tolist(), host, es) for es in local)
             iteration += attn + a2a + slowest
         elapsed += iteration
         iterations += 1
         position += 1
     tps = tokens * iterations / elapsed
     return Simulated(
-        tps, tokens / tps, tokens, float(b), float(tokens * model.top_k / model.num_experts), 1.0, 1.0
+        tps,
+        tokens / tps,
+        tokens,
+        float(b),
+        float(tokens * model.experts_per_token / model.num_expert_ids),
+        1.0,
+        1.0,
     )
 
 
@@ -304,9 +312,9 @@ def _simulate_pingpong(
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
     rows = A * micro  # one micro-batch of every attention GPU: what an expert GPU's step gathers
-    placed = dep.experts_on(model.num_experts)
+    placed = dep.experts_on(model.num_expert_ids)
     link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
-    move = cm.transfer_time(cm.hidden_bytes(model, micro * model.top_k), link)
+    move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
     begin = cm.transfer_time(64, link)  # the BEGIN barrier: a row count and a stop flag from every device
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
@@ -327,10 +335,10 @@ def _simulate_pingpong(
                 ids, _ = router.route(
                     blk, rows, request_ids=rid[i], positions=np.full(rows, position), now_s=now
                 )
-                counts = np.bincount(ids.reshape(-1), minlength=model.num_experts)
+                counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
                 done = 0.0
                 for g, es in enumerate(placed):
-                    step = cm.grouped_expert_time(model, ge, counts[es].tolist(), host)
+                    step = cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es)
                     e_free[g] = max(e_free[g], sent[i]) + step
                     exp_busy += step
                     done = max(done, e_free[g])
@@ -346,6 +354,6 @@ def _simulate_pingpong(
     tokens = rows * m
     tps = tokens * iterations / now
     return Simulated(
-        tps, now / iterations, tokens, float(micro), float(rows * model.top_k / model.num_experts),
+        tps, now / iterations, tokens, float(micro), float(rows * model.experts_per_token / model.num_expert_ids),
         min(1.0, attn_busy / now), min(1.0, exp_busy / (len(placed) * now)),
     )  # fmt: skip

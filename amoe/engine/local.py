@@ -57,7 +57,7 @@ class LocalEngine:
         per_request = devices.blocks_for(limit, bs)
         budget = devices.kv_budget(
             self.device,
-            block_bytes=devices.kv_block_bytes(cfg.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype),
+            block_bytes=devices.kv_block_bytes(cfg.num_layers, bs, cfg.kv_elements_per_token, dtype),
             utilization=self.config.memory_utilization,
             share=1,
             activation_bytes=4

@@ -11,8 +11,9 @@ from amoe import core
 from amoe.device import CPU, Device
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
-from amoe.model.kv_cache import PagedKVCache
+from amoe.model.kv_cache import LatentKVCache, PagedKVCache, kv_cache_for
 from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
+from amoe.model.moe import GroupedExperts
 
 
 @dataclass
@@ -43,17 +44,17 @@ class ModelRunner:
         rank = build_attention_rank(model_dir, cfg, dtype, device.torch)
         self.attention, self.head = rank.layers, rank.head
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
-            model_dir, cfg, range(cfg.num_experts), dtype, device.torch
+            model_dir, cfg, range(cfg.num_expert_ids), dtype, device.torch
         )
-        self.kv: PagedKVCache | None = None
+        self.grouped: dict[int, GroupedExperts] = {}  # block -> its routed experts, where grouped GEMMs run
+        if GroupedExperts.supported(device.torch, dtype):
+            for b in range(cfg.num_blocks):  # block by block, so the stacked copy never doubles the model
+                self.grouped[b] = GroupedExperts([self.experts.pop((b, e)) for e in range(cfg.num_experts)])
+        self.kv: PagedKVCache | LatentKVCache | None = None
 
     def allocate_kv(self, num_kv_blocks: int) -> None:
         """The KV cache, once the weights are on the device (its size may depend on what they leave)."""
-        cfg = self.cfg
-        self.kv = PagedKVCache(
-            cfg.num_blocks, num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-            self.device.torch,
-        )  # fmt: skip
+        self.kv = kv_cache_for(self.cfg, num_kv_blocks, self.block_size, self.dtype, self.device.torch)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
@@ -96,13 +97,20 @@ class ModelRunner:
         """x [N, H] routed to K experts each → weighted expert outputs [N, K, H] (slot k ↔ topk_ids[:, k])."""
         n, k = topk_ids.shape
         # Grouping is host work on the routing (which crosses to the CPU anyway); the permutation goes back up.
-        perm, offsets = core.group_by_destination(self.device.host(topk_ids).flatten(), self.cfg.num_experts)
+        perm, offsets = core.group_by_destination(
+            self.device.host(topk_ids).flatten(), self.cfg.num_expert_ids
+        )
         perm = self.device.put(perm)  # [N*K]; offsets [E+1] stay on the host
         grouped_x = x.index_select(0, perm // k)  # [N*K, H], rows of expert 0 first, then expert 1, ...
         grouped_w = topk_weights.flatten().index_select(0, perm)  # [N*K]
         grouped_out = torch.empty_like(grouped_x)
         bounds = offsets.tolist()
-        for e in range(self.cfg.num_experts):
+        first = 0
+        if block in self.grouped:  # the routed experts at once; the shared one (id E, own width) below
+            first, end = self.cfg.num_experts, bounds[self.cfg.num_experts]
+            ends = offsets[1 : first + 1].to(device=grouped_x.device, dtype=torch.int32)
+            grouped_out[:end] = self.grouped[block](grouped_x[:end], ends, grouped_w[:end])
+        for e in range(first, self.cfg.num_expert_ids):
             lo, hi = bounds[e], bounds[e + 1]
             if lo < hi:
                 grouped_out[lo:hi] = self.experts[(block, e)](grouped_x[lo:hi], grouped_w[lo:hi])

@@ -1,4 +1,6 @@
-"""The attention layer of one block: top-k merge → RMSNorm → GQA attention over the paged KV cache → router."""
+"""Attention over the paged KV cache: the per-step plan (which slots each chunk reads, its causal and sliding-window
+mask), the batch that enters a block's attention step, and grouped-query attention (Mixtral, Qwen, OLMoE: optional
+q/k/v biases, QK-norm per head or over the whole projection, q/k/v clipping). MLA (DeepSeek) is amoe.model.mla."""
 
 from __future__ import annotations
 
@@ -7,28 +9,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import PagedKVCache
-from amoe.model.moe import merge_expert_outputs, route
-from amoe.model.ops import RotaryEmbedding, apply_rope, rms_norm
-from amoe.model.weights import AttentionWeights
+from amoe.model.ops import RotaryEmbedding, rms_norm
+from amoe.model.spec import ModelConfig
 
 
 @dataclass
-class _ChunkGroup:
+class ChunkGroup:
     """Chunks attended in one padded SDPA call: [G chunks, Q query rows, L context keys]."""
 
     rows: torch.Tensor  # [G, Q] row of each query (padding repeats the chunk's first row)
     valid: torch.Tensor | None  # [G, Q] bool; None when no padding
     slots: torch.Tensor  # [G, L] KV slot of each context position
     mask: torch.Tensor  # [G, 1, Q, L] bool: True = may attend
+    whole: bool = False  # the rows are every row of the batch, in order: no gather or scatter of queries
+    context: torch.Tensor | None = (
+        None  # [S] flat (g, j) of the positions inside their chunk's context; None: all
+    )
 
 
 @dataclass
 class AttnPlan:
     """Gather indices and masks derived from the chunk metadata; the same for every block of one step."""
 
-    groups: list[_ChunkGroup]
+    groups: list[ChunkGroup]
 
     def to(self, device: torch.device) -> AttnPlan:
         """The plan's indices and masks on `device` (built on the host, used where the KV cache is)."""
@@ -39,7 +43,10 @@ class AttnPlan:
             return None if t is None else t.to(device, non_blocking=True)
 
         return AttnPlan(
-            [_ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask)) for g in self.groups]
+            [
+                ChunkGroup(put(g.rows), put(g.valid), put(g.slots), put(g.mask), g.whole, put(g.context))
+                for g in self.groups
+            ]
         )
 
     @classmethod
@@ -86,7 +93,14 @@ def _group(chunks, positions, cu_rows, q_lens, context_lens, block_tables, block
     mask = (j <= qpos[..., None]) & (j < ctx[:, None, None])  # [G, Q, L]
     if sliding_window is not None:
         mask &= j > qpos[..., None] - sliding_window  # HF: kv_idx > q_idx - sliding_window
-    return _ChunkGroup(rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None])
+    whole = rows.numel() == positions.numel() and bool((rows.flatten() == torch.arange(rows.numel())).all())
+    in_context = (
+        j[None, :] < ctx[:, None]
+    ).flatten()  # [G * L]: padding past a shorter chunk's context is not
+    return ChunkGroup(
+        rows=rows, valid=None if bool(valid.all()) else valid, slots=slots, mask=mask[:, None], whole=whole,
+        context=None if bool(in_context.all()) else in_context.nonzero().flatten(),
+    )  # fmt: skip
 
 
 @dataclass
@@ -109,80 +123,76 @@ class AttnInput:
 class AttnOutput:
     residual: torch.Tensor  # [N, H] after the attention add
     moe_input: torch.Tensor  # [N, H] post-attention RMSNorm
-    topk_ids: torch.Tensor  # [N, K] int64
-    topk_weights: torch.Tensor  # [N, K] float32
+    topk_ids: torch.Tensor  # [N, K'] int64 (K' = top-k, plus the shared expert)
+    topk_weights: torch.Tensor  # [N, K'] float32
 
 
-class AttentionLayer:
-    """Attention of block `block` (with its router); block 0 also embeds token ids."""
+def linear_bias(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    return w.get(f"{name}.bias")
+
+
+class GQAttention:
+    """Grouped-query attention of decoder layer `layer`: x [N, H] (normed) → [N, H] after o_proj, writing this
+    chunk's K/V at its slots first."""
 
     def __init__(
-        self, block: int, cfg: ModelConfig, weights: AttentionWeights, embed: torch.Tensor | None = None
+        self, layer: int, cfg: ModelConfig, w: dict[str, torch.Tensor], rope: RotaryEmbedding
     ) -> None:
-        if block == 0 and embed is None:
-            raise ValueError("the attention layer of block 0 needs the embedding table")
-        self.block = block
-        self.cfg = cfg
-        self.embed = embed  # [V, H] for block 0
-        self.input_norm, self.post_norm = weights.input_norm, weights.post_norm  # [H]
+        self.layer, self.cfg, self.rope = layer, cfg, rope
+        names = ("q_proj", "k_proj", "v_proj")
         # One matmul instead of three: decode batches are small, so per-call overhead matters.
-        self.qkv_proj = torch.cat([weights.q_proj, weights.k_proj, weights.v_proj])  # [(heads + 2 kv) * D, H]
-        self._qkv_sizes = [weights.q_proj.shape[0], weights.k_proj.shape[0], weights.v_proj.shape[0]]
-        self.o_proj = weights.o_proj  # [H, heads * D]
-        self.router = weights.router  # [E, H]
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, self.o_proj.device)
+        self.qkv_proj = torch.cat([w[f"{n}.weight"] for n in names])  # [(heads + 2 kv) * D, H]
+        self.qkv_bias = torch.cat([w[f"{n}.bias"] for n in names]) if cfg.attention_bias else None
+        self._sizes = [w[f"{n}.weight"].shape[0] for n in names]
+        self.o_proj, self.o_bias = w["o_proj.weight"], linear_bias(w, "o_proj")  # [H, heads * D]
+        self.q_norm, self.k_norm = w.get("q_norm.weight"), w.get("k_norm.weight")
+        self.scale = cfg.head_dim**-0.5  # as transformers passes it (not SDPA's own 1/sqrt(D))
 
-    def forward(self, inp: AttnInput, kv: PagedKVCache) -> AttnOutput:
-        """Merge, attend (writing this chunk's K/V at inp.slot_mapping first), add, norm and route."""
-        hidden = self._input_hidden(inp)  # [N, H]
-        attn = self._attend(rms_norm(hidden, self.input_norm, self.cfg.rms_norm_eps), inp, kv)
-        residual = hidden + F.linear(attn, self.o_proj)  # [N, H]
-        moe_input = rms_norm(residual, self.post_norm, self.cfg.rms_norm_eps)
-        topk_ids, topk_weights = route(moe_input, self.router, self.cfg.top_k)
-        return AttnOutput(
-            residual=residual, moe_input=moe_input, topk_ids=topk_ids, topk_weights=topk_weights
-        )
-
-    __call__ = forward
-
-    def _input_hidden(self, inp: AttnInput) -> torch.Tensor:
-        if self.block == 0:
-            return F.embedding(inp.token_ids, self.embed)
-        return merge_expert_outputs(inp.residual, inp.expert_out, inp.expert_ids)
-
-    def _attend(self, x: torch.Tensor, inp: AttnInput, kv: PagedKVCache) -> torch.Tensor:
-        """x [N, H] → attention output [N, heads * D] (before o_proj)."""
-        n, d = x.shape[0], self.cfg.head_dim
-        qkv = F.linear(x, self.qkv_proj)  # [N, (heads + 2 * kv_heads) * D]
-        q, k, v = qkv.split(self._qkv_sizes, dim=-1)
-        q, k, v = q.view(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)  # [N, heads | kv_heads, D]
-        cos, sin = self.rope.cos_sin(inp.positions, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(self.block, inp.slot_mapping, k, v)
-        plan = inp.plan or AttnPlan.build(
-            inp.positions,
-            inp.cu_rows,
-            inp.context_lens,
-            inp.block_tables,
-            kv.block_size,
-            self.cfg.sliding_window,
-        )
+    def __call__(
+        self, x: torch.Tensor, inp: AttnInput, kv: PagedKVCache, table, plan: AttnPlan
+    ) -> torch.Tensor:
+        n, d, cfg = x.shape[0], self.cfg.head_dim, self.cfg
+        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(self._sizes, dim=-1)
+        if cfg.qk_norm == "proj":  # OLMoE: over the whole projection, before the split into heads
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)  # [N, heads | kv_heads, D]
+        if cfg.qk_norm == "head":  # Qwen3: per head
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = self.rope.apply(q, table), self.rope.apply(k, table)
+        kv.write(self.layer, inp.slot_mapping, k, v)
         out = torch.empty_like(q)  # [N, heads, D]
         for group in plan.groups:
             self._attend_group(q, kv, group, out)
-        return out.view(n, -1)
+        return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
 
-    def _attend_group(self, q: torch.Tensor, kv: PagedKVCache, g: _ChunkGroup, out: torch.Tensor) -> None:
-        keys, values = kv.gather(self.block, g.slots)  # [G, L, kv_heads, D]
-        queries = q.index_select(0, g.rows.flatten()).view(*g.rows.shape, *q.shape[1:])  # [G, Q, heads, D]
+    def _attend_group(self, q: torch.Tensor, kv: PagedKVCache, g: ChunkGroup, out: torch.Tensor) -> None:
+        keys, values = kv.gather(self.layer, g.slots)  # [G, L, kv_heads, D]
+        queries = gather_rows(q, g)  # [G, Q, heads, D]
         o = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [G, heads, Q, D]
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=g.mask,
             enable_gqa=True,
+            scale=self.scale,
         ).transpose(1, 2)  # [G, Q, heads, D]
-        if g.valid is None:
-            out.index_copy_(0, g.rows.flatten(), o.flatten(0, 1))
-        else:
-            out[g.rows[g.valid]] = o[g.valid]
+        scatter_rows(out, g, o)
+
+
+def gather_rows(q: torch.Tensor, g: ChunkGroup) -> torch.Tensor:
+    """The group's query rows of q [N, ...] as [G, Q, ...]."""
+    if g.whole:
+        return q.view(*g.rows.shape, *q.shape[1:])
+    return q.index_select(0, g.rows.flatten()).view(*g.rows.shape, *q.shape[1:])
+
+
+def scatter_rows(out: torch.Tensor, g: ChunkGroup, o: torch.Tensor) -> None:
+    """Each query row's output [G, Q, ...] back to its row of `out` [N, ...] (padding rows dropped)."""
+    if g.whole:
+        out.copy_(o.reshape(out.shape))
+    elif g.valid is None:
+        out.index_copy_(0, g.rows.flatten(), o.flatten(0, 1))
+    else:
+        out[g.rows[g.valid]] = o[g.valid]

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from amoe.device import torch_dtype
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
-from amoe.model.config import ModelConfig
+from amoe.model.config import ModelConfig, model_config_from_hf
+from amoe.model.families import family
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +116,19 @@ def load_attention_rank_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> W.AttentionRankWeights:
-    """Embedding, attention + router of every block, final norm and lm_head; no expert tensor is read."""
+    """Embedding, every layer's attention side (norms, attention, router or dense MLP), final norm and lm_head;
+    no expert tensor is read."""
     dtype = dtype or torch_dtype(cfg.dtype)
     with CheckpointReader(model_dir, device) as reader:
         embed = reader.read(W.EMBED, (cfg.vocab_size, cfg.hidden_size), dtype)
-        blocks = [_read_attention_block(reader, cfg, b, dtype) for b in range(cfg.num_blocks)]
+        layers = [_read_layer(reader, cfg, layer, dtype) for layer in range(cfg.num_layers)]
         final_norm = reader.read(W.FINAL_NORM, (cfg.hidden_size,), dtype)
         if cfg.tie_word_embeddings:
             lm_head = embed
         else:
             lm_head = reader.read(W.LM_HEAD, (cfg.vocab_size, cfg.hidden_size), dtype)
-    logger.info("[model] loaded attention weights of %d blocks from %s", cfg.num_blocks, model_dir)
-    return W.AttentionRankWeights(embed=embed, blocks=blocks, final_norm=final_norm, lm_head=lm_head)
+    logger.info("[model] loaded attention weights of %d layers from %s", cfg.num_layers, model_dir)
+    return W.AttentionRankWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
 def load_expert_weights(
@@ -137,13 +139,15 @@ def load_expert_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> dict[tuple[int, int], W.ExpertWeights]:
-    """The given experts of the given blocks (default: every block), keyed by (block, expert)."""
+    """The given experts of the given blocks (default: every block), keyed by (block, expert); expert id
+    num_experts is the shared expert."""
     dtype = dtype or torch_dtype(cfg.dtype)
     experts = sorted(set(experts))
-    bad = [e for e in experts if not 0 <= e < cfg.num_experts]
+    bad = [e for e in experts if not 0 <= e < cfg.num_expert_ids]
     if bad:
+        shared = f" + {cfg.num_shared_experts} shared" if cfg.num_shared_experts else ""
         raise ModelLoadError(
-            f"{model_dir}: expert {bad[0]} does not exist (num_local_experts={cfg.num_experts})"
+            f"{model_dir}: expert {bad[0]} does not exist (num_local_experts={cfg.num_experts}{shared})"
         )
     block_ids = range(cfg.num_blocks) if blocks is None else sorted(set(blocks))
     with CheckpointReader(model_dir, device) as reader:
@@ -152,45 +156,63 @@ def load_expert_weights(
     return loaded
 
 
-def _read_attention_block(reader: CheckpointReader, cfg: ModelConfig, block: int, dtype: torch.dtype):
-    shapes = W.attention_block_shapes(cfg, block)
-    router = W.router_name(block)
-    if not reader.has(router) and reader.has(W.router_name(block, fused=True)):
-        shapes[W.router_name(block, fused=True)] = shapes.pop(router)
-        router = W.router_name(block, fused=True)
-    t = {name: reader.read(name, shape, dtype) for name, shape in shapes.items()}
-    p = W.block_prefix(block)
-    return W.AttentionWeights(
+def _present(reader: CheckpointReader, name: str) -> str:
+    """`name`, or its transformers-5 in-memory spelling (Mixtral's `block_sparse_moe` is `mlp` there)."""
+    alias = name.replace(".block_sparse_moe.", ".mlp.")
+    return alias if not reader.has(name) and reader.has(alias) else name
+
+
+def _read_layer(reader: CheckpointReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> W.LayerWeights:
+    fam, p = family(cfg.architecture), W.layer_prefix(layer)
+    # DeepSeek keeps its router in float32 whatever the model dtype (transformers: _keep_in_fp32_modules).
+    router_dtype = torch.float32 if cfg.router.method != "softmax" else dtype
+    t = {}
+    for name, shape in W.layer_shapes(cfg, layer).items():
+        routing = name.startswith(p + fam.moe + ".gate.")
+        t[name] = reader.read(_present(reader, name), shape, router_dtype if routing else dtype)
+    attention = {
+        name.removeprefix(p + "self_attn."): v for name, v in t.items() if name.startswith(p + "self_attn.")
+    }
+    mlp = None
+    if layer in cfg.dense_layers:
+        gate, up, down = (t[f"{p}mlp.{proj}.weight"] for proj in fam.expert_projs)
+        mlp = W.ExpertWeights(gate_up=torch.cat([gate, up]), down=down)
+    return W.LayerWeights(
         input_norm=t[p + "input_layernorm.weight"],
-        q_proj=t[p + "self_attn.q_proj.weight"],
-        k_proj=t[p + "self_attn.k_proj.weight"],
-        v_proj=t[p + "self_attn.v_proj.weight"],
-        o_proj=t[p + "self_attn.o_proj.weight"],
         post_norm=t[p + "post_attention_layernorm.weight"],
-        router=t[router],
+        attention=attention,
+        mlp=mlp,
+        router=t.get(W.router_name(fam, layer)),
+        router_bias=t.get(W.router_name(fam, layer, W.ROUTER_BIAS)),
+        shared_gate=t.get(f"{p}{fam.shared_gate}.weight") if cfg.shared_gate else None,
     )
 
 
 def _read_expert(reader: CheckpointReader, cfg: ModelConfig, block: int, expert: int, dtype: torch.dtype):
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    gate_up_fused = W.fused_expert_name(block, "gate_up_proj")
-    if not reader.has(W.expert_name(block, expert, "w1")) and reader.has(gate_up_fused):
-        return W.ExpertWeights(
-            gate_up=reader.read(gate_up_fused, (2 * i, h), dtype, index=expert),
-            down=reader.read(W.fused_expert_name(block, "down_proj"), (h, i), dtype, index=expert),
-        )
     shapes = W.expert_shapes(cfg, block, expert)
-    w1, w3, w2 = (reader.read(name, shape, dtype) for name, shape in shapes.items())
-    return W.ExpertWeights(gate_up=torch.cat([w1, w3], dim=0), down=w2)
+    (gate, gate_shape), (up, _), (down, down_shape) = shapes.items()
+    if expert < cfg.num_experts and not reader.has(_present(reader, gate)):
+        packed_gate_up, packed_down = W.packed_expert_names(cfg, block)
+        if reader.has(packed_gate_up):  # transformers' packed layout: one [E, ...] tensor per projection
+            return W.ExpertWeights(
+                gate_up=reader.read(packed_gate_up, (2 * gate_shape[0], gate_shape[1]), dtype, index=expert),
+                down=reader.read(packed_down, down_shape, dtype, index=expert),
+            )
+    w_gate, w_up, w_down = (
+        reader.read(_present(reader, name), shape, dtype) for name, shape in shapes.items()
+    )
+    return W.ExpertWeights(gate_up=torch.cat([w_gate, w_up], dim=0), down=w_down)
 
 
 def write_random_checkpoint(
     hf_config: dict[str, Any], out_dir: str | Path, seed: int, shards: int = 1
 ) -> Path:
-    """Deterministic random float32 weights under canonical Mixtral names, plus config.json; returns out_dir."""
-    hf_config = {**hf_config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
-    hf_config.update(dtype="float32", torch_dtype="float32")
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    """Deterministic random float32 weights of any supported family, named as transformers saves them (one
+    tensor per expert), plus config.json; returns out_dir. A config without `architectures` is a Mixtral."""
+    if not hf_config.get("architectures") and not hf_config.get("model_type"):
+        hf_config = {**hf_config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    hf_config = {**hf_config, "dtype": "float32", "torch_dtype": "float32"}
+    cfg = model_config_from_hf(hf_config)
     std = float(hf_config.get("initializer_range", 0.02))
     gen = torch.Generator().manual_seed(seed)
     tensors = {name: _random_tensor(name, shape, std, gen) for name, shape in W.canonical_shapes(cfg).items()}
@@ -206,6 +228,9 @@ def _random_tensor(name: str, shape: W.Shape, std: float, gen: torch.Generator) 
     if name.endswith("norm.weight"):
         # Norm weights near 1 but not exactly, so a wrong or missing norm changes the output.
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(W.ROUTER_BIAS):
+        # Large enough against the sigmoid scores' spread to change which experts win.
+        return 0.05 * torch.randn(shape, generator=gen)
     return std * torch.randn(shape, generator=gen)
 
 

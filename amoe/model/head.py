@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from amoe.model.config import ModelConfig
 from amoe.model.moe import merge_expert_outputs
 from amoe.model.ops import rms_norm
+from amoe.model.spec import ModelConfig
 
 
 class Head:

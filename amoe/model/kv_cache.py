@@ -8,6 +8,7 @@ from collections import deque
 import torch
 
 from amoe.errors import AmoeError
+from amoe.model.spec import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,51 @@ class PagedKVCache:
         return self.key[layer].index_select(0, flat).view(shape), self.value[layer].index_select(
             0, flat
         ).view(shape)
+
+
+class LatentKVCache:
+    """MLA's cache (DeepSeek): per layer and slot, the normalised compressed latent and the rotated rope key
+    side by side, [slots, kv_lora_rank + qk_rope_head_dim] — what every head's keys and values are decoded from."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_blocks: int,
+        block_size: int,
+        width: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.entries = [
+            torch.zeros(num_kv_blocks * block_size, width, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+        """Store this chunk's [n, width] entries at its slots ([n])."""
+        self.entries[layer].index_copy_(0, slot_mapping, entries)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The entries at `slots` (any shape S) → [*S, width]."""
+        return self.entries[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+
+
+def kv_cache_for(
+    cfg: ModelConfig,
+    num_kv_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> PagedKVCache | LatentKVCache:
+    """The cache of every decoder layer of `cfg`: K/V heads, or MLA's latent (cfg.kv_elements_per_token each)."""
+    if cfg.mla is not None:
+        width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        return LatentKVCache(cfg.num_layers, num_kv_blocks, block_size, width, dtype, device)
+    return PagedKVCache(
+        cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    )
 
 
 class BlockManager:

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import torch
 
-from amoe.model.attention import AttentionLayer, AttnInput, AttnOutput, AttnPlan
+from amoe.model.attention import AttnInput, AttnOutput, AttnPlan
+from amoe.model.block import AttentionLayer, DecoderLayer
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
-from amoe.model.config import ModelConfig
 from amoe.model.head import Head
 from amoe.model.moe import ExpertLayer
+from amoe.model.ops import RotaryEmbedding
+from amoe.model.spec import ModelConfig
 
 __all__ = [
     "AttentionLayer",
@@ -28,7 +30,7 @@ __all__ = [
 
 @dataclass
 class AttentionRank:
-    """An attention rank's model: every block's attention (block 0 embeds) and the head."""
+    """An attention rank's model: every block's attention step (block 0 embeds) and the head."""
 
     layers: list[AttentionLayer]
     head: Head
@@ -40,10 +42,17 @@ def build_attention_rank(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> AttentionRank:
-    """Load embedding, attention and router weights of all blocks, final norm and lm_head (onto `device`, one
-    tensor at a time); no expert weights."""
+    """Load embedding, every layer's attention side (routers, dense MLPs), final norm and lm_head (onto `device`,
+    one tensor at a time); no expert weights."""
     w = load_attention_rank_weights(model_dir, cfg, dtype, device)
-    layers = [AttentionLayer(b, cfg, bw, embed=w.embed if b == 0 else None) for b, bw in enumerate(w.blocks)]
+    rope = RotaryEmbedding(cfg, w.embed.device)
+    decoder = [DecoderLayer(layer, cfg, lw, rope) for layer, lw in enumerate(w.layers)]
+    layers = [
+        AttentionLayer(
+            b, cfg, [decoder[i] for i in cfg.block_layers(b)], rope, embed=w.embed if b == 0 else None
+        )
+        for b in range(cfg.num_blocks)
+    ]
     return AttentionRank(layers=layers, head=Head(cfg, w.final_norm, w.lm_head))
 
 
@@ -54,6 +63,7 @@ def build_expert_layers(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> dict[tuple[int, int], ExpertLayer]:
-    """Expert layers (block, expert) for the given experts of every block, on `device`."""
+    """Expert layers (block, expert) for the given experts of every block, on `device` (id num_experts: the
+    shared expert, run as transformers runs an MLP)."""
     loaded = load_expert_weights(model_dir, cfg, experts, dtype=dtype, device=device)
-    return {(b, e): ExpertLayer(b, e, w) for (b, e), w in loaded.items()}
+    return {(b, e): ExpertLayer(b, e, w, fused=e < cfg.num_experts) for (b, e), w in loaded.items()}

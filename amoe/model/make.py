@@ -1,4 +1,4 @@
-"""Random-weight checkpoints in the Hugging Face Mixtral layout (weights, tokenizer, generation config)."""
+"""Random-weight checkpoints in the Hugging Face layout of any family (weights, tokenizer, generation config)."""
 
 from __future__ import annotations
 

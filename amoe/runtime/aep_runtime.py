@@ -32,15 +32,15 @@ class Runtime:
         self.config = AmoeConfig.from_dict(spec.config)
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
-        self.placement = build.placement(self.config, cfg.num_experts)
+        self.placement = build.placement(self.config, cfg.num_expert_ids)
         self.device = build.device(
             self.config, self.id
         )  # current before any CUDA work (the NCCL group's too)
         self.comm = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
         self.engine = core.Engine(
             core.engine_config(
-                self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts,
-                top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
+                self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
+                top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
                 track_requests=self.role == "attention",
             ),
             self.comm,

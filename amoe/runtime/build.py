@@ -9,6 +9,7 @@ runtime's Hello, and never builds any of this.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from amoe import device as devices
@@ -67,7 +68,7 @@ def dtype(config: AmoeConfig, cfg: ModelConfig, dev: Device):
 def num_kv_blocks(
     config: AmoeConfig,
     em: Emulation | None,
-    num_local_experts: int = 0,
+    local_experts: Sequence[int] = (),
     *,
     cfg: ModelConfig | None = None,
     dev: Device | None = None,
@@ -77,7 +78,7 @@ def num_kv_blocks(
     attention weights and, in EP, the experts sharing the GPU; else what `--gpu-memory-utilization` of this
     runtime's device leaves beside the weights it has loaded (call it after loading them)."""
     if em is not None:
-        return em.num_kv_blocks(config.cache.block_size, num_local_experts)
+        return em.num_kv_blocks(config.cache.block_size, local_experts)
     bs, limit = config.cache.block_size, _model_limit(config, cfg)
     if config.cache.num_kv_blocks is not None:
         blocks = config.cache.num_kv_blocks
@@ -104,7 +105,7 @@ def kv_budget(config: AmoeConfig, cfg: ModelConfig, dev: Device, share: int) -> 
     return devices.kv_budget(
         dev,
         block_bytes=devices.kv_block_bytes(
-            cfg.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype(config, cfg, dev)
+            cfg.num_layers, bs, cfg.kv_elements_per_token, dtype(config, cfg, dev)
         ),
         utilization=config.device.memory_utilization,
         share=share,
@@ -129,7 +130,7 @@ def attention_executor(
     model_dir,
     cfg: ModelConfig,
     em: Emulation | None,
-    num_local_experts: int = 0,
+    local_experts: Sequence[int] = (),
     dev: Device = devices.CPU,
     runtime: int = 0,
 ) -> AttentionExecutor:
@@ -140,7 +141,7 @@ def attention_executor(
         from amoe.model.layers import build_attention_rank
 
         model = build_attention_rank(model_dir, cfg, dtype(config, cfg, dev), dev.torch)
-    blocks = num_kv_blocks(config, em, num_local_experts, cfg=cfg, dev=dev, runtime=runtime)
+    blocks = num_kv_blocks(config, em, local_experts, cfg=cfg, dev=dev, runtime=runtime)
     requests = RankRequests(
         vocab_size=cfg.vocab_size,
         eos_token_ids=cfg.stop_token_ids,

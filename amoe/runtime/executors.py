@@ -18,7 +18,7 @@ from amoe import core
 from amoe.device import CPU, Device
 from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
-from amoe.model.kv_cache import PagedKVCache
+from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
 from amoe.model.sampler import Sampler
 from amoe.runtime.requests import RankRequest, RankRequests
@@ -55,7 +55,7 @@ class AttentionExecutor:
         self.compute = compute
         self.num_blocks = cfg.num_blocks
         # Tokens routed per (block, expert), for the runtime stats; only ever grows, so a racing read is safe.
-        self.routed = torch.zeros(cfg.num_blocks, cfg.num_experts, dtype=torch.int64)
+        self.routed = torch.zeros(cfg.num_blocks, cfg.num_expert_ids, dtype=torch.int64)
 
     @torch.inference_mode()
     def run(self, batch: core.Batch):
@@ -110,9 +110,7 @@ class TorchAttention:
         self.block_size = block_size
         self.device = device
         dtype = model.head.lm_head.dtype
-        self.kv = PagedKVCache(
-            cfg.num_blocks, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device.torch
-        )
+        self.kv = kv_cache_for(cfg, num_kv_blocks, block_size, dtype, device.torch)
         self.sampler = Sampler()
 
     def attend(self, batch: core.Batch, request_ids: list[int], requests: RankRequests):

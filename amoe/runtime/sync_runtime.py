@@ -36,7 +36,7 @@ class SyncRuntime:
         self.mode = self.config.parallel.mode
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
-        self.placement = place = build.placement(self.config, cfg.num_experts)
+        self.placement = place = build.placement(self.config, cfg.num_expert_ids)
         self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
         self.comm = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
@@ -55,7 +55,7 @@ class SyncRuntime:
         if hosted:  # first: in EP the KV cache gets what the experts leave of the device's memory
             experts = build.expert_executor(self.config, model_dir, cfg, hosted, em, self.gpu)
         if rank is not None:
-            local = len(hosted) if self.mode == "ep" else 0  # EP: the experts share the GPU's memory
+            local = hosted if self.mode == "ep" else []  # EP: the experts share the GPU's memory
             attention = build.attention_executor(
                 self.config, model_dir, cfg, em, local, dev=self.gpu, runtime=self.id
             )

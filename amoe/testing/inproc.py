@@ -54,14 +54,14 @@ class InProcessCluster:
         if num_kv_blocks is None:
             num_kv_blocks = emulation.num_kv_blocks(block_size) if emulation is not None else 256
         self.model_config = cfg
-        self.placement = Placement.disaggregated(num_attn_ranks, num_expert_ranks, cfg.num_experts)
+        self.placement = Placement.disaggregated(num_attn_ranks, num_expert_ranks, cfg.num_expert_ids)
         hub = core.LoopbackHub(self.placement.num_runtimes)
         self.engines, self.executors = [], []
         max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
         for runtime in range(self.placement.num_runtimes):
             ecfg = core.engine_config(
-                runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_experts,
-                top_k=cfg.top_k, hidden=cfg.hidden_size, scheduler=scheduler, track_requests=True,
+                runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
+                top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=scheduler, track_requests=True,
             )  # fmt: skip
             engine = core.Engine(ecfg, hub.communicator(runtime))
             if ecfg.is_attention:

@@ -60,9 +60,9 @@ class SyncCluster:
         self.options = {"timeout_s": timeout_s, "poll_s": poll_s}
         if mode == "pingpong":
             self.options["micro_batches"] = micro_batches
-            place = Placement.disaggregated(num_attn, num_expert, cfg.num_experts)
+            place = Placement.disaggregated(num_attn, num_expert, cfg.num_expert_ids)
         else:
-            place = Placement.expert_parallel(num_devices, cfg.num_experts)
+            place = Placement.expert_parallel(num_devices, cfg.num_expert_ids)
         self.devices = [self._device(rank, place, max_batch_rows) for rank in range(place.num_runtimes)]
         self.hub = core.LoopbackHub(len(self.devices))
         self._stop = threading.Event()

@@ -47,7 +47,7 @@ class SyncDevice:
         self.attn_rank = attn_rank
         self.max_batch_rows = max_batch_rows
         self.hosted_experts = [e for e, d in enumerate(self.expert_device) if d == rank]
-        self.stats = SyncStats(cfg.num_blocks, cfg.num_experts)
+        self.stats = SyncStats(cfg.num_blocks, cfg.num_expert_ids)
         self._failures: list[HeadOutput] = []  # loop thread only
 
     @property

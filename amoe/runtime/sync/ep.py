@@ -67,7 +67,7 @@ def _iteration(
 def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor | None, Routed]:
     out = device.attend(step) if step is not None else None
     if out is None:  # nothing here this iteration, or its layer failed: still a party to every all-to-all
-        return None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
+        return None, Routed.empty(device.cfg.hidden_size, device.cfg.experts_per_token)
     residual, moe_input, ids, weights = out
     return residual, Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
 

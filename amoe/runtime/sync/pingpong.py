@@ -108,7 +108,7 @@ def _attend_and_send(
 ) -> None:
     out = device.attend(step) if step is not None else None
     if out is None:  # an empty (or just failed) micro-batch still sends every expert device its (empty) part
-        mb.residual, mb.routed = None, Routed.empty(device.cfg.hidden_size, device.cfg.top_k)
+        mb.residual, mb.routed = None, Routed.empty(device.cfg.hidden_size, device.cfg.experts_per_token)
         mb.batch = None  # a failed one has ended its requests: it goes on without rows
     else:
         mb.residual, moe_input, ids, weights = out
