@@ -106,9 +106,11 @@ class TokenOut(_Msg, tag=5):
 
 
 class Welcome(_Msg, tag=16):
-    """The peer table: every runtime's data endpoint, indexed by runtime id."""
+    """The peer table: every runtime's data endpoint, indexed by runtime id, and the generation of the process
+    behind it (0 first, +1 per replacement: a gloo / nccl pair's groups are keyed by both members')."""
 
     endpoints: list[Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]]
+    generations: list[Count] = []
 
 
 class WireSampling(msgspec.Struct, array_like=True, frozen=True):
@@ -147,6 +149,7 @@ class Reconnect(_Msg, tag=20):
 
     runtime: RuntimeId
     endpoint: Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]
+    generation: Count = 0  # the new process's (see Welcome)
 
 
 # ---- node agent ↔ coordinator (multi-node)
@@ -264,6 +267,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     secure_bind: str | None = None
     curve: dict[str, str] | None = None
     startup_timeout_s: float = 300.0
+    generation: int = 0  # of this process of its rank: 0 first, +1 per replacement (see Welcome)
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:
