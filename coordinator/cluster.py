@@ -5,12 +5,13 @@ all at the end.
 Everything runs on the API's asyncio event loop: one ROUTER socket (zmq.asyncio), a reader task that checks and
 handles runtime messages, and a watchdog task that polls each process, its heartbeat age and its loop's progress.
 
-Self-healing (`--parallel aep`, docs/serve.md "Self-healing"): a lost runtime is killed if still there and started
-again in the same role with the same experts or DP rank; when it says Hello it gets the peer table, and every
-survivor is told its new endpoint (Reconnect), so nobody else restarts. Attention survivors then ask it again for
-the expert outputs the old process never answered; the backend re-admits a lost attention rank's requests once the
-replacement is Ready. Past `server.max_restarts` in `server.restart_window_s` (or in a synchronous mode, whose
-devices cannot rejoin a running group) the cluster fails instead.
+Self-healing (`--parallel aep` on every transport, docs/healing.md): a lost runtime is killed if still there and
+started again in the same role with the same experts or DP rank, as the next generation of its rank; when it says
+Hello it gets the peer table (endpoints and generations), and every survivor is told its new endpoint and generation
+(Reconnect), so nobody else restarts (on gloo / nccl the pair's new groups are keyed by both generations). Attention
+survivors then ask it again for the expert outputs the old process never answered; the backend re-admits a lost
+attention rank's requests once the replacement is Ready. Past `server.max_restarts` in `server.restart_window_s`
+(or in a synchronous mode, whose devices cannot rejoin a running group) the cluster fails instead.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class ClusterManager:
         self._startup_timeout_s = startup_timeout_s
         # A dead runtime stops beating; process exit is noticed sooner by polling.
         self._heartbeat_timeout_s = max(config.transport.timeout_s, 5.0)
-        # Only an AEP runtime can rejoin a running cluster: a synchronous group has no place for a newcomer.
-        self._heals = config.parallel.mode == "aep" and config.tensor_plane == "inline"
+        # Only an AEP runtime can rejoin a running cluster: a synchronous group has no place for a newcomer. The
+        # tensor plane does not matter: gloo / nccl groups are per pair, and a replacement gets new ones.
+        self._heals = config.parallel.mode == "aep"
         self._budget = RestartBudget(config.server.max_restarts, config.server.restart_window_s)
         self.runtimes: list[RuntimeProc] = []
         self.failure: str | None = None
@@ -122,6 +124,12 @@ class ClusterManager:
             logger.info("starting %d %s runtimes (%d attention, %d expert)", len(self.roles),
                         self.config.parallel.mode, self.roles.count("attention"),
                         self.roles.count("expert"))  # fmt: skip
+            if not self._heals:
+                logger.warning(
+                    "self-healing is off: --parallel %s runs its runtimes in lock-step, so a lost one cannot "
+                    "rejoin; it fails the cluster (requests end with a retryable 503, the server drains and "
+                    "exits 1); --parallel aep replaces lost runtimes", self.config.parallel.mode,
+                )  # fmt: skip
             for runtime, role in enumerate(self.roles):
                 self.runtimes.append(RuntimeProc(runtime, role, self._launcher.spawn(runtime, role)))
             await self._wait_for(lambda r: r.endpoint is not None, "load its weights")
@@ -210,7 +218,9 @@ class ClusterManager:
 
     def _welcome(self, viewer: int) -> wire.Welcome:
         """The peer table of runtime `viewer`: how it reaches every runtime."""
-        return wire.Welcome([self._reach(viewer, r) for r in self.runtimes])
+        return wire.Welcome(
+            [self._reach(viewer, r) for r in self.runtimes], [r.generation for r in self.runtimes]
+        )
 
     def _reach(self, viewer: int, peer: RuntimeProc) -> str:
         """How runtime `viewer` reaches `peer`: its ipc endpoint on the same host, its CURVE one (multi-node)
@@ -299,6 +309,7 @@ class ClusterManager:
             msg.num_kv_blocks,
         )
         runtime.secure_endpoint = msg.secure_endpoint
+        runtime.generation = runtime.spawned  # its process is the one spawned last (the others were killed)
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
         if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
@@ -311,7 +322,8 @@ class ClusterManager:
         self.send(runtime.id, self._welcome(runtime.id))
         for other in self.runtimes:
             if other is not runtime:
-                self.send(other.id, wire.Reconnect(runtime.id, self._reach(other.id, runtime)))
+                reach = self._reach(other.id, runtime)
+                self.send(other.id, wire.Reconnect(runtime.id, reach, runtime.generation))
 
     def _beat(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
         """A heartbeat's report: stats for /metrics, KV in use, the loop's progress, and peers it lost."""
@@ -399,7 +411,8 @@ class ClusterManager:
         if runtime.proc.poll() is None:
             runtime.proc.kill()  # a stopped (SIGSTOP) or wedged process too: SIGKILL needs no cooperation
         _reap_later(runtime.proc)
-        runtime.proc = self._launcher.spawn(runtime.id, runtime.role)
+        runtime.spawned += 1
+        runtime.proc = self._launcher.spawn(runtime.id, runtime.role, generation=runtime.spawned)
         runtime.last_seen = runtime.progressed = time.monotonic()
         runtime.polls = 0
         if first:

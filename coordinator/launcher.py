@@ -43,7 +43,8 @@ class LocalLauncher:
         # Multi-node: each runtime also listens on node_ip over CURVE for peers on other hosts.
         self.keys, self.node_ip = keys, node_ip
 
-    def spawn(self, runtime: int, role: str) -> subprocess.Popen:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> subprocess.Popen:
+        """Runtime `runtime`'s process number `generation` (0 first, +1 per replacement)."""
         # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
         # the network for it and the coordinator needs no torch.
         store = os.path.join(self.run_dir, "rendezvous") if self.config.tensor_plane != "inline" else None
@@ -56,7 +57,7 @@ class LocalLauncher:
             data_bind=f"ipc://{data}" if self.tcp_host is None else f"{self.tcp_host}:0",
             startup_timeout_s=self.startup_timeout_s,
             secure_bind=f"tcp://{self.node_ip}:0" if self.keys is not None else None,
-            curve=self.keys.as_dict() if self.keys is not None else None,
+            curve=self.keys.as_dict() if self.keys is not None else None, generation=generation,
         )  # fmt: skip
         proc = subprocess.Popen(
             [sys.executable, "-m", "amoe.runtime.worker"], stdin=subprocess.PIPE, close_fds=True

@@ -268,10 +268,10 @@ class NodeLauncher:
     def __init__(self, nodes: Nodes, local: Any) -> None:
         self.nodes, self.local = nodes, local
 
-    def spawn(self, runtime: int, role: str) -> Any:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> Any:
         node = self.nodes.node_of[runtime]
         if node == 0:
-            return self.local.spawn(runtime, role)
+            return self.local.spawn(runtime, role, generation)
         return self.nodes.agents[node].spawn(runtime, role)
 
 

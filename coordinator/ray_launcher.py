@@ -102,7 +102,8 @@ class RayLauncher:
         """This (the coordinator's) Ray node's address: where the CURVE control endpoint binds."""
         return self._ray.util.get_node_ip_address()
 
-    def spawn(self, runtime: int, role: str) -> RayProc:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RayProc:
+        """Runtime `runtime` as an actor in its bundle (`generation` unused: a Ray cluster runs the inline plane)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=runtime)
