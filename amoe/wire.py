@@ -61,6 +61,7 @@ class Hello(_Msg, tag=1):
     vocab_size: Annotated[int, Meta(ge=1, le=2**31 - 1)]
     # Multi-node: its CURVE tcp:// endpoint for peers on other hosts (`endpoint` stays for those on its own)
     secure_endpoint: Endpoint | None = None
+    generation: Count = 0  # of this process of its rank (WorkerSpec.generation): what its peers are told
 
 
 class Ready(_Msg, tag=2):
@@ -186,6 +187,7 @@ class Spawn(_Msg, tag=35):
     seq: Count
     config: dict[str, Any]
     startup_timeout_s: Seconds
+    generation: Count = 0  # of this process of its rank (WorkerSpec.generation)
 
 
 class Kill(_Msg, tag=36):

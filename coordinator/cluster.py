@@ -309,7 +309,9 @@ class ClusterManager:
             msg.num_kv_blocks,
         )
         runtime.secure_endpoint = msg.secure_endpoint
-        runtime.generation = runtime.spawned  # its process is the one spawned last (the others were killed)
+        runtime.generation = (
+            msg.generation
+        )  # what its frames carry; the spawned one when its launcher passed it on
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
         if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)

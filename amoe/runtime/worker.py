@@ -83,6 +83,7 @@ def _hello(spec: wire.WorkerSpec, runtime: Any) -> wire.Hello:
         max_model_len=runtime.max_model_len,
         vocab_size=runtime.model_config.vocab_size,
         secure_endpoint=runtime.comm.secure_endpoint or None,
+        generation=spec.generation,
     )
 
 
