@@ -237,6 +237,13 @@ void ZmqCommunicator::reconnect(int rank, const std::string& endpoint, uint32_t 
   // One group of every runtime has fixed members: a replaced peer could not take its old place in it.
   AMOE_CHECK_ARG(!plane_ || per_peer_,
                  "a replaced runtime can rejoin a " << plane_->name() << " plane only with per-peer groups");
+  if (per_peer_) {
+    // The pair's groups are keyed by both generations: the same one again would meet the old process's
+    // rendezvous (a launcher that did not pass the replacement its generation).
+    std::lock_guard<std::mutex> link_lock(links_[rank]->mu);  // see Link::mu
+    AMOE_CHECK_ARG(links_[rank]->generation == kAnyGeneration || links_[rank]->generation != generation,
+                   "runtime " << rank << " was replaced by a process of the same generation " << generation);
+  }
   void* sock = open_peer(rank, endpoint);
   Peer& peer = *peers_[rank];
   std::shared_ptr<TensorPlane> old_link;

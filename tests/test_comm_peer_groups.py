@@ -128,6 +128,8 @@ def test_a_replaced_peer_gets_new_groups_and_the_survivors_keep_theirs(tmp_path)
     s = comms[0].stats()
     assert s["cancelled"] == 1 and s["timeouts"] == 0 and s["transfer_errors"] == 0, s
     assert s["in_flight_send"] == 0 and s["failed_peers"] == [] and comms[2].stats()["failed_peers"] == []
+    with pytest.raises(ValueError, match="same generation"):  # its groups would meet the old rendezvous
+        comms[0].reconnect(1, new.endpoint, 1)
     close_all(*comms, old)
 
 
