@@ -22,7 +22,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "AMOE_LOG_LEVEL": lambda: os.environ.get("AMOE_LOG_LEVEL", "").upper() or None,
     # Where amoe keeps generated files such as the demo model: $XDG_CACHE_HOME/amoe.
     "AMOE_CACHE_DIR": lambda: _cache_home() / "amoe",
-    # Fault injection for tests (amoe/runtime/faults.py): "stage:token[,stage:token]".
+    # Fault injection for tests (amoe/runtime/faults.py): "stage:token[,stage:token]", or "alloc:N".
     "AMOE_FAULTS": lambda: os.environ.get("AMOE_FAULTS") or None,
     # The API key of `amoe serve` when no --api-key / --api-key-file is given (keeps it out of `ps`).
     "AMOE_API_KEY": lambda: os.environ.get("AMOE_API_KEY") or None,

@@ -134,7 +134,7 @@ class NodeAgent:
             old[1].wait()
         launcher.config = AmoeConfig.from_dict(msg.config)  # the cluster's config is node 0's
         launcher.startup_timeout_s = msg.startup_timeout_s
-        proc = launcher.spawn(msg.runtime, msg.role)
+        proc = launcher.spawn(msg.runtime, msg.role, msg.generation)
         self.procs[msg.runtime] = (msg.seq, proc)
         logger.info("node %d: started %s runtime %d (pid %d)", self.node, msg.role, msg.runtime, proc.pid)
 

@@ -61,6 +61,7 @@ class Hello(_Msg, tag=1):
     vocab_size: Annotated[int, Meta(ge=1, le=2**31 - 1)]
     # Multi-node: its CURVE tcp:// endpoint for peers on other hosts (`endpoint` stays for those on its own)
     secure_endpoint: Endpoint | None = None
+    generation: Count = 0  # of this process of its rank (WorkerSpec.generation): what its peers are told
 
 
 class Ready(_Msg, tag=2):
@@ -106,9 +107,11 @@ class TokenOut(_Msg, tag=5):
 
 
 class Welcome(_Msg, tag=16):
-    """The peer table: every runtime's data endpoint, indexed by runtime id."""
+    """The peer table: every runtime's data endpoint, indexed by runtime id, and the generation of the process
+    behind it (0 first, +1 per replacement: a gloo / nccl pair's groups are keyed by both members')."""
 
     endpoints: list[Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]]
+    generations: list[Count] = []
 
 
 class WireSampling(msgspec.Struct, array_like=True, frozen=True):
@@ -147,6 +150,7 @@ class Reconnect(_Msg, tag=20):
 
     runtime: RuntimeId
     endpoint: Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]
+    generation: Count = 0  # the new process's (see Welcome)
 
 
 # ---- node agent ↔ coordinator (multi-node)
@@ -183,6 +187,7 @@ class Spawn(_Msg, tag=35):
     seq: Count
     config: dict[str, Any]
     startup_timeout_s: Seconds
+    generation: Count = 0  # of this process of its rank (WorkerSpec.generation)
 
 
 class Kill(_Msg, tag=36):
@@ -264,6 +269,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     secure_bind: str | None = None
     curve: dict[str, str] | None = None
     startup_timeout_s: float = 300.0
+    generation: int = 0  # of this process of its rank: 0 first, +1 per replacement (see Welcome)
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:

@@ -11,10 +11,12 @@ What is left here is the router: each message is checked (it must come from the 
 handed on, to the backend (tokens) or to the runtime table (Hello, Ready, heartbeats). Everything runs on the API's
 asyncio event loop.
 
-Self-healing (docs/healing.md): a lost runtime is started again in the same role with the same experts or DP rank;
-when it says Hello it gets the peer table, and every survivor is told its new endpoint (Reconnect), so nobody else
-restarts. Attention survivors then ask it again for the expert outputs the old process never answered; the backend
-re-admits a lost attention rank's requests. Configurations that cannot heal fail the cluster instead.
+Self-healing (`--parallel aep` on every transport, docs/healing.md): a lost runtime is started again in the same
+role with the same experts or DP rank, as the next generation of its rank; when it says Hello it gets the peer table
+(endpoints and generations), and every survivor is told its new endpoint and generation (Reconnect), so nobody else
+restarts (on gloo / nccl the pair's new groups are keyed by both generations). Attention survivors then ask it
+again for the expert outputs the old process never answered; the backend re-admits a lost attention rank's
+requests. Configurations that cannot heal (a synchronous mode) fail the cluster instead.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class ClusterManager:
                         self.config.parallel.mode, self.roles.count("attention"),
                         self.roles.count("expert"))  # fmt: skip
             if not self.watch.heals:
-                logger.info("%s", no_healing_reason(self.config))
+                logger.warning("%s", no_healing_reason(self.config))
             for runtime, role in enumerate(self.roles):
                 self.runtimes.append(RuntimeProc(runtime, role, self.launch.spawn(runtime, role)))
             await self._wait_for(lambda r: r.endpoint is not None, "load its weights")
@@ -163,7 +165,9 @@ class ClusterManager:
 
     def _welcome(self, viewer: int) -> wire.Welcome:
         """The peer table of runtime `viewer`: how it reaches every runtime."""
-        return wire.Welcome([self._reach(viewer, r) for r in self.runtimes])
+        return wire.Welcome(
+            [self._reach(viewer, r) for r in self.runtimes], [r.generation for r in self.runtimes]
+        )
 
     def _reach(self, viewer: int, peer: RuntimeProc) -> str:
         """How runtime `viewer` reaches `peer`: its ipc endpoint on the same host, its CURVE one (multi-node)
@@ -241,6 +245,9 @@ class ClusterManager:
             msg.num_kv_blocks,
         )
         runtime.secure_endpoint = msg.secure_endpoint
+        runtime.generation = (
+            msg.generation
+        )  # what its frames carry; the spawned one when its launcher passed it on
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
         if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
@@ -253,7 +260,8 @@ class ClusterManager:
         self.send(runtime.id, self._welcome(runtime.id))
         for other in self.runtimes:
             if other is not runtime:
-                self.send(other.id, wire.Reconnect(runtime.id, self._reach(other.id, runtime)))
+                reach = self._reach(other.id, runtime)
+                self.send(other.id, wire.Reconnect(runtime.id, reach, runtime.generation))
 
     def _beat(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
         """A heartbeat's report: stats for /metrics, KV in use, the loop's progress, and peers it lost."""
@@ -310,20 +318,17 @@ class ClusterManager:
 
 def heals(config: AmoeConfig) -> bool:
     """Whether a lost runtime can be replaced while the others serve on: only an AEP runtime can rejoin a running
-    cluster (a synchronous group has no place for a newcomer), and only on a tensor plane that can take it."""
-    return config.parallel.mode == "aep" and config.tensor_plane == "inline"
+    cluster (a synchronous group has no place for a newcomer). The tensor plane does not matter: gloo / nccl groups
+    are per pair, and a replacement gets new ones (docs/healing.md)."""
+    return config.parallel.mode == "aep"
 
 
 def no_healing_reason(config: AmoeConfig) -> str:
     """The one start-up line of a configuration that cannot heal (docs/healing.md)."""
-    if config.parallel.mode != "aep":
-        return (
-            f"--parallel {config.parallel.mode} cannot replace a lost runtime (a synchronous group has no place "
-            "for a newcomer): a runtime's loss fails its requests and the server drains and exits"
-        )
     return (
-        f"the {config.tensor_plane} transport cannot replace a lost runtime here: a runtime's loss fails its "
-        "requests and the server drains and exits (docs/healing.md)"
+        f"self-healing is off: --parallel {config.parallel.mode} runs its runtimes in lock-step, so a lost one "
+        "cannot rejoin; it fails the cluster (requests end with a retryable 503, the server drains and exits 1); "
+        "--parallel aep replaces lost runtimes"
     )
 
 

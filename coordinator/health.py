@@ -105,7 +105,8 @@ class RuntimeWatch:
         if runtime.proc.poll() is None:
             runtime.proc.kill()  # a stopped (SIGSTOP) or wedged process too: SIGKILL needs no cooperation
         _reap_later(runtime.proc)
-        runtime.proc = self.launch.spawn(runtime.id, runtime.role)
+        runtime.spawned += 1
+        runtime.proc = self.launch.spawn(runtime.id, runtime.role, generation=runtime.spawned)
         runtime.last_seen = runtime.progressed = time.monotonic()
         runtime.polls = 0
         if first:

@@ -49,7 +49,7 @@ class RuntimeHandle(Protocol):
 class Spawner(Protocol):
     """Starts runtime `runtime` in `role` somewhere and returns its handle (LocalLauncher, RayLauncher)."""
 
-    def spawn(self, runtime: int, role: str) -> RuntimeHandle: ...
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RuntimeHandle: ...
 
 
 class LocalLauncher:
@@ -76,7 +76,8 @@ class LocalLauncher:
         # Multi-node: each runtime also listens on node_ip over CURVE for peers on other hosts.
         self.keys, self.node_ip = keys, node_ip
 
-    def spawn(self, runtime: int, role: str) -> subprocess.Popen:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> subprocess.Popen:
+        """Runtime `runtime`'s process number `generation` (0 first, +1 per replacement)."""
         # gloo / nccl rendezvous: a file in the private run directory (torch's FileStore), so nothing listens on
         # the network for it and the coordinator needs no torch.
         store = os.path.join(self.run_dir, "rendezvous") if self.config.tensor_plane != "inline" else None
@@ -89,7 +90,7 @@ class LocalLauncher:
             data_bind=f"ipc://{data}" if self.tcp_host is None else f"{self.tcp_host}:0",
             startup_timeout_s=self.startup_timeout_s,
             secure_bind=f"tcp://{self.node_ip}:0" if self.keys is not None else None,
-            curve=self.keys.as_dict() if self.keys is not None else None,
+            curve=self.keys.as_dict() if self.keys is not None else None, generation=generation,
         )  # fmt: skip
         proc = subprocess.Popen(
             [sys.executable, "-m", "amoe.runtime.worker"], stdin=subprocess.PIPE, close_fds=True
@@ -119,8 +120,9 @@ class Launch:
     async def open(self, roles: list[str]) -> None:
         """Before the first spawn (multi-node: publish the rendezvous, log the placement)."""
 
-    def spawn(self, runtime: int, role: str) -> RuntimeHandle:
-        return self.spawner.spawn(runtime, role)
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RuntimeHandle:
+        """Runtime `runtime`'s process number `generation` (0 first, +1 per replacement)."""
+        return self.spawner.spawn(runtime, role, generation)
 
     def tick(self, now: float) -> None:
         """Every watchdog pass (multi-node: keep-alives to the agents, the loss of a silent one)."""
@@ -157,11 +159,11 @@ class MultiNodeLaunch(Launch):
         await self.nodes.publish()
         self.nodes.log_placement(roles)
 
-    def spawn(self, runtime: int, role: str) -> RuntimeHandle:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RuntimeHandle:
         node = self.nodes.node_of[runtime]
         if node == 0:
-            return self.spawner.spawn(runtime, role)
-        return self.nodes.agents[node].spawn(runtime, role)
+            return self.spawner.spawn(runtime, role, generation)
+        return self.nodes.agents[node].spawn(runtime, role, generation)
 
     def tick(self, now: float) -> None:
         self.nodes.tick(now)  # a silent node's runtimes end here, and are replaced by the watchdog

@@ -69,6 +69,7 @@ COMM_COUNTERS = (
     ("amoe_comm_sent_messages", "messages_out", "Messages sent to other runtimes"),
     ("amoe_comm_received_messages", "messages_in", "Messages received from other runtimes"),
     ("amoe_comm_timeouts", "timeouts", "Transfers not done within transport.timeout_s"),
+    ("amoe_comm_cancelled_transfers", "cancelled", "Transfers abandoned because their peer was replaced"),
     ("amoe_comm_delayed_messages", "delayed_messages", "Messages held by an emulated link"),
     ("amoe_comm_link_delay_seconds", "delay_s", "Wall seconds messages were held by emulated links"),
     (
@@ -77,7 +78,13 @@ COMM_COUNTERS = (
         "Connections refused before any frame: no CURVE, or not the cluster's keys",
     ),
 )
-COMM_DROP_REASONS = ("garbage", "truncated", "version", "inconsistent")  # cpp/zmq_comm.h kDropNames
+COMM_DROP_REASONS = (
+    "garbage",
+    "truncated",
+    "version",
+    "inconsistent",
+    "no_memory",
+)  # cpp/zmq_comm.h kDropNames
 
 
 class CoordinatorMetrics:

@@ -39,8 +39,9 @@ NODE_TIMEOUT_S = 5.0
 class RemoteProc:
     """A runtime process on another node (subprocess.Popen's poll / kill / wait / pid, as far as they are used)."""
 
-    def __init__(self, agent: NodeAgent, runtime: int, role: str, seq: int) -> None:
+    def __init__(self, agent: NodeAgent, runtime: int, role: str, seq: int, generation: int = 0) -> None:
         self.agent, self.runtime, self.role, self.seq = agent, runtime, role, seq
+        self.generation = generation  # of this process of its rank (WorkerSpec.generation)
         self.pid = 0  # known once the agent reports it running
         self.returncode: int | None = None
         self.why: str | None = None  # how it ended, when its agent could not say (the node was lost)
@@ -72,9 +73,9 @@ class NodeAgent:
     procs: dict[int, RemoteProc] = field(default_factory=dict)  # the current process of each of its runtimes
     _seq: int = 0
 
-    def spawn(self, runtime: int, role: str) -> RemoteProc:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RemoteProc:
         self._seq += 1
-        proc = RemoteProc(self, runtime, role, self._seq)
+        proc = RemoteProc(self, runtime, role, self._seq, generation)
         self.procs[runtime] = proc
         if self.connected:
             self._send_spawn(proc)
@@ -85,7 +86,14 @@ class NodeAgent:
     def _send_spawn(self, proc: RemoteProc) -> None:
         proc.sent = True
         self.send(
-            wire.Spawn(proc.runtime, proc.role, proc.seq, self.config.to_dict(), self.startup_timeout_s)
+            wire.Spawn(
+                proc.runtime,
+                proc.role,
+                proc.seq,
+                self.config.to_dict(),
+                self.startup_timeout_s,
+                proc.generation,
+            )
         )
 
     def kill(self, proc: RemoteProc) -> None:

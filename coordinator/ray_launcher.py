@@ -102,14 +102,14 @@ class RayLauncher:
         """This (the coordinator's) Ray node's address: where the CURVE control endpoint binds."""
         return self._ray.util.get_node_ip_address()
 
-    def spawn(self, runtime: int, role: str) -> RayProc:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> RayProc:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=runtime)
         actor = self._actor.options(scheduling_strategy=strategy).remote()
         spec = {
             "runtime": runtime, "role": role, "coordinator": self.control, "model_dir": self.model_dir,
-            "config": self.config.to_dict(), "startup_timeout_s": self.timeout_s,
+            "config": self.config.to_dict(), "startup_timeout_s": self.timeout_s, "generation": generation,
         }  # fmt: skip
         return RayProc(actor, actor.start.remote(spec, self.config.dist.cluster_secret_file), runtime, role)
 

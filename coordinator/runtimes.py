@@ -26,6 +26,8 @@ class RuntimeProc:
     max_model_len: int = 0
     vocab_size: int = 0
     kv_free: int = 0  # the latest of its heartbeat and token reports
+    spawned: int = 0  # generation of its latest process: 0 first, +1 per replacement
+    generation: int = 0  # generation of the process behind `endpoint` (set by Hello)
     ready: bool = False
     last_seen: float = field(default_factory=time.monotonic)  # any message (the control thread is alive)
     polls: int = 0  # the loop thread's progress counter, from heartbeats

@@ -73,11 +73,11 @@ struct TransferHeader {
   uint32_t magic = kTransferMagic;
   uint16_t version = kTransferVersion;
   uint8_t kind = kInlineTransfer;
-  uint8_t reserved = 0;
-  int32_t src = -1;     // sender's rank; equals MessageHeader::src_runtime
-  uint32_t tag = 0;     // tensor-plane tag of a two-phase transfer (seq mod 2^31)
-  uint64_t seq = 0;     // per (sender, receiver) sequence number
-  uint64_t nbytes = 0;  // payload bytes
+  uint8_t generation = 0;  // the sender process's generation mod 256 (0 first, +1 per replacement)
+  int32_t src = -1;        // sender's rank; equals MessageHeader::src_runtime
+  uint32_t tag = 0;        // tensor-plane tag of a two-phase transfer (seq mod 2^31)
+  uint64_t seq = 0;        // per (sender, receiver) sequence number
+  uint64_t nbytes = 0;     // payload bytes
 };
 
 static_assert(std::is_trivially_copyable<TransferHeader>::value, "TransferHeader must be memcpy-able");

@@ -3,6 +3,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <stdexcept>
+
 namespace amoe {
 
 namespace {
@@ -38,11 +40,17 @@ class WorkTransfer : public TensorPlane::Transfer {
 
 // P2P over a process group. NCCL issues its send/recv on its own communication stream, ordered after the
 // caller's current stream (the compute that produced the tensor) by an event, without waiting on the host.
+// `self` is this runtime's rank; `pair`: the groups hold only self and one peer (the lower runtime is rank 0
+// in them), so a runtime rank becomes a group rank.
 class ProcessGroupPlane : public TensorPlane {
  public:
-  ProcessGroupPlane(std::string name, c10::intrusive_ptr<c10d::ProcessGroup> up,
-                    c10::intrusive_ptr<c10d::ProcessGroup> down, at::Device device)
-      : name_(std::move(name)), up_(std::move(up)), down_(std::move(down)), device_(device) {}
+  ProcessGroupPlane(std::string name, GroupPtr up, GroupPtr down, at::Device device, int self, bool pair)
+      : name_(std::move(name)),
+        up_(std::move(up)),
+        down_(std::move(down)),
+        device_(device),
+        self_(self),
+        pair_(pair) {}
   std::string name() const override { return name_; }
   at::Device device() const override { return device_; }
 
@@ -57,37 +65,48 @@ class ProcessGroupPlane : public TensorPlane {
 
   std::unique_ptr<Transfer> send(const at::Tensor& data, int dst, uint32_t tag) override {
     std::vector<at::Tensor> tensors{data};
-    auto work = group_to(dst)->send(tensors, dst, static_cast<int>(tag));
+    auto work = group(self_ < dst)->send(tensors, group_rank(dst), static_cast<int>(tag));
     return std::make_unique<WorkTransfer>(std::move(work), data);
   }
 
   std::unique_ptr<Transfer> recv(const at::Tensor& buffer, int src, uint32_t tag) override {
     std::vector<at::Tensor> tensors{buffer};
-    auto work = group_from(src)->recv(tensors, src, static_cast<int>(tag));
+    auto work = group(src < self_)->recv(tensors, group_rank(src), static_cast<int>(tag));
     return std::make_unique<WorkTransfer>(std::move(work), buffer);
   }
 
  private:
-  // A transfer's group depends only on its direction, so sender and receiver pick the same one.
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group_to(int dst) const {
-    return up_->getRank() < dst ? up_ : down_;
+  // A transfer's group depends only on its direction (up: from the lower runtime to the higher), so sender
+  // and receiver pick the same one.
+  const GroupPtr& group(bool upward) const {
+    const GroupPtr& g = upward ? up_ : down_;
+    if (!g) throw std::logic_error("the " + name_ + " plane has no group for this peer yet");
+    return g;
   }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group_from(int src) const {
-    return src < up_->getRank() ? up_ : down_;
-  }
+  int group_rank(int runtime) const { return pair_ ? (runtime > self_ ? 1 : 0) : runtime; }
 
   std::string name_;
-  c10::intrusive_ptr<c10d::ProcessGroup> up_, down_;
+  GroupPtr up_, down_;
   at::Device device_;
+  int self_;
+  bool pair_;
 };
 
 }  // namespace
 
-std::shared_ptr<TensorPlane> make_process_group_plane(const std::string& name,
-                                                      c10::intrusive_ptr<c10d::ProcessGroup> up,
-                                                      c10::intrusive_ptr<c10d::ProcessGroup> down,
+std::shared_ptr<TensorPlane> make_process_group_plane(const std::string& name, GroupPtr up, GroupPtr down,
                                                       at::Device device) {
-  return std::make_shared<ProcessGroupPlane>(name, std::move(up), std::move(down), device);
+  const int self = up->getRank();
+  return std::make_shared<ProcessGroupPlane>(name, std::move(up), std::move(down), device, self, false);
+}
+
+std::shared_ptr<TensorPlane> make_pair_plane(const std::string& name, int rank, GroupPtr up, GroupPtr down,
+                                             at::Device device) {
+  return std::make_shared<ProcessGroupPlane>(name, std::move(up), std::move(down), device, rank, true);
+}
+
+std::shared_ptr<TensorPlane> make_per_peer_plane(const std::string& name, at::Device device) {
+  return std::make_shared<ProcessGroupPlane>(name, GroupPtr(), GroupPtr(), device, -1, true);
 }
 
 }  // namespace amoe

@@ -65,18 +65,23 @@ void set_int(void* sock, int option, int value) { zmq_setsockopt(sock, option, &
 }  // namespace
 
 using zmq_internal::item_size;
+using zmq_internal::kAnyGeneration;
 using zmq_internal::kMetaBytes;
 using zmq_internal::kZeroCopyMin;
 
 ZmqCommunicator::ZmqCommunicator(int rank, int num_runtimes, const std::string& bind,
-                                 std::shared_ptr<TensorPlane> plane, double timeout_s)
+                                 std::shared_ptr<TensorPlane> plane, double timeout_s, bool per_peer,
+                                 uint32_t generation)
     : rank_(rank),
       num_runtimes_(num_runtimes),
       plane_(std::move(plane)),
-      timeout_(std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6))) {
+      timeout_(std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6))),
+      per_peer_(per_peer),
+      generation_(generation) {
   AMOE_CHECK_ARG(num_runtimes > 0 && rank >= 0 && rank < num_runtimes,
                  "rank " << rank << " is outside [0, " << num_runtimes << ")");
   AMOE_CHECK_ARG(timeout_s > 0, "timeout_s must be positive");
+  AMOE_CHECK_ARG(plane_ || !per_peer, "per-peer links need a process-group plane");
   const std::string addr = bind_address(bind);
   AMOE_CHECK_ARG(addr.rfind("ipc://", 0) == 0 || addr.rfind("tcp://", 0) == 0,
                  "bind must be \"ipc\", ipc://path or tcp://host:port, got " << bind);
@@ -110,11 +115,21 @@ ZmqCommunicator::ZmqCommunicator(int rank, int num_runtimes, const std::string& 
   peers_.resize(num_runtimes_);
   send_lanes_.resize(num_runtimes_);
   recv_lanes_.resize(num_runtimes_);
+  if (plane_) {
+    links_.resize(num_runtimes_);
+    for (int r = 0; r < num_runtimes_; ++r) {
+      if (r == rank_) continue;
+      links_[r] = std::make_unique<Link>();
+      if (!per_peer_) links_[r]->plane = plane_;  // one group of every runtime: the link of each
+    }
+  }
 }
 
 ZmqCommunicator::~ZmqCommunicator() { close(); }
 
 std::string ZmqCommunicator::plane_name() const { return plane_ ? plane_->name() : "inline"; }
+
+at::Device ZmqCommunicator::plane_device() const { return plane_ ? plane_->device() : at::Device(at::kCPU); }
 
 void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
   std::lock_guard<std::mutex> lock(lifecycle_mu_);  // one connect/close transition at a time
@@ -165,6 +180,7 @@ ZmqCommunicator::Outgoing ZmqCommunicator::hello_to(int dest) const {
   hello.dest = dest;
   hello.th.kind = kHelloTransfer;
   hello.th.src = rank_;
+  hello.th.generation = static_cast<uint8_t>(generation_);
   hello.frame0.assign(sizeof(TransferHeader), '\0');
   hello.queued = Clock::now();
   return hello;
@@ -214,14 +230,24 @@ std::string ZmqCommunicator::listen_secure(const std::string& tcp_bind, const Cu
   return secure_endpoint_;
 }
 
-void ZmqCommunicator::reconnect(int rank, const std::string& endpoint) {
+void ZmqCommunicator::reconnect(int rank, const std::string& endpoint, uint32_t generation) {
   std::lock_guard<std::mutex> lock(lifecycle_mu_);  // not during connect() or close()
   AMOE_CHECK_ARG(connected_.load() && !closing_.load(), "reconnect needs a connected communicator");
   AMOE_CHECK_ARG(rank >= 0 && rank < num_runtimes_ && rank != rank_, "runtime " << rank << " is not a peer");
-  // A tensor-plane group has fixed members: a replaced peer could not take its old place in it.
-  AMOE_CHECK_ARG(!plane_, "a replaced runtime can rejoin only on the inline plane");
+  // One group of every runtime has fixed members: a replaced peer could not take its old place in it.
+  AMOE_CHECK_ARG(!plane_ || per_peer_,
+                 "a replaced runtime can rejoin a " << plane_->name() << " plane only with per-peer groups");
+  if (per_peer_) {
+    // The pair's groups are keyed by both generations: the same one again would meet the old process's
+    // rendezvous (a launcher that did not pass the replacement its generation).
+    std::lock_guard<std::mutex> link_lock(links_[rank]->mu);  // see Link::mu
+    AMOE_CHECK_ARG(links_[rank]->generation == kAnyGeneration || links_[rank]->generation != generation,
+                   "runtime " << rank << " was replaced by a process of the same generation " << generation);
+  }
   void* sock = open_peer(rank, endpoint);
   Peer& peer = *peers_[rank];
+  std::shared_ptr<TensorPlane> old_link;
+  uint64_t epoch = 0;
   {
     std::lock_guard<std::mutex> peer_lock(peer.mu);  // see Peer::mu
     // What waited for the old process goes nowhere: its owner asks again (Engine::resend).
@@ -231,13 +257,31 @@ void ZmqCommunicator::reconnect(int rank, const std::string& endpoint) {
     set_int(peer.sock, ZMQ_LINGER, 0);
     zmq_close(peer.sock);
     peer.sock = sock;
-    peer.next_seq = 0;
+    peer.next_seq = 0;  // the new process numbers (and tags) from 0 too
     peer.closed = false;
+    peer.generation.store(generation, std::memory_order_relaxed);  // see Peer::generation
+    if (per_peer_) {
+      Link& link = *links_[rank];
+      std::lock_guard<std::mutex> link_lock(link.mu);  // see Link::mu; inside the peer's, as in try_send()
+      old_link = std::move(link.plane);
+      link.plane.reset();  // two-phase sends to it wait in the backlog until set_peer_link()
+      link.generation = generation;
+      epoch = ++link.epoch;
+      link.broken = false;
+      const auto n = static_cast<int64_t>(link.deferred.size());  // the old process's: never coming
+      link.deferred.clear();
+      in_flight_recv_.fetch_sub(n, std::memory_order_relaxed);
+      cancelled_.fetch_add(n, std::memory_order_relaxed);
+    }
     Outgoing hello = hello_to(rank);
     if (!try_send(peer, hello)) {
       peer.backlog.push_back(std::move(hello));
       backlog_.fetch_add(1, std::memory_order_relaxed);
     }
+  }
+  if (per_peer_) {  // the old link's transfers end now; finish() counts them cancelled, not failed
+    send_lanes_[rank]->cancel(epoch);
+    recv_lanes_[rank]->cancel(epoch);
   }
   {
     std::lock_guard<std::mutex> peers_lock(peers_mu_);  // stats() reads the failed and departed sets
@@ -245,6 +289,47 @@ void ZmqCommunicator::reconnect(int rank, const std::string& endpoint) {
     departed_.erase(std::remove(departed_.begin(), departed_.end(), rank), departed_.end());
   }
   wake_io();
+  old_link.reset();  // last, outside every lock: a group's teardown joins its threads
+}
+
+bool ZmqCommunicator::set_peer_link(int peer, uint32_t generation, std::shared_ptr<TensorPlane> link) {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);  // not during close(), which takes the lanes down
+  AMOE_CHECK_ARG(per_peer_, "set_peer_link needs a communicator with per-peer groups");
+  AMOE_CHECK_ARG(peer >= 0 && peer < num_runtimes_ && peer != rank_, "runtime " << peer << " is not a peer");
+  AMOE_CHECK_ARG(link != nullptr, "set_peer_link needs a link");
+  if (closing_.load()) return false;
+  Link& l = *links_[peer];
+  {
+    std::lock_guard<std::mutex> link_lock(l.mu);  // see Link::mu
+    if (l.plane || (l.generation != kAnyGeneration && l.generation != generation)) return false;
+    l.plane = std::move(link);
+    l.generation = generation;
+    while (!l.deferred.empty()) {  // in announcement order, before any later arrival (it waits for l.mu)
+      Deferred d = std::move(l.deferred.front());
+      l.deferred.pop_front();
+      in_flight_recv_.fetch_sub(1, std::memory_order_relaxed);
+      post_on_link(l, d.th, std::move(d.msg));
+    }
+  }
+  wake_io();  // sends parked for the link go now
+  return true;
+}
+
+std::vector<int> ZmqCommunicator::unlinked_peers() const {
+  std::vector<int> out;
+  if (!per_peer_) return out;
+  for (int r = 0; r < num_runtimes_; ++r) {
+    if (r == rank_) continue;
+    std::lock_guard<std::mutex> lock(links_[r]->mu);  // see Link::mu
+    if (!links_[r]->plane) out.push_back(r);
+  }
+  return out;
+}
+
+void ZmqCommunicator::inject_alloc_failure(int64_t skip, bool discard) {
+  AMOE_CHECK_ARG(skip >= 0, "skip must be >= 0");
+  alloc_fault_discard_.store(discard);  // seq_cst: read after the countdown below reaches it
+  alloc_fault_skip_.store(skip);
 }
 
 void ZmqCommunicator::close() {
@@ -263,6 +348,7 @@ void ZmqCommunicator::close() {
       bye.dest = r;
       bye.th.kind = kByeTransfer;
       bye.th.src = rank_;
+      bye.th.generation = static_cast<uint8_t>(generation_);
       bye.frame0.assign(sizeof(TransferHeader), '\0');
       bye.queued = Clock::now();
       send_or_park(*peers_[r], std::move(bye));
@@ -314,6 +400,7 @@ void ZmqCommunicator::send(int dest, Message msg) {
   out.dest = dest;
   out.th.kind = plane_ ? kTwoPhaseTransfer : kInlineTransfer;
   out.th.src = rank_;
+  out.th.generation = static_cast<uint8_t>(generation_);
   out.data = stage_for_plane(msg.data, plane_ ? plane_->device() : at::Device(at::kCPU));
   out.th.nbytes = static_cast<uint64_t>(out.data.numel()) * itemsize;
   out.frame0.resize(kMetaBytes + n * sizeof(RowMeta));
@@ -362,6 +449,15 @@ void ZmqCommunicator::retry_backlogs() {
 
 bool ZmqCommunicator::try_send(Peer& peer, Outgoing& out) {
   const bool is_message = out.th.kind == kInlineTransfer || out.th.kind == kTwoPhaseTransfer;
+  std::shared_ptr<TensorPlane> link;  // the payload's, fixed while the peer's mutex is held (see reconnect())
+  uint64_t epoch = 0;
+  if (out.th.kind == kTwoPhaseTransfer && out.th.nbytes > 0) {
+    Link& l = *links_[out.dest];
+    std::lock_guard<std::mutex> lock(l.mu);  // see Link::mu
+    if (!l.plane) return false;  // the link is being built: the message waits in the backlog, in order
+    link = l.plane;
+    epoch = l.epoch;
+  }
   if (!out.numbered && is_message) {
     out.th.seq = peer.next_seq++;
     out.th.tag = static_cast<uint32_t>(out.th.seq & 0x7fffffffu);
@@ -385,7 +481,7 @@ bool ZmqCommunicator::try_send(Peer& peer, Outgoing& out) {
   messages_out_.fetch_add(1, std::memory_order_relaxed);
   bytes_out_.fetch_add(static_cast<int64_t>(out.th.nbytes), std::memory_order_relaxed);
   // Posted after the metadata: a receiver that must match the send (NCCL) learns about it first.
-  if (out.th.kind == kTwoPhaseTransfer && out.th.nbytes > 0) post_send(out);
+  if (link) post_send(out, *link, epoch);
   return true;
 }
 
@@ -406,13 +502,14 @@ void ZmqCommunicator::send_payload_frame(Peer& peer, const Outgoing& out) {
 }
 
 // Two-phase: the payload's send on the tensor plane, completed by the peer's send lane.
-void ZmqCommunicator::post_send(const Outgoing& out) {
+void ZmqCommunicator::post_send(const Outgoing& out, TensorPlane& link, uint64_t epoch) {
   auto p = std::make_shared<Pending>();
   p->peer = out.dest;
+  p->epoch = epoch;
   p->nbytes = out.th.nbytes;
   p->deadline = Clock::now() + timeout_;
   try {
-    p->transfer = plane_->send(out.data, out.dest, out.th.tag);
+    p->transfer = link.send(out.data, out.dest, out.th.tag);
   } catch (const std::exception& e) {
     transfer_errors_.fetch_add(1, std::memory_order_relaxed);
     return fail_peer(out.dest, std::string("posting a send failed: ") + e.what());
@@ -461,6 +558,8 @@ CommStats ZmqCommunicator::stats() const {
   s.backlog = backlog_.load(r);
   s.in_flight_send = in_flight_send_.load(r);
   s.in_flight_recv = in_flight_recv_.load(r);
+  s.cancelled = cancelled_.load(r);
+  s.unlinked_peers = unlinked_peers();
   s.delayed_messages = delayed_messages_.load(r);
   s.delay_s = static_cast<double>(delay_ns_.load(r)) * 1e-9;
   std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()

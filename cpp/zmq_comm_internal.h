@@ -25,6 +25,7 @@ namespace zmq_internal {
 
 constexpr size_t kZeroCopyMin = 16 * 1024;  // below this a copy is cheaper than the bookkeeping
 constexpr size_t kMetaBytes = sizeof(TransferHeader) + sizeof(MessageHeader);
+constexpr uint32_t kAnyGeneration = UINT32_MAX;  // a link whose peer generation no one has named yet
 
 // The dtypes a message may carry, with their item size; anything else on the wire is malformed.
 inline bool item_size(int32_t dtype, size_t* size) {
@@ -71,17 +72,41 @@ struct ZmqCommunicator::Peer {
   void* sock = nullptr;
   std::deque<Outgoing> backlog;  // waits for room in a full ZeroMQ queue, in order
   uint64_t next_seq = 0;
+  // The generation reconnect() last named (-1: none), read by the I/O thread to tell a replaced process's
+  // connection from its successor's (relaxed: a stale read only delays that by one frame).
+  std::atomic<int64_t> generation{-1};
 };
 
 // A posted two-phase transfer.
 struct ZmqCommunicator::Pending {
   bool is_recv = false;
+  bool discard = false;  // received into a discard buffer (no memory for it): dropped once complete
   int peer = -1;
+  uint64_t epoch = 0;  // its link's at posting; an older one than the link's now: the peer was replaced
   uint64_t nbytes = 0;
   Clock::time_point deadline;
   std::unique_ptr<TensorPlane::Transfer> transfer;
   Message msg;  // receive: released to the inbox once the transfer is complete
   std::atomic<bool> expired{false};
+};
+
+// An announced payload whose peer has no link yet (per-peer planes, just after a replacement).
+struct ZmqCommunicator::Deferred {
+  TransferHeader th;
+  Message msg;
+  Clock::time_point deadline;
+};
+
+// The tensor-plane link to one peer. On a one-group plane every link holds that plane from the start.
+struct ZmqCommunicator::Link {
+  // Senders (inside the peer's mutex), the I/O thread, set_peer_link(), reconnect() and finish() on the lane
+  // threads: posting under it keeps one peer's receives in announcement order (NCCL matches by order).
+  std::mutex mu;
+  std::shared_ptr<TensorPlane> plane;                  // nullptr: not built yet
+  uint32_t generation = zmq_internal::kAnyGeneration;  // the peer process it reaches
+  uint64_t epoch = 0;                                  // +1 per reconnect()
+  bool broken = false;  // an announced payload had nowhere to go: nothing more is taken until a reconnect
+  std::deque<Deferred> deferred;  // announced before the link came; posted in order when it does
 };
 
 // Receive buffers for a CPU tensor plane. A fresh multi-megabyte allocation made on the I/O thread comes
@@ -129,6 +154,8 @@ class ZmqCommunicator::Lane {
   void push(std::shared_ptr<Pending> p);
   // Aborts transfers past their deadline; the lane thread then reports them as timeouts.
   void expire(Clock::time_point now);
+  // Aborts the transfers posted before `epoch` (a replaced peer's); the lane goes on with later ones.
+  void cancel(uint64_t epoch);
   void abort_all();
 
  private:

@@ -3,6 +3,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "errors.h"
 #include "plane_c10d.h"
 #include "zmq_comm.h"
@@ -23,37 +25,65 @@ void delete_comm(ZmqCommunicator* c) {
   }
 }
 
+// The backend of a group: a torch.distributed ProcessGroup (its backend for `device`) or a Backend such as
+// ProcessGroupGloo made directly.
+GroupPtr backend_of(const py::handle& group, const at::Device& device) {
+  try {
+    return group.cast<GroupPtr>();
+  } catch (const py::cast_error&) {
+  }
+  return group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>()->getBackend(device.type());
+}
+
+// One group, or two: (up, down) carry the transfers to a higher and to a lower rank on communicators of their
+// own, so the two directions between a pair never queue behind each other (NCCL runs one pair's sends and
+// receives on one stream, in order: a large send each way would wait for each other's receive).
+std::pair<GroupPtr, GroupPtr> groups_of(const py::object& groups, const at::Device& device, int rank,
+                                        int size) {
+  std::vector<GroupPtr> out;
+  if (py::isinstance<py::tuple>(groups) || py::isinstance<py::list>(groups)) {
+    for (auto g : groups) out.push_back(backend_of(g, device));
+    AMOE_CHECK_ARG(out.size() == 2, "a group or a pair (up, down) of groups, got " << out.size());
+  } else {
+    out.push_back(backend_of(groups, device));
+  }
+  for (const auto& g : out) {
+    AMOE_CHECK_ARG(g->getRank() == rank && g->getSize() == size,
+                   "process group rank/size " << g->getRank() << "/" << g->getSize() << " differ from "
+                                              << rank << "/" << size);
+  }
+  return {out.front(), out.back()};
+}
+
 std::shared_ptr<TensorPlane> make_plane(const std::string& plane, int rank, int num_runtimes,
-                                        const py::object& process_group) {
+                                        const py::object& process_group, bool peer_groups) {
   if (plane == "inline") {
-    AMOE_CHECK_ARG(process_group.is_none(), "the inline plane takes no process_group");
+    AMOE_CHECK_ARG(process_group.is_none() && !peer_groups, "the inline plane takes no process group");
     return nullptr;
   }
   AMOE_CHECK_ARG(plane == "gloo" || plane == "nccl",
                  "plane must be \"inline\", \"gloo\" or \"nccl\", got \"" << plane << "\"");
-  AMOE_CHECK_ARG(!process_group.is_none(), "the " << plane << " plane needs a process_group");
-  // One group, or two: (up, down) carry the transfers to a higher and to a lower rank on communicators of
-  // their own, so the two directions between a pair never queue behind each other (NCCL runs one pair's
-  // sends and receives on one stream, in order: a large send each way would wait for each other's receive).
-  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
-  if (py::isinstance<py::tuple>(process_group) || py::isinstance<py::list>(process_group)) {
-    for (auto g : process_group) groups.push_back(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
-    AMOE_CHECK_ARG(groups.size() == 2, "process_group must be a group or a pair (up, down) of groups");
-  } else {
-    groups.push_back(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
-  }
-  for (const auto& pg : groups) {
-    AMOE_CHECK_ARG(pg->getRank() == rank && pg->getSize() == num_runtimes,
-                   "process group rank/size " << pg->getRank() << "/" << pg->getSize() << " differ from "
-                                              << rank << "/" << num_runtimes);
-  }
+  AMOE_CHECK_ARG(process_group.is_none() == peer_groups,
+                 "the " << plane << " plane needs a process_group, or peer_groups=True (not both)");
   at::Device device(at::kCPU);
   if (plane == "nccl") {
     // Read on the constructing (Python) thread: the I/O thread's current device is always 0.
     auto index = py::module_::import("torch").attr("cuda").attr("current_device")().cast<int>();
     device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
-  return make_process_group_plane(plane, groups.front(), groups.back(), device);
+  if (peer_groups) return make_per_peer_plane(plane, device);
+  auto [up, down] = groups_of(process_group, device, rank, num_runtimes);
+  return make_process_group_plane(plane, up, down, device);
+}
+
+// A peer's own group(s) (two members: the lower runtime is rank 0) into the communicator's link to it.
+bool set_peer_group(ZmqCommunicator& c, int peer, const py::object& groups, uint32_t generation) {
+  AMOE_CHECK_ARG(peer >= 0 && peer < c.num_runtimes() && peer != c.rank(),
+                 "runtime " << peer << " is not a peer");
+  auto [up, down] = groups_of(groups, c.plane_device(), c.rank() < peer ? 0 : 1, 2);
+  auto link = make_pair_plane(c.plane_name(), c.rank(), std::move(up), std::move(down), c.plane_device());
+  py::gil_scoped_release no_gil;  // waits for the link's lock, which the I/O thread holds while posting
+  return c.set_peer_link(peer, generation, std::move(link));
 }
 
 py::dict stats_dict(const CommStats& s) {
@@ -75,6 +105,8 @@ py::dict stats_dict(const CommStats& s) {
   d["backlog"] = s.backlog;
   d["in_flight_send"] = s.in_flight_send;
   d["in_flight_recv"] = s.in_flight_recv;
+  d["cancelled"] = s.cancelled;
+  d["unlinked_peers"] = s.unlinked_peers;
   d["failed_peers"] = s.failed_peers;
   d["departed_peers"] = s.departed_peers;
   d["last_error"] = s.last_error;
@@ -89,13 +121,17 @@ void register_comm(py::module_& m) {
   py::class_<ZmqCommunicator, Communicator, std::shared_ptr<ZmqCommunicator>>(
       m, "ZmqCommunicator", "A runtime's endpoint between processes: ZeroMQ metadata + a tensor plane.")
       .def(py::init([](int rank, int num_runtimes, const std::string& bind, const std::string& plane,
-                       const py::object& process_group, double timeout_s) {
-             auto tp = make_plane(plane, rank, num_runtimes, process_group);
+                       const py::object& process_group, double timeout_s, bool peer_groups,
+                       uint32_t generation) {
+             auto tp = make_plane(plane, rank, num_runtimes, process_group, peer_groups);
              return std::shared_ptr<ZmqCommunicator>(
-                 new ZmqCommunicator(rank, num_runtimes, bind, std::move(tp), timeout_s), &delete_comm);
+                 new ZmqCommunicator(rank, num_runtimes, bind, std::move(tp), timeout_s, peer_groups,
+                                     generation),
+                 &delete_comm);
            }),
            py::arg("rank"), py::arg("num_runtimes"), py::arg("bind") = "ipc", py::arg("plane") = "inline",
-           py::arg("process_group") = py::none(), py::arg("timeout_s") = 10.0)
+           py::arg("process_group") = py::none(), py::arg("timeout_s") = 10.0, py::arg("peer_groups") = false,
+           py::arg("generation") = 0)
       .def_property_readonly("endpoint", &ZmqCommunicator::endpoint, "The address really bound.")
       .def_property_readonly("plane", &ZmqCommunicator::plane_name)
       .def_property_readonly("num_runtimes", &ZmqCommunicator::num_runtimes)
@@ -106,8 +142,22 @@ void register_comm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),  // joins threads that may need the GIL
            "Says goodbye to peers, stops the threads, closes the sockets; idempotent.")
       .def("reconnect", &ZmqCommunicator::reconnect, py::arg("rank"), py::arg("endpoint"),
+           py::arg("generation") = 0,
            py::call_guard<py::gil_scoped_release>(),  // takes the peer's lock, which senders hold
-           "A peer was replaced by a new process at `endpoint`: send there from now on (inline plane).")
+           "A peer was replaced by a new process (of `generation`) at `endpoint`: send there from now on; "
+           "with "
+           "peer groups, its transfers wait for the group set_peer_group() gives for that generation.")
+      .def("set_peer_group", &set_peer_group, py::arg("peer"), py::arg("group"), py::arg("generation") = 0,
+           "peer_groups: the group of this runtime and `peer` alone (or a pair (up, down)), reaching the "
+           "peer's "
+           "process of `generation`. False if it came too late (the peer was replaced again) or twice.")
+      .def("unlinked_peers", &ZmqCommunicator::unlinked_peers,
+           "peer_groups: the peers without a group yet (their transfers wait).")
+      .def(
+          "inject_alloc_failure", &ZmqCommunicator::inject_alloc_failure, py::arg("skip") = 0,
+          py::arg("discard") = false,
+          "Test hook: the receive buffer of the (skip + 1)-th next announced payload fails to allocate (with "
+          "discard, its discard buffer too).")
       .def(
           "listen_secure",
           [](ZmqCommunicator& c, const std::string& tcp_bind, const std::string& server_public,

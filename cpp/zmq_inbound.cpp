@@ -3,6 +3,7 @@
 // that complete two-phase transfers are in zmq_lanes.cpp; construction, connect/close, sends and statistics
 // in zmq_comm.cpp.
 #include <c10/core/impl/alloc_cpu.h>
+#include <sys/mman.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -17,6 +18,7 @@
 namespace amoe {
 
 using zmq_internal::item_size;
+using zmq_internal::kAnyGeneration;
 using zmq_internal::kMetaBytes;
 using zmq_internal::kZeroCopyMin;
 
@@ -54,6 +56,21 @@ at::Tensor payload_tensor(void** frame, const MessageHeader& h) {
   auto data = at::empty(shape_of(h), options);
   if (len1 > 0) std::memcpy(data.data_ptr(), payload, len1);
   return data;
+}
+
+// A buffer an announced payload is received into and thrown away when its real buffer cannot be had: fresh
+// pages the kernel reserves nothing for (MAP_NORESERVE), not the allocator that just failed; only touched
+// pages cost memory. CPU planes only: a GPU plane has no such second source (it throws).
+at::Tensor discard_buffer(const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Device& device) {
+  if (!device.is_cpu()) throw std::runtime_error("no discard buffer on " + device.str());
+  size_t nbytes = c10::elementSize(dtype);
+  for (const int64_t d : shape) nbytes *= static_cast<size_t>(d);
+  nbytes = std::max<size_t>(nbytes, 1);
+  void* block =
+      mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (block == MAP_FAILED) throw std::bad_alloc();
+  return at::from_blob(
+      block, shape, [nbytes](void* p) { munmap(p, nbytes); }, at::TensorOptions().dtype(dtype));
 }
 
 }  // namespace
@@ -129,11 +146,15 @@ void ZmqCommunicator::drain_monitor() {
                      rank_);
       continue;
     }
+    if (id != ZMQ_EVENT_DISCONNECTED) continue;
+    if (retired_fds_.erase(static_cast<int>(fd)) > 0) continue;  // a replaced process's: nothing to judge
     auto it = fd_rank_.find(static_cast<int>(fd));
-    if (id != ZMQ_EVENT_DISCONNECTED || it == fd_rank_.end()) continue;
+    if (it == fd_rank_.end()) continue;
     // Judged a moment later: a goodbye sent just before the connection closed may still be on its way.
-    lost_.emplace_back(it->second, Clock::now() + std::chrono::milliseconds(kIdleTickMs));
+    lost_.push_back(
+        Lost{it->second, Clock::now() + std::chrono::milliseconds(kIdleTickMs), fd_generation_[it->first]});
     rank_fd_.erase(it->second);  // a replacement of that peer may claim its rank on a new connection
+    fd_generation_.erase(it->first);
     fd_rank_.erase(it);
   }
 }
@@ -189,17 +210,39 @@ void ZmqCommunicator::drain_inbound() {
 // A rank belongs to the first connection that speaks for it, until that connection closes: frames claiming it
 // on any other connection are dropped, so a stray or hostile connection can neither pose as a peer nor, by
 // closing, get that peer reported lost. The disconnect monitor names a connection only by its fd.
-bool ZmqCommunicator::claim_rank(int fd, int rank) {
+//
+// Once reconnect() has named a newer generation of a rank, frames of older processes are dropped, and their
+// connection gives the rank up at once to the new process's (whose frames carry the named generation); it is
+// retired, so its closing later is no failure of the new process.
+bool ZmqCommunicator::claim_rank(int fd, const TransferHeader& th) {
+  const int rank = th.src;
+  if (replaced(rank, th.generation)) return reject(kInconsistent, "a frame of a replaced process");
   if (fd < 0) return true;  // no fd to tell connections apart (never on ipc or tcp)
+  if (retired_fds_.count(fd) > 0) return reject(kInconsistent, "a frame on a replaced process's connection");
   auto owner = rank_fd_.find(rank);
+  if (owner != rank_fd_.end() && owner->second != fd && replaced(rank, fd_generation_[owner->second])) {
+    retired_fds_.insert(owner->second);
+    fd_generation_.erase(owner->second);
+    fd_rank_.erase(owner->second);
+    rank_fd_.erase(owner);
+    owner = rank_fd_.end();
+  }
   if (owner == rank_fd_.end()) {
     rank_fd_[rank] = fd;
     fd_rank_[fd] = rank;
+    fd_generation_[fd] = th.generation;
     return true;
   }
   if (owner->second == fd) return true;
   drop(kInconsistent, "a second connection speaks for rank " + std::to_string(rank));
   return false;
+}
+
+// Whether `rank`'s process of `generation` (mod 256) is older than the one reconnect() last named.
+bool ZmqCommunicator::replaced(int rank, uint8_t generation) const {
+  const int64_t named = peers_[rank]->generation.load(std::memory_order_relaxed);  // see Peer::generation
+  const auto behind = static_cast<uint8_t>(static_cast<uint8_t>(named) - generation);
+  return named >= 0 && behind > 0 && behind < 128;
 }
 
 // The transfer header names the kind; each kind checks the rest of its frames. A handler that keeps a frame
@@ -208,7 +251,7 @@ void ZmqCommunicator::handle_inbound(std::vector<void*>& frames, size_t num_fram
   auto* m0 = static_cast<zmq_msg_t*>(frames[0]);
   TransferHeader th;
   if (!read_transfer_header(m0, &th)) return;
-  if (!claim_rank(zmq_msg_get(m0, ZMQ_SRCFD), th.src)) return;
+  if (!claim_rank(zmq_msg_get(m0, ZMQ_SRCFD), th)) return;
   switch (th.kind) {
     case kHelloTransfer:
     case kByeTransfer:
@@ -312,32 +355,76 @@ void ZmqCommunicator::handle_inline(const TransferHeader& th, std::vector<void*>
 }
 
 void ZmqCommunicator::post_recv(const TransferHeader& th, Message msg) {
-  const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(msg.header.dtype));
   if (th.nbytes == 0) {
-    msg.data = at::empty(shape_of(msg.header), options);
+    msg.data = at::empty(shape_of(msg.header),
+                         at::TensorOptions().dtype(static_cast<at::ScalarType>(msg.header.dtype)));
     messages_in_.fetch_add(1, std::memory_order_relaxed);
     return deliver(std::move(msg));
   }
+  Link& link = *links_[th.src];
+  std::lock_guard<std::mutex> lock(link.mu);  // see Link::mu
+  if (!link.plane) {  // the peer was just replaced and its new link is being built: posted when it comes
+    link.deferred.push_back(Deferred{th, std::move(msg), Clock::now() + timeout_});
+    in_flight_recv_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  post_on_link(link, th, std::move(msg));
+}
+
+// Every announced payload is received, in announcement order: a receive skipped would leave its sender's send
+// unmatched (gloo: pending until the timeout fails the pair) or, on a plane that matches by order (NCCL),
+// pair the next receive with it. So a payload without memory is received into a discard buffer and dropped;
+// with not even that, nothing more is taken from the peer until it is replaced (and the pair is failed).
+void ZmqCommunicator::post_on_link(Link& link, const TransferHeader& th, Message msg) {
+  const int src = th.src;
+  if (link.broken) return drop(kNoMemory, "a transfer after one that had nowhere to go (until a reconnect)");
+  if (link.generation != kAnyGeneration && th.generation != static_cast<uint8_t>(link.generation))
+    return drop(kInconsistent, "a two-phase transfer of a replaced process");
   auto p = std::make_shared<Pending>();
   p->is_recv = true;
-  p->peer = th.src;
+  p->peer = src;
+  p->epoch = link.epoch;
   p->nbytes = th.nbytes;
   p->deadline = Clock::now() + timeout_;
   try {
-    msg.data = recv_pool_ ? recv_pool_->empty(shape_of(msg.header), options.dtype().toScalarType())
-                          : at::empty(shape_of(msg.header), options.device(plane_->device()));
-  } catch (const std::exception&) {
-    return drop(kInconsistent, "no memory for the announced payload");
-  }
-  try {
-    p->transfer = plane_->recv(msg.data, th.src, th.tag);
+    msg.data = receive_buffer(msg.header, &p->discard);
   } catch (const std::exception& e) {
+    link.broken = true;
+    drop(kNoMemory, "no memory for an announced payload, not even to discard it");
+    return fail_peer(src, std::string("no memory to receive an announced payload: ") + e.what());
+  }
+  if (p->discard) drop(kNoMemory, "no memory for an announced payload: received into a discard buffer");
+  try {
+    p->transfer = link.plane->recv(msg.data, src, th.tag);
+  } catch (const std::exception& e) {
+    link.broken = true;  // the same: this payload will not be received
     transfer_errors_.fetch_add(1, std::memory_order_relaxed);
-    return fail_peer(th.src, std::string("posting a receive failed: ") + e.what());
+    return fail_peer(src, std::string("posting a receive failed: ") + e.what());
   }
   p->msg = std::move(msg);
   in_flight_recv_.fetch_add(1, std::memory_order_relaxed);
-  recv_lanes_[th.src]->push(std::move(p));
+  recv_lanes_[src]->push(std::move(p));
+}
+
+// The buffer a payload of h's shape lands in; *discard when it is only a discard buffer. Throws when there is
+// none at all.
+at::Tensor ZmqCommunicator::receive_buffer(const MessageHeader& h, bool* discard) {
+  const auto dtype = static_cast<at::ScalarType>(h.dtype);
+  // inject_alloc_failure(): counts announced payloads down to the one whose allocation fails (seq_cst: any
+  // thread may arm it; the I/O thread and set_peer_link() count).
+  int64_t left = alloc_fault_skip_.load();
+  while (left >= 0 && !alloc_fault_skip_.compare_exchange_weak(left, left - 1)) {
+  }
+  const bool injected = left == 0;
+  try {
+    if (injected) throw std::bad_alloc();
+    return recv_pool_ ? recv_pool_->empty(shape_of(h), dtype)
+                      : at::empty(shape_of(h), at::TensorOptions().dtype(dtype).device(plane_->device()));
+  } catch (const std::exception&) {
+    *discard = true;
+  }
+  if (injected && alloc_fault_discard_.load()) throw std::bad_alloc();
+  return discard_buffer(shape_of(h), dtype, plane_->device());
 }
 
 void ZmqCommunicator::check_deadlines() {
@@ -347,13 +434,30 @@ void ZmqCommunicator::check_deadlines() {
       if (l) l->expire(now);
     }
   }
+  for (int r = 0; per_peer_ && r < num_runtimes_; ++r) {  // announced payloads still waiting for a link
+    if (r == rank_) continue;
+    int64_t expired = 0;
+    {
+      std::lock_guard<std::mutex> lock(links_[r]->mu);  // see Link::mu
+      auto& deferred = links_[r]->deferred;
+      if (!deferred.empty() && now >= deferred.front().deadline)
+        expired = static_cast<int64_t>(deferred.size());
+      if (expired > 0) deferred.clear();
+    }
+    if (expired == 0) continue;
+    in_flight_recv_.fetch_sub(expired, std::memory_order_relaxed);
+    timeouts_.fetch_add(expired, std::memory_order_relaxed);
+    fail_peer(r, "its tensor-plane link was not built within timeout_s");
+  }
   for (size_t i = 0; i < lost_.size();) {
-    if (now < lost_[i].second) {
+    if (now < lost_[i].judge_at) {
       ++i;
       continue;
     }
-    const int peer = lost_[i].first;
+    const int peer = lost_[i].rank;
+    const bool old_process = replaced(peer, lost_[i].generation);  // the peer already has a successor
     lost_.erase(lost_.begin() + i);
+    if (old_process) continue;
     bool departed;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);  // see fail_peer()

@@ -112,6 +112,13 @@ void ZmqCommunicator::Lane::expire(Clock::time_point now) {
   }
 }
 
+void ZmqCommunicator::Lane::cancel(uint64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);  // the lane thread pops concurrently
+  for (auto& p : q_) {
+    if (p->epoch < epoch) p->transfer->abort();
+  }
+}
+
 void ZmqCommunicator::Lane::abort_all() {
   {
     std::lock_guard<std::mutex> lock(mu_);  // orders stop_ before the lane thread's next check
@@ -150,7 +157,7 @@ void ZmqCommunicator::Lane::loop() {
 void ZmqCommunicator::finish(const std::shared_ptr<Pending>& p, bool ok, const std::string& error) {
   (p->is_recv ? in_flight_recv_ : in_flight_send_).fetch_sub(1, std::memory_order_relaxed);
   if (ok) {
-    if (p->is_recv) {
+    if (p->is_recv && !p->discard) {  // a discarded one was counted as dropped when it was posted
       messages_in_.fetch_add(1, std::memory_order_relaxed);
       bytes_in_.fetch_add(static_cast<int64_t>(p->nbytes), std::memory_order_relaxed);
       deliver(std::move(p->msg));
@@ -163,6 +170,10 @@ void ZmqCommunicator::finish(const std::shared_ptr<Pending>& p, bool ok, const s
     graveyard_.push_back(p);
   }
   if (closing_.load()) return;  // aborted by close()
+  if (stale(*p)) {              // its peer was replaced meanwhile: abandoned, no failure of the new process
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   const char* dir = p->is_recv ? "receive from" : "send to";
   if (p->expired.load()) {
     timeouts_.fetch_add(1, std::memory_order_relaxed);
@@ -171,6 +182,13 @@ void ZmqCommunicator::finish(const std::shared_ptr<Pending>& p, bool ok, const s
     transfer_errors_.fetch_add(1, std::memory_order_relaxed);
     fail_peer(p->peer, std::string("a ") + dir + " it failed: " + (error.empty() ? "aborted" : error));
   }
+}
+
+bool ZmqCommunicator::stale(const Pending& p) {
+  if (!per_peer_) return false;
+  Link& link = *links_[p.peer];
+  std::lock_guard<std::mutex> lock(link.mu);  // see Link::mu
+  return p.epoch != link.epoch;
 }
 
 }  // namespace amoe

@@ -18,7 +18,7 @@ from test_comm_basic import message, recv_n, same
 from amoe import core
 
 SPAWN = mp.get_context("spawn")
-TRANSFER = struct.Struct("<IHBBiIQQ")  # magic, version, kind, reserved, src, tag, seq, nbytes (cpp/meta.h)
+TRANSFER = struct.Struct("<IHBBiIQQ")  # magic, version, kind, generation, src, tag, seq, nbytes (cpp/meta.h)
 MAGIC, INLINE, TWO_PHASE, HELLO, BYE = 0x58544D41, 0, 1, 2, 3
 
 
@@ -116,7 +116,9 @@ def test_malformed_frames_are_dropped_counted_by_kind_and_traffic_still_flows(li
         expected[kind] = len(cases)
         good_traffic_flows(receiver, peer, raw, seed=20 + len(expected) * 2)
     stats = receiver.stats()
-    assert stats["dropped"] == expected
+    assert stats["dropped"] == expected | {
+        "no_memory": 0
+    }  # no_memory: a two-phase plane's (test_comm_peer_groups)
     assert stats["messages_in"] == 2 * (1 + len(expected))
     assert receiver.failed_peers() == []
 

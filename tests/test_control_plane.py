@@ -37,9 +37,11 @@ class _Alive:
 class _Launcher:
     def __init__(self) -> None:
         self.spawned: list[tuple[int, str]] = []
+        self.generations: list[int] = []
 
-    def spawn(self, runtime: int, role: str) -> _Alive:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> _Alive:
         self.spawned.append((runtime, role))
+        self.generations.append(generation)
         return _Alive()
 
 
@@ -118,7 +120,7 @@ def test_a_failed_data_link_reported_in_a_heartbeat_gets_that_peer_replaced(back
 
 
 def test_a_failed_data_link_fails_a_cluster_that_cannot_heal(backend):
-    """ep / pingpong (and a gloo / nccl plane) cannot take a replacement: the loss is the cluster's end."""
+    """ep / pingpong cannot take a replacement: the loss is the cluster's end."""
     cluster = backend.cluster
     cluster.watch.launch, cluster.watch.started, cluster.watch.heals = _Launcher(), True, False
     beat(cluster, 0, b"rt0", report(0, "attention", comm={"failed_peers": [1]}))

@@ -232,6 +232,7 @@ def test_runtime_communicator_sets_delays_only_when_emulated(monkeypatch, kind):
     if kind == "torch":
         config = config.replace(executor={"kind": "torch", "routing": "model"})
     em = build.emulation(config, None)  # None for torch
-    spec = SimpleNamespace(runtime=1, data_bind="ipc", secure_bind=None)
-    comm = runtime_comm.communicator(spec, 4, config, em)
+    spec = SimpleNamespace(runtime=1, data_bind="ipc", secure_bind=None, generation=0)
+    comm, groups = runtime_comm.communicator(spec, 4, config, em)
+    assert groups is None  # the inline plane: no tensor-plane groups
     assert comm.delays == (build.link_delays(config, em, 1) if em is not None else None)

@@ -89,6 +89,31 @@ def test_a_communicator_sends_to_a_replaced_peers_new_process():
         c.close()
 
 
+def test_a_replaced_process_neither_speaks_for_its_rank_nor_gets_its_successor_reported_lost():
+    """Once reconnect() names generation 1 of rank 1, frames of generation 0 (the old process, still connected
+    here) are dropped, the new process's connection takes the rank over at once, and the old one closing (its
+    goodbye is one of those frames) fails nobody."""
+    a, old = core.ZmqCommunicator(0, 2), core.ZmqCommunicator(1, 2)
+    a.connect([a.endpoint, old.endpoint])
+    old.connect([a.endpoint, old.endpoint])
+    old.send(0, message(2, 8, seed=1))
+    assert same(recv_n(a, 1)[0], message(2, 8, seed=1))  # the old connection speaks for rank 1
+    new = core.ZmqCommunicator(1, 2, generation=1)
+    new.connect([a.endpoint, new.endpoint])
+    a.reconnect(1, new.endpoint, generation=1)
+    old.send(0, message(2, 8, seed=2))  # late: dropped
+    new.send(0, message(3, 8, seed=3))
+    got = recv_n(a, 2, timeout=2.0)
+    assert len(got) == 1 and same(got[0], message(3, 8, seed=3))
+    old.close()
+    time.sleep(0.6)  # past the monitor's judgement of a closed connection (200 ms)
+    assert a.failed_peers() == [] and a.stats()["dropped"]["inconsistent"] >= 2  # the message and the goodbye
+    a.send(1, message(1, 8, seed=4))
+    assert same(recv_n(new, 1)[0], message(1, 8, seed=4))
+    for c in (a, new):
+        c.close()
+
+
 def test_a_readmitted_seeded_request_resumes_its_draws():
     """Moved after n sampled tokens, a seeded request's generator skips the n draws they took: it samples on
     exactly as it would have (what the sampler draws is one uniform per token)."""

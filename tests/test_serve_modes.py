@@ -100,11 +100,15 @@ async def _complete_all(url: str, prompts, max_tokens, model=None) -> list[dict]
     ids=["ep", "pingpong"],
 )
 def test_sync_modes_match_reference(model_dir, reference, flags):
-    with Server("--model", str(model_dir), *flags) as url:
+    server = Server("--model", str(model_dir), *flags)
+    with server as url:
         answers = asyncio.run(_complete_all(url, PROMPTS, MAX_TOKENS))
         health = httpx.get(f"{url}/health").json()
     assert [a["choices"][0]["text"] for a in answers] == reference
     assert health["status"] == "ok" and health["mode"] == flags[1]
+    # Lock-step devices cannot rejoin a running group: start-up says so, once (docs/healing.md)
+    said = [line for line in server.lines if "self-healing is off" in line]
+    assert len(said) == 1 and f"--parallel {flags[1]}" in said[0], said
 
 
 @pytest.mark.timeout(120)
@@ -134,7 +138,8 @@ def test_decode_only_emulation_skips_the_prompt(mode):
         "--routing", "skew-exp", "--time-scale", "2", "--executor-decode-only", "true",
     )  # fmt: skip
     prompts, max_tokens = [[11, 12, 13, 14], [20] * 300, [7]], [7, 3, 5]
-    with Server(*flags) as url:
+    server = Server(*flags)
+    with server as url:
         answers = asyncio.run(_complete_all(url, prompts, max_tokens))
         time.sleep(1.5)  # runtime stats reach /metrics with the heartbeats (every 0.5 s)
         metrics = httpx.get(f"{url}/metrics").text
@@ -142,6 +147,8 @@ def test_decode_only_emulation_skips_the_prompt(mode):
     assert [a["usage"]["completion_tokens"] for a in answers] == max_tokens
     assert [a["usage"]["prompt_tokens"] for a in answers] == [len(p) for p in prompts]
     assert all(kv["free_blocks"] == kv["total_blocks"] for kv in health["kv"])  # every reservation freed
+    healing_off = sum("self-healing is off" in line for line in server.lines)
+    assert healing_off == (0 if mode == "aep" else 1), server.lines
     if mode == "aep":  # rows through attention block 0: one per output token, none for the prompts
         rows = re.findall(
             r'^amoe_runtime_executed_rows_total\{[^}]*block="0"[^}]*rank="\d+"[^}]*\} (\S+)', metrics, re.M

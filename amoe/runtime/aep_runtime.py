@@ -36,7 +36,7 @@ class Runtime:
         self.device = build.device(
             self.config, self.id
         )  # current before any CUDA work (the NCCL group's too)
-        self.comm = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
+        self.comm, self.groups = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
         self.engine = core.Engine(
             core.engine_config(
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
@@ -104,10 +104,14 @@ class Runtime:
             requests.collect_expired()
         return expired
 
-    def reconnect(self, runtime: int, endpoint: str) -> int:
-        """A peer was replaced: send to its new process, and (attention) ask it again for every expert output
-        the old one never answered. Returns the rows sent again. Control thread."""
-        self.comm.reconnect(runtime, endpoint)
+    def reconnect(self, runtime: int, endpoint: str, generation: int = 0) -> int:
+        """A peer was replaced (by its process of `generation`): send to its new process, and (attention) ask it
+        again for every expert output the old one never answered. Returns the rows sent again. Control thread:
+        never waits for the peer (on a gloo / nccl plane the new group is built on a thread of its own, and the
+        rows wait for it in the communicator)."""
+        self.comm.reconnect(runtime, endpoint, generation)
+        if self.groups is not None:
+            self.groups.rebuild(runtime, generation)
         return self.engine.resend(runtime, 0.0) if self.attention is not None else 0
 
     def resend_overdue(self) -> None:
@@ -115,8 +119,13 @@ class Runtime:
         if self.attention is not None:
             self.engine.resend(-1, self.config.transport.timeout_s)
 
-    def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
+    def start(
+        self, endpoints: list[str], generations: list[int], publish: Callable[[HeadOutput], None]
+    ) -> None:
+        """Connect (the tensor-plane groups build in the background: see `linked`) and start the loop."""
         self.comm.connect(endpoints)
+        if self.groups is not None:
+            self.groups.connect(generations)
         self.engine.start()
         self._thread = threading.Thread(
             target=self._loop, args=(publish,), name=f"amoe-loop-{self.id}", daemon=True
@@ -129,10 +138,16 @@ class Runtime:
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread as Failed, then exit
             self.error = exc
 
+    def linked(self) -> bool:
+        """Every peer's tensor-plane link is built (always, on the inline plane): the runtime may say Ready."""
+        return self.groups is None or self.groups.linked()
+
     def check(self) -> None:
-        """Raise if the loop thread died."""
+        """Raise if the loop thread died, or a start-up group could not be made."""
         if self.error is not None:
             raise EngineDeadError(f"the runtime loop failed: {type(self.error).__name__}: {self.error}")
+        if self.groups is not None:
+            self.groups.check()
 
     def stats(self) -> dict[str, Any]:
         """The runtime report of docs/CONTRACTS.md "Runtime stats"."""

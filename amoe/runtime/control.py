@@ -21,6 +21,7 @@ from amoe.errors import AmoeError, EngineDeadError
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
+_LINK_POLL_S = 0.01  # how often a runtime not yet Ready looks whether its groups are built
 _LINGER_MS = 1000  # a Failed message sent just before exit must still leave
 
 
@@ -82,11 +83,15 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
     return publish
 
 
-def serve_commands(channel: Channel, runtime: Any) -> None:
-    """Apply the coordinator's commands and send heartbeats until Shutdown; raises if the loop thread failed."""
+def serve_commands(channel: Channel, runtime: Any, ready: wire.Ready | None = None) -> None:
+    """Apply the coordinator's commands and send heartbeats until Shutdown, and send `ready` once the runtime is
+    linked to every peer; raises if the loop thread failed."""
     next_beat = 0.0
     while True:
         runtime.check()
+        if ready is not None and runtime.linked():
+            channel.send(ready)
+            ready = None
         now = time.monotonic()
         if now >= next_beat:
             for request_id in runtime.expire_aborts():  # confirmed, so the coordinator stops holding their KV
@@ -96,7 +101,10 @@ def serve_commands(channel: Channel, runtime: Any) -> None:
             stats["dropped"] = {**stats.get("dropped", {}), "control": channel.num_dropped}
             channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(stats)))
             next_beat = now + HEARTBEAT_S
-        msg = channel.recv(max(0.0, next_beat - time.monotonic()))
+        wait = next_beat - time.monotonic()
+        if ready is not None:
+            wait = min(wait, _LINK_POLL_S)  # not Ready yet: soon look again whether the groups are built
+        msg = channel.recv(max(0.0, wait))
         if isinstance(msg, wire.Shutdown):
             logger.debug("runtime %d: shutdown requested", runtime.id)
             return
@@ -117,7 +125,7 @@ def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
             # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
             _report_end(channel, runtime, msg.request_id, "abort")
     elif isinstance(msg, wire.Reconnect):
-        resent = runtime.reconnect(msg.runtime, msg.endpoint)
+        resent = runtime.reconnect(msg.runtime, msg.endpoint, msg.generation)
         logger.info(
             "runtime %d: runtime %d rejoined; %d rows sent to it again", runtime.id, msg.runtime, resent
         )

@@ -3,7 +3,9 @@ switch AMOE_FAULTS="stage:token[,stage:token]" makes a runtime fail on purpose f
 `token`. Off (None) unless the variable is set; nothing else reads it.
 
 Stages: `admit` (admission raises), `attend` (an attention batch holding such a request raises), `wedge` (that
-batch never returns: the loop thread is stuck while the control thread goes on, which liveness must notice).
+batch never returns: the loop thread is stuck while the control thread goes on, which liveness must notice). And one
+not keyed by a token: `alloc:N`, the N-th payload announced to this runtime on a gloo / nccl plane finds no memory
+(the communicator's inject_alloc_failure: it is received into a discard buffer and dropped).
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ class InjectedFault(RuntimeError):
 class Faults:
     def __init__(self, spec: str) -> None:
         self.tokens: dict[str, set[int]] = {stage: set() for stage in STAGES}
+        self.alloc_failure: int | None = None  # the announced payload (1-based) whose buffer fails
         for item in filter(None, (part.strip() for part in spec.split(","))):
             stage, _, token = item.partition(":")
+            if stage == "alloc" and token.isdigit() and int(token) >= 1:
+                self.alloc_failure = int(token)
+                continue
             if stage not in STAGES or not token.isdigit():
-                raise ValueError(f"AMOE_FAULTS: expected stage:token with stage in {STAGES}, got {item!r}")
+                raise ValueError(
+                    f"AMOE_FAULTS: expected stage:token with stage in {STAGES}, or alloc:N, got {item!r}"
+                )
             self.tokens[stage].add(int(token))
 
     @classmethod

@@ -38,7 +38,7 @@ class SyncRuntime:
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
         self.placement = place = build.placement(self.config, cfg.num_expert_ids)
         self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
-        self.comm = communicator(spec, place.num_runtimes, self.config, self.emulation)
+        self.comm, self.groups = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
         self.attention = self.device.attention  # None on an expert device
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -86,7 +86,7 @@ class SyncRuntime:
     ) -> RankRequest:
         return self.device.add_request(request_id, prompt, params, num_generated)
 
-    def reconnect(self, runtime: int, endpoint: str) -> int:
+    def reconnect(self, runtime: int, endpoint: str, generation: int = 0) -> int:
         raise EngineDeadError("a synchronous group cannot take a replaced device: it restarts as a whole")
 
     def resend_overdue(self) -> None:
@@ -100,8 +100,12 @@ class SyncRuntime:
         its head within the iteration (or the whole group stops)."""
         return []
 
-    def start(self, endpoints: list[str], publish: Callable[[HeadOutput], None]) -> None:
+    def start(
+        self, endpoints: list[str], generations: list[int], publish: Callable[[HeadOutput], None]
+    ) -> None:
         self.comm.connect(endpoints)
+        if self.groups is not None:
+            self.groups.connect(generations)
         self._thread = threading.Thread(
             target=self._loop, args=(publish,), name=f"amoe-{self.mode}-{self.id}", daemon=True
         )
@@ -125,10 +129,16 @@ class SyncRuntime:
             if not self._stop.is_set():  # a peer stopped the group: nothing is served any more
                 self.error = EngineDeadError("a peer left the synchronous group")
 
+    def linked(self) -> bool:
+        """Every peer's tensor-plane link is built (always, on the inline plane)."""
+        return self.groups is None or self.groups.linked()
+
     def check(self) -> None:
-        """Raise if the loop thread died."""
+        """Raise if the loop thread died, or a start-up group could not be made."""
         if self.error is not None:
             raise EngineDeadError(f"the runtime loop failed: {type(self.error).__name__}: {self.error}")
+        if self.groups is not None:
+            self.groups.check()
 
     def stats(self) -> dict[str, Any]:
         """The runtime report (docs/CONTRACTS.md): the device's barrier stats, KV and the communicator's."""

@@ -3,8 +3,10 @@ cluster manager.
 
 Start-up: name the process, die with the parent, build the runtime of the configured mode (load only its weights,
 bind its data endpoint), say Hello (endpoint, KV blocks, max model length, vocabulary), receive the peer table
-(Welcome), connect, start the engine and the loop thread, say Ready. Then the main thread serves control commands
-and heartbeats until Shutdown. Any failure is reported as one Failed message and exit code 1.
+(Welcome), connect, start the engine and the loop thread. Then the main thread serves control commands and
+heartbeats until Shutdown, and says Ready once its tensor-plane groups with every peer are built (at once on the
+inline plane; meanwhile it already takes a Reconnect for a peer replaced during its start-up). Any failure is
+reported as one Failed message and exit code 1.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ def run(spec: wire.WorkerSpec) -> int:
         runtime = make_runtime(spec)
         control.send(_hello(spec, runtime))
         welcome = control.wait_for(wire.Welcome, spec.startup_timeout_s)
-        runtime.start(welcome.endpoints, token_publisher(outputs, spec.runtime))
-        control.send(wire.Ready(spec.runtime))
-        logger.debug("runtime %d: %s runtime up", spec.runtime, spec.role)
-        serve_commands(control, runtime)
+        generations = welcome.generations or [0] * len(welcome.endpoints)
+        runtime.start(welcome.endpoints, generations, token_publisher(outputs, spec.runtime))
+        logger.debug("runtime %d: %s runtime started", spec.runtime, spec.role)
+        serve_commands(control, runtime, ready=wire.Ready(spec.runtime))
         return 0
     except Exception as exc:  # noqa: BLE001 - any failure becomes one Failed line at the coordinator
         # The coordinator prints the one line users see; the traceback is for -v.
@@ -81,6 +83,7 @@ def _hello(spec: wire.WorkerSpec, runtime: Any) -> wire.Hello:
         max_model_len=runtime.max_model_len,
         vocab_size=runtime.model_config.vocab_size,
         secure_endpoint=runtime.comm.secure_endpoint or None,
+        generation=spec.generation,
     )
 
 
