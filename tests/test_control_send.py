@@ -31,10 +31,10 @@ class _Alive:
 
 class _Launch:
     def __init__(self) -> None:
-        self.spawned: list[tuple[int, str]] = []
+        self.spawned: list[tuple[int, str, int]] = []
 
-    def spawn(self, runtime: int, role: str) -> _Alive:
-        self.spawned.append((runtime, role))
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> _Alive:
+        self.spawned.append((runtime, role, generation))
         return _Alive()
 
     def tick(self, now: float) -> None:
@@ -107,6 +107,6 @@ def test_a_runtime_whose_messages_stay_undelivered_is_replaced_and_its_outbox_dr
 
     be, spawned = asyncio.run(scenario())
     lost = be.cluster.runtimes[1]
-    assert spawned == [(1, "expert")] and "control messages to it went undelivered" in lost.lost
+    assert spawned == [(1, "expert", 1)] and "control messages to it went undelivered" in lost.lost
     assert be.cluster.send_failures >= 1 and be.control_send_failures == be.cluster.send_failures
     assert be.cluster.runtimes[0].lost is None
