@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from amoe import __version__
-from amoe.errors import AmoeError, RequestError
+from amoe.errors import AmoeError, ConfigError, RequestError
 from amoe.log import setup_logging
 from amoe.queue_viewer import add_queues_command  # light: its heavy imports are in its run function
 
@@ -93,12 +93,19 @@ def add_serve_command(sub: Any) -> None:
     from amoe.config import add_config_flags
 
     p = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
-    add_config_flags(p)
-    p.add_argument(
+    vllm = add_config_flags(p)
+    vllm.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model directory (as --model; `vllm serve MODEL`)"
+    )
+    vllm.add_argument(
         "--headless",
         action="store_true",
-        help="a node agent (vLLM's spelling; what --node-rank R >= 1 runs anyway): this node's runtimes only",
+        help="a node agent (what --node-rank R >= 1 runs anyway): this node's runtimes only",
     )
+    vllm.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, metavar="N",
+        help="1 only: amoe spreads a model by its experts (--attn-ranks, --expert-ranks), not by sharding tensors",
+    )  # fmt: skip
     p.set_defaults(run=run_serve)
 
 
@@ -106,7 +113,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from amoe.config import config_from_args
     from amoe.serve import main as serve_main
 
+    _vllm_positionals(args)
     return serve_main(config_from_args(args), headless=args.headless)
+
+
+def _vllm_positionals(args: argparse.Namespace) -> None:
+    """`amoe serve MODEL` as `vllm serve MODEL`; vLLM's tensor parallelism has no counterpart beyond 1."""
+    if args.model_tag is not None:
+        if args.model__path is not None and args.model__path != args.model_tag:
+            raise ConfigError(
+                f"the model is given twice: {args.model_tag!r} and --model {args.model__path!r}"
+            )
+        args.model__path = args.model_tag
+    if args.tensor_parallel_size not in (None, 1):
+        raise ConfigError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: amoe does not shard tensors; it spreads a model "
+            "over devices by its experts: --attn-ranks A --expert-ranks E (aep, pingpong) or --parallel ep "
+            "--attn-ranks N (docs/serve.md)"
+        )
 
 
 def add_plan_command(sub: Any) -> None:

@@ -16,6 +16,7 @@ from amoe.errors import ConfigError
 POLICIES = ("defrag", "mtfs", "flfs")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_DTYPE_SYNONYMS = {"half": "float16", "float": "float32"}
 # Where a runtime's tensors live (docs/gpu.md): auto = CUDA when this host has it.
 DEVICE_KINDS = ("auto", "cpu", "cuda")
 
@@ -40,6 +41,8 @@ class ModelSection:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
 
     def __post_init__(self) -> None:
+        # vLLM's other names for the same dtypes (`--dtype half`, `--dtype float`)
+        object.__setattr__(self, "dtype", _DTYPE_SYNONYMS.get(self.dtype, self.dtype))
         _choice("model.dtype", self.dtype, ("auto", *DTYPE_NAMES))
         if self.max_model_len is not None:
             _positive("model.max_model_len", self.max_model_len)
@@ -207,6 +210,9 @@ class ServerSection:
     # replacement is not serving within this (0: at once); without room elsewhere they wait for the replacement.
     failover_after_s: float = 5.0
     served_model_name: str | None = None  # None: the model directory's name
+    # Seeds the stream of seeds drawn for sampled requests that bring none (vLLM's --seed): the same arrivals then
+    # sample the same tokens run after run.
+    seed: int = 0
     drain_timeout_s: float = 10.0  # on SIGINT/SIGTERM: how long in-flight requests get before being aborted
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
     # runtime and routed tokens per expert, for models whose layer count would make too many series.
@@ -365,10 +371,24 @@ def _build_section(name: str, values: dict, base=None):
 
 # ---- CLI flags generated from the dataclasses: --<section>-<field>, plus short aliases users expect.
 
-_ALIASES = {
+# vLLM's spellings of the same settings, with the same meaning (`vllm serve --help`): a command line copied from
+# vLLM's docs starts `amoe serve`. --help lists them in a group of their own.
+_VLLM_ALIASES = {
     ("model", "path"): "--model",
-    ("device", "kind"): "--device",
+    ("model", "dtype"): "--dtype",
+    ("model", "max_model_len"): "--max-model-len",
+    ("cache", "max_num_seqs"): "--max-num-seqs",
     ("device", "memory_utilization"): "--gpu-memory-utilization",
+    ("server", "host"): "--host",
+    ("server", "port"): "--port",
+    ("server", "api_key"): "--api-key",
+    ("server", "served_model_name"): "--served-model-name",
+    ("server", "seed"): "--seed",
+}
+
+_ALIASES = {
+    **_VLLM_ALIASES,
+    ("device", "kind"): "--device",
     ("parallel", "mode"): "--parallel",
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",
@@ -380,9 +400,6 @@ _ALIASES = {
     ("executor", "expert_gpu"): "--expert-gpu",
     ("executor", "time_scale"): "--time-scale",
     ("executor", "routing"): "--routing",
-    ("server", "host"): "--host",
-    ("server", "port"): "--port",
-    ("server", "api_key"): "--api-key",
     ("server", "api_key_file"): "--api-key-file",
     ("dist", "nnodes"): "--nnodes",
     ("dist", "node_rank"): "--node-rank",
@@ -415,15 +432,20 @@ def _bool_flag(text: str) -> bool:
     return value
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(_SECTIONS)) -> None:
-    """Adds one flag per config field (default None = keep the config file's or the built-in value)."""
+def add_config_flags(
+    parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(_SECTIONS)
+) -> argparse._ArgumentGroup:
+    """Adds one flag per config field (default None = keep the config file's or the built-in value); those vLLM
+    spells too go in a group of their own, which is returned (for the command's other vLLM flags)."""
     parser.add_argument("--config", metavar="FILE", help="JSON file of config sections")
+    vllm = parser.add_argument_group("vLLM's flags", "the same spelling and meaning as `vllm serve`'s")
     for section in sections:
-        group = parser.add_argument_group(f"{section} options")
+        own = parser.add_argument_group(f"{section} options")
         section_cls = _SECTIONS[section]
         for f in dataclasses.fields(section_cls):
             flag = f"--{section}-{f.name}".replace("_", "-")
             names = [_ALIASES[(section, f.name)], flag] if (section, f.name) in _ALIASES else [flag]
+            group = vllm if (section, f.name) in _VLLM_ALIASES else own
             group.add_argument(
                 *names,
                 dest=f"{section}__{f.name}",
@@ -432,6 +454,7 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] 
                 metavar=f.name.upper(),
                 help=f"(default: {_default_of(f)})",
             )
+    return vllm
 
 
 def config_from_args(args: argparse.Namespace) -> AmoeConfig:

@@ -77,7 +77,7 @@ class ClusterBackend(Backend):
         # request id → (rank, blocks, deadline): blocks held back until the rank frees them, or the deadline passes
         self._aborting: dict[int, tuple[int, int, float]] = {}
         # Unseeded sampled requests get seeds drawn like LocalEngine's, so the same arrivals give the same tokens.
-        self._seeds = SeedSource(0)
+        self._seeds = SeedSource(config.server.seed)
 
     @property
     def block_size(self) -> int:

@@ -5,7 +5,6 @@
 
 #include <sys/eventfd.h>
 #include <unistd.h>
-#include <zmq.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,6 +14,7 @@
 #include <random>
 
 #include "errors.h"
+#include "zmq_api.h"
 #include "zmq_comm_internal.h"
 
 namespace amoe {

@@ -5,7 +5,6 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#include <zmq.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +12,7 @@
 #include <cstring>
 #include <exception>
 
+#include "zmq_api.h"
 #include "zmq_comm_internal.h"
 
 namespace amoe {

@@ -65,5 +65,6 @@ class EngineConfig:
             block_size=config.cache.block_size,
             num_kv_blocks=config.cache.num_kv_blocks,
             max_num_seqs=config.cache.max_num_seqs,
+            seed=config.server.seed,
             **overrides,
         )
