@@ -21,6 +21,7 @@ from amoe.runtime.requests import RankRequest, RankRequests
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.loops import run_sync_loop
 from amoe.sampling_params import SamplingParams
+from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class SyncCluster:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=min(cfg.max_position_embeddings, self.num_kv_blocks * self.block_size),
+            grammars=Grammars.for_model(self.model_dir, cfg.vocab_size, cfg.stop_token_ids),
         )  # fmt: skip
         if self.emulation is not None:
             return AttentionExecutor(requests, self.emulation.attention(), cfg)
