@@ -1,4 +1,4 @@
-"""Structured output with llguidance: request formats → one grammar; a grammar's state per sequence.
+"""Structured output with llguidance (torch-free: the coordinator compiles and checks grammars too): request formats → one grammar; a grammar's state per sequence.
 
 Why llguidance (bench/grammar_engines.py, docs/serve.md "Structured output"): on a 128k vocabulary its mask costs
 ~40 us per token against xgrammar's ~170 us and outlines-core's ~1.8 ms, a schema compiles in ~1 ms (xgrammar
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from amoe.errors import RequestError
 
@@ -136,10 +135,10 @@ class GrammarState:
         self._matcher = matcher
         self._vocab_size = vocab_size
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> np.ndarray:
         """[V] bool: the tokens that keep the output inside the grammar."""
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)  # little-endian int32 words
-        return torch.from_numpy(np.unpackbits(words, bitorder="little")[: self._vocab_size].astype(bool))
+        return np.unpackbits(words, bitorder="little")[: self._vocab_size].view(bool)
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):

@@ -155,6 +155,12 @@ class LocalEngine:
             del self._families[request_id]
         return EngineOutput(request_id, [], finished=True, finish_reason="abort", index=index or 0)
 
+    def sequences(self, request_id: int) -> list[int]:
+        """The indices of a request's sequences still running (or yet to fork)."""
+        family = self._families.get(request_id, [])
+        pending = [i for r in family for i in range(r.index + 1, r.index + 1 + r.num_forks)]
+        return [r.index for r in family] + pending
+
     def abort_all(self) -> list[int]:
         """Abort every request (e.g. after a step failed midway); their ids."""
         ids = list(self._families)
@@ -168,8 +174,6 @@ class LocalEngine:
     def _postprocess(self, request: Request, token: int, num_new: int, logprob: float | None) -> EngineOutput:
         request.num_cached_tokens += num_new
         request.output_token_ids.append(token)
-        if logprob is not None:
-            request.cumulative_logprob += logprob
         if request.grammar is not None:
             request.grammar.accept(token)
         reason = self._finish_reason(request, token)
@@ -183,7 +187,7 @@ class LocalEngine:
                 del self._families[request.client_id]
         return EngineOutput(
             request.client_id, [token], finished=reason is not None, finish_reason=reason, index=request.index,
-            cumulative_logprob=request.cumulative_logprob if logprob is not None else None,
+            logprob=logprob,
         )  # fmt: skip
 
     def _finish_reason(self, request: Request, token: int) -> str | None:

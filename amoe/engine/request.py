@@ -36,7 +36,6 @@ class Request:
     num_forks: int = 0
     seed: int | None = None  # the one the request samples with (its sequence i: seed + i)
     grammar: Any = None  # amoe.structured.GrammarState: where the output is in its grammar
-    cumulative_logprob: float = 0.0  # of its tokens under the raw model (best_of ranks by it)
 
     def __post_init__(self) -> None:
         if self.client_id is None:
@@ -72,4 +71,4 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     index: int = 0  # which of the request's sequences (n > 1)
-    cumulative_logprob: float | None = None  # the sequence's, when best_of ranks it
+    logprob: float | None = None  # the raw log-probability of its new token, when best_of ranks it

@@ -51,7 +51,7 @@ def _process_row(row: torch.Tensor, seq: SequenceView, eos_token_ids: Sequence[i
     """row [V], in place."""
     params, vocab, out = seq.params, row.shape[0], seq.output_ids
     grammar = seq.grammar
-    allowed = grammar.allowed() if grammar is not None else None  # [V] bool
+    allowed = torch.from_numpy(grammar.allowed()) if grammar is not None else None  # [V] bool
     if allowed is not None:
         raw = row.clone()
         row.masked_fill_(~allowed.to(row.device), _NEG_INF)

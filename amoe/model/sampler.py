@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from amoe.model.logits_processors import apply_processors, ranking_logprobs
+from amoe.request_rules import sequence_seed  # noqa: F401 - the sampler's seeds, where engines find them
 from amoe.sampling_params import SamplingParams
 
 
@@ -82,14 +83,6 @@ def sample_sequences(
     if ranked is None:
         return tokens, None
     return tokens, ranked.gather(1, torch.tensor(tokens, device=ranked.device)[:, None]).squeeze(1).tolist()
-
-
-def sequence_seed(seed: int | None, index: int) -> int | None:
-    """The seed of sequence `index` of a request (n > 1): seed + index, as vLLM's ParentRequest derives its
-    children's, wrapped into the int64 range."""
-    if seed is None:
-        return None
-    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def make_generator(params: SamplingParams, seed: int | None) -> torch.Generator | None:
