@@ -64,6 +64,7 @@ class Sampler:
         return sorted_ids.gather(1, choice).squeeze(1)
 
 
+@torch.inference_mode()  # the head's logits are inference tensors, and the processors change them in place
 def sample_sequences(
     sampler: Sampler,
     logits: torch.Tensor,

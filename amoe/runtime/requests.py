@@ -68,6 +68,7 @@ class RankRequest:
     seed: int | None = None
     grammar: Any = None  # amoe.structured.GrammarState
     forks: list[int] = field(default_factory=list)  # ids of its other sequences, forked at its first sample
+    children: list[RankRequest] = field(default_factory=list)  # those sequences, once forked
 
     @property
     def aborted(self) -> bool:
@@ -298,6 +299,7 @@ class RankRequests:
                         failed.append(child_id)
                         continue
                     self._requests[child_id] = child
+                    parent.children.append(child)
                     seq_ids.append(child_id)
                     rows.append(row)
                 parent.forks = []

@@ -101,11 +101,12 @@ class InProcessCluster:
         return [self.executors[r] for r in self.placement.attn_runtime]
 
     def add_request(
-        self, rank: int, request_id: int, prompt: list[int], params: SamplingParams
+        self, rank: int, request_id: int, prompt: list[int], params: SamplingParams, seq_ids=()
     ) -> RankRequest:
-        """Bind a request to attention rank `rank`; its prompt enters that runtime's engine. Any thread."""
+        """Bind a request to attention rank `rank`; its prompt enters that runtime's engine. Any thread. With
+        n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked)."""
         runtime = self.placement.attn_runtime[rank]
-        req, rows = self.executors[runtime].requests.add(request_id, prompt, params)
+        req, rows = self.executors[runtime].requests.add(request_id, prompt, params, seq_ids=seq_ids)
         core.enter(self.engines[runtime], rows)
         return req
 

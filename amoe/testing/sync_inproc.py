@@ -136,13 +136,15 @@ class SyncCluster:
         self.stop()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None
+        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None, seq_ids=()
     ) -> RankRequest:
-        """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration."""
+        """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration.
+        With n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked)."""
         request_id = next(self._ids)
         ranks = self.attention
         device = ranks[(request_id - 1) % len(ranks) if rank is None else rank]
-        return device.add_request(request_id, prompt, params or SamplingParams(temperature=0))
+        params = params or SamplingParams(temperature=0)
+        return device.add_request(request_id, prompt, params, seq_ids=seq_ids)
 
     def wait(self, reqs: list[RankRequest], timeout: float = 120.0) -> list[list[int]]:
         """Each request's output tokens once all are done; EngineDeadError if a device died or time ran out."""
