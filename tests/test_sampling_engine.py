@@ -186,3 +186,27 @@ def test_every_mode_samples_at_the_attention_rank_like_the_local_engine(model_di
             _wait(reqs)
             _wait([c for r in reqs for c in r.children])
             assert [_children(r) for r in reqs] == expected, mode
+
+
+def test_llm_returns_n_completions_and_keeps_a_stop_string_when_asked(model_dir):
+    from amoe.llm import LLM
+
+    llm = LLM(model_dir)
+    params = SamplingParams(temperature=1.0, seed=8, max_tokens=8, n=2, ignore_eos=True)
+    (out,) = llm.generate("Hello", params)
+    assert [c.index for c in out.outputs] == [0, 1] and out.outputs[0].token_ids != out.outputs[1].token_ids
+    stop = out.outputs[0].text[2:5]
+    (kept,) = llm.generate(
+        "Hello", SamplingParams(**{**_fields(params), "stop": [stop], "include_stop_str_in_output": True})
+    )
+    text = out.outputs[0].text
+    assert (
+        kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+        and kept.outputs[0].finish_reason == "stop"
+    )
+
+
+def _fields(params: SamplingParams) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
