@@ -91,10 +91,14 @@ class Grammars:
         self._lock = threading.Lock()  # control threads check grammars while the loop thread makes matchers
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars:
-        """The checkpoint's tokenizer.json (a model without one serves no structured output)."""
-        path = Path(model_dir) / "tokenizer.json"
-        return cls(path.read_text(encoding="utf-8") if path.exists() else None, vocab_size, eos_token_ids)
+    def for_model(
+        cls, model_dir: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> Grammars:
+        """The checkpoint's tokenizer.json (a model without one, or an emulated one without a checkpoint, serves
+        no structured output)."""
+        path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+        text = path.read_text(encoding="utf-8") if path is not None and path.exists() else None
+        return cls(text, vocab_size, eos_token_ids)
 
     def _llg_tokenizer(self):
         with self._lock:
