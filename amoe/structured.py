@@ -68,7 +68,14 @@ def compile_grammar(
                 raise RequestError(f"a choice must be a list of 1 to {_MAX_CHOICES} strings", param)
             alternatives = " | ".join(json.dumps(_string(c, param)) for c in choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
-        return llguidance.LLMatcher.grammar_from_lark(_string(grammar, param))
+        # vLLM's guided_grammar is GBNF (`root ::= ...`, what xgrammar takes) or Lark: both become Lark here.
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+        try:
+            lark = any_to_lark(_string(grammar, param))
+        except GbnfToLarkError as exc:
+            raise RequestError(f"invalid grammar: {exc}", param) from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as exc:  # llguidance's own word on a malformed schema
         raise RequestError(f"invalid structured output format: {exc}", param) from None
 

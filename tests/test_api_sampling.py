@@ -139,8 +139,12 @@ def test_response_format_json_schema_always_parses(client):
             lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
         ),
         ({"guided_json": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        (
+            {"guided_grammar": 'root ::= "x" [0-9] [0-9]'},
+            lambda t: len(t) == 3 and t[0] == "x" and t[1:].isdigit(),
+        ),
     ],
-    ids=["guided_choice", "guided_regex", "structured_outputs", "guided_json"],
+    ids=["guided_choice", "guided_regex", "structured_outputs", "guided_json", "guided_grammar(gbnf)"],
 )
 def test_vllm_structured_output_parameters(client, extra, valid):
     out = client.completions.create(
@@ -183,3 +187,23 @@ def test_structured_output_grammar_is_checked_on_the_served_tokenizer(model_dir)
             compile_grammar(json_schema={"type": "integer", "minimum": 5, "maximum": 1}), "guided_json"
         )
     assert err.value.param == "guided_json"
+
+
+@pytest.mark.timeout(120)
+def test_allowed_token_ids_and_special_tokens_in_the_text(client, tokenizer):
+    body = {"temperature": 1.0, "max_tokens": 6, "seed": 5, "ignore_eos": True}
+    allowed = tokenizer.encode(" a b c", add_special_tokens=False)
+    out = client.completions.create(
+        model=MODEL, prompt="x", extra_body={**body, "allowed_token_ids": allowed}
+    )
+    assert set(tokenizer.encode(out.choices[0].text, add_special_tokens=False)) <= set(allowed)
+    forced_eos = {
+        **body,
+        "max_tokens": 3,
+        "logit_bias": {"2": 100},
+    }  # eos (</s>) every time; ignore_eos goes on
+    kept = client.completions.create(
+        model=MODEL, prompt="x", extra_body={**forced_eos, "skip_special_tokens": False}
+    )
+    skipped = client.completions.create(model=MODEL, prompt="x", extra_body=forced_eos)
+    assert kept.choices[0].text == "</s></s></s>" and skipped.choices[0].text == ""

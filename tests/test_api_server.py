@@ -325,6 +325,12 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL_NAME, "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     (
         "completions",
+        {"model": MODEL_NAME, "prompt": "hi", "guided_grammar": "root ::= ("},
+        400,
+        "guided_grammar",
+    ),
+    (
+        "completions",
         {"model": MODEL_NAME, "prompt": "hi", "structured_outputs": {}},
         400,
         "structured_outputs",
