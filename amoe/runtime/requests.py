@@ -324,7 +324,7 @@ class RankRequests:
                 if new and req.grammar is not None:
                     req.grammar.accept(token)
                 if step_logprobs is not None:
-                    step_logprobs.append(logprobs[i] if new else 0.0)
+                    step_logprobs.append(min(logprobs[i], 0.0) if new else 0.0)  # the wire takes <= 0 only
                 req.finish_reason = "abort" if req.aborted else self._stop_reason(req, token, ctx + 1)
                 outputs.append((rid, new, req.finish_reason))
                 if req.finish_reason is None:
