@@ -341,8 +341,9 @@ class ClusterBackend(Backend):
         output = stream.outputs[index]
         n, params = len(output), stream.params
         params = msgspec.structs.replace(
-            params, max_tokens=params.max_tokens - n, seed=sequence_seed(params.seed, index)
-        )
+            params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n),
+            seed=sequence_seed(params.seed, index),
+        )  # fmt: skip
         return wire.AddRequest(stream.seq_ids[index], stream.prompt + output, params, num_generated=n)
 
     def on_death(self, reason: str) -> None:

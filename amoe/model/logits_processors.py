@@ -62,7 +62,8 @@ def _process_row(row: torch.Tensor, seq: SequenceView, eos_token_ids: Sequence[i
     if params.bad_words_token_ids:
         banned = [w[-1] for w in params.bad_words_token_ids if _ends_with(out, w[:-1])]
         row[_ids(banned, vocab, row.device)] = _NEG_INF
-    if len(out) < params.min_tokens:  # no end yet: eos (unless ignored) and the stop tokens are out
+    # min_tokens counts what this admission generated: a moved request comes with it reduced by what it had.
+    if len(out) - getattr(seq, "num_generated", 0) < params.min_tokens:  # no end yet: eos and stop tokens out
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         row[_ids(stops, vocab, row.device)] = _NEG_INF
     if params.logit_bias:
