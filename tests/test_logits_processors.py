@@ -29,6 +29,7 @@ class Seq:
     output_ids: list[int] = field(default_factory=list)
     grammar: object = None
     generator: torch.Generator | None = None
+    num_generated: int = 0  # of output_ids, generated before a move (min_tokens was reduced by as many)
 
 
 def _logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
@@ -174,3 +175,14 @@ def test_the_wire_carries_every_sampling_field():
     decoded = wire.decode(wire.encode(message))
     assert decoded.seq_ids == [7, 8]
     assert wire.from_wire_sampling(decoded.params) == params
+
+
+def test_a_moved_sequence_counts_min_tokens_from_its_readmission():
+    """Moved after 3 tokens, a request with min_tokens 5 comes back with min_tokens 2: eos stays banned for exactly
+    the 2 tokens it still owes, while the penalties see all of its output."""
+    params = SamplingParams(min_tokens=2, max_tokens=7)
+    logits = _logits(seed=6)
+    for new, banned in ((0, True), (1, True), (2, False)):
+        seq = Seq(params, [1], [9, 9, 9] + [4] * new, num_generated=3)
+        row = apply_processors(logits.clone(), [seq], EOS)[0]
+        assert (row[2] == float("-inf")) == banned
