@@ -53,10 +53,13 @@ class _Stream:
     prompt: list[int] = field(default_factory=list)
     params: wire.WireSampling | None = None  # as first sent: its seed is the one the request samples with
     moving: bool = False  # its attention runtime is being replaced: it is admitted there again once it serves
-    # Its sequences (n > 1: one per sequence, each with its own wire id, the request's own first).
+    # Its sequences' wire ids (n > 1: the request's own first; empty: one sequence, the request's id).
     seq_ids: list[int] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)  # tokens so far, per sequence
-    running: set[int] = field(default_factory=set)  # indices of the sequences not finished
+    outputs: list[list[int]] = field(default_factory=lambda: [[]])  # tokens so far, per sequence
+    running: set[int] = field(default_factory=lambda: {0})  # indices of the sequences not finished
+
+    def seq_id(self, request_id: int, index: int) -> int:
+        return self.seq_ids[index] if self.seq_ids else request_id
 
     @property
     def generated(self) -> list[int]:
@@ -199,7 +202,7 @@ class ClusterBackend(Backend):
         ended = sorted(stream.running)
         stream.running.clear()
         if not stream.moving:  # a moving request holds nothing anywhere
-            self._abort_at_rank(stream, ended)
+            self._abort_at_rank(request_id, stream, ended)
         for index in ended:
             stream.queue.put_nowait(TokenDelta(finish_reason="abort", index=index))
 
@@ -212,17 +215,17 @@ class ClusterBackend(Backend):
             return
         stream.running.discard(index)
         if not stream.moving:
-            self._abort_at_rank(stream, [index])
+            self._abort_at_rank(request_id, stream, [index])
         stream.queue.put_nowait(TokenDelta(finish_reason="abort", index=index))
 
-    def _abort_at_rank(self, stream: _Stream, indices: list[int]) -> None:
+    def _abort_at_rank(self, request_id: int, stream: _Stream, indices: list[int]) -> None:
         """Abort sequences at the request's attention rank and hold their blocks back until the rank confirms.
         The rank frees an unconfirmable abort's KV after server.abort_timeout_s (and confirms); the hold outlives
         that by as much again, in case the rank itself is gone."""
         deadline = time.monotonic() + 2 * self.config.server.abort_timeout_s
-        per_seq = -(-stream.num_kv_blocks // len(stream.seq_ids))
+        per_seq = -(-stream.num_kv_blocks // len(stream.outputs))
         for index in indices:
-            seq_id = stream.seq_ids[index]
+            seq_id = stream.seq_id(request_id, index)
             self._aborting[seq_id] = (stream.rank, per_seq, deadline)
             self.cluster.send(self._runtime_of(stream), wire.Abort(seq_id))
 
@@ -252,9 +255,9 @@ class ClusterBackend(Backend):
             if reason in ("rejected", "error"):  # the whole request fails
                 del self._streams[request_id]
                 if reason == "error" and not from_rank:  # an expert runtime: its rank still holds it
-                    self._abort_at_rank(stream, sorted(stream.running))
+                    self._abort_at_rank(request_id, stream, sorted(stream.running))
                 elif len(stream.running) > 1:  # its other sequences end at the rank too
-                    self._abort_at_rank(stream, sorted(stream.running - {index}))
+                    self._abort_at_rank(request_id, stream, sorted(stream.running - {index}))
                 stream.running.clear()
                 stream.queue.put_nowait(
                     RequestError(msg.error or "the runtime rejected the request")
@@ -333,9 +336,9 @@ class ClusterBackend(Backend):
             )
             return
         for index in sorted(stream.running):
-            self.cluster.send(runtime, self._readmission(stream, index))
+            self.cluster.send(runtime, self._readmission(request_id, stream, index))
 
-    def _readmission(self, stream: _Stream, index: int) -> wire.AddRequest:
+    def _readmission(self, request_id: int, stream: _Stream, index: int) -> wire.AddRequest:
         """Prompt + a sequence's tokens so far, for what is left of max_tokens; a seeded sampler skips the draws
         taken (with the sequence's own seed, seed + index)."""
         output = stream.outputs[index]
@@ -344,7 +347,9 @@ class ClusterBackend(Backend):
             params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n),
             seed=sequence_seed(params.seed, index),
         )  # fmt: skip
-        return wire.AddRequest(stream.seq_ids[index], stream.prompt + output, params, num_generated=n)
+        return wire.AddRequest(
+            stream.seq_id(request_id, index), stream.prompt + output, params, num_generated=n
+        )
 
     def on_death(self, reason: str) -> None:
         self._status = "dead"
