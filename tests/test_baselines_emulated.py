@@ -3,7 +3,6 @@ ping-pong's iteration time agrees with MegaScale-Infer's T_total (Eq. 5) when it
 at its barriers more under skewed routing than under uniform routing at the same load (AMoE Figure 4b)."""
 
 import dataclasses
-import statistics
 
 import pytest
 
@@ -47,7 +46,9 @@ def test_pingpong_iteration_time_agrees_with_t_total():
         cluster.wait(reqs, timeout=45)
         stats = cluster.stats()[0]
     decode = [t for t, n in zip(stats["iteration_s"], stats["iteration_rows"]) if n == m * rows]
-    measured = statistics.median(decode) / scale
+    # The fastest decode iteration: other work on the host can only add time to an iteration (the emulated
+    # executor sleeps the cost model's times), never remove it.
+    measured = min(decode) / scale
     prof, gpu, host = em.profile, em.gpu, em.host
     t_a = cost_model.attention_layer_time(prof, gpu, [1] * rows, [6] * rows, host)
     t_e = cost_model.expert_layer_time(prof, gpu, rows * 2 // 4, host)  # one expert per device

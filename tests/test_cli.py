@@ -1,4 +1,5 @@
-"""The `amoe` command, run as a user would (subprocesses): output on stdout, one-line errors on stderr."""
+"""The `amoe` command, run as a user would (subprocesses, or its entry point in-process where a process would only add
+importing torch): output on stdout, one-line errors on stderr."""
 
 from __future__ import annotations
 
@@ -98,18 +99,6 @@ BAD_FLAGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def error_runs(model_dir, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
-    """Every broken-model case run at once (the processes mostly import torch), keyed by case name."""
-    root = tmp_path_factory.mktemp("broken")
-    started = {}
-    for name, (damage, expected) in BROKEN_MODELS.items():
-        broken = shutil.copytree(model_dir, root / name if name != "no-dir" else root / "missing-model")
-        damage(broken)
-        started[name] = (_start([*GENERATE, "--model", str(broken)]), expected)
-    return {name: (_finish(proc), expected) for name, (proc, expected) in started.items()}
-
-
 def _assert_one_error_line(returncode: int, stderr: str, expected: str) -> None:
     assert returncode != 0
     assert "Traceback" not in stderr
@@ -121,9 +110,15 @@ def _assert_one_error_line(returncode: int, stderr: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize("case", BROKEN_MODELS)
-def test_broken_model_prints_one_line(error_runs, case):
-    result, expected = error_runs[case]
-    _assert_one_error_line(result.returncode, result.stderr, expected)
+def test_broken_model_prints_one_line(model_dir, tmp_path, monkeypatch, capsys, case):
+    """In-process through the entry point (`cli.main`, what `amoe` runs): a process per case would mostly be
+    importing torch."""
+    damage, expected = BROKEN_MODELS[case]
+    broken = shutil.copytree(model_dir, tmp_path / ("missing-model" if case == "no-dir" else case))
+    damage(broken)
+    monkeypatch.setattr(cli, "setup_logging", lambda verbose: None)  # leave this process's logging alone
+    returncode = cli.main([*GENERATE, "--model", str(broken)])
+    _assert_one_error_line(returncode, capsys.readouterr().err, expected)
 
 
 @pytest.mark.parametrize("case", BAD_FLAGS)
