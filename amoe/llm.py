@@ -27,6 +27,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length"
+    cumulative_logprob: float | None = None  # raw, when best_of > n ranked it (else 0)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RequestOutput:
 
 @dataclass
 class _Pending:
-    """One prompt being generated: its tokens so far and, with a tokenizer, its text so far."""
+    """One sequence being generated: its tokens so far and, with a tokenizer, its text so far."""
 
     request_id: int
     prompt: str | None
@@ -51,6 +52,8 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_cut: int | None = None  # where the text ends when a stop string ended the request
+    index: int = 0  # which of the prompt's sequences (n > 1)
+    cumulative_logprob: float = 0.0  # best_of ranks by it
 
     @property
     def text(self) -> str:
@@ -82,21 +85,23 @@ class LLM:
         """Generate for every prompt (text or token ids) and return the outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        pending: list[_Pending] = []
+        pending: list[list[_Pending]] = []  # per prompt, its sequences
         try:
             for prompt, params in zip(prompt_list, params_list):
                 pending.append(self._submit(prompt, params))
-            by_id = {p.request_id: p for p in pending}
+            by_id = {(p.request_id, p.index): p for seqs in pending for p in seqs}
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    self._absorb(by_id[out.request_id], out.new_token_ids, out.finish_reason)
+                    seq = by_id[(out.request_id, out.index)]
+                    seq.cumulative_logprob += out.logprob or 0.0
+                    self._absorb(seq, out.new_token_ids, out.finish_reason)
         except BaseException:  # a bad prompt or an interrupt must not leave requests behind in the engine
-            for p in pending:
-                self.engine.abort(p.request_id)
+            for seqs in pending:
+                self.engine.abort(seqs[0].request_id)
             raise
-        return [self._to_output(p) for p in pending]
+        return [self._to_output(seqs) for seqs in pending]
 
-    def _submit(self, prompt: PromptInput, params: SamplingParams) -> _Pending:
+    def _submit(self, prompt: PromptInput, params: SamplingParams) -> list[_Pending]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model_dir} has no tokenizer.json: pass token ids instead of text")
@@ -105,10 +110,23 @@ class LLM:
             token_ids, text = list(prompt), None
         request_id = next(self._ids)
         self.engine.add_request(request_id, token_ids, params)
-        detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
-        )
-        return _Pending(request_id, text, token_ids, params, detokenizer, StopMatcher(params.stop))
+        return [
+            _Pending(
+                request_id,
+                text,
+                token_ids,
+                params,
+                self._detokenizer(token_ids, params),
+                StopMatcher(params.stop),
+                index=index,
+            )  # fmt: skip
+            for index in range(params.num_sequences)
+        ]
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
 
     def _absorb(self, pending: _Pending, new_token_ids: list[int], finish_reason: str | None) -> None:
         """Add a step's tokens and text; a stop string in the new text ends the request (text cut before it)."""
@@ -118,16 +136,27 @@ class LLM:
             return
         for token in new_token_ids:
             cut = pending.stops.feed(pending.detokenizer.add(token))
-            if cut is not None:  # a stop string ends the request: the text is cut before it
+            if cut is not None:  # a stop string ends the sequence: the text is cut before it (or after it)
+                if pending.params.include_stop_str_in_output:
+                    cut += len(pending.stops.matched)
                 pending.stop_cut, pending.finish_reason = cut, "stop"
-                self.engine.abort(pending.request_id)
+                self.engine.abort(pending.request_id, pending.index)
                 return
         if finish_reason is not None:
             pending.detokenizer.flush()
 
-    def _to_output(self, pending: _Pending) -> RequestOutput:
-        completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)
-        return RequestOutput(pending.request_id, pending.prompt, pending.prompt_token_ids, [completion])
+    def _to_output(self, seqs: list[_Pending]) -> RequestOutput:
+        """The prompt's n completions (best_of > n: the n of highest cumulative log-probability)."""
+        first, n = seqs[0], seqs[0].params.n
+        if len(seqs) > n:
+            seqs = sorted(seqs, key=lambda p: p.cumulative_logprob, reverse=True)[:n]
+        completions = [
+            CompletionOutput(
+                i, p.text, p.token_ids, p.finish_reason, p.cumulative_logprob if len(seqs) else None
+            )
+            for i, p in enumerate(seqs)
+        ]
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions)
 
     @staticmethod
     def _params_per_prompt(

@@ -47,6 +47,14 @@ def stop_reason(
     return None
 
 
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence `index` of a request (n > 1): seed + index, as vLLM's ParentRequest derives its
+    children's, wrapped into the int64 range."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 class SeedSource:
     """Seeds for sampled requests that bring none, drawn from one seeded stream: the same arrivals get the same
     seeds, so a deployment's sampled output is reproducible run to run. Greedy and seeded requests keep theirs."""
@@ -74,6 +82,7 @@ class StopMatcher:
         self._fail = [_failure(s) for s in self._stops]
         self._state = [0] * len(self._stops)  # per stop: its longest prefix that ends the text so far
         self._seen = 0  # characters fed
+        self.matched: str | None = None  # the stop string found
 
     @property
     def pending(self) -> int:
@@ -98,7 +107,8 @@ class StopMatcher:
                     k += 1
                 if k == len(stop):
                     start = self._seen + i + 1 - k
-                    match = start if match is None else min(match, start)
+                    if match is None or start < match:
+                        match, self.matched = start, stop
                     k = fail[j][k - 1]
                 state[j] = k
             if match is not None:

@@ -98,6 +98,7 @@ class AmoeServer:
             self._uvicorn.should_exit = True
 
     async def _start_backend(self, model_dir: Path):
+        from amoe.structured import Grammars
         from amoe.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -106,7 +107,10 @@ class AmoeServer:
         else:
             backend, max_model_len, vocab = await self._start_cluster(model_dir)
         name = self.config.server.served_model_name or _default_name(self.config, model_dir)
-        model = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab)
+        eos = tokenizer.backend.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None
+        # Checks structured output requests against the served tokenizer (the runtimes use the model's eos ids).
+        grammars = Grammars(tokenizer.backend.to_str(), vocab, (eos,) if eos is not None else (0,))
+        model = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab, grammars=grammars)
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
 
@@ -264,7 +268,9 @@ def _default_name(config: AmoeConfig, model_dir: Path) -> str:
 def _detokenizer_factory(tokenizer):
     from amoe.tokenizer import IncrementalDetokenizer
 
-    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+    return lambda prompt_ids, skip_special_tokens=True: IncrementalDetokenizer(
+        tokenizer, prompt_ids, skip_special_tokens
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -97,10 +97,15 @@ class TokenOut(_Msg, tag=5):
     error: Annotated[str, Meta(max_length=65536)] | None = (
         None  # why ("rejected": the request; "error": the runtime)
     )
+    # Per request, the raw log-probability of its new token (0 for none), when one of them is ranked for
+    # best_of (else empty): the coordinator sums them, so a moved sequence's score goes on where it was.
+    token_logprobs: list[Annotated[float, Meta(le=0.0)]] = []
 
     def __post_init__(self) -> None:
         if not len(self.request_ids) == len(self.token_ids) == len(self.finish_reasons):
             raise ValueError("request_ids, token_ids and finish_reasons differ in length")
+        if self.token_logprobs and len(self.token_logprobs) != len(self.request_ids):
+            raise ValueError("token_logprobs and request_ids differ in length")
 
 
 # ---- coordinator → runtime
@@ -115,8 +120,9 @@ class Welcome(_Msg, tag=16):
 
 
 class WireSampling(msgspec.Struct, array_like=True, frozen=True):
-    """The token-level part of SamplingParams (stop strings stay with the coordinator's detokenizer); the runtime
-    validates it again as SamplingParams."""
+    """The token-level part of SamplingParams (stop strings and text options stay with the coordinator's
+    detokenizer): everything the attention rank's sampler and logits processors need. The runtime validates it
+    again as SamplingParams."""
 
     max_tokens: int
     temperature: float
@@ -125,6 +131,17 @@ class WireSampling(msgspec.Struct, array_like=True, frozen=True):
     seed: int | None
     stop_token_ids: list[TokenId]
     ignore_eos: bool
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: list[tuple[TokenId, float]] = []
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words_token_ids: list[list[TokenId]] = []
+    grammar: Annotated[str, Meta(max_length=1 << 20)] | None = None  # compiled (amoe.structured)
 
 
 class AddRequest(_Msg, tag=17):
@@ -134,6 +151,8 @@ class AddRequest(_Msg, tag=17):
     # A request moved from a lost attention runtime: the last num_generated prompt tokens are its own output so
     # far (recomputed here), so a seeded sampler resumes its draws where it stopped.
     num_generated: Count = 0
+    # n > 1: the ids of its other sequences (params.n or best_of, less one), forked from its prefill at the rank.
+    seq_ids: list[RequestId] = []
 
 
 class Abort(_Msg, tag=18):
@@ -235,6 +254,17 @@ def to_wire_sampling(params: Any, seed: int | None) -> WireSampling:
         seed=seed,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        n=params.n,
+        best_of=params.best_of,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        min_p=float(params.min_p),
+        min_tokens=params.min_tokens,
+        logit_bias=[(t, float(b)) for t, b in params.logit_bias],
+        allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
+        bad_words_token_ids=[list(w) for w in params.bad_words_token_ids],
+        grammar=params.grammar,
     )
 
 
@@ -250,6 +280,17 @@ def from_wire_sampling(params: WireSampling) -> Any:
         seed=params.seed,
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        n=params.n,
+        best_of=params.best_of,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        logit_bias=tuple(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids,
+        bad_words_token_ids=params.bad_words_token_ids,
+        grammar=params.grammar,
     )
 
 

@@ -202,33 +202,50 @@ def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
         raise internal_error(exc) from None
 
 
-async def _generate(runner: RequestRunner, lifetime: RequestLifetime) -> RequestState:
-    state = None
+async def _generate(runner: RequestRunner, lifetime: RequestLifetime) -> list[RequestState]:
+    """Every sequence's final state, by index."""
+    states: dict[int, RequestState] = {}
     async for _, update in runner.run(lifetime):
-        state = update
-    if state is None or not state.is_finished:
+        states[update.index] = update
+    num_seqs = lifetime.req.sampling_params.num_sequences
+    if len(states) != num_seqs or not all(s.is_finished for s in states.values()):
         raise ApiError(500, "the backend ended the request without finishing it", type="server_error")
-    return state
+    return [states[i] for i in range(num_seqs)]
+
+
+def _chosen(states: list[RequestState], n: int) -> list[RequestState]:
+    """The n returned: all of them, or with best_of > n the n of highest cumulative log-probability (vLLM's
+    ranking), in that order."""
+    if len(states) == n:
+        return states
+    return sorted(states, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
 
 
 async def _complete(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> CompletionResponse:
-    req, state = lifetime.req, await _generate(runner, lifetime)
-    choice = CompletionChoice(text=state.text, finish_reason=state.finish_reason)
+    req, states = lifetime.req, await _generate(runner, lifetime)
+    choices = [
+        CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason)
+        for i, s in enumerate(_chosen(states, req.sampling_params.n))
+    ]
     return CompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+        id=req.response_id, created=int(time.time()), model=model, choices=choices, usage=_usage(states)
     )
 
 
 async def _chat(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> ChatCompletionResponse:
-    req, state = lifetime.req, await _generate(runner, lifetime)
-    choice = ChatChoice(message=AssistantMessage(content=state.text), finish_reason=state.finish_reason)
+    req, states = lifetime.req, await _generate(runner, lifetime)
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason)
+        for i, s in enumerate(_chosen(states, req.sampling_params.n))
+    ]
     return ChatCompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+        id=req.response_id, created=int(time.time()), model=model, choices=choices, usage=_usage(states)
     )
 
 
-def _usage(state: RequestState) -> Usage:
-    return Usage.of(state.num_prompt_tokens, state.num_output_tokens)
+def _usage(states: list[RequestState]) -> Usage:
+    """Every generated token counts, those of best_of's discarded sequences too."""
+    return Usage.of(states[0].num_prompt_tokens, sum(s.num_output_tokens for s in states))
 
 
 async def _completion_events(
@@ -236,14 +253,15 @@ async def _completion_events(
 ) -> AsyncIterator[str]:
     req, created = lifetime.req, int(time.time())
     usage_field = {"usage": None} if include_usage else {}
-    state = None
+    states: dict[int, RequestState] = {}
     async for text, state in runner.run(lifetime):
-        choice = CompletionChoice(text=text, finish_reason=state.finish_reason)
+        states[state.index] = state
+        choice = CompletionChoice(index=state.index, text=text, finish_reason=state.finish_reason)
         chunk = CompletionResponse(id=req.response_id, created=created, model=model, choices=[choice])
         yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
-    if include_usage and state is not None:
+    if include_usage and states:
         final = CompletionResponse(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=req.response_id, created=created, model=model, choices=[], usage=_usage(list(states.values()))
         )
         yield _event(final.model_dump())
 
@@ -254,23 +272,25 @@ async def _chat_events(
     req, created = lifetime.req, int(time.time())
     exclude = set() if include_usage else {"usage"}
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chunk(delta: DeltaMessage, index: int, finish_reason: str | None = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         body = ChatCompletionChunk(id=req.response_id, created=created, model=model, choices=[choice])
         payload = body.model_dump(exclude=exclude)
         payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # as OpenAI: absent, not null
         return _event(payload)
 
-    yield chunk(DeltaMessage(role="assistant", content=""))  # OpenAI opens every chat stream with the role
-    state = None
+    for index in range(req.sampling_params.n):  # OpenAI opens every choice of a chat stream with the role
+        yield chunk(DeltaMessage(role="assistant", content=""), index)
+    states: dict[int, RequestState] = {}
     async for text, state in runner.run(lifetime):
+        states[state.index] = state
         if text:
-            yield chunk(DeltaMessage(content=text))
+            yield chunk(DeltaMessage(content=text), state.index)
         if state.is_finished:
-            yield chunk(DeltaMessage(), state.finish_reason)
-    if include_usage and state is not None:
+            yield chunk(DeltaMessage(), state.index, state.finish_reason)
+    if include_usage and states:
         final = ChatCompletionChunk(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=req.response_id, created=created, model=model, choices=[], usage=_usage(list(states.values()))
         )
         yield _event(final.model_dump())
 

@@ -14,6 +14,8 @@ class TokenDelta:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    index: int = 0  # which of the request's sequences (n > 1); each finishes on its own
+    logprob: float | None = None  # the raw log-probability of these tokens, when best_of ranks the sequence
 
     @property
     def is_finished(self) -> bool:
@@ -52,7 +54,8 @@ class Backend(abc.ABC):
     def generate(
         self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
-        """Stream a request's new tokens; closing the iterator early aborts the request and frees its KV.
+        """Stream a request's new tokens, of all its sequences (`TokenDelta.index`; the stream ends when every
+        one has finished); closing the iterator early aborts the request and frees its KV.
 
         Raises amoe.errors.EngineDeadError if the backend died before or while serving the request.
         """
@@ -64,6 +67,11 @@ class Backend(abc.ABC):
         Unknown or finished ids are ignored: the coordinator calls it directly whenever a request ends early
         (coordinator/lifetime.py), whether or not its stream was closed too.
         """
+
+    def abort_sequence(self, request_id: int, index: int) -> None:
+        """Stop one sequence of a request (n > 1; a stop string ended it); the others go on. A backend that
+        runs one sequence per request aborts the request."""
+        self.abort(request_id)
 
     @abc.abstractmethod
     def health(self) -> dict[str, Any]:

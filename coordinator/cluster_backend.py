@@ -24,6 +24,7 @@ replaced.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +37,7 @@ import msgspec
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError, RequestFailed
-from amoe.request_rules import SeedSource
+from amoe.request_rules import SeedSource, sequence_seed
 from coordinator.backend import Backend, RankKV, TokenDelta
 from coordinator.cluster import ClusterManager
 from coordinator.runtimes import RuntimeProc
@@ -51,8 +52,19 @@ class _Stream:
     queue: asyncio.Queue
     prompt: list[int] = field(default_factory=list)
     params: wire.WireSampling | None = None  # as first sent: its seed is the one the request samples with
-    generated: list[int] = field(default_factory=list)  # tokens so far
     moving: bool = False  # its attention runtime is being replaced: it is admitted there again once it serves
+    # Its sequences' wire ids (n > 1: the request's own first; empty: one sequence, the request's id).
+    seq_ids: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=lambda: [[]])  # tokens so far, per sequence
+    running: set[int] = field(default_factory=lambda: {0})  # indices of the sequences not finished
+
+    def seq_id(self, request_id: int, index: int) -> int:
+        return self.seq_ids[index] if self.seq_ids else request_id
+
+    @property
+    def generated(self) -> list[int]:
+        """A single-sequence request's tokens so far."""
+        return self.outputs[0]
 
 
 class ClusterBackend(Backend):
@@ -78,6 +90,10 @@ class ClusterBackend(Backend):
         self._aborting: dict[int, tuple[int, int, float]] = {}
         # Unseeded sampled requests get seeds drawn like LocalEngine's, so the same arrivals give the same tokens.
         self._seeds = SeedSource(config.server.seed)
+        # n > 1: wire ids of a request's other sequences, far above the API's request ids (counted from 1), and
+        # which request and index each one is.
+        self._extra_ids = itertools.count(2**62)
+        self._sequence_of: dict[int, tuple[int, int]] = {}
 
     @property
     def block_size(self) -> int:
@@ -142,16 +158,26 @@ class ClusterBackend(Backend):
             raise ValueError(f"no attention rank {rank}; there are {num_ranks}")
         if request_id in self._streams or request_id in self._aborting:
             raise RequestError(f"request id {request_id} is already in use")
-        blocks = -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
+        num_seqs = sampling_params.num_sequences
+        blocks = num_seqs * -(-(len(prompt_token_ids) + sampling_params.max_tokens) // self.block_size)
         params = wire.to_wire_sampling(sampling_params, self._seeds.resolve(sampling_params))
-        stream = _Stream(rank, blocks, asyncio.Queue(), list(prompt_token_ids), params)
-        message = wire.AddRequest(request_id, stream.prompt, params)  # encodable, or it raises here
+        seq_ids = [request_id] + [next(self._extra_ids) for _ in range(num_seqs - 1)]
+        stream = _Stream(
+            rank, blocks, asyncio.Queue(), list(prompt_token_ids), params, seq_ids=seq_ids,
+            outputs=[[] for _ in seq_ids], running=set(range(num_seqs)),
+        )  # fmt: skip
+        message = wire.AddRequest(
+            request_id, stream.prompt, params, seq_ids=seq_ids[1:]
+        )  # encodable, or raises
         wire.encode(message)
         self._streams[request_id] = stream
+        for index, seq_id in enumerate(seq_ids):
+            self._sequence_of[seq_id] = (request_id, index)
         if self.cluster.attn_runtimes[rank].lost is None:
             self.cluster.send(self.cluster.attn_runtimes[rank].id, message)
         else:  # its rank is being replaced: it starts there once the replacement serves
             stream.moving = True
+        unread = set(range(num_seqs))  # sequences whose end this stream has not handed on yet
         finished = False
         try:
             while not finished:
@@ -159,34 +185,60 @@ class ClusterBackend(Backend):
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                finished = item.is_finished
+                if item.is_finished:
+                    unread.discard(item.index)
+                finished = not unread
                 yield item
         finally:
             if not finished:  # the consumer left early (client gone, stop string): free the KV now
                 self.abort(request_id)
+            for seq_id in seq_ids:
+                self._sequence_of.pop(seq_id, None)
 
     def abort(self, request_id: int) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        ended = sorted(stream.running)
+        stream.running.clear()
         if not stream.moving:  # a moving request holds nothing anywhere
-            self._abort_at_rank(request_id, stream)
-        stream.queue.put_nowait(TokenDelta(finish_reason="abort"))
+            self._abort_at_rank(request_id, stream, ended)
+        for index in ended:
+            stream.queue.put_nowait(TokenDelta(finish_reason="abort", index=index))
 
-    def _abort_at_rank(self, request_id: int, stream: _Stream) -> None:
-        """Abort at the request's attention rank and hold its blocks back until the rank confirms. The rank frees
-        an unconfirmable abort's KV after server.abort_timeout_s (and confirms); the hold outlives that by as
-        much again, in case the rank itself is gone."""
+    def abort_sequence(self, request_id: int, index: int) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or index not in stream.running:
+            return
+        if len(stream.running) == 1:
+            self.abort(request_id)
+            return
+        stream.running.discard(index)
+        if not stream.moving:
+            self._abort_at_rank(request_id, stream, [index])
+        stream.queue.put_nowait(TokenDelta(finish_reason="abort", index=index))
+
+    def _abort_at_rank(self, request_id: int, stream: _Stream, indices: list[int]) -> None:
+        """Abort sequences at the request's attention rank and hold their blocks back until the rank confirms.
+        The rank frees an unconfirmable abort's KV after server.abort_timeout_s (and confirms); the hold outlives
+        that by as much again, in case the rank itself is gone."""
         deadline = time.monotonic() + 2 * self.config.server.abort_timeout_s
-        self._aborting[request_id] = (stream.rank, stream.num_kv_blocks, deadline)
-        self.cluster.send(self._runtime_of(stream), wire.Abort(request_id))
+        per_seq = -(-stream.num_kv_blocks // len(stream.outputs))
+        for index in indices:
+            seq_id = stream.seq_id(request_id, index)
+            self._aborting[seq_id] = (stream.rank, per_seq, deadline)
+            self.cluster.send(self._runtime_of(stream), wire.Abort(seq_id))
 
     # ---- what the cluster tells us (ClusterEvents)
 
     def on_tokens(self, msg: wire.TokenOut) -> None:
-        for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
+        logprobs = msg.token_logprobs or [None] * len(msg.request_ids)
+        for seq_id, tokens, reason, logprob in zip(
+            msg.request_ids, msg.token_ids, msg.finish_reasons, logprobs
+        ):
+            request_id, index = self._sequence_of.get(seq_id, (seq_id, 0))
             stream = self._streams.get(request_id)
-            rank = stream.rank if stream is not None else self._aborting.get(request_id, (None,))[0]
+            rank = stream.rank if stream is not None else self._aborting.get(seq_id, (None,))[0]
             if rank is None:
                 continue  # finished or aborted and confirmed: a late report changes nothing
             from_rank = msg.runtime == self.cluster.attn_runtimes[rank].id
@@ -196,22 +248,28 @@ class ClusterBackend(Backend):
                 )
                 continue
             if reason is not None and from_rank:
-                self._aborting.pop(request_id, None)  # its own attention rank ended it: the KV is free there
-            if stream is None or stream.moving:
+                self._aborting.pop(seq_id, None)  # its own attention rank ended it: the KV is free there
+            if stream is None or stream.moving or index not in stream.running:
                 continue  # aborted meanwhile, or a lost runtime's last words (its request starts over elsewhere)
-            stream.generated += tokens
-            if reason is not None:
+            stream.outputs[index] += tokens
+            if reason in ("rejected", "error"):  # the whole request fails
                 del self._streams[request_id]
-            if reason == "rejected":  # the runtime found the request itself invalid
-                stream.queue.put_nowait(RequestError(msg.error or "the runtime rejected the request"))
-            elif reason == "error":  # a runtime failed while serving it: it fails alone
-                if not from_rank:  # an expert runtime: its rank still holds it
-                    self._abort_at_rank(request_id, stream)
+                if reason == "error" and not from_rank:  # an expert runtime: its rank still holds it
+                    self._abort_at_rank(request_id, stream, sorted(stream.running))
+                elif len(stream.running) > 1:  # its other sequences end at the rank too
+                    self._abort_at_rank(request_id, stream, sorted(stream.running - {index}))
+                stream.running.clear()
                 stream.queue.put_nowait(
-                    RequestFailed(msg.error or "a runtime failed while serving the request")
+                    RequestError(msg.error or "the runtime rejected the request")
+                    if reason == "rejected"  # the runtime found the request itself invalid
+                    else RequestFailed(msg.error or "a runtime failed while serving the request")
                 )
-            else:
-                stream.queue.put_nowait(TokenDelta(list(tokens), reason))
+                continue
+            if reason is not None:
+                stream.running.discard(index)
+                if not stream.running:
+                    del self._streams[request_id]
+            stream.queue.put_nowait(TokenDelta(list(tokens), reason, index, logprob))
 
     def _runtime_of(self, stream: _Stream) -> int:
         return self.cluster.attn_runtimes[stream.rank].id
@@ -249,7 +307,7 @@ class ClusterBackend(Backend):
             stream.rank, stream.moving = target, False
             self.readmitted += 1
             self.moved += 1
-            self.cluster.send(self._runtime_of(stream), self._readmission(request_id, stream))
+            self._send_readmission(request_id, stream)
         moved = sum(1 for _, s in waiting if not s.moving)
         if waiting:
             logger.warning("%s is not serving after %g s: %d of its %d requests moved to other ranks",
@@ -266,13 +324,32 @@ class ClusterBackend(Backend):
             if stream.rank == rank and stream.moving:
                 stream.moving = False
                 self.readmitted += 1
-                self.cluster.send(runtime.id, self._readmission(request_id, stream))
+                self._send_readmission(request_id, stream)
 
-    def _readmission(self, request_id: int, stream: _Stream) -> wire.AddRequest:
-        """Prompt + tokens so far, for what is left of max_tokens; a seeded sampler skips the draws taken."""
-        n = len(stream.generated)
-        params = msgspec.structs.replace(stream.params, max_tokens=stream.params.max_tokens - n)
-        return wire.AddRequest(request_id, stream.prompt + stream.generated, params, num_generated=n)
+    def _send_readmission(self, request_id: int, stream: _Stream) -> None:
+        """Admit a moved request again on its (new) rank: anew if none of its sequences sampled yet, else each
+        running sequence on its own, from its tokens so far (see _readmission)."""
+        runtime = self._runtime_of(stream)
+        if not any(stream.outputs):
+            self.cluster.send(
+                runtime, wire.AddRequest(request_id, stream.prompt, stream.params, seq_ids=stream.seq_ids[1:])
+            )
+            return
+        for index in sorted(stream.running):
+            self.cluster.send(runtime, self._readmission(request_id, stream, index))
+
+    def _readmission(self, request_id: int, stream: _Stream, index: int) -> wire.AddRequest:
+        """Prompt + a sequence's tokens so far, for what is left of max_tokens; a seeded sampler skips the draws
+        taken (with the sequence's own seed, seed + index)."""
+        output = stream.outputs[index]
+        n, params = len(output), stream.params
+        params = msgspec.structs.replace(
+            params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n),
+            seed=sequence_seed(params.seed, index),
+        )  # fmt: skip
+        return wire.AddRequest(
+            stream.seq_id(request_id, index), stream.prompt + output, params, num_generated=n
+        )
 
     def on_death(self, reason: str) -> None:
         self._status = "dead"

@@ -31,6 +31,39 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
+Penalty = Annotated[
+    float, Field(allow_inf_nan=False)
+]  # finite; its range is checked with a clear message later
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str | None = None
+    # "schema" is a BaseModel attribute: the field takes another name and reads the key through its alias.
+    json_schema: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (StructuredOutputsParams): exactly one of these formats."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_: str | dict | None = Field(default=None, alias="json")  # "json" is a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -53,6 +86,25 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # Sampling parameters beyond OpenAI's core set, with vLLM's names and meaning (ranges: SamplingParams).
+    best_of: Count | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Penalty | None = None
+    min_p: Penalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    logit_bias: dict[str, Penalty] | None = None  # OpenAI: token ids as strings
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -22,9 +22,21 @@ class RequestState:
     ever sliced, so a long generation costs no repeated copies of everything before it.
     """
 
-    def __init__(self, detokenizer: Detokenizer, stop: list[str], num_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        stop: list[str],
+        num_prompt_tokens: int,
+        include_stop_str: bool = False,
+        index: int = 0,
+    ) -> None:
         self._detokenizer = detokenizer
         self._stops = StopMatcher(stop)
+        self._include_stop_str = (
+            include_stop_str  # vLLM's include_stop_str_in_output: cut after it, not before
+        )
+        self.index = index  # which of the request's sequences (n > 1)
+        self.cumulative_logprob = 0.0  # of its tokens, when best_of ranks it
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self._parts: list[str] = []  # the text, piece by piece
@@ -53,6 +65,8 @@ class RequestState:
         if finish_reason is not None:
             new += self._detokenizer.flush()  # an incomplete last character comes out as U+FFFD
         cut = self._stops.feed(new)  # linear in the output: only the new text is scanned
+        if cut is not None and self._include_stop_str:
+            cut += len(self._stops.matched)
         if cut is not None:  # the stop string starts at `cut` in the whole text: keep what comes before it
             new = new[: max(0, cut - self._length)]
             self._parts, self._length = [self.text[:cut]], min(cut, self._length)

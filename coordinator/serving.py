@@ -72,7 +72,7 @@ class RequestRunner:
         try:
             # asyncio.timeout, not wait_for: it cannot drop a cancellation (the client leaving) on the way.
             async with timeout(lifetime.deadline - time.monotonic()):
-                rank = await self.balancer.admit(req.request_id, len(req.prompt_token_ids) + req.max_tokens)
+                rank = await self.balancer.admit(req.request_id, self._kv_tokens(req))
         except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
             lifetime.end("error", "no KV space before its deadline")
             raise _timeout(
@@ -90,16 +90,40 @@ class RequestRunner:
             raise
         lifetime.admitted(rank)
 
+    def _kv_tokens(self, req: PreparedRequest) -> int:
+        """The KV the request may fill: prompt + max_tokens, per sequence (n > 1: each in blocks of its own)."""
+        tokens, num_seqs = len(req.prompt_token_ids) + req.max_tokens, req.sampling_params.num_sequences
+        if num_seqs == 1:
+            return tokens
+        bs = self.backend.block_size
+        return num_seqs * -(-tokens // bs) * bs
+
+    def _states(self, req: PreparedRequest) -> list[RequestState]:
+        """One output state per sequence (n > 1: best_of of them), each with its own detokenizer."""
+        params, prompt = req.sampling_params, req.prompt_token_ids
+        options = {} if params.skip_special_tokens else {"skip_special_tokens": False}
+        return [
+            RequestState(
+                self._make_detokenizer(prompt, **options),
+                req.stop,
+                len(prompt),
+                params.include_stop_str_in_output,
+                index,
+            )  # fmt: skip
+            for index in range(params.num_sequences)
+        ]
+
     async def run(self, lifetime: RequestLifetime) -> AsyncIterator[tuple[str, RequestState]]:
-        """Yield (new text, state) per backend delta of an admitted request, the last with the state finished.
-        However this ends — finished, stop string, closed early, timeout, failure — the lifetime ends with it."""
+        """Yield (new text, state of its sequence) per backend delta of an admitted request; each sequence's
+        last with its state finished, and the request's end after every sequence's. However this ends —
+        finished, stop string, closed early, timeout, failure — the lifetime ends with it."""
         req = lifetime.req
-        state = RequestState(
-            self._make_detokenizer(req.prompt_token_ids), req.stop, len(req.prompt_token_ids)
-        )
+        states = self._states(req)
+        in_backend = {s.index for s in states}  # sequences the backend has not reported ended
         if not lifetime.start():  # ended before it ran (the server drains): its output ends with "abort"
-            state.append([], "abort")
-            yield "", state
+            for state in states:
+                state.append([], "abort")
+                yield "", state
             return
         reason, cause = "abort", "its stream was closed before its end"  # unless set below
         try:
@@ -109,14 +133,26 @@ class RequestRunner:
             lifetime.sent()
             async with contextlib.aclosing(stream):
                 while (delta := await self._next(stream, lifetime)) is not None:
+                    if delta.is_finished:
+                        in_backend.discard(delta.index)
+                        if not in_backend:  # the backend holds nothing of it any more
+                            lifetime.backend_ended()
+                    state = states[delta.index]
+                    if state.is_finished:  # a stop string ended it here; the backend's end of it is late
+                        continue
                     state.append(delta.token_ids, delta.finish_reason)
+                    if delta.logprob is not None:
+                        state.cumulative_logprob += delta.logprob
                     lifetime.tokens(len(delta.token_ids))
-                    if state.is_finished:  # all its output is here: end it (a stop string aborts it) first
+                    done = all(s.is_finished for s in states)
+                    if done:  # all its output is here: end it (a stop string aborts it) first
                         lifetime.end(state.finish_reason)
+                    elif state.is_finished and delta.finish_reason is None:  # a stop string ended this one
+                        self.backend.abort_sequence(req.request_id, state.index)
                     text = state.take_text()
                     if text or state.is_finished:
                         yield text, state
-                    if state.is_finished:
+                    if done:
                         return
             reason, cause = "error", "the backend's stream ended without a finish reason"
         except (ApiError, AmoeError) as exc:
@@ -144,7 +180,7 @@ class RequestRunner:
         except Exception:
             lifetime.backend_ended()  # the backend failed it: it holds nothing
             raise
-        if delta is None or delta.is_finished:
+        if delta is None:
             lifetime.backend_ended()
         return delta
 

@@ -10,43 +10,28 @@ from amoe.errors import RequestError
 from amoe.sampling_params import SamplingParams
 from coordinator.openai_errors import ApiError, bad_request
 from coordinator.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.sampling_options import sampling_options
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
 
 # Parameters OpenAI or vLLM accept that amoe does not implement, each with the values that ask for nothing (what
-# SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends repetition_penalty 1.0): those are
-# accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored.
+# SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends use_beam_search false): those are
+# accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored. (The sampling
+# options amoe implements are typed fields of coordinator/protocol.py, read by coordinator/sampling_options.py.)
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (None, 1),
     "echo": (None, False),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "length_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "logit_bias": (None, {}),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
     "modalities": (None, ["text"]),
@@ -74,6 +59,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     vocab_size: int
+    grammars: Any = None  # amoe.structured.Grammars of the served tokenizer (None: no structured output)
 
 
 @dataclass(frozen=True)
@@ -91,7 +77,9 @@ def prepare_completion(
 ) -> PreparedRequest:
     _check_common(req, model)
     prompt_ids = _completion_prompt_ids(req.prompt, tokenizer, model)
-    return _prepare(req, request_id, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model)
+    return _prepare(
+        req, request_id, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model, tokenizer
+    )
 
 
 def prepare_chat(
@@ -109,7 +97,7 @@ def prepare_chat(
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, param)
+    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, tokenizer, param)
 
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> None:
@@ -121,8 +109,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
             code="model_not_found",
         )
     _check_unsupported(req)
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -175,6 +161,7 @@ def _prepare(
     max_tokens: int | None,
     default_max_tokens: int | None,
     model: ModelInfo,
+    tokenizer: Tokenizer,
     max_tokens_param: str = "max_tokens",
 ) -> PreparedRequest:
     room = model.max_model_len - len(prompt_ids)
@@ -199,7 +186,7 @@ def _prepare(
         response_id=f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop, model),
+        sampling_params=_sampling_params(req, max_tokens, stop, model, tokenizer),
         stop=stop,
     )
 
@@ -214,7 +201,11 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, stop: list[str], model: ModelInfo
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    stop: list[str],
+    model: ModelInfo,
+    tokenizer: Tokenizer,
 ) -> Any:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= model.vocab_size), None)
@@ -231,6 +222,7 @@ def _sampling_params(
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             **{name: value for name, value in given.items() if value is not None},
+            **sampling_options(req, tokenizer, model.vocab_size, model.grammars),
         )
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -219,18 +219,12 @@ UNSUPPORTED_CASES = [
     ("logprobs", 0),  # 0 asks for the sampled token's logprob: not the same as false
     ("top_logprobs", 3),
     ("echo", True),
-    ("best_of", 3),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0),
-    ("repetition_penalty", 1.2),
-    ("min_p", 0.1),
-    ("logit_bias", {"50": 10}),
-    ("response_format", {"type": "json_object"}),
+    ("length_penalty", 2.0),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
     ("suffix", "tail"),
-    ("guided_json", {"type": "object"}),
     ("use_beam_search", True),
+    ("audio", {"voice": "alloy", "format": "wav"}),
 ]
 NOOPS = {
     "logprobs": None,

@@ -66,7 +66,10 @@ class FakeEngine:
             self._drop(request_id)
         return ids
 
-    def abort(self, request_id):
+    def sequences(self, request_id):
+        return [0]
+
+    def abort(self, request_id, index=None):
         if request_id in self.requests:
             self.aborted.append(request_id)
             self._drop(request_id)
@@ -77,6 +80,8 @@ class FakeEngine:
 
 
 class Params:
+    num_sequences = 1
+
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
 

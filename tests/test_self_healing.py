@@ -140,7 +140,8 @@ def test_the_restart_budget():
 @pytest.mark.timeout(180)
 def test_seeded_sampling_survives_a_lost_attention_runtime(tmp_path):
     """The same seeded, sampled request twice: once undisturbed, once with its attention runtime killed halfway.
-    It is admitted again on the replacement from its tokens so far and streams the same text."""
+    It is admitted again on the replacement from its tokens so far and streams the same text — each of its n
+    sequences, with its own seed, penalties counting what it generated before the move."""
     model = make_model("tiny", tmp_path / "heal", seed=0)
     body = {
         "model": "heal",
@@ -149,21 +150,26 @@ def test_seeded_sampling_survives_a_lost_attention_runtime(tmp_path):
         "temperature": 0.9,
         "seed": 77,
         "ignore_eos": True,
+        "n": 2,
+        "presence_penalty": 0.4,
+        "repetition_penalty": 1.1,
     }
     with ServerProcess(["--model", str(model), "--attn-ranks", "1", "--expert-ranks", "2"]) as url:
-        reference = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+        reference = [c["text"] for c in choices]
         pid = next(
             r["pid"] for r in httpx.get(f"{url}/health").json()["runtimes"] if r["role"] == "attention"
         )
-        text, killed = "", False
+        texts, killed = ["", ""], False
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-                    if not killed and len(text) > len(reference) // 3:
+                    choice = json.loads(line[6:])["choices"][0]
+                    texts[choice["index"]] += choice["text"]
+                    if not killed and len(texts[0]) > len(reference[0]) // 3:
                         os.kill(pid, signal.SIGKILL)
                         killed = True
-        assert killed and text == reference
+        assert killed and texts == reference and reference[0] != reference[1]
         metrics = httpx.get(f"{url}/metrics").text
         assert "amoe_cluster_readmitted_requests_total 1.0" in metrics
         health = httpx.get(f"{url}/health").json()

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from amoe.engine.request import EngineOutput
 from amoe.errors import AmoeError, EngineDeadError, RequestFailed
 from coordinator.backend import Backend, RankKV, TokenDelta
 
@@ -106,6 +107,7 @@ class LocalBackend(Backend):
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(("add", request_id, prompt_token_ids, sampling_params))
+        running = set(range(sampling_params.num_sequences))
         finished = False
         try:
             while not finished:
@@ -113,7 +115,10 @@ class LocalBackend(Backend):
                 if isinstance(item, _RequestFailed):
                     finished = True  # the engine no longer holds the request
                     raise item.error
-                finished = item.is_finished
+                if item.is_finished:
+                    # An abort of the whole request (index None on the engine side) ends every sequence.
+                    running.discard(item.index)
+                finished = not running
                 yield item
         finally:
             # Reached early on cancellation or when the consumer stops reading: free the KV blocks now.
@@ -122,7 +127,10 @@ class LocalBackend(Backend):
                 self.abort(request_id)
 
     def abort(self, request_id: int) -> None:
-        self._submit(("abort", request_id))
+        self._submit(("abort", request_id, None))
+
+    def abort_sequence(self, request_id: int, index: int) -> None:
+        self._submit(("abort", request_id, index))
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -175,9 +183,11 @@ class LocalBackend(Backend):
     def _apply(self, commands: list[tuple]) -> None:
         for command in commands:
             if command[0] == "abort":
-                output = self._engine.abort(command[1])
-                if output is not None:  # a stream still being read ends with finish_reason "abort"
-                    self._publish([output])
+                _, request_id, index = command
+                family = [index] if index is not None else self._engine.sequences(request_id)
+                if self._engine.abort(request_id, index) is not None:
+                    # A stream still being read ends with finish_reason "abort", on each sequence it stopped.
+                    self._publish([EngineOutput(request_id, [], True, "abort", index=i) for i in family])
                 continue
             _, request_id, prompt_token_ids, params = command
             try:
@@ -191,7 +201,15 @@ class LocalBackend(Backend):
 
     def _publish(self, outputs: list[Any]) -> None:
         deltas = [
-            (out.request_id, TokenDelta(list(out.new_token_ids), out.finish_reason if out.finished else None))
+            (
+                out.request_id,
+                TokenDelta(
+                    list(out.new_token_ids),
+                    out.finish_reason if out.finished else None,
+                    out.index,
+                    out.logprob,
+                ),
+            )
             for out in outputs
         ]
         if deltas:

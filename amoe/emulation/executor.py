@@ -156,13 +156,16 @@ class EmulatedAttention:
         rows = torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
         return rows, rows, torch.from_numpy(ids), torch.from_numpy(weights)  # ids, weights [N, K]
 
-    def sample(self, batch, reqs) -> list[int]:
-        """Hold for the head's time; the same placeholder token for every request."""
-        n, num_chunks = batch.num_rows, len(reqs)
+    def sample(self, batch, rows, seqs) -> tuple[list[int], None]:
+        """Hold for the head's time; the same placeholder token for every sequence."""
+        n, num_chunks = batch.num_rows, len(set(rows))
         self.clock.hold(
             cost_model.head_time(self.em.profile, self.em.gpu, num_chunks, n, self.em.host), "head", n
         )
-        return [self.token] * num_chunks
+        return [self.token] * len(seqs), None
+
+    def copy_kv(self, copies) -> None:
+        """No KV is held: a fork copies nothing."""
 
     def stats(self) -> dict:
         return self.clock.stats()

@@ -8,6 +8,7 @@ request once one appears.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from amoe.engine.scheduler import ScheduledChunk, Scheduler
 from amoe.errors import RequestError
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
-from amoe.model.sampler import Sampler, make_generator
+from amoe.model.sampler import Sampler, make_generator, sample_sequences, sequence_seed
 from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
+from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,13 @@ class LocalEngine:
             self.model_config.max_position_embeddings,
             num_kv_blocks * self.config.block_size,
         )
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}  # by engine id: every live sequence
+        self._families: dict[int, list[Request]] = {}  # by the caller's request id: its live sequences
+        self._extra_ids = itertools.count(-1, -1)  # engine ids of extra sequences: never a caller's id
         self._seeds = SeedSource(self.config.seed)
+        self.grammars = Grammars.for_model(
+            model_dir, self.model_config.vocab_size, self.model_config.stop_token_ids
+        )
         logger.info("[engine] local engine ready: %s, max_model_len %d", model_dir, self.max_model_len)
 
     def _kv_blocks(self, dtype) -> int:
@@ -75,12 +82,17 @@ class LocalEngine:
     ) -> None:
         """Queue a request; it prefills in the next step that has room for its whole prompt."""
         params = params or SamplingParams()
-        if request_id in self._requests:
+        if request_id in self._families:
             raise RequestError(f"request id {request_id} is already in use")
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
-        generator = make_generator(params, self._seeds.resolve(params))
-        request = Request(request_id, list(prompt_token_ids), params, generator=generator)
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        seed = self._seeds.resolve(params)
+        request = Request(
+            request_id, list(prompt_token_ids), params, generator=make_generator(params, seed),
+            num_forks=params.num_sequences - 1, seed=seed, grammar=grammar,
+        )  # fmt: skip
         self._requests[request_id] = request
+        self._families[request_id] = [request]
         self.scheduler.add(request)
 
     def step(self) -> list[EngineOutput]:
@@ -90,22 +102,68 @@ class LocalEngine:
             return []
         tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
         logits = self.runner.run(chunks, tables)  # [R, V]
-        requests = [c.request for c in chunks]
-        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
-        return [self._postprocess(chunk, token) for chunk, token in zip(chunks, tokens)]
+        rows, seqs, new_tokens = [], [], []
+        for row, chunk in enumerate(chunks):
+            family = [chunk.request, *self._fork(chunk)]
+            rows += [row] * len(family)
+            seqs += family
+            new_tokens += [len(chunk.token_ids)] + [0] * (len(family) - 1)  # forks hold their KV already
+        eos = self.model_config.stop_token_ids
+        tokens, logprobs = sample_sequences(self.sampler, logits, rows, seqs, eos)
+        return [
+            self._postprocess(seq, token, n, None if logprobs is None else logprobs[i])
+            for i, (seq, token, n) in enumerate(zip(seqs, tokens, new_tokens))
+        ]
 
-    def abort(self, request_id: int) -> EngineOutput | None:
-        """Stop a request now and free its KV; unknown or finished ids are ignored."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
+    def _fork(self, chunk: ScheduledChunk) -> list[Request]:
+        """At a request's first sample, its other sequences (n > 1): each a copy of its prompt's KV in blocks of
+        its own, sampling from the same logits row with its own seed and grammar state from here on. Copied, not
+        shared: the cache has no reference counts, and a copy costs one pass over the prompt's K/V against the
+        prefill's pass over every weight. A fork that finds no free blocks waits and prefills alone (preemption's
+        recompute: the same tokens, only slower)."""
+        parent = chunk.request
+        if not parent.num_forks:
+            return []
+        forks = []
+        for index in range(1, parent.num_forks + 1):
+            child = Request(
+                next(self._extra_ids), parent.prompt_token_ids, parent.params,
+                generator=make_generator(parent.params, sequence_seed(parent.seed, index)),
+                client_id=parent.request_id, index=index, seed=sequence_seed(parent.seed, index),
+                grammar=parent.grammar.fork() if parent.grammar is not None else None,
+            )  # fmt: skip
+            self._requests[child.request_id] = child
+            self._families[parent.request_id].append(child)
+            self.scheduler.adopt(child, parent, len(chunk.token_ids), self.runner.kv)
+            forks.append(child)
+        parent.num_forks = 0
+        return forks
+
+    def abort(self, request_id: int, index: int | None = None) -> EngineOutput | None:
+        """Stop a request now (or only its sequence `index`) and free its KV; unknown or finished ids are
+        ignored. The output reports the request's end, or the sequence's."""
+        family = self._families.get(request_id, [])
+        ended = [r for r in family if index is None or r.index == index]
+        if not ended:
             return None
-        self.scheduler.finish(request)
-        request.finish_reason = "abort"
-        return EngineOutput(request_id, [], finished=True, finish_reason="abort")
+        for request in ended:
+            del self._requests[request.request_id]
+            family.remove(request)
+            self.scheduler.finish(request)
+            request.finish_reason = "abort"
+        if not family:
+            del self._families[request_id]
+        return EngineOutput(request_id, [], finished=True, finish_reason="abort", index=index or 0)
+
+    def sequences(self, request_id: int) -> list[int]:
+        """The indices of a request's sequences still running (or yet to fork)."""
+        family = self._families.get(request_id, [])
+        pending = [i for r in family for i in range(r.index + 1, r.index + 1 + r.num_forks)]
+        return [r.index for r in family] + pending
 
     def abort_all(self) -> list[int]:
         """Abort every request (e.g. after a step failed midway); their ids."""
-        ids = list(self._requests)
+        ids = list(self._families)
         for request_id in ids:
             self.abort(request_id)
         return ids
@@ -113,19 +171,27 @@ class LocalEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _postprocess(self, chunk: ScheduledChunk, token: int) -> EngineOutput:
-        request = chunk.request
-        request.num_cached_tokens += len(chunk.token_ids)
+    def _postprocess(self, request: Request, token: int, num_new: int, logprob: float | None) -> EngineOutput:
+        request.num_cached_tokens += num_new
         request.output_token_ids.append(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         reason = self._finish_reason(request, token)
         if reason is not None:
             request.finish_reason = reason
             self.scheduler.finish(request)
             del self._requests[request.request_id]
-        return EngineOutput(request.request_id, [token], finished=reason is not None, finish_reason=reason)
+            family = self._families[request.client_id]
+            family.remove(request)
+            if not family:
+                del self._families[request.client_id]
+        return EngineOutput(
+            request.client_id, [token], finished=reason is not None, finish_reason=reason, index=request.index,
+            logprob=logprob,
+        )  # fmt: skip
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
-        return stop_reason(
+        reason = stop_reason(
             request.params,
             token,
             num_output=len(request.output_token_ids),
@@ -133,3 +199,6 @@ class LocalEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.stop_token_ids,
         )
+        if reason is None and request.grammar is not None and request.grammar.is_done:
+            return "stop"  # the output is complete: only its end could follow (vLLM stops here too)
+        return reason

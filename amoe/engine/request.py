@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ class RequestStatus(enum.Enum):
 class Request:
     """Tokens so far, how many of them are in the KV cache, and the request's own sampling generator."""
 
-    request_id: int
+    request_id: int  # unique in the engine (a request's extra sequences get ids of their own)
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
@@ -28,6 +29,25 @@ class Request:
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    # Sequence `index` of the caller's request `client_id` (n > 1: the first is the request itself, and it
+    # forks the others from its prefill, `num_forks` of them, at its first sample).
+    client_id: int | None = None
+    index: int = 0
+    num_forks: int = 0
+    seed: int | None = None  # the one the request samples with (its sequence i: seed + i)
+    grammar: Any = None  # amoe.structured.GrammarState: where the output is in its grammar
+
+    def __post_init__(self) -> None:
+        if self.client_id is None:
+            self.client_id = self.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -50,3 +70,5 @@ class EngineOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    index: int = 0  # which of the request's sequences (n > 1)
+    logprob: float | None = None  # the raw log-probability of its new token, when best_of ranks it

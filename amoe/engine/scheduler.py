@@ -6,8 +6,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from amoe.engine.request import Request, RequestStatus
-from amoe.model.kv_cache import BlockManager
+from amoe.model.kv_cache import BlockManager, KVCacheFullError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,20 @@ class Scheduler:
             )
             num_tokens += len(pending)
         return chunks
+
+    def adopt(self, child: Request, parent: Request, num_new: int, kv) -> None:
+        """A sequence forked from `parent` as its chunk of `num_new` tokens is sampled: it runs with a copy of the
+        parent's KV (`kv`: the cache), or, with no blocks free, waits to prefill prompt + its output alone."""
+        child.num_cached_tokens = parent.num_cached_tokens + num_new
+        try:
+            src, dst = self.blocks.fork(parent.request_id, child.request_id)
+        except KVCacheFullError:
+            child.num_cached_tokens = 0
+            self.waiting.appendleft(child)
+            return
+        kv.copy(torch.tensor(src), torch.tensor(dst))
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, request: Request) -> None:
         """Drop a finished or aborted request and free its KV blocks."""

@@ -41,6 +41,10 @@ class PagedKVCache:
         self.key[layer].index_copy_(0, slot_mapping, key)
         self.value[layer].index_copy_(0, slot_mapping, value)
 
+    def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Every layer's K/V at `src_slots` into `dst_slots` (a request's sequences forked after its prefill)."""
+        _copy_rows(self.key + self.value, src_slots, dst_slots)
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape S) → two tensors [*S, kv_heads, head_dim]."""
         flat = slots.reshape(-1)
@@ -49,6 +53,11 @@ class PagedKVCache:
         return self.key[layer].index_select(0, flat).view(shape), self.value[layer].index_select(
             0, flat
         ).view(shape)
+
+
+def _copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
 
 
 class LatentKVCache:
@@ -74,6 +83,10 @@ class LatentKVCache:
     def write(self, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
         """Store this chunk's [n, width] entries at its slots ([n])."""
         self.entries[layer].index_copy_(0, slot_mapping, entries)
+
+    def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Every layer's entries at `src_slots` into `dst_slots` (see PagedKVCache.copy)."""
+        _copy_rows(self.entries, src_slots, dst_slots)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The entries at `slots` (any shape S) → [*S, width]."""
@@ -169,6 +182,14 @@ class BlockManager:
         self._lengths[request_id] = start + num_tokens
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+
+    def fork(self, src_id: int, dst_id: int) -> tuple[list[int], list[int]]:
+        """A new request `dst_id` holding as many tokens as `src_id`, in blocks of its own; returns the slots to
+        copy from and to. KVCacheFullError (holding nothing) if they do not fit."""
+        num_tokens = self._lengths[src_id]
+        dst = self.allocate(dst_id, num_tokens)
+        table, bs = self._tables[src_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(num_tokens)], dst
 
     def free(self, request_id: int) -> None:
         """Return a request's blocks; freeing an unknown request is a no-op (abort may race with finish)."""

@@ -6,11 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
+from amoe.model.logits_processors import apply_processors, ranking_logprobs
+from amoe.request_rules import sequence_seed  # noqa: F401 - the sampler's seeds, where engines find them
 from amoe.sampling_params import SamplingParams
 
 
 class Sampler:
-    """Greedy rows take the argmax; the others sample after temperature, top-k and top-p, in one vectorised pass.
+    """Greedy rows take the argmax; the others sample after temperature, min_p, top-k and top-p, in one vectorised
+    pass (min_p and top-k both keep a prefix of the sorted row, so their order does not matter; top-p then takes
+    what they left, renormalised, as vLLM's sampler does).
 
     Each sampled row draws one uniform number from its own request's generator, so a seeded request gets the same
     tokens whatever else shares its batch. The generators are host generators on every device: a seed draws the
@@ -46,6 +50,10 @@ class Sampler:
         sorted_logits, sorted_ids = (logits / temperature).sort(dim=-1, descending=True)  # [S, V]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
         sorted_logits.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= top_k, float("-inf"))
+        if any(p.min_p > 0 for p in params):
+            # min_p (after temperature, as vLLM): keep p_i >= min_p * p_max, i.e. logit_i - logit_max >= log(min_p).
+            floor = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).log()[:, None]
+            sorted_logits.masked_fill_(sorted_logits - sorted_logits[:, :1] < floor, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)[:, None]
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it already does.
@@ -54,6 +62,28 @@ class Sampler:
         uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dev)  # [S]
         choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
         return sorted_ids.gather(1, choice).squeeze(1)
+
+
+@torch.inference_mode()  # the head's logits are inference tensors, and the processors change them in place
+def sample_sequences(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[int],
+    seqs: Sequence,
+    eos_token_ids: Sequence[int],
+) -> tuple[list[int], list[float] | None]:
+    """logits [R, V] of a head step; sequence j samples from row rows[j] (the n sequences of a request that was
+    just prefilled share its row) → one token per sequence, and, if any sequence is ranked for best_of, each
+    token's log-probability under the raw model (else None). `seqs` are amoe.model.logits_processors views
+    with a `generator`."""
+    if rows != list(range(logits.shape[0])):
+        logits = logits[rows]  # [S, V], a copy: the processors change it per sequence
+    ranked = ranking_logprobs(logits, seqs)
+    apply_processors(logits, seqs, eos_token_ids)
+    tokens = sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    if ranked is None:
+        return tokens, None
+    return tokens, ranked.gather(1, torch.tensor(tokens, device=ranked.device)[:, None]).squeeze(1).tolist()
 
 
 def make_generator(params: SamplingParams, seed: int | None) -> torch.Generator | None:

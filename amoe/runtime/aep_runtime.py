@@ -8,7 +8,7 @@ heartbeats from the control plane until `stop()`. The loop thread runs `run_loop
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,10 +79,15 @@ class Runtime:
         return self.model_config.max_position_embeddings
 
     def add_request(
-        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+        self,
+        request_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        num_generated: int = 0,
+        seq_ids: Sequence[int] = (),
     ) -> RankRequest:
         """Bind a request to this attention rank; its prompt enters ATTN (0, rank). Control thread."""
-        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated)
+        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated, seq_ids)
         core.enter(self.engine, rows)
         return req
 

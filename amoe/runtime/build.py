@@ -22,6 +22,7 @@ from amoe.model.config import ModelConfig, load_model_config
 from amoe.placement import Placement, local_index, node_of, runtimes_on_node
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
 from amoe.runtime.requests import RankRequests
+from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def attention_executor(
         block_size=config.cache.block_size,
         max_model_len=max_model_len(config, cfg, blocks),
         skip_prefill=em is not None and config.executor.decode_only,
+        grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
     )
     if em is not None:
         return AttentionExecutor(requests, em.attention(), cfg)

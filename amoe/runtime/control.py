@@ -78,7 +78,8 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
         if not out.tokens:
             return
         rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
-        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error))
+        logprobs = out.logprobs or []
+        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error, logprobs))
 
     return publish
 
@@ -138,7 +139,7 @@ def _add_request(channel: Channel, runtime: Any, msg: wire.AddRequest) -> None:
     """Admit one request; whatever goes wrong fails that request alone and the runtime serves on."""
     try:
         runtime.add_request(
-            msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params), msg.num_generated
+            msg.request_id, msg.prompt, wire.from_wire_sampling(msg.params), msg.num_generated, msg.seq_ids
         )
     except AmoeError as exc:  # the request itself is bad (the runtime trusts no socket)
         _report_end(channel, runtime, msg.request_id, "rejected", f"{type(exc).__name__}: {exc}")

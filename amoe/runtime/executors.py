@@ -4,7 +4,8 @@ compute — `TorchAttention` here (attention + head + sampler over a paged KV ca
 (amoe.emulation.executor.EmulatedAttention). Either compute offers:
 
     attend(batch, request_ids, requests) -> (residual, moe_input, topk_ids, topk_weights)   # blocks 0..B-1
-    sample(batch, reqs) -> one token id per chunk                                             # the head
+    sample(batch, rows, seqs) -> (a token id per sequence, their raw log-probs or None)       # the head
+    copy_kv(copies)    # a request's sequences forked from its prefill (n > 1): (source, destination) slots
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
-from amoe.model.sampler import Sampler
-from amoe.runtime.requests import RankRequest, RankRequests
+from amoe.model.sampler import Sampler, sample_sequences
+from amoe.runtime.requests import HeadOutput, RankRequest, RankRequests
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +76,31 @@ class AttentionExecutor:
             self.requests.faults.check("attend", prompts)
             self.requests.faults.check("wedge", prompts)
         if batch.block == self.num_blocks:
-            tokens = self.compute.sample(batch, self.requests.of(rids))
-            return self.requests.advance(rids, tokens, batch.context_lens.tolist())
+            return self._head(batch, rids)
         if batch.block == 0:  # KV slots are taken when a chunk enters block 0 (paper §3.2)
             lens = (batch.cu_rows[1:] - batch.cu_rows[:-1]).tolist()
             self.requests.enter(rids, batch.context_lens.tolist(), lens)
         out = self.compute.attend(batch, rids, self.requests)
         self.routed[batch.block] += torch.bincount(out[2].flatten(), minlength=self.routed.shape[1])
         return out
+
+    def _head(self, batch: core.Batch, rids: list[int]) -> HeadOutput:
+        """Sample every sequence of the batch's chunks (forking those of a request just prefilled), then let the
+        requests decide who goes on."""
+        seq_ids, rows, copies, failed = self.requests.fork(rids)
+        if copies:
+            self.compute.copy_kv(copies)
+        tokens, logprobs = self.compute.sample(batch, rows, self.requests.of(seq_ids))
+        context_lens = batch.context_lens.tolist()
+        out = self.requests.advance(seq_ids, tokens, [context_lens[r] for r in rows], logprobs)
+        if not failed:
+            return out
+        logger.error("no KV blocks to fork sequences %s: they fail", failed)
+        ended = [(rid, [], "error") for rid in failed]
+        logprobs = None if out.logprobs is None else out.logprobs + [0.0] * len(failed)
+        return HeadOutput(
+            out.next, out.tokens + ended, out.kv_free_blocks, "no KV blocks for a sequence", logprobs
+        )
 
     def stats(self) -> dict:
         """The compute's own counters (an emulated GPU's clock), if it keeps any."""
@@ -112,18 +130,27 @@ class TorchAttention:
         dtype = model.head.lm_head.dtype
         self.kv = kv_cache_for(cfg, num_kv_blocks, block_size, dtype, device.torch)
         self.sampler = Sampler()
+        self.eos_token_ids = cfg.stop_token_ids
 
     def attend(self, batch: core.Batch, request_ids: list[int], requests: RankRequests):
         out = self.model.layers[batch.block](self._input(batch, request_ids, requests), self.kv)
         host = self.device.host
         return out.residual, out.moe_input, host(out.topk_ids), host(out.topk_weights)
 
-    def sample(self, batch: core.Batch, reqs: list[RankRequest]) -> list[int]:
+    def sample(
+        self, batch: core.Batch, rows: list[int], seqs: list[RankRequest]
+    ) -> tuple[list[int], list[float] | None]:
+        """Sequence j samples from the logits of chunk rows[j]; the rank's logits processors run here, with it."""
         put = self.device.put
         logits = self.model.head(
             put(batch.residual), put(batch.expert_out), put(batch.expert_ids), batch.cu_rows
         )  # [R, V]
-        return self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return sample_sequences(self.sampler, logits, rows, seqs, self.eos_token_ids)
+
+    def copy_kv(self, copies: list[tuple[list[int], list[int]]]) -> None:
+        put = self.device.put
+        for src, dst in copies:
+            self.kv.copy(put(torch.tensor(src)), put(torch.tensor(dst)))
 
     def _input(self, batch: core.Batch, request_ids: list[int], requests: RankRequests) -> AttnInput:
         tables = [requests.block_table(rid) for rid in request_ids]

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from amoe.errors import RequestError
-from amoe.model.kv_cache import BlockManager
-from amoe.model.sampler import make_generator
+from amoe.model.kv_cache import BlockManager, KVCacheFullError
+from amoe.model.sampler import make_generator, sequence_seed
 from amoe.request_rules import check_prompt, stop_reason
 from amoe.runtime.faults import Faults
 from amoe.sampling_params import SamplingParams
+from amoe.structured import Grammars
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Rows:
 
 @dataclass
 class RankRequest:
-    """A request bound to this attention rank."""
+    """A request bound to this attention rank (or one of its sequences, n > 1: each has its own id)."""
 
     prompt: list[int]
     params: SamplingParams
@@ -61,10 +64,28 @@ class RankRequest:
     aborted_at: float | None = None  # monotonic time of the abort: its tokens in flight end it at the head
     expired: bool = False  # its abort was never confirmed in time: it ends at the next batch boundary
     done: threading.Event = field(default_factory=threading.Event)
+    num_generated: int = 0  # the prompt's last tokens that are its own output before a move (readmission)
+    seed: int | None = None
+    grammar: Any = None  # amoe.structured.GrammarState
+    forks: list[int] = field(default_factory=list)  # ids of its other sequences, forked at its first sample
+    children: list[RankRequest] = field(default_factory=list)  # those sequences, once forked
 
     @property
     def aborted(self) -> bool:
         return self.aborted_at is not None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt[: len(self.prompt) - self.num_generated]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Its output so far, with what it generated before a move (the penalties and min_tokens count it)."""
+        return (
+            self.prompt[len(self.prompt) - self.num_generated :] + self.output
+            if self.num_generated
+            else self.output
+        )
 
 
 # (request id, new token ids, finish reason or None) per request of one head step
@@ -83,6 +104,8 @@ class HeadOutput:
     tokens: Outputs
     kv_free_blocks: int
     error: str | None = None
+    # Per entry of `tokens`: the raw log-probability of its new token (0 for none), when one is ranked for best_of.
+    logprobs: list[float] | None = None
 
     @classmethod
     def failed(cls, request_ids: list[int], error: str, kv_free_blocks: int = 0) -> HeadOutput:
@@ -107,6 +130,7 @@ class RankRequests:
         block_size: int,
         max_model_len: int,
         skip_prefill: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -115,6 +139,7 @@ class RankRequests:
         # Emulated decode-only runs (AMoE §5): a prompt's KV counts as written, so only its last token enters,
         # as a decode row whose context is the whole prompt; its KV is reserved when that row reaches block 0.
         self.skip_prefill = skip_prefill
+        self.grammars = grammars  # structured output (None: a request asking for it is rejected)
         self.faults = Faults.from_env()  # tests only (AMOE_FAULTS)
         self._lock = threading.Lock()  # see the module docstring
         self._requests: dict[int, RankRequest] = {}
@@ -129,7 +154,12 @@ class RankRequests:
         return self.blocks.num_total_blocks - self.blocks.num_free_blocks
 
     def add(
-        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+        self,
+        request_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        num_generated: int = 0,
+        seq_ids: Sequence[int] = (),
     ) -> tuple[RankRequest, Rows]:
         """Validate and register a request; returns it and the rows that enter ATTN (0, rank). Any thread.
 
@@ -140,6 +170,10 @@ class RankRequests:
         check_prompt(prompt, self.vocab_size, self.max_model_len)
         if not 0 <= num_generated < len(prompt):
             raise RequestError(f"num_generated must be in [0, {len(prompt)}), got {num_generated}")
+        # A moved request comes back one sequence at a time (its own seed): only a fresh one forks.
+        expected = 0 if num_generated else params.num_sequences - 1
+        if len(seq_ids) != expected:
+            raise RequestError(f"{len(seq_ids)} sequence ids for {expected + 1} sequences")
         if self.faults is not None:
             self.faults.check("admit", [prompt])
         generator = make_generator(params, params.seed)
@@ -147,9 +181,19 @@ class RankRequests:
             torch.rand(
                 num_generated, generator=generator
             )  # one draw per sampled token, as Sampler takes them
-        req = RankRequest(list(prompt), params, generator=generator)
+        grammar = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise RequestError("this rank serves no structured output", "structured_outputs")
+            grammar = self.grammars.matcher(params.grammar)
+            for token in prompt[len(prompt) - num_generated :]:  # a moved request's output so far
+                grammar.accept(token)
+        req = RankRequest(
+            list(prompt), params, generator=generator, num_generated=num_generated, seed=params.seed,
+            grammar=grammar, forks=list(seq_ids),
+        )  # fmt: skip
         with self._lock:
-            if request_id in self._requests:
+            if any(rid in self._requests for rid in (request_id, *seq_ids)):
                 raise RequestError(f"request id {request_id} is already in use on this rank")
             self._requests[request_id] = req
         if self.skip_prefill:
@@ -226,15 +270,61 @@ class RankRequests:
         with self._lock:
             return [self._requests[r] for r in request_ids]
 
-    def advance(self, request_ids: list[int], tokens: list[int], context_lens: list[int]) -> HeadOutput:
+    def fork(
+        self, request_ids: list[int]
+    ) -> tuple[list[int], list[int], list[tuple[list[int], list[int]]], list[int]]:
+        """The sequences a head step samples for its chunks (one per chunk, or n for a request just prefilled):
+        their ids and each one's chunk; and the KV slots the compute must copy (source, destination) for the
+        sequences forked now, each in blocks of its own (copied, not shared: the block manager has no reference
+        counts, the copy is one pass over the prompt's K/V, and the coordinator reserved n × (prompt + max_tokens)
+        for the request). Also the ids of forks that found no free blocks: they end at once, with "error".
+        Loop thread."""
+        seq_ids, rows, copies, failed = [], [], [], []
+        with self._lock:
+            for row, rid in enumerate(request_ids):
+                seq_ids.append(rid)
+                rows.append(row)
+                parent = self._requests[rid]
+                if not parent.forks or parent.aborted:
+                    continue
+                for index, child_id in enumerate(parent.forks, start=1):
+                    seed = sequence_seed(parent.seed, index)
+                    child = RankRequest(
+                        parent.prompt, parent.params, generator=make_generator(parent.params, seed), seed=seed,
+                        grammar=parent.grammar.fork() if parent.grammar is not None else None,
+                    )  # fmt: skip
+                    try:
+                        copies.append(self.blocks.fork(rid, child_id))
+                    except KVCacheFullError:
+                        failed.append(child_id)
+                        continue
+                    self._requests[child_id] = child
+                    parent.children.append(child)
+                    seq_ids.append(child_id)
+                    rows.append(row)
+                parent.forks = []
+        return seq_ids, rows, copies, failed
+
+    def advance(
+        self,
+        request_ids: list[int],
+        tokens: list[int],
+        context_lens: list[int],
+        logprobs: list[float] | None = None,
+    ) -> HeadOutput:
         """Record one sampled token per request (whose context held `context_lens` tokens): stop rules decide
         who finishes (freeing their KV); the others' tokens go on to block 0. Loop thread."""
         go_on, go_tokens, go_pos, outputs = [], [], [], []
+        step_logprobs = None if logprobs is None else []
         with self._lock:
-            for rid, token, ctx in zip(request_ids, tokens, context_lens):
+            for i, (rid, token, ctx) in enumerate(zip(request_ids, tokens, context_lens)):
                 req = self._requests[rid]
                 new = [] if req.aborted else [token]
                 req.output += new
+                if new and req.grammar is not None:
+                    req.grammar.accept(token)
+                if step_logprobs is not None:
+                    step_logprobs.append(min(logprobs[i], 0.0) if new else 0.0)  # the wire takes <= 0 only
                 req.finish_reason = "abort" if req.aborted else self._stop_reason(req, token, ctx + 1)
                 outputs.append((rid, new, req.finish_reason))
                 if req.finish_reason is None:
@@ -243,7 +333,10 @@ class RankRequests:
                     go_pos.append(ctx)
                 else:
                     self._end(rid, req.finish_reason)
-        return HeadOutput(Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks)
+        return HeadOutput(
+            Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks,
+            logprobs=step_logprobs,
+        )  # fmt: skip
 
     def _end(self, request_id: int, reason: str) -> None:
         """Under the lock: free a request's KV and drop it."""
@@ -253,7 +346,7 @@ class RankRequests:
         req.done.set()
 
     def _stop_reason(self, req: RankRequest, token: int, num_tokens: int) -> str | None:
-        return stop_reason(
+        reason = stop_reason(
             req.params,
             token,
             num_output=len(req.output),
@@ -261,3 +354,6 @@ class RankRequests:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
+        if reason is None and req.grammar is not None and req.grammar.is_done:
+            return "stop"  # the output is complete: only its end could follow (vLLM stops here too)
+        return reason

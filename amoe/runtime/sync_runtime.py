@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from amoe import wire
@@ -82,9 +82,14 @@ class SyncRuntime:
         return self.model_config.max_position_embeddings
 
     def add_request(
-        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+        self,
+        request_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        num_generated: int = 0,
+        seq_ids: Sequence[int] = (),
     ) -> RankRequest:
-        return self.device.add_request(request_id, prompt, params, num_generated)
+        return self.device.add_request(request_id, prompt, params, num_generated, seq_ids)
 
     def reconnect(self, runtime: int, endpoint: str, generation: int = 0) -> int:
         raise EngineDeadError("a synchronous group cannot take a replaced device: it restarts as a whole")

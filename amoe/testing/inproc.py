@@ -21,6 +21,7 @@ from amoe.runtime.loop import run_loop
 from amoe.runtime.report import RuntimeReporter
 from amoe.runtime.requests import HeadOutput, RankRequest, RankRequests
 from amoe.sampling_params import SamplingParams
+from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class InProcessCluster:
                 requests = RankRequests(
                     vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=num_kv_blocks,
                     block_size=block_size, max_model_len=max_model_len,
+                    grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
                 )  # fmt: skip
                 if emulation is not None:
                     compute = emulation.attention()
@@ -99,11 +101,12 @@ class InProcessCluster:
         return [self.executors[r] for r in self.placement.attn_runtime]
 
     def add_request(
-        self, rank: int, request_id: int, prompt: list[int], params: SamplingParams
+        self, rank: int, request_id: int, prompt: list[int], params: SamplingParams, seq_ids=()
     ) -> RankRequest:
-        """Bind a request to attention rank `rank`; its prompt enters that runtime's engine. Any thread."""
+        """Bind a request to attention rank `rank`; its prompt enters that runtime's engine. Any thread. With
+        n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked)."""
         runtime = self.placement.attn_runtime[rank]
-        req, rows = self.executors[runtime].requests.add(request_id, prompt, params)
+        req, rows = self.executors[runtime].requests.add(request_id, prompt, params, seq_ids=seq_ids)
         core.enter(self.engines[runtime], rows)
         return req
 

@@ -21,6 +21,7 @@ from amoe.runtime.requests import RankRequest, RankRequests
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.loops import run_sync_loop
 from amoe.sampling_params import SamplingParams
+from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class SyncCluster:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=min(cfg.max_position_embeddings, self.num_kv_blocks * self.block_size),
+            grammars=Grammars.for_model(self.model_dir, cfg.vocab_size, cfg.stop_token_ids),
         )  # fmt: skip
         if self.emulation is not None:
             return AttentionExecutor(requests, self.emulation.attention(), cfg)
@@ -134,13 +136,15 @@ class SyncCluster:
         self.stop()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None
+        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None, seq_ids=()
     ) -> RankRequest:
-        """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration."""
+        """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration.
+        With n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked)."""
         request_id = next(self._ids)
         ranks = self.attention
         device = ranks[(request_id - 1) % len(ranks) if rank is None else rank]
-        return device.add_request(request_id, prompt, params or SamplingParams(temperature=0))
+        params = params or SamplingParams(temperature=0)
+        return device.add_request(request_id, prompt, params, seq_ids=seq_ids)
 
     def wait(self, reqs: list[RankRequest], timeout: float = 120.0) -> list[list[int]]:
         """Each request's output tokens once all are done; EngineDeadError if a device died or time ran out."""

@@ -7,6 +7,8 @@ iteration admits them; each head step's HeadOutput goes back up to the loop, whi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from amoe.model.config import ModelConfig
@@ -59,10 +61,15 @@ class SyncDevice:
     # Requests: what the control plane asks of any runtime.
 
     def add_request(
-        self, request_id: int, prompt: list[int], params: SamplingParams, num_generated: int = 0
+        self,
+        request_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        num_generated: int = 0,
+        seq_ids: Sequence[int] = (),
     ) -> RankRequest:
         """Bind a request to this device's attention rank; it joins at the next iteration. Any thread."""
-        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated)
+        req, rows = self.attention.requests.add(request_id, prompt, params, num_generated, seq_ids)
         self.inbox.add(rows)
         return req
 
