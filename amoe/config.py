@@ -143,7 +143,7 @@ class ExecutorSection:
     gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
     # emulated: the expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as
     # MegaScale-Infer runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV
-    # are priced on --gpu (the attention GPUs), as amoe.emulation.bounds prices them.
+    # are priced on --gpu (the attention GPUs), as the bounds (amoe.emulation.bounds) price them.
     expert_gpu: str = ""
     profile: str | None = (
         None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
@@ -170,18 +170,9 @@ class ExecutorSection:
             _positive("executor.top_k", self.top_k)
         if self.gpus_per_node < 0:
             raise ConfigError(f"executor.gpus_per_node must be >= 0; got {self.gpus_per_node}")
-        from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile  # no torch import
-        from amoe.emulation.routing import RoutingSpec
-
-        gpu_profile(self.gpu)
-        if self.expert_gpu:
-            gpu_profile(self.expert_gpu)
-        host_overhead(self.host_overhead)
-        if self.profile is not None:
-            model_profile(self.profile, self.top_k)
-        routing = RoutingSpec.parse(self.routing)
-        if self.kind == "emulated" and not routing.is_override:
-            raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")
+        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.emulation.check_executor
+        # checks them where an emulation is built (`amoe serve` before it starts anything, every Emulation), so
+        # that the serving config does not import the modelling.
 
 
 @dataclass(frozen=True)

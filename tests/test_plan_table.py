@@ -1,24 +1,7 @@
-"""bench/plan_table.py's rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
+"""`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
 numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # plan_table imports plan_check by name; dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-_load("plan_check")
-plan_table = _load("plan_table")
+from amoe.emulation import plan_table
 
 
 def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from amoe.emulation import bounds
+from amoe.emulation.plan import mean_context, refine
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
-from amoe.plan import mean_context, refine
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import cost_model
+from amoe.emulation import check_executor, cost_model
 from amoe.emulation.clock import EmulatedClock
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
@@ -53,6 +53,7 @@ class Emulation:
             raise ConfigError("emulation needs a model profile name or a checkpoint's ModelConfig")
         if wire_hidden is not None and wire_hidden <= 0:
             raise ConfigError(f"wire_hidden must be positive; got {wire_hidden}")
+        check_executor(executor)
         self.config = executor
         self.spin_s = spin_s
         self.gpu = gpu_profile(executor.gpu)

@@ -261,7 +261,7 @@ def refine(
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
     the most it simulates under the ITL objective; EP and ping-pong at their concurrency, in lock-step with each
     iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]. With
-    `concurrency` (requests of one copy) the simulation runs there and nowhere else (bench/plan_check.py's
+    `concurrency` (requests of one copy) the simulation runs there and nowhere else (`amoe bench plan-check`'s
     full-depth points, which cannot afford the AEP plan's own concurrency on this host)."""
     from amoe.emulation.simulate import simulate
 
@@ -342,7 +342,7 @@ def best_shapes(plans: list[Plan], per_mode: int) -> list[Plan]:
 
 def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", emulated: bool = False) -> str:
     """The `amoe serve` command line that runs `plan` (emulated: on emulated GPUs of the plan's type, with the
-    routing the plan assumed, as bench/plan_check.py runs it)."""
+    routing the plan assumed, as `amoe bench plan-check` runs it)."""
     d = plan.deployment
     args = ["amoe", "serve"]
     if emulated:
