@@ -13,7 +13,7 @@ from pathlib import Path
 from amoe.errors import ConfigError
 
 # The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
-POLICIES = ("defrag", "mtfs", "flfs")
+POLICIES = ("defrag", "mtfs", "flfs", "wave")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Where a runtime's tensors live (docs/gpu.md): auto = CUDA when this host has it.
@@ -110,7 +110,10 @@ class SchedulerSection:
     )
     decay: float = 0.5  # δ of Algorithm 1
     attn_batch_cap: int = 256  # rows per attention batch
-    expert_batch_cap: int = 512  # rows per expert batch
+    expert_batch_cap: int = 512  # rows per expert (of one μ-queue) in an expert batch
+    # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
+    # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
+    group_experts: bool = True
 
     def __post_init__(self) -> None:
         _choice("scheduler.policy", self.policy, POLICIES)

@@ -110,8 +110,17 @@ class EmulatedExpertExecutor:
         self.hidden = em.model_config.hidden_size
 
     def run(self, batch) -> torch.Tensor:
-        n = batch.num_rows
-        t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, batch.index)
+        """One expert's rows, or (an AEP grouped step: batch.group_experts) several experts' rows in one grouped
+        GEMM, costed as EP's grouped step is."""
+        n, groups = batch.num_rows, batch.group_experts
+        if groups is not None and len(groups) > 1:
+            rows = batch.cu_rows.diff().tolist()
+            t = cost_model.grouped_expert_time(
+                self.em.profile, self.em.expert_gpu, rows, self.em.host, groups.tolist()
+            )
+        else:
+            expert = batch.index if groups is None else int(groups[0])
+            t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, expert)
         self.clock.hold(t, "expert", n)
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 

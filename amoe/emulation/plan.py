@@ -182,8 +182,9 @@ def search(req: PlanRequest) -> list[Plan]:
     ctx = mean_context(req.workload)
     host = host_overhead(req.host)
     plans = []
+    slo_s = req.itl_slo_ms / 1e3 if req.itl_slo_ms is not None else None
     for dep in candidates(req, model.num_expert_ids, inclusion):
-        pred = bounds.predict(model, dep, inclusion, ctx, host)
+        pred = bounds.predict(model, dep, inclusion, ctx, host, slo_s)
         if pred.tokens_per_s > 0 and _meets_slo(pred, req):
             plans.append(Plan(dep, pred, _cost(dep, pred, req)))
     _rank(plans, req)
