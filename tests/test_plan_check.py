@@ -86,3 +86,18 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     assert all(ratio > 0 for ratio in summary["ratios"].values()), result.stdout
     for r in rows:  # started in its steady state, each plan ran at its concurrency throughout the window
         assert r["runs"][0]["running_mean"] >= 0.97 * r["concurrency"], r
+
+
+def test_the_out_of_sample_plans_are_drawn_from_the_seed():
+    """`--preset sample --seed N`: 8 plans drawn by a seeded generator over GPU type, top-k, mode and split."""
+    a, b, c = plan_check.sample_checks(7), plan_check.sample_checks(7), plan_check.sample_checks(8)
+    assert a == b and a != c and len(a) == 8
+    drawn = [ch for seed in range(20) for ch in plan_check.sample_checks(seed)]
+    assert {ch.deployment.mode for ch in drawn} == {"aep", "ep", "pingpong"}
+    assert {ch.deployment.attn_gpu for ch in drawn} == {"a100-80g", "h100"}
+    assert {ch.top_k for ch in drawn} == {1, 2}
+    result = subprocess.run(
+        [sys.executable, "-m", "amoe", "bench", "plan-check", "--preset", "sample"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and "--seed" in result.stderr and "Traceback" not in result.stderr

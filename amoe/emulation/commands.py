@@ -1,6 +1,6 @@
-"""`amoe bench plan-check | plan-table | plan-scale`: the planner's predictions, tabled and checked against the
-emulated runtime. Only argparse-level code here (`amoe --help` stays light); each command imports its module when it
-runs."""
+"""`amoe bench plan-check | plan-table | plan-scale | policies`: the planner's predictions, tabled and checked
+against the emulated runtime, and the scheduling policies compared on it. Only argparse-level code here (`amoe
+--help` stays light); each command imports its module when it runs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 # amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
 PLAN_CHECK_PRESETS = ("ci", "depth", "full")
+OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
 
 
 def add_bench_plan_check_command(sub: Any) -> None:
@@ -16,7 +17,10 @@ def add_bench_plan_check_command(sub: Any) -> None:
         "plan-check",
         help="run the planner's plans on the emulated runtime and compare measured with predicted",
     )
-    p.add_argument("--preset", default="full", choices=PLAN_CHECK_PRESETS)
+    p.add_argument("--preset", default="full", choices=(*PLAN_CHECK_PRESETS, OUT_OF_SAMPLE))
+    p.add_argument(
+        "--seed", type=int, default=None, help="--preset sample: the seed its 8 plans are drawn from"
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is reported")
     p.add_argument("--out", default=None, help="write plan_check.json here")
     p.add_argument("--only", default=None, help="run only the plans of these modes, e.g. ep,pingpong")
@@ -73,6 +77,31 @@ def add_bench_plan_scale_command(sub: Any) -> None:
     p.set_defaults(run=run_plan_scale)
 
 
+def add_bench_policies_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
+    )
+    p.add_argument("--policies", default="defrag,mtfs,flfs,wave", help="comma-separated (default: all four)")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of the model profile kept (default: 8)")
+    p.add_argument(
+        "--loads", default="0.5,1.3", help="request rates as fractions of the bound's; must include 0.5"
+    )
+    p.add_argument("--duration", type=float, default=2.0, help="emulated seconds of arrivals per point")
+    p.add_argument(
+        "--time-scale", type=float, default=25.0, help="on the reference host; stretched by a probe"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
+    p.add_argument("--out", default="docs/results/policies")
+    p.set_defaults(run=run_policies)
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    from amoe.emulation import policy_bench
+
+    return policy_bench.main(args)
+
+
 def run_plan_check(args: argparse.Namespace) -> int:
     from amoe.emulation import plan_check
 
@@ -95,4 +124,5 @@ PLAN_BENCH_SUBCOMMANDS = (
     add_bench_plan_check_command,
     add_bench_plan_table_command,
     add_bench_plan_scale_command,
+    add_bench_policies_command,
 )

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from amoe.emulation import bounds
 from amoe.emulation.plan import Plan, PlanRequest, describe, mean_context, refine, serve_command
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.errors import ConfigError
 
 logger = logging.getLogger("plan_check")
 
@@ -116,6 +118,30 @@ PRESETS = {
         blocks=2, duration_s=0.4, time_scale=40.0, overload=3.0, tolerance=0.15, min_window_s=10.0,
     ),
 }  # fmt: skip
+
+
+# The out-of-sample preset's plans are drawn, not chosen: `sample_checks(seed)` with the seed given on the command
+# line (a fresh one for each recorded run), against constants frozen before the draw (tests/test_no_fitted_constants.py).
+SAMPLE = CheckPreset(checks=(), blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10)
+
+
+def sample_checks(seed: int, n: int = 8) -> tuple[Check, ...]:
+    """`n` plans drawn by a seeded generator: GPU type, top-k, mode, split (AEP: attention + expert GPUs of 8;
+    EP: 2, 4 or 8 devices; ping-pong: 2-4 + 2-4 GPUs, 2 or 3 micro-batches). One copy each: copies multiply a
+    plan's throughput exactly in the model, so the check is of one."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        gpu, top_k = rng.choice(("a100-80g", "h100")), rng.choice((1, 2))
+        mode = rng.choice(("aep", "aep", "ep", "pingpong"))
+        if mode == "aep":
+            a = rng.randint(2, 6)
+            out.append(_aep(gpu, a, 8 - a, top_k))
+        elif mode == "ep":
+            out.append(_ep(gpu, rng.choice((2, 4, 8)), top_k))
+        else:
+            out.append(_pingpong(gpu, rng.randint(2, 4), rng.randint(2, 4), rng.choice((2, 3)), top_k))
+    return tuple(out)
 
 
 def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
@@ -235,7 +261,12 @@ def table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     """`amoe bench plan-check` (its flags: amoe.emulation.commands)."""
-    p = PRESETS[args.preset]
+    if args.preset == "sample":
+        if args.seed is None:
+            raise ConfigError("--preset sample draws its plans from --seed N: give a seed not used before")
+        p = dataclasses.replace(SAMPLE, checks=sample_checks(args.seed))
+    else:
+        p = PRESETS[args.preset]
     if args.only:
         modes = set(args.only.split(","))
         p = dataclasses.replace(p, checks=tuple(c for c in p.checks if c.deployment.mode in modes))
@@ -245,7 +276,7 @@ def main(args) -> int:
     rows, host = asyncio.run(run(p, max(1, args.repeats), args.fill))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
-        "preset": args.preset, "fill": args.fill, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "preset": args.preset, "seed": args.seed, "fill": args.fill, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
