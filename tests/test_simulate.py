@@ -133,3 +133,21 @@ def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest(
         planned.itl_s > 3 * 128 / _bound(model, dep).tokens_per_s
     )  # small batches: far from the bound's ITL
     assert planned.tokens_per_s == pytest.approx(long_run.tokens_per_s, rel=0.05)
+
+
+def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds_point_misses_it():
+    """The bound's operating point under an objective is its knee, where the schedule runs a little slower: when
+    the simulation misses the objective there, refine tries fewer requests (Little's law) instead of keeping a
+    plan that misses it."""
+    model = model_profile("mixtral-8x7b-mqa:4", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
+    slo_ms = 7.0
+    pred = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, slo_ms / 1e3)
+    assert pred.itl_s * 1e3 <= slo_ms
+    knee = simulate(
+        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s
+    )
+    assert knee.itl_s * 1e3 > slo_ms
+    refined = refine(model, dep, ROUTING, CTX, HOST, pred, slo_ms).prediction
+    assert refined.extra["simulated"] and refined.itl_s * 1e3 <= slo_ms
+    assert refined.concurrency < pred.concurrency
