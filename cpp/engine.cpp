@@ -14,9 +14,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The longest a wave-policy runtime holds for a returning wave. A guard, not a tuning knob: in steady state the
-// wave is back within one round trip (milliseconds); only a lost row (resent after the transport's timeout) or
-// a failed expert batch keeps a part out, and the hold must not wait for those.
+// The longest a wave-policy runtime holds for a returning wave. A guard, not a tuning knob: in steady state
+// the wave is back within one round trip (milliseconds); only a lost row (resent after the transport's
+// timeout) or a failed expert batch keeps a part out, and the hold must not wait for those.
 constexpr std::chrono::milliseconds kMaxWaveHold{1000};
 
 at::Tensor index_rows(const at::Tensor& data, const std::vector<int64_t>& rows) {

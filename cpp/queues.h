@@ -102,10 +102,11 @@ struct MuQueue {
   int64_t rows_drained = 0;
 };
 
-// Rows drained from one queue, assembled outside the lock.
+// Rows drained from one queue (attention) or from a block's hosted expert queues (a grouped expert step),
+// assembled outside the lock.
 struct Drained {
   LayerId layer{};
-  std::vector<ExpertRow> rows;       // expert: grouped by expert, in the order of `groups`
+  std::vector<ExpertRow> rows;                      // expert: grouped by expert, in the order of `groups`
   std::vector<std::pair<int32_t, int64_t>> groups;  // expert: (expert id, rows) per drained queue
   std::vector<Chunk> chunks;
   int64_t num_rows = 0;
