@@ -192,7 +192,9 @@ def test_expert_rows_reach_their_queue_once(rows, cap, policy, seed):
         )
     out = {}
     while (b := engine.next_batch(0)) is not None:
-        kind, block, _ = b.layer  # a grouped step: every hosted expert's queue of the block, each up to the cap
+        kind, block, _ = (
+            b.layer
+        )  # a grouped step: every hosted expert's queue of the block, each up to the cap
         groups, cu = b.group_experts.tolist(), b.cu_rows.tolist()
         assert kind == "expert" and len(set(groups)) == len(groups) and cu[-1] == len(b)
         for g, expert in enumerate(groups):
