@@ -172,7 +172,7 @@ def add_plan_command(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from amoe.plan import main as plan_main
+    from amoe.emulation.plan import main as plan_main
 
     return plan_main(args)
 
@@ -180,7 +180,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_bench_command(sub: Any) -> None:
     from amoe.bench import BENCH_SUBCOMMANDS
 
-    p = sub.add_parser("bench", help="benchmark a running server")
+    p = sub.add_parser("bench", help="benchmark a running server, or the planner's plans on emulated GPUs")
     nested = p.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
     # The nested commands get the same common flags (-v) as the top-level ones.
     for add_bench_subcommand in BENCH_SUBCOMMANDS:

@@ -13,7 +13,7 @@ from pathlib import Path
 from amoe.errors import ConfigError
 
 # The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
-POLICIES = ("defrag", "mtfs", "flfs")
+POLICIES = ("defrag", "mtfs", "flfs", "wave")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_SYNONYMS = {"half": "float16", "float": "float32"}
@@ -113,7 +113,10 @@ class SchedulerSection:
     )
     decay: float = 0.5  # δ of Algorithm 1
     attn_batch_cap: int = 256  # rows per attention batch
-    expert_batch_cap: int = 512  # rows per expert batch
+    expert_batch_cap: int = 512  # rows per expert (of one μ-queue) in an expert batch
+    # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
+    # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
+    group_experts: bool = True
 
     def __post_init__(self) -> None:
         _choice("scheduler.policy", self.policy, POLICIES)
@@ -146,7 +149,7 @@ class ExecutorSection:
     gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
     # emulated: the expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as
     # MegaScale-Infer runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV
-    # are priced on --gpu (the attention GPUs), as amoe.emulation.bounds prices them.
+    # are priced on --gpu (the attention GPUs), as the bounds (amoe.emulation.bounds) price them.
     expert_gpu: str = ""
     profile: str | None = (
         None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
@@ -173,18 +176,9 @@ class ExecutorSection:
             _positive("executor.top_k", self.top_k)
         if self.gpus_per_node < 0:
             raise ConfigError(f"executor.gpus_per_node must be >= 0; got {self.gpus_per_node}")
-        from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile  # no torch import
-        from amoe.emulation.routing import RoutingSpec
-
-        gpu_profile(self.gpu)
-        if self.expert_gpu:
-            gpu_profile(self.expert_gpu)
-        host_overhead(self.host_overhead)
-        if self.profile is not None:
-            model_profile(self.profile, self.top_k)
-        routing = RoutingSpec.parse(self.routing)
-        if self.kind == "emulated" and not routing.is_override:
-            raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")
+        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.emulation.check_executor
+        # checks them where an emulation is built (`amoe serve` before it starts anything, every Emulation), so
+        # that the serving config does not import the modelling.
 
 
 @dataclass(frozen=True)

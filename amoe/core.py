@@ -54,6 +54,7 @@ def engine_config(
     cfg.attn_runtime = list(placement.attn_runtime)
     cfg.policy, cfg.lookahead, cfg.decay = sched.policy, sched.lookahead, sched.decay
     cfg.attn_cap, cfg.expert_cap = sched.attn_batch_cap, sched.expert_batch_cap
+    cfg.group_experts = int(sched.group_experts)
     cfg.track_requests = track_requests and cfg.is_attention
     cfg.validate()
     return cfg

@@ -14,6 +14,7 @@ import uvicorn
 
 from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
+from amoe.emulation import check_executor
 from amoe.errors import AmoeError, ConfigError
 from coordinator.api_server import abort_all, create_app
 from coordinator.backend import Backend
@@ -34,6 +35,7 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
     if headless and dist.node_rank == 0:
         raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
     config = resolve_device(config)  # --device cuda on a host without CUDA fails here, before anything starts
+    check_executor(config.executor)  # an unknown --gpu / --profile / --routing fails here too
     if dist.node_rank > 0:
         from amoe.node_agent import main as agent_main
 

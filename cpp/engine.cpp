@@ -14,6 +14,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The longest a wave-policy runtime holds for a returning wave. A guard, not a tuning knob: in steady state
+// the wave is back within one round trip (milliseconds); only a lost row (resent after the transport's
+// timeout) or a failed expert batch keeps a part out, and the hold must not wait for those.
+constexpr std::chrono::milliseconds kMaxWaveHold{1000};
+
 at::Tensor index_rows(const at::Tensor& data, const std::vector<int64_t>& rows) {
   const int64_t n = static_cast<int64_t>(rows.size());
   bool identity = n == data.size(0);
@@ -92,10 +97,11 @@ size_t Engine::pump(double timeout_s) {
     {
       // A bounded group of messages per lock hold: few hand-offs, yet next_batch() can run during a backlog.
       std::lock_guard<std::mutex> lock(mu_);
-      was_empty = queues_.depth_total() == 0;
+      // A holding scheduler waits for exactly these arrivals (its returning wave): wake it too.
+      was_empty = queues_.depth_total() == 0 || queues_.holding();
       for (size_t i = lo; i < std::min(n, lo + kPerLock); ++i) queues_.ingest(std::move(msgs[i]));
     }
-    if (was_empty) ready_cv_.notify_all();  // next_batch() only waits while every queue is empty
+    if (was_empty) ready_cv_.notify_all();  // next_batch() only waits while every queue is empty or it holds
   }
   return n;
 }
@@ -168,14 +174,25 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
   {
     std::unique_lock<std::mutex> lock(mu_);  // the scheduler sees a consistent set of queues
     const auto t0 = Clock::now();
+    const bool forever = timeout_s < 0;
     const auto deadline =
         t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
+    constexpr auto kNever = Clock::time_point::max();
+    auto hold_until = kNever;  // the wave policy holds for a returning wave, at most kMaxWaveHold
     while (!stopping_.load()) {
-      if ((got = queues_.drain(&d))) break;
-      if (timeout_s < 0) {
+      const auto now = Clock::now();
+      if ((got = queues_.drain(&d, now >= hold_until))) break;
+      if (!queues_.holding()) {
+        hold_until = kNever;
+      } else if (hold_until == kNever) {
+        hold_until = now + kMaxWaveHold;
+      }
+      const auto wake = forever ? hold_until : std::min(deadline, hold_until);
+      if (wake == kNever) {
         ready_cv_.wait(lock);
-      } else if (ready_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        got = !stopping_.load() && queues_.drain(&d);
+      } else if (ready_cv_.wait_until(lock, wake) == std::cv_status::timeout && !forever &&
+                 Clock::now() >= deadline) {
+        got = !stopping_.load() && queues_.drain(&d, Clock::now() >= hold_until);
         break;
       }
     }

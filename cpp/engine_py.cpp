@@ -220,6 +220,7 @@ void register_engine(py::module_& m) {
       .def_readwrite("attn_runtime", &EngineConfig::attn_runtime)
       .def_readwrite("policy", &EngineConfig::policy)
       .def_readwrite("lookahead", &EngineConfig::lookahead)
+      .def_readwrite("group_experts", &EngineConfig::group_experts)
       .def_readwrite("decay", &EngineConfig::decay)
       .def_readwrite("attn_cap", &EngineConfig::attn_cap)
       .def_readwrite("expert_cap", &EngineConfig::expert_cap)
@@ -250,6 +251,7 @@ void register_engine(py::module_& m) {
       .def_property_readonly("residual", [](const Batch& b) { return opt(b.residual); })
       .def_property_readonly("expert_out", [](const Batch& b) { return opt(b.expert_out); })
       .def_property_readonly("expert_ids", [](const Batch& b) { return opt(b.expert_ids); })
+      .def_property_readonly("group_experts", [](const Batch& b) { return opt(b.group_experts); })
       .def("__repr__", [](const Batch& b) {
         return "Batch(" + std::string(b.layer.kind == kAttn ? (b.is_head ? "head" : "attn") : "expert") +
                ", block=" + std::to_string(b.layer.block) + ", index=" + std::to_string(b.layer.index) +

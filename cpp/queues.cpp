@@ -17,7 +17,8 @@ void EngineConfig::validate() const {
       "expert_runtime needs one runtime per expert (" << num_experts << "), got " << expert_runtime.size());
   AMOE_CHECK_ARG(!attn_runtime.empty(), "attn_runtime must list at least one attention rank");
   AMOE_CHECK_ARG(
-      !policy.empty() && lookahead >= 0 && decay >= 0 && attn_cap > 0 && expert_cap > 0,
+      !policy.empty() && lookahead >= 0 && decay >= 0 && attn_cap > 0 && expert_cap > 0 &&
+          (group_experts == 0 || group_experts == 1),
       "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
@@ -118,10 +119,12 @@ void LayerQueues::ingest_attention_row(int q, const RowMeta& m, const at::Tensor
     enqueue_chunk(q, std::move(c));
     return;
   }
-  if (cfg_.track_requests && m.slot > 0 &&
-      expected_.erase(ExpectKey{m.request_id, m.layer.block, m.position, m.slot}) == 0) {
-    ++drops_.duplicate;  // an expert output nobody waits for: the second answer to a resent row, or garbage
-    return;
+  if (cfg_.track_requests && m.slot > 0) {
+    if (expected_.erase(ExpectKey{m.request_id, m.layer.block, m.position, m.slot}) == 0) {
+      ++drops_.duplicate;  // an expert output nobody waits for: the second answer to a resent row, or garbage
+      return;
+    }
+    scheduler_.add_pending(m.layer.block, -1);
   }
   auto [it, inserted] = pool_.try_emplace(PoolKey{m.request_id, m.layer, m.chunk_start});
   Chunk& c = it->second;
@@ -165,8 +168,12 @@ void LayerQueues::admit(uint64_t request_id) {
 void LayerQueues::expect(const RowMeta& sent, const TensorRef& input, int dest,
                          std::chrono::steady_clock::time_point at) {
   if (!cfg_.track_requests) return;
-  expected_[ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot}] =
-      Expected{sent, input, dest, at};
+  const bool inserted =
+      expected_
+          .insert_or_assign(ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot},
+                            Expected{sent, input, dest, at})
+          .second;
+  if (inserted) scheduler_.add_pending(sent.layer.block + 1, 1);  // a resent row is still one part out
 }
 
 std::vector<Expected> LayerQueues::due(int dest, std::chrono::steady_clock::time_point cutoff) {
@@ -186,7 +193,12 @@ void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
   if (!purge || request_ids.empty()) return;
   const std::unordered_set<uint64_t> gone(request_ids.begin(), request_ids.end());
   for (auto it = expected_.begin(); it != expected_.end();) {
-    it = gone.count(it->first.request_id) ? expected_.erase(it) : std::next(it);
+    if (gone.count(it->first.request_id)) {
+      scheduler_.add_pending(it->first.block, -1);
+      it = expected_.erase(it);
+    } else {
+      ++it;
+    }
   }
   for (auto it = pool_.begin(); it != pool_.end();) {
     if (gone.count(it->first.request_id)) {
@@ -214,29 +226,29 @@ void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
   }
 }
 
-bool LayerQueues::drain(Drained* out) {
+bool LayerQueues::drain(Drained* out, bool force) {
   int b = 0, col = 0;
-  if (!scheduler_.pick(&b, &col)) return false;
+  if (!scheduler_.pick(&b, &col, force)) return false;
+  const MuQueue& picked = queues_[b * num_cols_ + col];
+  out->layer = picked.layer;
+  if (picked.layer.kind == kExpert) {
+    if (cfg_.group_experts == 1) {
+      // The block's every hosted expert in one step: one host step and one kernel sequence for all of them.
+      for (int c = 0; c < num_cols_; ++c) out->num_rows += take_expert_rows(b, c, out);
+    } else {
+      out->num_rows = take_expert_rows(b, col, out);
+    }
+    return true;
+  }
+  // Whole chunks only: the attention layer needs a request's chunk together.
   MuQueue& mq = queues_[b * num_cols_ + col];
-  out->layer = mq.layer;
   int64_t taken = 0;
-  if (mq.layer.kind == kExpert) {
-    const int64_t n = std::min(mq.depth, cfg_.expert_cap);
-    out->rows.reserve(n);
-    for (int64_t i = 0; i < n; ++i) {
-      out->rows.push_back(std::move(mq.rows.front()));
-      mq.rows.pop_front();
-    }
-    taken = n;
-  } else {
-    // Whole chunks only: the attention layer needs a request's chunk together.
-    while (!mq.chunks.empty()) {
-      const int64_t n = mq.chunks.front().head.chunk_len;
-      if (taken > 0 && taken + n > cfg_.attn_cap) break;
-      out->chunks.push_back(std::move(mq.chunks.front()));
-      mq.chunks.pop_front();
-      taken += n;
-    }
+  while (!mq.chunks.empty()) {
+    const int64_t n = mq.chunks.front().head.chunk_len;
+    if (taken > 0 && taken + n > cfg_.attn_cap) break;
+    out->chunks.push_back(std::move(mq.chunks.front()));
+    mq.chunks.pop_front();
+    taken += n;
   }
   out->num_rows = taken;
   mq.depth -= taken;
@@ -244,6 +256,23 @@ bool LayerQueues::drain(Drained* out) {
   mq.rows_drained += taken;
   scheduler_.add(b, col, -taken);
   return true;
+}
+
+int64_t LayerQueues::take_expert_rows(int b, int col, Drained* out) {
+  MuQueue& mq = queues_[b * num_cols_ + col];
+  const int64_t n = std::min(mq.depth, cfg_.expert_cap);
+  if (n == 0) return 0;
+  out->rows.reserve(out->rows.size() + n);
+  for (int64_t i = 0; i < n; ++i) {
+    out->rows.push_back(std::move(mq.rows.front()));
+    mq.rows.pop_front();
+  }
+  out->groups.emplace_back(mq.layer.index, n);
+  mq.depth -= n;
+  ++mq.batches;
+  mq.rows_drained += n;
+  scheduler_.add(b, col, -n);
+  return n;
 }
 
 namespace {
@@ -354,6 +383,14 @@ Batch LayerQueues::assemble_expert(const Drained& d) const {
   }
   b.x = at::empty({n, cfg_.hidden}, d.rows[0].ref.t.options());
   gather_rows(refs, b.x);
+  const int64_t g = static_cast<int64_t>(d.groups.size());
+  std::vector<int64_t> cu(g + 1, 0), experts(g);
+  for (int64_t i = 0; i < g; ++i) {
+    experts[i] = d.groups[i].first;
+    cu[i + 1] = cu[i] + d.groups[i].second;
+  }
+  b.cu_rows = int64_tensor(cu);
+  b.group_experts = int64_tensor(experts);
   return b;
 }
 

@@ -32,11 +32,15 @@ struct EngineConfig {
   std::vector<int> attn_runtime;    // [num_attn_ranks] runtime serving attention rank r
   // Scheduling: no defaults here. amoe.core.engine_config fills them from the config's scheduler section (the
   // one home of policy names and defaults); validate() refuses a config that left them unset.
-  std::string policy;      // defrag | mtfs | flfs
+  std::string policy;      // defrag | mtfs | flfs | wave
   int lookahead = -1;      // K of Algorithm 1
   double decay = -1.0;     // δ of Algorithm 1
   int64_t attn_cap = 0;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
-  int64_t expert_cap = 0;  // rows per expert batch
+  int64_t expert_cap = 0;  // rows per expert (of one queue) in an expert batch
+  // 1: an expert runtime drains every hosted expert's queue of the block its scheduler picks, as one grouped
+  // step (each expert up to expert_cap rows), as EP and ping-pong run a device's experts; 0: the picked queue
+  // only. -1: unset.
+  int group_experts = -1;
   // An attention runtime that tracks its requests accepts rows only of requests that entered here
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
@@ -98,10 +102,12 @@ struct MuQueue {
   int64_t rows_drained = 0;
 };
 
-// Rows drained from one queue, assembled outside the lock.
+// Rows drained from one queue (attention) or from a block's hosted expert queues (a grouped expert step),
+// assembled outside the lock.
 struct Drained {
   LayerId layer{};
-  std::vector<ExpertRow> rows;
+  std::vector<ExpertRow> rows;                      // expert: grouped by expert, in the order of `groups`
+  std::vector<std::pair<int32_t, int64_t>> groups;  // expert: (expert id, rows) per drained queue
   std::vector<Chunk> chunks;
   int64_t num_rows = 0;
 };
@@ -114,7 +120,8 @@ struct Batch {
   at::Tensor request_ids;     // int64 [N]
   at::Tensor positions;       // int64 [N]
   at::Tensor attn_ranks;      // int64 [N]
-  at::Tensor cu_rows;         // int64 [R + 1] chunk boundaries (attention)
+  at::Tensor cu_rows;         // int64 [R + 1] chunk boundaries (attention); [G + 1] expert groups (expert)
+  at::Tensor group_experts;   // int64 [G] the expert of each group of rows (expert)
   at::Tensor context_lens;    // int64 [R] tokens of the request after this chunk (attention)
   at::Tensor x;               // [N, H] expert input
   at::Tensor weights;         // float32 [N] top-k weight (expert)
@@ -184,8 +191,10 @@ class LayerQueues {
 
   // Routes every row of msg into the pool or a μ-queue; malformed parts are dropped and counted.
   void ingest(Message&& msg);
-  // Picks a queue with the scheduler and pops up to the cap; false when nothing is waiting.
-  bool drain(Drained* out);
+  // Picks a queue with the scheduler and pops up to the cap; false when nothing is waiting or the scheduler
+  // holds for a returning wave (holding(); `force` takes the best block anyway).
+  bool drain(Drained* out, bool force = false);
+  bool holding() const { return scheduler_.holding(); }
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
   // Request tracking (cfg.track_requests): admit marks a request held; forget ends it, and with purge also
@@ -212,6 +221,7 @@ class LayerQueues {
  private:
   int queue_index(const LayerId& l) const;  // -1 when not hosted
   void enqueue_chunk(int q, Chunk&& c);
+  int64_t take_expert_rows(int b, int col, Drained* out);  // up to expert_cap rows of queue (b, col); taken
   void ingest_attention_row(int q, const RowMeta& m, const at::Tensor& data, int64_t row);
   Batch assemble_expert(const Drained& d) const;
   Batch assemble_attention(const Drained& d) const;

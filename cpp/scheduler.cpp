@@ -13,7 +13,8 @@ Policy parse_policy(const std::string& name) {
   if (name == "defrag") return Policy::kDefrag;
   if (name == "mtfs") return Policy::kMtfs;
   if (name == "flfs") return Policy::kFlfs;
-  AMOE_CHECK_ARG(false, "unknown scheduling policy '" << name << "' (expected defrag, mtfs or flfs)");
+  if (name == "wave") return Policy::kWave;
+  AMOE_CHECK_ARG(false, "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs or wave)");
   return Policy::kDefrag;
 }
 
@@ -25,6 +26,8 @@ const char* policy_name(Policy p) {
       return "mtfs";
     case Policy::kFlfs:
       return "flfs";
+    case Policy::kWave:
+      return "wave";
   }
   return "?";
 }
@@ -39,7 +42,8 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
       block_total_(num_blocks, 0),
       block_max_(num_blocks, 0),
       block_argmax_(num_blocks, 0),
-      block_dirty_(num_blocks, 0) {
+      block_dirty_(num_blocks, 0),
+      pending_(num_blocks, 0) {
   AMOE_CHECK_ARG(num_blocks > 0 && num_cols > 0,
                  "scheduler grid must be non-empty, got " << num_blocks << " x " << num_cols);
   AMOE_CHECK_ARG(lookahead >= 0, "lookahead must be >= 0, got " << lookahead);
@@ -48,6 +52,12 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
 }
 
 void Scheduler::add(int block, int col, int64_t delta) { set(block, col, depth(block, col) + delta); }
+
+void Scheduler::add_pending(int block, int64_t delta) {
+  AMOE_CHECK_ARG(block >= 0 && block < num_blocks_, "block " << block << " is outside the grid");
+  AMOE_CHECK_ARG(pending_[block] + delta >= 0, "pending rows would become negative at block " << block);
+  pending_[block] += delta;
+}
 
 void Scheduler::set(int block, int col, int64_t d) {
   AMOE_CHECK_ARG(block >= 0 && block < num_blocks_ && col >= 0 && col < num_cols_,
@@ -84,9 +94,12 @@ void Scheduler::refresh_block(int b) {
   block_dirty_[b] = 0;
 }
 
-bool Scheduler::pick(int* block, int* col) {
+bool Scheduler::pick(int* block, int* col, bool force) {
+  holding_ = false;
   if (total_ == 0) return false;
   switch (policy_) {
+    case Policy::kWave:
+      return pick_wave(block, col, force);
     case Policy::kDefrag:
       return pick_defrag(block, col);
     case Policy::kMtfs:
@@ -148,6 +161,36 @@ bool Scheduler::pick_flfs(int* block, int* col) {
   return false;
 }
 
+// Wave (docs/engine.md "wave"): a block is served whole (an expert runtime's grouped step takes every hosted
+// expert's queue of it), so blocks are compared by their total rows. A block part of whose wave is still out
+// (pending > 0) is not ready: it waits for the rest, so the wave leaves together instead of as fragments. Of
+// the ready blocks, the one with the most rows; when none is ready, hold (false) unless forced, then the
+// non-ready block with the most rows.
+bool Scheduler::pick_wave(int* block, int* col, bool force) {
+  int64_t ready = 0, waiting = 0;
+  int ready_b = -1, waiting_b = -1;
+  for (int b = 0; b < num_blocks_; ++b) {
+    const int64_t rows = block_total_[b];
+    if (rows == 0) continue;
+    if (pending_[b] == 0) {
+      if (rows > ready) ready = rows, ready_b = b;
+    } else if (rows > waiting) {
+      waiting = rows, waiting_b = b;
+    }
+  }
+  if (ready_b < 0) {
+    if (!force) {
+      holding_ = true;
+      return false;
+    }
+    ready_b = waiting_b;
+  }
+  if (block_dirty_[ready_b]) refresh_block(ready_b);
+  *block = ready_b;
+  *col = block_argmax_[ready_b];
+  return true;
+}
+
 namespace py = pybind11;
 
 void register_scheduler(py::module_& m) {
@@ -176,12 +219,18 @@ void register_scheduler(py::module_& m) {
       .def("depth", &Scheduler::depth, py::arg("block"), py::arg("col"))
       .def(
           "pick",
-          [](Scheduler& s) -> py::object {
+          [](Scheduler& s, bool force) -> py::object {
             int b = 0, c = 0;
-            if (!s.pick(&b, &c)) return py::none();
+            if (!s.pick(&b, &c, force)) return py::none();
             return py::make_tuple(b, c);
           },
-          "The (block, col) to drain next, or None when every queue is empty.")
+          py::arg("force") = false,
+          "The (block, col) to drain next, or None when every queue is empty or (wave) the runtime holds for "
+          "a returning wave (holding).")
+      .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"),
+           "Changes the rows out that will return to a block (the wave policy holds it while any are out).")
+      .def("pending", &Scheduler::pending, py::arg("block"))
+      .def_property_readonly("holding", &Scheduler::holding)
       .def_property_readonly("total", &Scheduler::total)
       .def_property_readonly("num_blocks", &Scheduler::num_blocks)
       .def_property_readonly("num_cols", &Scheduler::num_cols)

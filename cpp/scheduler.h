@@ -8,7 +8,7 @@
 
 namespace amoe {
 
-enum class Policy { kDefrag, kMtfs, kFlfs };
+enum class Policy { kDefrag, kMtfs, kFlfs, kWave };
 
 Policy parse_policy(const std::string& name);
 const char* policy_name(Policy p);
@@ -25,8 +25,15 @@ class Scheduler {
   int64_t depth(int block, int col) const { return depth_[block * num_cols_ + col]; }
   int64_t total() const { return total_; }
 
-  // Picks a non-empty queue; false when all are empty. Ties go to the lowest (block, col).
-  bool pick(int* block, int* col);
+  // Rows that left this runtime and will come back to `block` (an attention runtime's outstanding expert
+  // outputs, in parts): the wave policy holds a block while part of its wave is still out.
+  void add_pending(int block, int64_t delta);
+  int64_t pending(int block) const { return pending_[block]; }
+
+  // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
+  // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
+  bool pick(int* block, int* col, bool force = false);
+  bool holding() const { return holding_; }
 
   int num_blocks() const { return num_blocks_; }
   int num_cols() const { return num_cols_; }
@@ -39,6 +46,7 @@ class Scheduler {
   bool pick_defrag(int* block, int* col);
   bool pick_mtfs(int* block, int* col);
   bool pick_flfs(int* block, int* col);
+  bool pick_wave(int* block, int* col, bool force);
 
   int num_blocks_, num_cols_;
   Policy policy_;
@@ -51,6 +59,8 @@ class Scheduler {
   std::vector<int> block_argmax_;     // its lowest column
   std::vector<char> block_dirty_;
   int64_t total_ = 0;
+  std::vector<int64_t> pending_;  // [num_blocks] rows out that return to each block
+  bool holding_ = false;
 };
 
 }  // namespace amoe

@@ -133,6 +133,13 @@ def test_the_coordinator_reaches_no_model_code_and_no_torch():
     assert not bad, "\n".join(bad[:20])
 
 
+def test_the_serving_config_does_not_reach_the_modelling():
+    """amoe.emulation (cost model, simulation, planner) uses the config; the config never imports it back."""
+    found = reachable(graph(lazy_exports=True), "amoe.config")
+    bad = [f"{m} (imported by {via})" for m, via in found.items() if is_under(m, ("amoe.emulation",))]
+    assert not bad, "\n".join(bad)
+
+
 def test_production_code_does_not_import_the_test_harnesses():
     edges = graph(lazy_exports=True)
     bad = [

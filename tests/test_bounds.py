@@ -15,16 +15,7 @@ from amoe.bench.workloads import PAPER_WORKLOADS
 from amoe.config import AmoeConfig, config_from_args
 from amoe.emulation import bounds as B
 from amoe.emulation import cost_model as cm
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import (
-    RouterOverride,
-    RoutingSpec,
-    inclusion_probabilities,
-    popularity_by_rank,
-)
-from amoe.errors import ConfigError
-from amoe.placement import Placement
-from amoe.plan import (
+from amoe.emulation.plan import (
     Plan,
     PlanRequest,
     balanced_map,
@@ -35,6 +26,15 @@ from amoe.plan import (
     serve_command,
     shape,
 )
+from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+from amoe.emulation.routing import (
+    RouterOverride,
+    RoutingSpec,
+    inclusion_probabilities,
+    popularity_by_rank,
+)
+from amoe.errors import ConfigError
+from amoe.placement import Placement
 
 HOST = host_overhead("amoe-paper")
 CTX = cm.mean_decode_context(*PAPER_WORKLOADS["short"])
@@ -246,7 +246,7 @@ def test_amoe_plan_command_prints_json_and_a_table():
 
 
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
-    from amoe.plan import counts
+    from amoe.emulation.plan import counts
 
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
     q = _q(model, "skew-exp:0.08")
@@ -300,7 +300,7 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
     bound must not outrank the simulated figures of the plans it was chosen with."""
     from dataclasses import replace
 
-    import amoe.plan as planner
+    import amoe.emulation.plan as planner
 
     def fake_refine(model, dep, routing, ctx, host, pred=None, itl_slo_ms=None, concurrency=None):
         if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS

@@ -55,14 +55,17 @@ def test_unreadable_or_invalid_file_is_a_config_error(tmp_path):
         AmoeConfig.from_file(bad)
 
 
-def test_executor_section_validates_profiles_and_routing():
+def test_the_emulation_checks_the_executor_sections_profiles_and_routing():
+    from amoe.emulation import check_executor
+
     config = AmoeConfig.from_dict(
         {"executor": {"kind": "emulated", "gpu": "h100", "routing": "skew-exp:0.4"}}
     )
+    check_executor(config.executor)
     assert config.executor.gpu == "h100"
     with pytest.raises(ConfigError, match="no router weights"):
-        AmoeConfig.from_dict({"executor": {"kind": "emulated", "routing": "model"}})
+        check_executor(AmoeConfig.from_dict({"executor": {"kind": "emulated", "routing": "model"}}).executor)
     with pytest.raises(ConfigError, match="unknown GPU"):
-        AmoeConfig.from_dict({"executor": {"gpu": "v100"}})
+        check_executor(AmoeConfig.from_dict({"executor": {"gpu": "v100"}}).executor)
     with pytest.raises(ConfigError, match="executor.kind"):
         AmoeConfig.from_dict({"executor": {"kind": "tpu"}})

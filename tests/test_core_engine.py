@@ -61,16 +61,19 @@ def test_attention_output_goes_to_experts_and_comes_back_merged():
     for r in range(2, placement.num_runtimes):
         expert = engines[r]
         expert.pump()
-        for b in drain(expert):
-            kind, block, e = b.layer
-            assert kind == "expert" and block == 0 and placement.expert_runtime[e] == r
-            for i in range(len(b)):
+        (b,) = drain(expert)  # block 0's every hosted expert in one grouped batch
+        kind, block, _ = b.layer
+        groups, cu = b.group_experts.tolist(), b.cu_rows.tolist()
+        assert kind == "expert" and block == 0 and len(set(groups)) == len(groups) and cu[-1] == len(b)
+        for g, e in enumerate(groups):
+            assert placement.expert_runtime[e] == r
+            for i in range(cu[g], cu[g + 1]):
                 row = int(-b.x[i, 0].item()) // H
                 k = ids[row].tolist().index(e)
                 assert b.weights[i].item() == pytest.approx(weights[row, k].item())
                 assert b.attn_ranks[i].item() == 1 and b.positions[i].item() == [0, 1, 2, 4][row]
                 seen.add((row, e))
-            expert.submit_expert(b, b.x * b.weights[:, None])
+        expert.submit_expert(b, b.x * b.weights[:, None])
     assert seen == {(i, e) for i in range(4) for e in ids[i].tolist()}
     attn.pump()
     (merged,) = drain(attn)
@@ -90,6 +93,25 @@ def test_attention_output_goes_to_experts_and_comes_back_merged():
     stats = attn.stats()
     assert stats["tokens_out"] == 8 and stats["pool_entries"] == 0
     assert stats["batches"][("attn", 0, 1)] == 1 and stats["rows"][("attn", 1, 1)] == 4
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_an_expert_runtime_runs_a_blocks_hosted_experts_as_one_step(grouped):
+    """scheduler.group_experts: the picked block's every hosted expert's queue in one batch (each up to the expert
+    cap), as EP runs a device's experts; off: one (block, expert) queue a batch."""
+    placement, hub, engines = cluster(num_attn=1, num_expert=2, expert_batch_cap=2, group_experts=grouped)
+    attn, expert = engines[0], engines[1]  # runtime 1 hosts experts 0, 2, 4
+    n = 3
+    attn.add_tokens(torch.arange(n), torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))  # fmt: skip
+    (batch,) = drain(attn)
+    ids = torch.tensor([[0, 2], [0, 4], [0, 1]])  # expert 0 gets 3 rows (one over the cap), 2 and 4 one each
+    attn.submit_attention(batch, torch.zeros(n, H), torch.zeros(n, H), ids, torch.full((n, K), 0.5))
+    expert.pump()
+    got = [(b.group_experts.tolist(), b.cu_rows.tolist()) for b in drain(expert)]
+    if grouped:
+        assert got == [([0, 2, 4], [0, 2, 3, 4]), ([0], [0, 1])]
+    else:
+        assert sorted(g for g, _ in got) == [[0], [0], [2], [4]] and all(len(g) == 1 for g, _ in got)
 
 
 def test_submit_validates_outputs():

@@ -192,14 +192,19 @@ def test_expert_rows_reach_their_queue_once(rows, cap, policy, seed):
         )
     out = {}
     while (b := engine.next_batch(0)) is not None:
-        kind, block, expert = b.layer
-        assert kind == "expert" and placement.expert_runtime[expert] == 1 and 1 <= len(b) <= cap
-        for i in range(len(b)):
-            idx = int(b.x[i, 0].item())
-            assert idx not in out
-            assert rows[idx][:2] == (block, expert) and b.request_ids[i].item() == rows[idx][2]
-            assert b.weights[i].item() == 0.5 + idx and b.positions[i].item() == idx
-            out[idx] = (block, expert)
+        kind, block, _ = (
+            b.layer
+        )  # a grouped step: every hosted expert's queue of the block, each up to the cap
+        groups, cu = b.group_experts.tolist(), b.cu_rows.tolist()
+        assert kind == "expert" and len(set(groups)) == len(groups) and cu[-1] == len(b)
+        for g, expert in enumerate(groups):
+            assert placement.expert_runtime[expert] == 1 and 1 <= cu[g + 1] - cu[g] <= cap
+            for i in range(cu[g], cu[g + 1]):
+                idx = int(b.x[i, 0].item())
+                assert idx not in out
+                assert rows[idx][:2] == (block, expert) and b.request_ids[i].item() == rows[idx][2]
+                assert b.weights[i].item() == 0.5 + idx and b.positions[i].item() == idx
+                out[idx] = (block, expert)
     hosted = [i for i, (blk, e, _) in enumerate(rows) if placement.expert_runtime[e] == 1]
     assert sorted(out) == hosted
     for key in set(out.values()):  # FIFO within a queue

@@ -1,4 +1,4 @@
-"""The C++ scheduler picks exactly what the plain Python policies (Algorithm 1, MTFS, FLFS) pick."""
+"""The C++ scheduler picks exactly what the plain Python policies (Algorithm 1, MTFS, FLFS, wave) pick."""
 
 import pytest
 from hypothesis import given, settings
@@ -114,3 +114,27 @@ def test_scheduling_defaults_live_in_the_config_only():
         unset.validate()
     for policy in POLICIES:  # every name the config accepts, the C++ scheduler knows
         assert core.Scheduler(2, 2, policy, default.lookahead, default.decay).policy == policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(grid=grids(), data=st.data())
+def test_wave_holds_a_block_while_part_of_its_wave_is_out(grid, data):
+    """A block with rows still out (pending) is not ready; with no block ready the scheduler holds (None,
+    holding) unless forced, and then takes the fullest block."""
+    pending = [data.draw(st.sampled_from([0, 0, 1, 7])) for _ in grid]
+    s = scheduler_for(grid, "wave", 0, 0.0)
+    for b, n in enumerate(pending):
+        s.add_pending(b, n)
+    want = policies.wave(grid, pending)
+    assert s.pick() == want
+    assert s.holding == (want is None and s.total > 0)
+    if s.holding:
+        totals = [sum(row) for row in grid]
+        assert s.pick(force=True) == policies.wave(grid) and s.pick(force=True)[0] == totals.index(
+            max(totals)
+        )
+    for b, n in enumerate(pending):
+        s.add_pending(b, -n)
+    assert s.pick() == policies.wave(grid) and not s.holding
+    with pytest.raises(ValueError):
+        s.add_pending(0, -1)

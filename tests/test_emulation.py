@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from amoe.config import ExecutorSection
+from amoe.emulation import check_executor
 from amoe.emulation import cost_model as cm
 from amoe.emulation.clock import EmulatedClock
 from amoe.emulation.executor import Emulation
@@ -242,7 +243,8 @@ def emulated(**executor) -> ExecutorSection:
 
 
 def test_emulation_config_validation():
-    """The emulation reads the config's executor section: one place validates its settings."""
+    """The emulation reads the config's executor section: the config checks its generic settings, the emulation
+    (check_executor, which every Emulation runs) the names the cost model owns."""
     for bad in (
         {"gpu": "v100"},
         {"profile": "gpt-5"},
@@ -252,7 +254,7 @@ def test_emulation_config_validation():
         {"profile": "mixtral-8x7b-mqa", "top_k": 9},
     ):
         with pytest.raises(ConfigError):
-            ExecutorSection(kind="emulated", **{"routing": "skew-exp", **bad})
+            check_executor(ExecutorSection(kind="emulated", **{"routing": "skew-exp", **bad}))
     with pytest.raises(ConfigError, match="kind"):
         Emulation(ExecutorSection(profile="mixtral-8x7b-16e"))
     em = Emulation(emulated(profile="mixtral-8x7b-16e"), wire_hidden=32)
@@ -300,7 +302,7 @@ def test_expert_runtimes_of_a_heterogeneous_deployment_are_timed_on_their_own_gp
     same = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g"))
     assert same.expert_gpu == same.gpu
     with pytest.raises(ConfigError):
-        emulated(expert_gpu="v100")
+        Emulation(emulated(profile="mixtral-8x7b-mqa", expert_gpu="v100"))
     with pytest.raises(ConfigError, match="expert-gpu"):
         AmoeConfig(executor=emulated(expert_gpu="h100"), parallel=ParallelSection(mode="ep", attn_ranks=2))
     with pytest.raises(ConfigError, match="expert-gpu"):

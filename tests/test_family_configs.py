@@ -17,6 +17,7 @@ from amoe.config import ExecutorSection
 from amoe.emulation import bounds
 from amoe.emulation import cost_model as cm
 from amoe.emulation.executor import Emulation
+from amoe.emulation.plan import PlanRequest, search, serve_command
 from amoe.emulation.profiles import gpu_profile
 from amoe.emulation.shapes import profile_of
 from amoe.errors import ModelLoadError
@@ -26,7 +27,6 @@ from amoe.model.config import load_model_config, model_config_from_hf
 from amoe.model.families import SUPPORTED_ARCHITECTURES
 from amoe.model.kv_cache import LatentKVCache, kv_cache_for
 from amoe.model.presets import preset
-from amoe.plan import PlanRequest, search, serve_command
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
 

@@ -1,31 +1,22 @@
-"""The planner's check (issue 20): `bench/plan_check.py --preset ci` runs two plans on emulated GPUs, one AEP and one
+"""The planner's check (issue 20): `amoe bench plan-check --preset ci` runs two plans on emulated GPUs, one AEP and one
 EP, and compares their measured maxima with what the planner predicts. The suite checks that the comparison runs
 and is reported; how close the measurements come is a benchmark's finding (the full preset, 7 plans, 10 %, is
 recorded in docs/results.md), since an emulated run on a busy host is as much slower as the host is busy."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from amoe.bench import calibrate
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_plan_check():
-    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
-    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "bench" / "plan_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from amoe.emulation import plan_check
 
 
-plan_check = _load_plan_check()
+def test_the_commands_preset_names_are_plan_checks():
+    from amoe.emulation.commands import PLAN_CHECK_PRESETS
+
+    assert tuple(sorted(plan_check.PRESETS)) == PLAN_CHECK_PRESETS
 
 
 def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
@@ -81,17 +72,32 @@ def test_the_time_scale_follows_the_host_probe():
 @pytest.mark.timeout(600)
 def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "plan_check.py"), "--preset", "ci", "--out", str(tmp_path)],
+        [sys.executable, "-m", "amoe", "bench", "plan-check", "--preset", "ci", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=580,
     )  # fmt: skip
     assert result.returncode in (0, 1), result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     rows = json.loads((tmp_path / "plan_check.json").read_text())["plans"]
     assert summary["plans"] == 2 and all(r["measured"] > 0 for r in rows)
-    # How close each measurement comes to its prediction is the benchmark's finding (bench/plan_check.py prints it;
+    # How close each measurement comes to its prediction is the benchmark's finding (`amoe bench plan-check` prints it;
     # docs/results.md records it): an emulated run on a busy host is slower or faster by as much as the host is
     # busy, so the suite checks that every plan ran and was compared, not the ratio.
     assert len(summary["ratios"]) == len(rows), (summary, rows)
     assert all(ratio > 0 for ratio in summary["ratios"].values()), result.stdout
     for r in rows:  # started in its steady state, each plan ran at its concurrency throughout the window
         assert r["runs"][0]["running_mean"] >= 0.97 * r["concurrency"], r
+
+
+def test_the_out_of_sample_plans_are_drawn_from_the_seed():
+    """`--preset sample --seed N`: 8 plans drawn by a seeded generator over GPU type, top-k, mode and split."""
+    a, b, c = plan_check.sample_checks(7), plan_check.sample_checks(7), plan_check.sample_checks(8)
+    assert a == b and a != c and len(a) == 8
+    drawn = [ch for seed in range(20) for ch in plan_check.sample_checks(seed)]
+    assert {ch.deployment.mode for ch in drawn} == {"aep", "ep", "pingpong"}
+    assert {ch.deployment.attn_gpu for ch in drawn} == {"a100-80g", "h100"}
+    assert {ch.top_k for ch in drawn} == {1, 2}
+    result = subprocess.run(
+        [sys.executable, "-m", "amoe", "bench", "plan-check", "--preset", "sample"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and "--seed" in result.stderr and "Traceback" not in result.stderr

@@ -1,33 +1,18 @@
-"""bench/plan_scale.py: throughput per GPU against cluster size. With --simulate each best plan is refined by the
+"""`amoe bench plan-scale`: throughput per GPU against cluster size. With --simulate each best plan is refined by the
 simulation (one copy of it), and never claims more than its bound; the table and plot are benchmark output
 (docs/results.md "Throughput per GPU")."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
-    spec = importlib.util.spec_from_file_location("plan_scale", ROOT / "bench" / "plan_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_scale = _load()
+from amoe.emulation import plan_scale
 
 
 def test_the_best_plan_is_simulated_one_copy_at_a_time_and_stays_under_its_bound():
     """--simulate ranks each mode's best shapes by the simulation (as `amoe plan` does): its pick is simulated, under
     its bound, and no worse than simulating the bound's own best plan."""
     from amoe.emulation import bounds
+    from amoe.emulation.plan import mean_context, refine
     from amoe.emulation.profiles import host_overhead, model_profile
-    from amoe.plan import mean_context, refine
 
     args = argparse.Namespace(
         profile="mixtral-8x7b-16e", top_k=1, routing="skew-exp:0.08", itl_slo_ms=None, simulate=False

@@ -1,24 +1,7 @@
-"""bench/plan_table.py's rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
+"""`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
 numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    # By path, not via sys.path: bench/ holds gpu.py, which would shadow the tests' own `gpu` package.
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # plan_table imports plan_check by name; dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-_load("plan_check")
-plan_table = _load("plan_table")
+from amoe.emulation import plan_table
 
 
 def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():
@@ -31,7 +14,7 @@ def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():
 
 
 def test_the_table_shows_measured_numbers_beside_the_predictions():
-    mode = {"plan": "p", "tokens_per_s": 1000, "bound": 2000, "fraction_of_bound": 0.5}
+    mode = {"plan": "p", "tokens_per_s": 1000, "bound": 2000, "fraction_of_bound": 0.5, "simulated": True}
     row = {"gpu": "h100", "gpus": 8, "top_k": 1, "routing": "skew-exp:0.08", "pick": "ep", "aep": dict(mode),
            "ep": dict(mode), "aep_over_ep": 1.0, "bounds_aep_over_ep": 1.0, "of_bounds_ratio": 1.0}  # fmt: skip
     assert "measured" not in plan_table.markdown([row])
@@ -42,6 +25,11 @@ def test_the_table_shows_measured_numbers_beside_the_predictions():
     assert "measured 0.9 k (0.45)" in table and "(measured 0.947)" in table
     row["measured_two_scrapes_of_bounds_ratio"] = 0.97
     assert "(two scrapes 0.97)" in plan_table.markdown([row])
+    assert "bound only" not in plan_table.markdown([row])
+    row["aep"]["simulated"] = (
+        False  # a mode whose simulated plans all missed the ITL objective: its bound is left
+    )
+    assert "1.0 k (0.50) bound only" in plan_table.markdown([row])
 
 
 def test_measure_runs_one_copy_of_each_plan_once_and_resumes_from_its_file(tmp_path, monkeypatch):

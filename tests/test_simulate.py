@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from amoe.emulation import bounds
+from amoe.emulation.plan import mean_context, refine
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
-from amoe.plan import mean_context, refine
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
@@ -20,19 +20,41 @@ def _bound(model, dep, routing=ROUTING):
     return bounds.predict(model, dep, bounds.routing_inclusion(model, routing), CTX, HOST)
 
 
-def test_aep_needs_more_requests_than_the_bound_to_fill_its_batches():
+def test_aep_reaches_its_critical_path_bound_at_the_bounds_own_concurrency():
+    """AEP's bound counts its critical path — per block attention, two transfers and the hottest expert GPU's grouped
+    step — the waves in flight that hide it, and expert steps that gather those waves' rows (issue 32). It is a
+    bound: four times its requests reach it and do not beat it (up to the rounding of expected loads to whole
+    rows). At its own concurrency — the knee, where every wave must be in step — the schedule comes within a fifth
+    of it here (how close on the benchmark's plans is docs/results.md's finding)."""
     model = model_profile("mixtral-8x7b-mqa:2", 1)
     dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, attn_cap=64, expert_cap=512)
     bound = _bound(model, dep)
+    waves, rows = bound.extra["waves"], bound.extra["wave_rows"]
+    assert bound.concurrency == dep.num_attn * waves * rows and bound.itl_s >= bound.extra["critical_path_s"]
+    assert bound.itl_s == pytest.approx(bound.concurrency / bound.tokens_per_s)
     at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency)
-    # The bound fills every attention step (64 rows) at its operating point; the schedule does not.
-    assert at_bound.tokens_per_s < 0.9 * bound.tokens_per_s
-    assert at_bound.attention_rows_per_step < 0.8 * dep.attn_cap
+    assert 0.7 * bound.tokens_per_s < at_bound.tokens_per_s < bound.tokens_per_s
     filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency)
-    assert filled.tokens_per_s <= 1.01 * bound.tokens_per_s
-    assert filled.tokens_per_s > 0.95 * bound.tokens_per_s
-    assert filled.attention_rows_per_step == pytest.approx(dep.attn_cap, rel=0.02)
+    assert 0.95 * bound.tokens_per_s < filled.tokens_per_s <= 1.02 * bound.tokens_per_s
     assert filled.itl_s == pytest.approx(filled.concurrency / filled.tokens_per_s)
+
+
+def test_grouped_expert_steps_gather_more_rows_per_step():
+    """An expert GPU runs its experts of a block as one grouped step (as the engine drains them, and as the bound
+    costs it). One (block, expert) a step pays the host step and the launches each time: with the rows spread over
+    4 blocks × 2 experts per GPU its steps are smaller and it falls behind at the same requests. (Where every queue
+    is deep anyway, one expert a step gathers as many rows per weight read and the two are level.)"""
+    from amoe.config import SchedulerSection
+
+    model = model_profile("mixtral-8x7b-mqa:4", 1)
+    dep = bounds.Deployment("aep", "h100", 4, "h100", 4, attn_cap=64, expert_cap=512)
+    runs = {
+        g: simulate(model, dep, ROUTING, CTX, HOST, 512, warmup_s=0.05, duration_s=0.1,
+                    scheduler=SchedulerSection(group_experts=g))
+        for g in (True, False)
+    }  # fmt: skip
+    assert runs[True].expert_rows_per_step > 1.3 * runs[False].expert_rows_per_step
+    assert runs[True].tokens_per_s > 1.05 * runs[False].tokens_per_s
 
 
 def test_the_simulation_is_seeded():
@@ -100,9 +122,9 @@ def test_pingpong_lock_step_pays_the_pipelines_bubbles():
 def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest():
     """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests that all
     started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs (2 simulated
-    ones) counted a wave's crest: the planner said 25.9 k where the runtime measured 21.8 k and 21.9 k
-    (docs/results/plan_check_depth/small_batches.jsonl). Requests now start at random layers and the window is
-    counted in simulated ITLs: the planner's estimate is the long-run rate."""
+    ones) counted a wave's crest (docs/results/plan_check_depth/small_batches.jsonl). Requests now start at random layers
+    and the window is counted in simulated ITLs: the planner's estimate is the long-run rate. (Whether it is the
+    runtime's is the benchmark's question, `amoe bench plan-check`, never a constant pinned here.)"""
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128).prediction
@@ -111,4 +133,21 @@ def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest(
         planned.itl_s > 3 * 128 / _bound(model, dep).tokens_per_s
     )  # small batches: far from the bound's ITL
     assert planned.tokens_per_s == pytest.approx(long_run.tokens_per_s, rel=0.05)
-    assert planned.tokens_per_s == pytest.approx(21_830, rel=0.05)  # the runtime's two measurements' mean
+
+
+def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds_point_misses_it():
+    """The bound's operating point under an objective is its knee, where the schedule runs a little slower: when
+    the simulation misses the objective there, refine tries fewer requests (Little's law) instead of keeping a
+    plan that misses it."""
+    model = model_profile("mixtral-8x7b-mqa:4", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
+    slo_ms = 7.0
+    pred = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, slo_ms / 1e3)
+    assert pred.itl_s * 1e3 <= slo_ms
+    knee = simulate(
+        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s
+    )
+    assert knee.itl_s * 1e3 > slo_ms
+    refined = refine(model, dep, ROUTING, CTX, HOST, pred, slo_ms).prediction
+    assert refined.extra["simulated"] and refined.itl_s * 1e3 <= slo_ms
+    assert refined.concurrency < pred.concurrency

@@ -9,10 +9,34 @@ flight.
 See docs/emulation.md.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from amoe.emulation.profiles import GPUS, HOSTS, MODELS, gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA, RouterOverride, RoutingSpec
+from amoe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from amoe.config import ExecutorSection
+
+
+def check_executor(ex: ExecutorSection) -> None:
+    """The executor section's names that the cost model owns (GPUs, profile, host overhead, routing): a ConfigError
+    naming the bad one. `amoe serve` calls it before it starts anything; every Emulation calls it."""
+    gpu_profile(ex.gpu)
+    if ex.expert_gpu:
+        gpu_profile(ex.expert_gpu)
+    host_overhead(ex.host_overhead)
+    if ex.profile is not None:
+        model_profile(ex.profile, ex.top_k)
+    routing = RoutingSpec.parse(ex.routing)
+    if ex.kind == "emulated" and not routing.is_override:
+        raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")
+
 
 __all__ = [
+    "check_executor",
     "DEFAULT_LAMBDA",
     "GPUS",
     "HOSTS",

@@ -5,10 +5,13 @@ Every bound is at the profile's full depth (a truncated `NAME:N` profile is a be
 the expected load of each expert taken from the exact probability that it is among a token's top-k picks
 (`routing.inclusion_probabilities`), per block:
 
-* **AEP**: each attention GPU runs every block on its batch b (KV and the batch cap permitting); expert GPU g
-  serves its experts of every block asynchronously, so what limits it is its *total* work per token,
-  Σ_blocks Σ_{e on g} q[blk, e] · (step time / rows at that expert's batch). The hottest GPU, not the mean,
-  sets the expert side's rate: with skew it carries more than its share.
+* **AEP**: each attention GPU keeps W waves of w rows in flight (KV and the batch cap permitting); a wave's
+  iteration is its critical path, per block attention + transfer + the hottest expert GPU's grouped step over
+  the block's rows of every attention GPU's wave + transfer back, plus the head; the attention GPU runs its W
+  waves' steps in turn and expert GPU g its W grouped steps per block, so ITL = max(path, W · attention work,
+  W · g's work) and throughput = A · W · w / ITL (as ping-pong's bound, without its lock-step). The hottest
+  expert GPU over all blocks, not the mean, sets the expert side's rate: with skew it carries more than its
+  share.
 * **EP**: every device runs attention on b rows, then a dispatch all-to-all, one grouped GEMM over its local
   experts (one host step, not one per expert), a combine all-to-all, and waits at the barrier for the slowest
   device, block after block.
@@ -22,7 +25,6 @@ C / T seconds).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -153,15 +155,21 @@ def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.nd
 
 
 def predict(
-    model: ModelProfile, dep: Deployment, inclusion: np.ndarray, mean_context: float, host: HostOverhead
+    model: ModelProfile,
+    dep: Deployment,
+    inclusion: np.ndarray,
+    mean_context: float,
+    host: HostOverhead,
+    itl_slo_s: float | None = None,
 ) -> Prediction:
     """The bound of `dep` (module docstring) for a model at full depth and per-block inclusion probabilities.
-    Replicas multiply throughput and concurrency; ITL is one copy's."""
+    Replicas multiply throughput and concurrency; ITL is one copy's. With `itl_slo_s` AEP's operating point is the
+    best whose ITL meets it (EP's and ping-pong's are set by the batch cap and micro-batches the search varies)."""
     one = replace(dep, replicas=1)
     pred = (
         _ep(model, one, inclusion, mean_context, host)
         if dep.mode == "ep"
-        else _disaggregated(model, one, inclusion, mean_context, host)
+        else _disaggregated(model, one, inclusion, mean_context, host, itl_slo_s)
     )
     if dep.replicas == 1 or pred.tokens_per_s <= 0:
         return pred
@@ -180,7 +188,12 @@ def _attention_batch(
 
 
 def _disaggregated(
-    model: ModelProfile, dep: Deployment, q: np.ndarray, mean_context: float, host: HostOverhead
+    model: ModelProfile,
+    dep: Deployment,
+    q: np.ndarray,
+    mean_context: float,
+    host: HostOverhead,
+    itl_slo_s: float | None = None,
 ) -> Prediction:
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     placed = dep.experts_on(model.num_expert_ids)
@@ -191,18 +204,10 @@ def _disaggregated(
     ctx = int(round(mean_context))
     if dep.mode == "pingpong":
         return _pingpong(model, dep, q, ga, ge, placed, b, ctx, host)
-    # An AEP attention GPU holds as many requests as its KV cache does, spread over its blocks; the cap bounds the
-    # rows of one step, and the experts batch what all of those requests bring them. The operating point is the
-    # least concurrency within 3 % of the most the deployment can do: more only lengthens ITL (Little's law).
     kv_requests = int(
         cm.kv_capacity_tokens(ga, model, cm.attention_rank_weight_bytes(model)) // max(mean_context, 1)
     )
-    points = [
-        _aep_at(model, dep, q, ga, ge, placed, b, ctx, host, c)
-        for c in _doublings(dep.num_attn * b, dep.num_attn * max(b, kv_requests))
-    ]
-    most = max(p.tokens_per_s for p in points)
-    return next(p for p in points if p.tokens_per_s >= 0.97 * most)
+    return _aep(model, dep, q, ga, ge, placed, b, ctx, host, max(b, kv_requests), itl_slo_s)
 
 
 def _doublings(start: int, stop: int):
@@ -213,35 +218,81 @@ def _doublings(start: int, stop: int):
     yield stop
 
 
-def _aep_at(model, dep, q, ga, ge, placed, b, ctx, host, concurrency) -> Prediction:
-    """AEP with `concurrency` requests decoding, attention steps of `b` rows."""
-    blocks = model.num_blocks
-    iteration = blocks * cm.decode_attention_time(model, ga, b, ctx, host) + cm.head_time(
-        model, ga, b, host=host
-    )
-    attn_tps = dep.num_attn * b / iteration
-    # Expert seconds per token through the system, per expert GPU: every block's experts on it, each at the batch
-    # its arrivals allow (concurrency · q rows wait for it at most, the cap at most).
-    load = np.zeros(len(placed))
+# Waves in flight per attention GPU the AEP bound considers at most (in doublings): past the point where the
+# attention side is busy all the time more waves only lengthen ITL, and the search stops there well before this.
+MAX_WAVES = 64
+
+
+def _aep(model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None) -> Prediction:
+    """AEP's bound with its critical path (as ping-pong's): each attention GPU keeps W waves of w rows in flight
+    (w ≤ the attention batch b, W · w ≤ the requests its KV holds). A wave's iteration is at least its critical
+    path — per block its attention step, the transfer out, the hottest expert GPU's grouped step over the block's
+    rows of every attention GPU's wave (the A waves arriving together: the best a scheduler can do), the transfer
+    back — plus the head. An attention GPU runs its W waves' steps one after another; an expert GPU at best runs
+    the W waves' rows of a block as one grouped step (a busy expert GPU's queues gather them: bigger steps read
+    each expert's weights once for more rows). ITL = the slowest of the three; throughput = A · W · w / ITL. The
+    operating point is the least concurrency within 3 % of the most any (w, W) reaches (under `itl_slo_s`, of
+    those that meet it): more only lengthens ITL (Little's law)."""
+    blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
+    link = ga.nvlink if A + dep.num_expert <= dep.gpus_per_node else ga.network
+    points = []
+    for w in _doublings(1, b):
+        t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
+        t_head = cm.head_time(model, ga, w, host=host)
+        t_move = cm.transfer_time(cm.hidden_bytes(model, w * k), link)
+        one = _grouped_steps(model, ge, placed, q, A * w, dep.expert_cap, host)  # [blocks, expert GPUs]
+        path = blocks * (t_attn + 2 * t_move) + float(one.max(axis=1).sum()) + t_head
+        attn_busy = blocks * t_attn + t_head  # one wave's attention-GPU seconds per iteration
+        for W in _doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
+            merged = one if W == 1 else _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host)
+            per_gpu = merged.sum(axis=0)  # the W waves' expert seconds per iteration on each expert GPU
+            itl = max(path, W * attn_busy, float(per_gpu.max()))
+            concurrency = A * W * w
+            side = {path: "critical path", W * attn_busy: "attention", float(per_gpu.max()): "experts"}[itl]
+            points.append(
+                Prediction(
+                    tokens_per_s=concurrency / itl, itl_s=itl, concurrency=concurrency, bottleneck=side,
+                    attention_tokens_per_s=A * w / attn_busy, expert_tokens_per_s=concurrency / float(per_gpu.max()),
+                    expert_skew=float(per_gpu.max() / per_gpu.mean()),
+                    extra={"waves": W, "wave_rows": w, "critical_path_s": path},
+                )
+            )  # fmt: skip
+            if W * attn_busy >= max(path, float(per_gpu.max())):
+                break  # attention-bound: more waves only lengthen ITL
+    # Under an ITL objective only the points that meet it (none: the best, which the planner then drops).
+    points = [p for p in points if itl_slo_s is None or p.itl_s <= itl_slo_s] or points
+    most = max(p.tokens_per_s for p in points)
+    return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
+
+
+def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
+    """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
+    block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
+    once (the planner asks this for every candidate and wave count)."""
+    num_ids = q.shape[1]
+    where = np.zeros((num_ids, len(placed)))
     for g, experts in enumerate(placed):
-        for blk in range(blocks):
-            for e in experts:
-                rows = round(max(1.0, min(dep.expert_cap, concurrency * q[blk, e])))
-                load[g] += q[blk, e] * _expert_row_s(model, ge, rows, host, e >= model.num_experts)
-    expert_tps = 1.0 / load.max()
-    tps = min(attn_tps, expert_tps)
-    return Prediction(
-        tokens_per_s=tps, itl_s=concurrency / tps, concurrency=concurrency,
-        bottleneck="attention" if attn_tps <= expert_tps else "experts", attention_tokens_per_s=attn_tps,
-        expert_tokens_per_s=expert_tps, expert_skew=float(load.max() / load.mean()),
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _expert_row_s(model: ModelProfile, gpu: GpuProfile, rows: int, host: HostOverhead, shared: bool) -> float:
-    """Seconds per row of a (routed or shared) expert step of `rows` rows (cached: the planner asks for the same
-    few thousand)."""
-    return cm.expert_layer_time(model, gpu, rows, host, model.num_experts if shared else 0) / rows
+        where[experts, g] = 1.0
+    gpu_of = where.argmax(axis=1)
+    inter = np.array([model.intermediate_of(e) for e in range(num_ids)], dtype=float)
+    rows = rows_in * q  # [blocks, ids]
+    steps = np.maximum(1.0, np.ceil((rows[:, :, None] * where[None]).max(axis=1) / cap))  # [blocks, GPUs]
+    per_step = rows / steps[:, gpu_of]
+    busy = per_step > 0
+    r = np.where(busy, np.maximum(1.0, np.round(per_step)), 0.0)  # whole rows, as grouped_expert_time rounds
+    h, bp, ba = model.hidden_size, model.bytes_per_param, model.bytes_per_activation
+    weights = np.where(busy, h * inter * bp, 0.0)  # read once per step by each expert with rows
+    gate_up_f, gate_up_b = (4 * r * h * inter) @ where, (2 * weights + r * (h + 2 * inter) * ba) @ where
+    act_b = (r * 3 * inter * ba) @ where
+    down_f, down_b = (2 * r * inter * h) @ where, (weights + r * (inter + h) * ba) @ where
+    gpu_s = (
+        np.maximum(gate_up_f / gpu.usable_flops, gate_up_b / gpu.usable_bandwidth)
+        + act_b / gpu.usable_bandwidth
+        + np.maximum(down_f / gpu.usable_flops, down_b / gpu.usable_bandwidth)
+    )
+    any_busy = (busy.astype(float) @ where) > 0
+    fixed = np.where(any_busy, cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
+    return steps * (gpu_s + fixed + (per_step @ where) * host.expert_row_s)
 
 
 def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import cost_model
+from amoe.emulation import check_executor, cost_model
 from amoe.emulation.clock import EmulatedClock
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
@@ -53,6 +53,7 @@ class Emulation:
             raise ConfigError("emulation needs a model profile name or a checkpoint's ModelConfig")
         if wire_hidden is not None and wire_hidden <= 0:
             raise ConfigError(f"wire_hidden must be positive; got {wire_hidden}")
+        check_executor(executor)
         self.config = executor
         self.spin_s = spin_s
         self.gpu = gpu_profile(executor.gpu)
@@ -109,8 +110,17 @@ class EmulatedExpertExecutor:
         self.hidden = em.model_config.hidden_size
 
     def run(self, batch) -> torch.Tensor:
-        n = batch.num_rows
-        t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, batch.index)
+        """One expert's rows, or (an AEP grouped step: batch.group_experts) several experts' rows in one grouped
+        GEMM, costed as EP's grouped step is."""
+        n, groups = batch.num_rows, batch.group_experts
+        if groups is not None and len(groups) > 1:
+            rows = batch.cu_rows.diff().tolist()
+            t = cost_model.grouped_expert_time(
+                self.em.profile, self.em.expert_gpu, rows, self.em.host, groups.tolist()
+            )
+        else:
+            expert = batch.index if groups is None else int(groups[0])
+            t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, expert)
         self.clock.hold(t, "expert", n)
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 

@@ -13,7 +13,9 @@ benchmarks measure), each starting at a random layer, and counts their progress 
 * **AEP**: attention rank r holds its requests; its grid is (block 0..B-1, head). A step takes up to the attention
   cap from the picked queue, holds for the cost model's attention (or head) time, then routes each row: row-part
   (token, k) goes to the expert GPU of its expert after the link's time. Expert GPU g's grid is (block, its
-  experts); a step takes up to the expert cap from the picked queue and sends each part back. A token enters its
+  experts); a step takes up to the expert cap from every hosted expert's queue of the picked block (one grouped
+  step, cost_model.grouped_expert_time, as the runtime's engine drains it; `scheduler.group_experts = False`:
+  the picked queue alone) and sends each part back. A token enters its
   rank's next queue when the last of its k parts is back.
 * **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
@@ -97,6 +99,7 @@ class _Aep:
         self.ga, self.ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
         self.router = _router(model, routing, seed)
         self.blocks, self.k = model.num_blocks, model.experts_per_token
+        self.group_experts = sched.group_experts
         self.placed = placed = dep.experts_on(model.num_expert_ids)
         self.gpu_of = np.empty(model.num_expert_ids, dtype=np.int64)
         self.col_of = np.empty(model.num_expert_ids, dtype=np.int64)
@@ -194,9 +197,17 @@ class _Aep:
             self._count("attn", n, t)
             self._at(self.now + t, self._attn_done, i, block, rows)
         else:
-            parts = self._take(self.exp_q[i][block][col], min(self.dep.expert_cap, sched.depth(block, col)))
-            sched.add(block, col, -len(parts))
-            t = cm.expert_layer_time(self.model, self.ge, len(parts), self.host, self.placed[i][col])
+            # Grouped (the runtime's default): every hosted expert's queue of the block in one step, as the
+            # engine drains it (cpp/queues.cpp LayerQueues::drain); else the picked queue alone.
+            cols = range(len(self.placed[i])) if self.group_experts else (col,)
+            taken = []
+            for c in cols:
+                if n := min(self.dep.expert_cap, sched.depth(block, c)):
+                    taken.append((c, self._take(self.exp_q[i][block][c], n)))
+                    sched.add(block, c, -n)
+            experts = [self.placed[i][c] for c, _ in taken]
+            t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
+            parts = np.concatenate([p for _, p in taken])
             self._count("exp", len(parts), t)
             self._at(self.now + t, self._exp_done, i, block, parts)
 
@@ -220,6 +231,9 @@ class _Aep:
             block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
         )
         self.pending[tokens] = self.k
+        # The parts out that return to block + 1, as the engine counts its expected expert outputs (the wave
+        # policy holds a block while any are out).
+        self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k)
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)
         for g in np.unique(self.gpu_of[flat]):
@@ -236,6 +250,7 @@ class _Aep:
             self._at(self.now + self._move(len(back)), self._returned, int(r), block, back)
 
     def _returned(self, r: int, block: int, parts: np.ndarray) -> None:
+        self.attn_sched[r].add_pending(block + 1, -len(parts))
         np.subtract.at(self.pending, parts, 1)
         done = np.unique(parts[self.pending[parts] == 0])
         self._enqueue_attn(r, block + 1, done)

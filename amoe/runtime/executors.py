@@ -10,6 +10,7 @@ compute — `TorchAttention` here (attention + head + sampler over a paged KV ca
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
+from amoe.model.moe import GroupedExperts
 from amoe.model.sampler import Sampler, sample_sequences
 from amoe.runtime.requests import HeadOutput, RankRequest, RankRequests
 
@@ -28,19 +30,80 @@ logger = logging.getLogger(__name__)
 
 
 class ExpertExecutor:
-    """Runs ExpertLayer (block, expert) on an expert batch, on the device that holds its weights."""
+    """Runs the ExpertLayers (block, expert) of an expert batch, on the device that holds their weights. A batch of
+    several experts' rows (an AEP grouped step, core.Batch.group_experts) runs each block's same-width experts as
+    one grouped GEMM per projection where that is checked bitwise against one F.linear per expert
+    (amoe.model.moe.GroupedExperts: float32 on the CPU), else expert by expert: the same floats either way."""
 
     def __init__(self, layers: dict[tuple[int, int], ExpertLayer], device: Device = CPU) -> None:
         self.layers = layers
         self.device = device
+        # block -> [(GroupedExperts, its experts in stack order)], one per width of the block's hosted experts (a
+        # shared expert of another width stays on its own).
+        self.grouped: dict[int, list[tuple[GroupedExperts, list[int]]]] = {}
+        sample = next(iter(layers.values()), None)
+        if sample is not None and GroupedExperts.supported(
+            sample.mlp.gate_up.device, sample.mlp.gate_up.dtype
+        ):
+            self._stack()
+
+    def _stack(self) -> None:
+        by_width: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for block, expert in sorted(self.layers):
+            shape = tuple(self.layers[(block, expert)].mlp.gate_up.shape)
+            by_width.setdefault((block, shape), []).append(expert)
+        for (block, _), experts in by_width.items():
+            if len(experts) < 2:
+                continue
+            stack = GroupedExperts([self.layers[(block, e)] for e in experts])
+            for i, e in enumerate(experts):  # the layers keep views of the stack: the weights are held once
+                mlp = self.layers[(block, e)].mlp
+                mlp.gate_up, mlp.down = stack.gate_up[i], stack.down[i]
+                mlp.gate, mlp.up = mlp.gate_up.chunk(2, dim=0)
+            self.grouped.setdefault(block, []).append((stack, experts))
 
     @torch.inference_mode()
     def run(self, batch: core.Batch) -> torch.Tensor:
         put = self.device.put  # rows that came over a host plane (inline, gloo) go up to the device here
-        return self.layers[(batch.block, batch.index)](put(batch.x), put(batch.weights))  # [N, H]
+        groups = batch.group_experts
+        if groups is None or len(groups) == 1:
+            expert = batch.index if groups is None else int(groups[0])
+            return self.layers[(batch.block, expert)](put(batch.x), put(batch.weights))  # [N, H]
+        return self._run_groups(
+            batch.block, put(batch.x), put(batch.weights), groups.tolist(), batch.cu_rows.tolist()
+        )
+
+    def _run_groups(
+        self, block: int, x: torch.Tensor, weights: torch.Tensor, experts: list[int], cu: list[int]
+    ) -> torch.Tensor:
+        """x [N, H] with expert experts[g]'s rows at cu[g]:cu[g + 1] → [N, H]."""
+        rows = {e: (cu[g], cu[g + 1]) for g, e in enumerate(experts)}
+        out = torch.empty_like(x)
+        for stack, members in self.grouped.get(block, []):
+            present = [e for e in members if e in rows]
+            if len(present) < 2:
+                continue
+            spans = [rows.pop(e) for e in present]
+            # The stack's experts without rows get empty groups: offsets over every member, in stack order.
+            counts = {e: hi - lo for e, (lo, hi) in zip(present, spans)}
+            offsets = torch.tensor(
+                list(itertools.accumulate(counts.get(e, 0) for e in members)),
+                dtype=torch.int32,
+                device=x.device,
+            )
+            xs = torch.cat([x[lo:hi] for lo, hi in spans])  # [S, H] in stack order
+            ws = torch.cat([weights[lo:hi] for lo, hi in spans])
+            ys = stack(xs, offsets, ws)
+            start = 0
+            for lo, hi in spans:
+                out[lo:hi] = ys[start : start + hi - lo]
+                start += hi - lo
+        for e, (lo, hi) in rows.items():  # experts not in a stack (or alone in theirs), one by one
+            out[lo:hi] = self.layers[(block, e)](x[lo:hi], weights[lo:hi])
+        return out
 
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
-        """A device's experts of one block, each on its rows (EP's grouped GEMM; torch runs them one by one)."""
+        """A device's experts of one block, each on its rows (EP's grouped step; torch runs them one by one)."""
         return [self.run(batch) for batch in batches]
 
 

@@ -35,7 +35,24 @@ def flfs(depths: list[list[int]]) -> tuple[int, int] | None:
     return None
 
 
-def pick(policy: str, depths: list[list[int]], lookahead: int, decay: float) -> tuple[int, int] | None:
+def wave(depths: list[list[int]], pending: list[int] | None = None) -> tuple[int, int] | None:
+    """Blocks whole, compared by their total rows; a block with rows still out (pending[b] > 0) waits for them.
+    Of the ready blocks the fullest, and its deepest queue; None when nothing is waiting or nothing is ready (a
+    hold: the C++ scheduler's `holding`)."""
+    pending = pending or [0] * len(depths)
+    totals = [sum(row) if pending[b] == 0 else 0 for b, row in enumerate(depths)]
+    if max(totals) == 0:
+        return None
+    b = totals.index(max(totals))
+    row = depths[b]
+    return b, max(range(len(row)), key=lambda c: (row[c], -c))
+
+
+def pick(
+    policy: str, depths: list[list[int]], lookahead: int, decay: float, pending: list[int] | None = None
+) -> tuple[int, int] | None:
+    if policy == "wave":
+        return wave(depths, pending)
     if policy == "defrag":
         return defrag(depths, lookahead, decay)
     if policy == "mtfs":

@@ -104,6 +104,9 @@ class LayerBatch:
     expert_ids: torch.Tensor | None = None  # [N, K]
     x: torch.Tensor | None = None  # [N, H] expert input
     weights: torch.Tensor | None = None  # [N] top-k weight
+    group_experts: torch.Tensor | None = (
+        None  # [G] expert of each group of rows (cu_rows [G + 1]); None: index
+    )
 
     @property
     def num_rows(self) -> int:

@@ -3,15 +3,15 @@ plan of each mode (AEP, EP, ping-pong; copies allowed) as `amoe plan` ranks them
 its refined prediction (the discrete-event simulation, docs/emulation.md "Simulation"; ping-pong analytic) and the
 fraction of the bound it reaches, AEP / EP against the bounds' AEP / EP, and the planner's pick.
 
-    .venv/bin/python bench/plan_table.py [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
-    .venv/bin/python bench/plan_table.py --figure10 --gpus a100-80g
+    amoe bench plan-table [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
+    amoe bench plan-table --figure10 --gpus a100-80g
 
 These are predictions. With --measure each cell's best plan of each mode also runs, one copy, on the emulated
-runtime at full depth (bench/plan_check.py's measurement: its `amoe serve` command loaded above its predicted rate),
+runtime at full depth (`amoe bench plan-check`'s measurement: its `amoe serve` command loaded above its predicted rate),
 and the row reports measured throughput (× copies) beside the prediction. At the plans' own concurrency that is
 up to an hour per point on a 2-core host; an ITL objective (--itl-slo-ms) keeps the plans to fewer requests:
 
-    .venv/bin/python bench/plan_table.py --measure --itl-slo-ms 150 --gpus a100-80g --sizes 8 --top-k 1 \
+    amoe bench plan-table --measure --itl-slo-ms 150 --gpus a100-80g --sizes 8 --top-k 1 \
         --routings skew-exp:0.08 --out docs/results/plan_table_measured
 
 Prints a markdown table and a final JSON line; writes plan_table.json to --out.
@@ -19,7 +19,6 @@ Prints a markdown table and a final JSON line; writes plan_table.json to --out.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import itertools
@@ -30,12 +29,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import plan_check  # bench/, beside this script
-
-from amoe.emulation import bounds
+from amoe.emulation import bounds, plan_check
+from amoe.emulation.plan import Plan, PlanRequest, best_per_mode, describe, search
 from amoe.emulation.profiles import model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
-from amoe.plan import Plan, PlanRequest, best_per_mode, describe, search
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
@@ -46,7 +43,9 @@ def cell(gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: f
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
     planner's pick."""
     plans = search(PlanRequest(profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms))
-    best = best_per_mode(plans)
+    # A mode's best simulated plan where the search simulated one: an unsimulated plan keeps its optimistic bound,
+    # and under an ITL objective is what is left of a mode whose simulated plans all missed it (marked "bound only").
+    best = best_per_mode(plans) | best_per_mode([p for p in plans if p.prediction.extra.get("simulated")])
     modes = {}
     for mode, plan in best.items():
         pred = plan.prediction
@@ -145,7 +144,7 @@ def fit_over_two_scrapes(points: dict[str, dict]) -> dict[str, list[float]]:
 async def measure_plan(
     profile: str, top_k: int, routing: str, plan: Plan, base_scale: float, probe_s: float, measured: Measured
 ) -> dict | None:
-    """One copy's plan run on the emulated runtime at full depth (bench/plan_check.py's steady point), or its
+    """One copy's plan run on the emulated runtime at full depth (plan_check's steady point), or its
     earlier run from `measured` (None: not measured, and `measured` runs nothing)."""
     key = Measured.key(profile, top_k, routing, plan)
     if key not in measured.points and measured.run:
@@ -204,8 +203,8 @@ def figure10(gpu: str, routing: str, workload: str = "short", measure: tuple | N
     simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang). With `measure`
     (base scale, probe seconds, Measured) each also runs on the emulated runtime, and the ratios are given on the
     measured throughputs too."""
+    from amoe.emulation.plan import mean_context, refine
     from amoe.emulation.profiles import host_overhead
-    from amoe.plan import mean_context, refine
 
     model = bounds.full_depth(model_profile(FIGURE10_PROFILE, 1))
     ctx, host = mean_context(workload), host_overhead("amoe-paper")
@@ -268,6 +267,8 @@ def markdown(rows: list[dict]) -> str:
             if not m:
                 return "–"
             text = f"{_k(m['tokens_per_s'])} ({m['fraction_of_bound']:.2f})"
+            if not m.get("simulated"):
+                text += " bound only"
             if "measured" in m:  # --measure
                 text += f", measured {_k(m['measured'])} ({m['measured_fraction_of_bound']:.2f})"
             return text
@@ -281,34 +282,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="a100-80g,h100,h200")
-    parser.add_argument("--sizes", default="8,16")
-    parser.add_argument("--top-k", default="1,2")
-    parser.add_argument("--routings", default=";".join(ROUTINGS), help="';'-separated routing specs")
-    parser.add_argument("--profile", default=PROFILE)
-    parser.add_argument("--out", default="docs/results/plan_table")
-    parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
-    parser.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL objective")
-    parser.add_argument(
-        "--measure", action="store_true", help="also run each cell's plans on the emulated runtime (slow)"
-    )
-    parser.add_argument(
-        "--report-measured", action="store_true",
-        help="with --measure: report the points measured.jsonl holds, run none (the rest stay predictions)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--plans", default=None, metavar="JSON",
-        help="take the rows (and their plans) of this earlier plan_table.json instead of planning them again",
-    )  # fmt: skip
-    parser.add_argument(
-        "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
-    )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+def main(args) -> int:
+    """`amoe bench plan-table` (its flags: amoe.emulation.commands)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
+    routings = args.routings.split(";") if args.routings else list(ROUTINGS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measure = None
@@ -318,15 +296,15 @@ def main() -> None:
         measured = Measured(out / "measured.jsonl", run=not args.report_measured)
         measure = (*(calibrate.scaled(40.0) if measured.run else (40.0, 0.0)), measured)
     if args.figure10:
-        for routing in args.routings.split(";"):
+        for routing in routings:
             print(json.dumps(figure10(args.gpus.split(",")[0], routing, measure=measure)), flush=True)
-        return
+        return 0
     if args.plans:
         rows = json.loads(Path(args.plans).read_text())["rows"]
     else:
         grid = itertools.product(
             args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
-            args.routings.split(";"), [args.profile], [args.itl_slo_ms],
+            routings, [args.profile], [args.itl_slo_ms],
         )  # fmt: skip
         # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
@@ -380,7 +358,4 @@ def main() -> None:
         )  # fmt: skip
     (out / "plan_table.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,26 +1,25 @@
 """Throughput per GPU against cluster size, AEP against EP, as the cost model extrapolates it (issue 20): the best
 plan of each mode (`amoe plan`'s search) on 8 to 256 GPUs across hosts of 8.
 
-    .venv/bin/python bench/plan_scale.py [--gpu h100] [--profile mixtral-8x7b-16e] [--top-k 1] [--out DIR]
+    amoe bench plan-scale [--gpu h100] [--profile mixtral-8x7b-16e] [--top-k 1] [--out DIR]
 
 Prints a table and a final JSON line; writes scale.png (throughput per GPU vs GPUs) and scale.json to --out. These
 are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/emulation.md "Bounds");
 with --simulate each mode's best shapes are refined by the discrete-event simulation and ranked by it, as `amoe plan`
 does (one copy of each, so a plan of many small copies costs what one copy does). A plan whose copy needs more
-requests in flight than the simulation takes (amoe.plan.SIM_MAX_REQUESTS) keeps its bound and ranks after every
+requests in flight than the simulation takes (amoe.emulation.plan.SIM_MAX_REQUESTS) keeps its bound and ranks after every
 simulated one; a row is such a plan, marked "simulated": false, only where nothing smaller was simulated (one EP
 group or one AEP deployment over 64+ GPUs).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
+from amoe.emulation.plan import PlanRequest, describe, search
 from amoe.emulation.routing import DEFAULT_LAMBDA
-from amoe.plan import PlanRequest, describe, search
 
 SIZES = (8, 16, 32, 64, 128, 256)
 
@@ -46,17 +45,10 @@ def best(gpu: str, n: int, mode: str, args, replicate: bool) -> dict | None:
     }  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", default="h100")
-    parser.add_argument("--profile", default="mixtral-8x7b-16e")
-    parser.add_argument("--top-k", type=int, default=1)
-    parser.add_argument("--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}")
-    parser.add_argument("--itl-slo-ms", type=float, default=None)
-    parser.add_argument("--out", default="docs/results/scale")
-    parser.add_argument("--simulate", action="store_true", help="refine each best plan by the simulation")
-    args = parser.parse_args()
+def main(args) -> int:
+    """`amoe bench plan-scale` (its flags: amoe.emulation.commands)."""
     started = time.monotonic()
+    args.routing = args.routing or f"skew-exp:{DEFAULT_LAMBDA:g}"
     # Best of each mode with copies allowed (what a deployment would do), and as one deployment over every GPU
     # (one EP group, one AEP cluster: the paper's multi-node question).
     rows = [
@@ -70,7 +62,7 @@ def main() -> None:
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    (out / "scale.json").write_text(json.dumps({"args": _flags(args), "rows": rows}, indent=1) + "\n")
     _plot(rows, out / "scale.png", args)
     ratios = {
         key: _ratios(rows, a, e) for key, a, e in (("best", "aep", "ep"), ("one_deployment", "aep-1", "ep-1"))
@@ -79,6 +71,13 @@ def main() -> None:
                       "simulate": args.simulate, "aep_over_ep_by_gpus": ratios,
                       "not_simulated": [f"{r['mode']}@{r['gpus']}" for r in rows if args.simulate and not r["simulated"]],
                       "wall_s": round(time.monotonic() - started, 1)}))  # fmt: skip
+    return 0
+
+
+def _flags(args) -> dict:
+    """The command's own flags (the CLI's namespace also holds its callbacks)."""
+    names = ("gpu", "profile", "top_k", "routing", "itl_slo_ms", "out", "simulate")
+    return {name: getattr(args, name) for name in names}
 
 
 def _ratios(rows: list[dict], aep_mode: str, ep_mode: str) -> dict[int, float]:
@@ -111,7 +110,3 @@ def _plot(rows: list[dict], path: Path, args) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,128 @@
+"""`amoe bench plan-check | plan-table | plan-scale | policies`: the planner's predictions, tabled and checked
+against the emulated runtime, and the scheduling policies compared on it. Only argparse-level code here (`amoe
+--help` stays light); each command imports its module when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
+PLAN_CHECK_PRESETS = ("ci", "depth", "full")
+OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
+
+
+def add_bench_plan_check_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan-check",
+        help="run the planner's plans on the emulated runtime and compare measured with predicted",
+    )
+    p.add_argument("--preset", default="full", choices=(*PLAN_CHECK_PRESETS, OUT_OF_SAMPLE))
+    p.add_argument(
+        "--seed", type=int, default=None, help="--preset sample: the seed its 8 plans are drawn from"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is reported")
+    p.add_argument("--out", default=None, help="write plan_check.json here")
+    p.add_argument("--only", default=None, help="run only the plans of these modes, e.g. ep,pingpong")
+    p.add_argument("--match", default=None, help="run only the plans whose description contains this")
+    p.add_argument(
+        "--fill", default="steady", choices=("steady", "poisson"),
+        help="steady: the plan's requests at once, measured over ITLs (default); poisson: arrivals above its rate",
+    )  # fmt: skip
+    p.set_defaults(run=run_plan_check)
+
+
+def add_bench_plan_table_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan-table", help="the planner's best plan of each mode per GPU type, size, top-k, routing"
+    )
+    p.add_argument("--gpus", default="a100-80g,h100,h200")
+    p.add_argument("--sizes", default="8,16")
+    p.add_argument("--top-k", default="1,2")
+    p.add_argument(
+        "--routings", default=None, help="';'-separated routing specs (default: the three of the table)"
+    )
+    p.add_argument("--profile", default="mixtral-8x7b-mqa")
+    p.add_argument("--out", default="docs/results/plan_table")
+    p.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
+    p.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL objective")
+    p.add_argument(
+        "--measure", action="store_true", help="also run each cell's plans on the emulated runtime (slow)"
+    )
+    p.add_argument(
+        "--report-measured", action="store_true",
+        help="with --measure: report the points measured.jsonl holds, run none (the rest stay predictions)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plans", default=None, metavar="JSON",
+        help="take the rows (and their plans) of this earlier plan_table.json instead of planning them again",
+    )  # fmt: skip
+    p.add_argument(
+        "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
+    )
+    p.set_defaults(run=run_plan_table)
+
+
+def add_bench_plan_scale_command(sub: Any) -> None:
+    p = sub.add_parser("plan-scale", help="predicted throughput per GPU against cluster size, AEP against EP")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--profile", default="mixtral-8x7b-16e")
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument(
+        "--routing", default=None, help="the skew the plans assume (default: the sourced skew-exp)"
+    )
+    p.add_argument("--itl-slo-ms", type=float, default=None)
+    p.add_argument("--out", default="docs/results/scale")
+    p.add_argument("--simulate", action="store_true", help="refine each best plan by the simulation")
+    p.set_defaults(run=run_plan_scale)
+
+
+def add_bench_policies_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
+    )
+    p.add_argument("--policies", default="defrag,mtfs,flfs,wave", help="comma-separated (default: all four)")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of the model profile kept (default: 8)")
+    p.add_argument(
+        "--loads", default="0.5,1.3", help="request rates as fractions of the bound's; must include 0.5"
+    )
+    p.add_argument("--duration", type=float, default=2.0, help="emulated seconds of arrivals per point")
+    p.add_argument(
+        "--time-scale", type=float, default=25.0, help="on the reference host; stretched by a probe"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
+    p.add_argument("--out", default="docs/results/policies")
+    p.set_defaults(run=run_policies)
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    from amoe.emulation import policy_bench
+
+    return policy_bench.main(args)
+
+
+def run_plan_check(args: argparse.Namespace) -> int:
+    from amoe.emulation import plan_check
+
+    return plan_check.main(args)
+
+
+def run_plan_table(args: argparse.Namespace) -> int:
+    from amoe.emulation import plan_table
+
+    return plan_table.main(args)
+
+
+def run_plan_scale(args: argparse.Namespace) -> int:
+    from amoe.emulation import plan_scale
+
+    return plan_scale.main(args)
+
+
+PLAN_BENCH_SUBCOMMANDS = (
+    add_bench_plan_check_command,
+    add_bench_plan_table_command,
+    add_bench_plan_scale_command,
+    add_bench_policies_command,
+)

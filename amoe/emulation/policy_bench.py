@@ -1,0 +1,122 @@
+"""The scheduling policies under Poisson arrivals (issue 32): each policy's AEP deployment on emulated GPUs, loaded
+by an open stream of requests (Poisson arrivals; a finished request's place is taken by the next arrival, none is
+resent), at a fraction of the bound's request rate below saturation and at one above it.
+
+    amoe bench policies [--policies defrag,mtfs,flfs,wave] [--blocks 8] [--loads 0.5,1.3] [--repeats 2]
+        [--seed S] [--out DIR]
+
+Reports per policy its throughput at its maximum (the overload point: what it sustains while arrivals exceed it,
+the load where the paper's Fig. 12 shows first-layer-first falling behind) and its ITL at half load (a rate every
+policy sustains), the median over --repeats runs (each with its own arrival and routing seed) and the runs'
+spread. Prints a table and one final JSON line; writes policies.json to --out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from amoe.bench import calibrate
+from amoe.bench.compare import load_point
+from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens, serve_flags, upper_bound
+from amoe.bench.servers import ServerProcess
+from amoe.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# 2 + 2 A100s, top-1, short requests: the smallest AEP deployment with more than one attention rank (so waves of
+# two ranks meet at the experts). Caps 64 / 256 keep the host's work per emulated second within one core.
+SETUP = Setup("aep", 2, 2, top_k=1, workload="short", gpu="a100-80g", group="policies")
+HALF = 0.5
+
+
+def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale: float) -> Preset:
+    return Preset(
+        sweeps=(SETUP,), loads=loads, policy_load=None, policy_base=None, duration_s=duration_s,
+        time_scale=time_scale, attn_cap=64, expert_cap=256, blocks=blocks,
+    )  # fmt: skip
+
+
+async def _policy_points(policy: str, p: Preset, seed: int) -> list[dict]:
+    setup = replace(SETUP, policy=policy)
+    rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
+    server = ServerProcess(serve_flags(setup, p, seed))
+    with server:
+        return [
+            await load_point(server, setup, p, seed, load * rate_ub, f"load {load:g}") for load in p.loads
+        ]
+
+
+def _summary(points: list[dict], loads: tuple[float, ...]) -> dict:
+    at = {pt["kind"]: pt for pt in points}
+    half = at.get(f"load {HALF:g}")
+    return {
+        "throughput_max": round(max(pt["throughput"] for pt in points)),
+        "itl_ms_at_half_load": round(half["itl_ms_mean"], 2) if half and half["itl_ms_mean"] else None,
+        "completed_at_max_load": at[f"load {max(loads):g}"]["completed"],
+        "saturated": [pt["kind"] for pt in points if pt.get("saturated")],
+    }
+
+
+def main(args) -> int:
+    """`amoe bench policies` (its flags: amoe.emulation.commands)."""
+    policies = args.policies.split(",")
+    loads = tuple(float(x) for x in args.loads.split(","))
+    if HALF not in loads:
+        raise ConfigError(f"--loads must include {HALF:g} (the ITL at half load); got {args.loads!r}")
+    scale, probe_s = calibrate.scaled(args.time_scale)
+    p = _preset(args.blocks, loads, args.duration, scale)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    started = time.monotonic()
+    runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+    for i in range(args.repeats):
+        seed = args.seed + i
+        for policy in policies:  # interleaved, so a change in the host's load falls on every policy alike
+            points = asyncio.run(_policy_points(policy, p, seed))
+            runs[policy].append({"seed": seed, **_summary(points, loads), "points": _slim(points)})
+            logger.info(
+                "[policies] %s seed %d: %s",
+                policy,
+                seed,
+                {k: v for k, v in runs[policy][-1].items() if k != "points"},
+            )
+    rows = {policy: _median(r) for policy, r in runs.items()}
+    summary = {
+        "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed,
+        "time_scale": round(scale, 2), "probe_us": round(probe_s * 1e6, 1), "policies": rows,
+        "wall_s": round(time.monotonic() - started, 1),
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "policies.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+    print(f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'ITL ms at half':>15} {'spread':>7}")
+    for policy, r in rows.items():
+        print(
+            f"{policy:<8} {r['throughput_max']:>13} {r['throughput_spread']:>7} {r['itl_ms_at_half_load']!s:>15} "
+            f"{r['itl_spread']!s:>7}"
+        )
+    print(json.dumps(summary))
+    return 0
+
+
+def _median(runs: list[dict]) -> dict:
+    tps = [r["throughput_max"] for r in runs]
+    itl = [r["itl_ms_at_half_load"] for r in runs if r["itl_ms_at_half_load"]]
+    med_tps, med_itl = statistics.median(tps), statistics.median(itl) if itl else None
+    return {
+        "throughput_max": round(med_tps), "throughput_runs": tps,
+        "throughput_spread": round((max(tps) - min(tps)) / med_tps, 3) if med_tps else None,
+        "itl_ms_at_half_load": round(med_itl, 2) if med_itl else None, "itl_runs": itl,
+        "itl_spread": round((max(itl) - min(itl)) / med_itl, 3) if med_itl else None,
+    }  # fmt: skip
+
+
+def _slim(points: list[dict]) -> list[dict]:
+    keep = ("kind", "rate", "throughput", "throughput_fit", "itl_ms_mean", "itl_ms_p90", "ttft_ms_mean", "busy",
+            "host_cores", "saturated", "running_mean", "completed")  # fmt: skip
+    return [{k: pt.get(k) for k in keep} for pt in points]

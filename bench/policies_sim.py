@@ -1,0 +1,56 @@
+"""The four scheduling policies in the simulation at full depth (32 blocks), at the corrected AEP bound's concurrency
+and twice it, on three of the planner's AEP plans (issue 32). One JSON line per run.
+
+    PYTHONPATH=. .venv/bin/python bench/policies_sim.py > docs/results/policies_sim/policies_sim.jsonl
+"""
+
+import json
+
+from amoe.config import SchedulerSection
+from amoe.emulation import bounds as B
+from amoe.emulation.plan import mean_context
+from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.simulate import simulate
+
+host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
+for gpu, k, a, e, cap, ecap in (
+    ("a100-80g", 1, 5, 3, 128, 1024),
+    ("h100", 2, 4, 3, 256, 1024),
+    ("h100", 1, 4, 4, 256, 512),
+):
+    m = B.full_depth(model_profile("mixtral-8x7b-mqa", k))
+    d = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
+    bound = B.predict(m, d, B.routing_inclusion(m, routing), ctx, host)
+    for mult in (1, 2):
+        c = mult * bound.concurrency
+        for policy in ("defrag", "mtfs", "flfs", "wave"):
+            s = simulate(
+                m,
+                d,
+                routing,
+                ctx,
+                host,
+                c,
+                warmup_s=4 * bound.itl_s * mult,
+                duration_s=8 * bound.itl_s * mult,
+                scheduler=SchedulerSection(policy=policy, attn_batch_cap=cap, expert_batch_cap=ecap),
+            )
+            print(
+                json.dumps(
+                    {
+                        "plan": f"aep {a}+{e} {gpu} top{k} cap {cap}/{ecap}",
+                        "bound": round(bound.tokens_per_s),
+                        "bound_concurrency": bound.concurrency,
+                        "concurrency": c,
+                        "policy": policy,
+                        "tokens_per_s": round(s.tokens_per_s),
+                        "of_bound": round(s.tokens_per_s / bound.tokens_per_s, 3),
+                        "itl_ms": round(s.itl_s * 1e3, 1),
+                        "attention_rows_per_step": round(s.attention_rows_per_step, 1),
+                        "expert_rows_per_step": round(s.expert_rows_per_step, 1),
+                        "attention_busy": round(s.attention_busy, 2),
+                        "expert_busy": round(s.expert_busy, 2),
+                    }
+                ),
+                flush=True,
+            )
