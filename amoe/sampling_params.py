@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from amoe.errors import RequestError
+from amoe.logprobs import MAX_LOGPROBS
 
 # Ranges every engine can honour: a seed travels as an int64, counts as int32; below _SAMPLING_EPS a temperature
 # is greedy (as in vLLM: dividing logits by a denormal would overflow them).
@@ -31,6 +32,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    # Log-probabilities (vLLM's names): None asks for none; k >= 0 asks for each sampled (or prompt) token's own
+    # and the k most likely tokens' at its position. Prompt log-probabilities are reported once, with the first
+    # token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or lists from JSON / vLLM-style callers; store tuples (frozen, hashable).
@@ -71,6 +77,12 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(
+                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}", name
+                )
 
     @property
     def is_greedy(self) -> bool:

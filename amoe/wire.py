@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from amoe.errors import TransportError
+from amoe.logprobs import MAX_LOGPROBS, Logprobs
 
 PROTOCOL_VERSION = 2
 
@@ -98,9 +99,20 @@ class TokenOut(_Msg, tag=5):
         None  # why ("rejected": the request; "error": the runtime)
     )
 
+    # Per request, when any asked: Logprobs of its new tokens / of its prompt (first token only), or None.
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+
     def __post_init__(self) -> None:
         if not len(self.request_ids) == len(self.token_ids) == len(self.finish_reasons):
             raise ValueError("request_ids, token_ids and finish_reasons differ in length")
+        for column in (self.logprobs, self.prompt_logprobs):
+            if column is not None and len(column) != len(self.request_ids):
+                raise ValueError("logprobs and request_ids differ in length")
+        if self.logprobs is not None and any(
+            lp is not None and lp.token_ids != tokens for lp, tokens in zip(self.logprobs, self.token_ids)
+        ):
+            raise ValueError("logprobs are not of the tokens they travel with")
 
 
 # ---- coordinator → runtime
@@ -125,6 +137,8 @@ class WireSampling(msgspec.Struct, array_like=True, frozen=True):
     seed: int | None
     stop_token_ids: list[TokenId]
     ignore_eos: bool
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class AddRequest(_Msg, tag=17):
@@ -235,6 +249,8 @@ def to_wire_sampling(params: Any, seed: int | None) -> WireSampling:
         seed=seed,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -250,6 +266,8 @@ def from_wire_sampling(params: WireSampling) -> Any:
         seed=params.seed,
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 

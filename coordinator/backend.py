@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from amoe.logprobs import Logprobs
+
 
 @dataclass(frozen=True)
 class TokenDelta:
@@ -14,6 +16,8 @@ class TokenDelta:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: Logprobs | None = None  # of token_ids, when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: Logprobs | None = None  # prompt tokens 1.. (first delta only), when asked
 
     @property
     def is_finished(self) -> bool:

@@ -184,7 +184,11 @@ class ClusterBackend(Backend):
     # ---- what the cluster tells us (ClusterEvents)
 
     def on_tokens(self, msg: wire.TokenOut) -> None:
-        for request_id, tokens, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
+        none = [None] * len(msg.request_ids)
+        columns = (msg.logprobs or none, msg.prompt_logprobs or none)
+        for request_id, tokens, reason, logprobs, prompt in zip(
+            msg.request_ids, msg.token_ids, msg.finish_reasons, *columns
+        ):
             stream = self._streams.get(request_id)
             rank = stream.rank if stream is not None else self._aborting.get(request_id, (None,))[0]
             if rank is None:
@@ -211,7 +215,7 @@ class ClusterBackend(Backend):
                     RequestFailed(msg.error or "a runtime failed while serving the request")
                 )
             else:
-                stream.queue.put_nowait(TokenDelta(list(tokens), reason))
+                stream.queue.put_nowait(TokenDelta(list(tokens), reason, logprobs, prompt))
 
     def _runtime_of(self, stream: _Stream) -> int:
         return self.cluster.attn_runtimes[stream.rank].id

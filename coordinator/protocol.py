@@ -57,6 +57,9 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None  # top log-probabilities per token (OpenAI: 0..5; amoe and vLLM: 0..20)
+    prompt_logprobs: int | None = None  # vLLM's: of the prompt's tokens
 
 
 class TextPart(BaseModel):
@@ -80,6 +83,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: of the rendered conversation's tokens
 
 
 class Usage(BaseModel):
@@ -96,11 +102,34 @@ class Usage(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions log-probabilities: per token its text, log-probability (null for a prompt's first),
+    the most likely tokens' (text → log-probability; the token's own included) and its offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one token of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (null for the first), token id (as a JSON key) → its Logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -117,10 +146,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat log-probabilities: per output token, its own and the `top_logprobs` most likely."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -131,6 +176,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
 class DeltaMessage(BaseModel):
@@ -141,7 +187,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -160,6 +206,44 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "amoe"
     max_model_len: int
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize of a prompt."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize of a conversation, rendered with the model's chat template."""
+
+    model_config = _STRICT
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -191,7 +191,15 @@ class LocalBackend(Backend):
 
     def _publish(self, outputs: list[Any]) -> None:
         deltas = [
-            (out.request_id, TokenDelta(list(out.new_token_ids), out.finish_reason if out.finished else None))
+            (
+                out.request_id,
+                TokenDelta(
+                    list(out.new_token_ids),
+                    out.finish_reason if out.finished else None,
+                    out.logprobs,
+                    out.prompt_logprobs,
+                ),
+            )
             for out in outputs
         ]
         if deltas:

@@ -11,14 +11,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from amoe import device as devices
 from amoe.engine.config import EngineConfig
-from amoe.engine.model_runner import ModelRunner
+from amoe.engine.model_runner import HeadRows, ModelRunner
 from amoe.engine.request import EngineOutput, Request
 from amoe.engine.scheduler import ScheduledChunk, Scheduler
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
+from amoe.model.logprobs import SampleLogprobs, prompt_logprobs
 from amoe.model.sampler import Sampler, make_generator
 from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
@@ -89,10 +93,26 @@ class LocalEngine:
         if not chunks:
             return []
         tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
-        logits = self.runner.run(chunks, tables)  # [R, V]
+        scored = [i for i, c in enumerate(chunks) if _scores_prompt(c)]
+        head = self.runner.forward(chunks, tables, scored)
+        logits = head.logits()  # [R, V]
         requests = [c.request for c in chunks]
-        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
-        return [self._postprocess(chunk, token) for chunk, token in zip(chunks, tokens)]
+        params = [r.params for r in requests]
+        asked = SampleLogprobs(logits, [p.logprobs for p in params])  # before sampling, from the same logits
+        tokens = self.sampler(logits, params, [r.generator for r in requests])
+        sampled = asked.finish(tokens)
+        prompts = {i: self._prompt_logprobs(head, i, requests[i]) for i in scored}
+        return [
+            self._postprocess(chunk, token, sampled[i], prompts.get(i))
+            for i, (chunk, token) in enumerate(zip(chunks, tokens))
+        ]
+
+    @staticmethod
+    def _prompt_logprobs(head: HeadRows, chunk: int, request: Request) -> Logprobs:
+        """The prompt's tokens scored by the rows before them (its chunk starts at position 0)."""
+        first, n = head.first[chunk], len(request.prompt_token_ids) - 1
+        rows = torch.arange(first, first + n, device=head.residual.device)
+        return prompt_logprobs(head.logits_at, rows, request.prompt_token_ids, request.params.prompt_logprobs)
 
     def abort(self, request_id: int) -> EngineOutput | None:
         """Stop a request now and free its KV; unknown or finished ids are ignored."""
@@ -113,7 +133,13 @@ class LocalEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _postprocess(self, chunk: ScheduledChunk, token: int) -> EngineOutput:
+    def _postprocess(
+        self,
+        chunk: ScheduledChunk,
+        token: int,
+        logprobs: Logprobs | None = None,
+        prompt: Logprobs | None = None,
+    ) -> EngineOutput:
         request = chunk.request
         request.num_cached_tokens += len(chunk.token_ids)
         request.output_token_ids.append(token)
@@ -122,7 +148,14 @@ class LocalEngine:
             request.finish_reason = reason
             self.scheduler.finish(request)
             del self._requests[request.request_id]
-        return EngineOutput(request.request_id, [token], finished=reason is not None, finish_reason=reason)
+        return EngineOutput(
+            request.request_id,
+            [token],
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt,
+        )
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         return stop_reason(
@@ -133,3 +166,14 @@ class LocalEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.stop_token_ids,
         )
+
+
+def _scores_prompt(chunk: ScheduledChunk) -> bool:
+    """Its prompt's log-probabilities are due: asked for, and this is the first prefill (a preempted request's
+    recomputation, which starts over with tokens already sent, reported them before)."""
+    request = chunk.request
+    return (
+        request.params.prompt_logprobs is not None
+        and chunk.start_position == 0
+        and not request.output_token_ids
+    )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amoe.logprobs import Logprobs
 from amoe.sampling_params import SamplingParams
 
 
@@ -50,3 +51,5 @@ class EngineOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: Logprobs | None = None  # of new_token_ids, if the request asked (SamplingParams.logprobs)
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., with its first token, if asked

@@ -149,6 +149,7 @@ def attention_executor(
         block_size=config.cache.block_size,
         max_model_len=max_model_len(config, cfg, blocks),
         skip_prefill=em is not None and config.executor.decode_only,
+        computes_logits=em is None,
     )
     if em is not None:
         return AttentionExecutor(requests, em.attention(), cfg)

@@ -78,7 +78,11 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
         if not out.tokens:
             return
         rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
-        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error))
+        logprobs = [out.logprobs.get(rid) for rid in rids] if out.logprobs else None
+        prompts = [out.prompt_logprobs.get(rid) for rid in rids] if out.prompt_logprobs else None
+        channel.send(
+            wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error, logprobs, prompts)
+        )
 
     return publish
 

@@ -4,11 +4,12 @@ compute — `TorchAttention` here (attention + head + sampler over a paged KV ca
 (amoe.emulation.executor.EmulatedAttention). Either compute offers:
 
     attend(batch, request_ids, requests) -> (residual, moe_input, topk_ids, topk_weights)   # blocks 0..B-1
-    sample(batch, reqs) -> one token id per chunk                                             # the head
+    sample(batch, reqs) -> HeadSample: a token id per chunk, and log-probabilities where asked  # the head
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -20,6 +21,7 @@ from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
+from amoe.model.logprobs import HeadSample, SampleLogprobs, prompt_logprobs
 from amoe.model.sampler import Sampler
 from amoe.runtime.requests import RankRequest, RankRequests
 
@@ -75,8 +77,8 @@ class AttentionExecutor:
             self.requests.faults.check("attend", prompts)
             self.requests.faults.check("wedge", prompts)
         if batch.block == self.num_blocks:
-            tokens = self.compute.sample(batch, self.requests.of(rids))
-            return self.requests.advance(rids, tokens, batch.context_lens.tolist())
+            sample = self.compute.sample(batch, self.requests.of(rids))
+            return self.requests.advance(rids, sample.tokens, batch.context_lens.tolist(), sample)
         if batch.block == 0:  # KV slots are taken when a chunk enters block 0 (paper §3.2)
             lens = (batch.cu_rows[1:] - batch.cu_rows[:-1]).tolist()
             self.requests.enter(rids, batch.context_lens.tolist(), lens)
@@ -118,12 +120,24 @@ class TorchAttention:
         host = self.device.host
         return out.residual, out.moe_input, host(out.topk_ids), host(out.topk_weights)
 
-    def sample(self, batch: core.Batch, reqs: list[RankRequest]) -> list[int]:
-        put = self.device.put
-        logits = self.model.head(
-            put(batch.residual), put(batch.expert_out), put(batch.expert_ids), batch.cu_rows
-        )  # [R, V]
-        return self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+    def sample(self, batch: core.Batch, reqs: list[RankRequest]) -> HeadSample:
+        put, head = self.device.put, self.model.head
+        residual, expert_out, expert_ids = put(batch.residual), put(batch.expert_out), put(batch.expert_ids)
+        logits = head(residual, expert_out, expert_ids, batch.cu_rows)  # [R, V]
+        params = [r.params for r in reqs]
+        asked = SampleLogprobs(logits, [p.logprobs for p in params])  # before sampling, from the same logits
+        tokens = self.sampler(logits, params, [r.generator for r in reqs])
+        if not asked.rows and not any(r.scores_prompt for r in reqs):
+            return HeadSample(tokens)
+        prompts = {}
+        starts = batch.cu_rows[:-1].tolist()
+        for c, req in enumerate(reqs):
+            # The prompt's first prefill is the chunk that starts at position 0 (every row of it is here).
+            if req.scores_prompt and int(batch.positions[starts[c]]) == 0:
+                rows = torch.arange(starts[c], starts[c] + len(req.prompt) - 1, device=residual.device)
+                logits_at = functools.partial(head.logits_at, residual, expert_out, expert_ids)
+                prompts[c] = prompt_logprobs(logits_at, rows, req.prompt, req.params.prompt_logprobs)
+        return HeadSample(tokens, asked.finish(tokens), prompts)
 
     def _input(self, batch: core.Batch, request_ids: list[int], requests: RankRequests) -> AttnInput:
         tables = [requests.block_table(rid) for rid in request_ids]

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs
 from amoe.model.kv_cache import BlockManager
+from amoe.model.logprobs import HeadSample
 from amoe.model.sampler import make_generator
 from amoe.request_rules import check_prompt, stop_reason
 from amoe.runtime.faults import Faults
@@ -61,6 +63,9 @@ class RankRequest:
     aborted_at: float | None = None  # monotonic time of the abort: its tokens in flight end it at the head
     expired: bool = False  # its abort was never confirmed in time: it ends at the next batch boundary
     done: threading.Event = field(default_factory=threading.Event)
+    # Its prompt's log-probabilities are due with its first token: asked for, and not a request moved from a lost
+    # rank (that one reported them there; its "prompt" now ends with its output so far).
+    scores_prompt: bool = False
 
     @property
     def aborted(self) -> bool:
@@ -83,6 +88,9 @@ class HeadOutput:
     tokens: Outputs
     kv_free_blocks: int
     error: str | None = None
+    # request id -> Logprobs of its new token / of its prompt, for the requests that asked (and got a token)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
     @classmethod
     def failed(cls, request_ids: list[int], error: str, kv_free_blocks: int = 0) -> HeadOutput:
@@ -107,6 +115,7 @@ class RankRequests:
         block_size: int,
         max_model_len: int,
         skip_prefill: bool = False,
+        computes_logits: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -115,6 +124,9 @@ class RankRequests:
         # Emulated decode-only runs (AMoE §5): a prompt's KV counts as written, so only its last token enters,
         # as a decode row whose context is the whole prompt; its KV is reserved when that row reaches block 0.
         self.skip_prefill = skip_prefill
+        self.computes_logits = (
+            computes_logits  # False: an emulated GPU, which has no log-probabilities to give
+        )
         self.faults = Faults.from_env()  # tests only (AMOE_FAULTS)
         self._lock = threading.Lock()  # see the module docstring
         self._requests: dict[int, RankRequest] = {}
@@ -138,6 +150,10 @@ class RankRequests:
         it samples on exactly as it would have.
         """
         check_prompt(prompt, self.vocab_size, self.max_model_len)
+        if not self.computes_logits:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise RequestError(f"{name}: the emulated executor computes no logits", name)
         if not 0 <= num_generated < len(prompt):
             raise RequestError(f"num_generated must be in [0, {len(prompt)}), got {num_generated}")
         if self.faults is not None:
@@ -148,6 +164,7 @@ class RankRequests:
                 num_generated, generator=generator
             )  # one draw per sampled token, as Sampler takes them
         req = RankRequest(list(prompt), params, generator=generator)
+        req.scores_prompt = params.prompt_logprobs is not None and num_generated == 0
         with self._lock:
             if request_id in self._requests:
                 raise RequestError(f"request id {request_id} is already in use on this rank")
@@ -226,14 +243,28 @@ class RankRequests:
         with self._lock:
             return [self._requests[r] for r in request_ids]
 
-    def advance(self, request_ids: list[int], tokens: list[int], context_lens: list[int]) -> HeadOutput:
+    def advance(
+        self,
+        request_ids: list[int],
+        tokens: list[int],
+        context_lens: list[int],
+        sample: HeadSample | None = None,
+    ) -> HeadOutput:
         """Record one sampled token per request (whose context held `context_lens` tokens): stop rules decide
-        who finishes (freeing their KV); the others' tokens go on to block 0. Loop thread."""
+        who finishes (freeing their KV); the others' tokens go on to block 0. The log-probabilities `sample`
+        computed go out with the tokens. Loop thread."""
         go_on, go_tokens, go_pos, outputs = [], [], [], []
+        logprobs, prompts = {}, {}
         with self._lock:
-            for rid, token, ctx in zip(request_ids, tokens, context_lens):
+            for c, (rid, token, ctx) in enumerate(zip(request_ids, tokens, context_lens)):
                 req = self._requests[rid]
                 new = [] if req.aborted else [token]
+                if new and sample is not None:
+                    if sample.logprobs is not None and sample.logprobs[c] is not None:
+                        logprobs[rid] = sample.logprobs[c]
+                    if c in sample.prompt_logprobs:
+                        prompts[rid] = sample.prompt_logprobs[c]
+                        req.scores_prompt = False
                 req.output += new
                 req.finish_reason = "abort" if req.aborted else self._stop_reason(req, token, ctx + 1)
                 outputs.append((rid, new, req.finish_reason))
@@ -243,7 +274,13 @@ class RankRequests:
                     go_pos.append(ctx)
                 else:
                     self._end(rid, req.finish_reason)
-        return HeadOutput(Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks)
+        return HeadOutput(
+            Rows.decode(go_on, go_tokens, go_pos),
+            outputs,
+            self.blocks.num_free_blocks,
+            logprobs=logprobs,
+            prompt_logprobs=prompts,
+        )
 
     def _end(self, request_id: int, reason: str) -> None:
         """Under the lock: free a request's KV and drop it."""
