@@ -58,3 +58,16 @@ class Logprobs(msgspec.Struct, array_like=True, frozen=True):
     def top(self, i: int) -> list[tuple[int, float]]:
         """Position i's most likely tokens, most likely first, as (token id, log-probability)."""
         return list(zip(self.top_ids[i], self.top_logprobs[i]))
+
+
+def concat(parts: list[Logprobs]) -> Logprobs:
+    """Consecutive positions of one request, in order, as one Logprobs."""
+    if len(parts) == 1:
+        return parts[0]
+    columns: tuple[list, ...] = ([], [], [], [], [])
+    for part in parts:  # linear in the positions (a + b per part would copy all before it each time)
+        for column, values in zip(
+            columns, (part.token_ids, part.logprobs, part.ranks, part.top_ids, part.top_logprobs)
+        ):
+            column += values
+    return Logprobs(*columns)

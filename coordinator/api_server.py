@@ -24,10 +24,19 @@ from coordinator.backend import Backend
 from coordinator.body_limit import BodyLimitMiddleware
 from coordinator.lifetime import RequestLifetime
 from coordinator.load_balancer import LoadBalancer
+from coordinator.logprobs_api import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echoed,
+    positions,
+    prompt_logprobs,
+)
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import (
     ApiError,
     ErrorResponse,
+    bad_request,
     from_exception,
     install_error_handlers,
     internal_error,
@@ -43,13 +52,25 @@ from coordinator.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     Usage,
 )
 from coordinator.request_state import Detokenizer, RequestState
 from coordinator.serving import RequestRunner
-from coordinator.validation import ModelInfo, Tokenizer, prepare_chat, prepare_completion
+from coordinator.validation import (
+    ModelInfo,
+    PreparedRequest,
+    Tokenizer,
+    check_text,
+    prepare_chat,
+    prepare_completions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +98,7 @@ class _Served:
     created: int
     request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
     api_key: str | None
+    texts: TokenTexts  # each token's text, for log-probabilities
 
 
 def create_app(
@@ -97,7 +119,9 @@ def create_app(
     runner = RequestRunner(
         backend, balancer, metrics, make_detokenizer, server.request_timeout_s, server.stall_timeout_s
     )
-    served = _Served(runner, tokenizer, model, int(time.time()), itertools.count(1), api_key)
+    served = _Served(
+        runner, tokenizer, model, int(time.time()), itertools.count(1), api_key, TokenTexts(tokenizer)
+    )
     app = FastAPI(title="amoe", version=__version__, description="OpenAI-compatible API of amoe")
     app.state.served = served
     install_error_handlers(app, on_invalid=lambda request: _count_invalid(runner, request))
@@ -111,6 +135,7 @@ def create_app(
     )
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
+    _add_tokenizer_routes(app, served)
     return app
 
 
@@ -152,26 +177,86 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
     runner = served.runner
 
     async def generate(body, request: Request, endpoint: str, prepare, stream_events, complete) -> Response:
-        # Completions and chat differ only in how a request is prepared and how its output is shaped.
-        request_id = next(served.request_ids)
+        # Completions and chat differ only in how a request is prepared and how its output is shaped; a
+        # completions body with a list of prompts runs one request per prompt, answered together.
+        request_id = next(served.request_ids)  # the first prompt's; the others' follow
+        ids = itertools.chain([request_id], served.request_ids)
         with _count_rejections(runner, endpoint, request_id):
             # Tokenizing and templating off the event loop: a huge prompt must not freeze every other stream.
-            req = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, request_id)
-        lifetime = runner.open(req, endpoint)  # from here on, whatever happens ends it (and counts it)
-        await _unless_disconnected(request, runner.admit(lifetime), lifetime)
+            reqs = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, ids.__next__)
+        lifetimes = [runner.open(req, endpoint) for req in reqs]  # from here on, whatever happens ends them
+        await _unless_disconnected(request, _admit_all(runner, lifetimes), lifetimes)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(runner, lifetime, served.model.name, include_usage)
-            return _EventStream(events, lifetime)
-        return await _unless_disconnected(request, complete(runner, lifetime, served.model.name), lifetime)
+            events = stream_events(served, lifetimes, include_usage)
+            return _EventStream(events, lifetimes)
+        return await _unless_disconnected(request, complete(served, lifetimes), lifetimes)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(body, request, "completions", prepare_completion, _completion_events, _complete)
+        return await generate(
+            body, request, "completions", prepare_completions, _completion_events, _complete
+        )
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(body, request, "chat", prepare_chat, _chat_events, _chat)
+        return await generate(body, request, "chat", _prepare_chat, _chat_events, _chat)
+
+
+def _prepare_chat(body, tokenizer, model, next_id) -> list[PreparedRequest]:
+    return [prepare_chat(body, tokenizer, model, next_id())]
+
+
+def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (which lm-evaluation-harness looks for to tokenize with
+    the server's own tokenizer)."""
+    tokenizer, model = served.tokenizer, served.model
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise ApiError(
+                404, f"The model '{name}' does not exist (serving '{model.name}')", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+
+    def encode(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+        if isinstance(body, TokenizeCompletionRequest):
+            check_text(body.prompt, "prompt")
+            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as exc:  # a checkpoint's template may reject e.g. a system message
+            raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(body.model)
+        tokens = await asyncio.to_thread(encode, body)
+        strs = tokenizer.token_strs(tokens) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=model.max_model_len, tokens=tokens, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        bad = next((t for t in body.tokens if t >= model.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"'tokens' holds token id {bad}, outside the vocabulary [0, {model.vocab_size})", "tokens"
+            )
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info() -> dict[str, Any]:
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **tokenizer.special_tokens,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": model.max_model_len,
+        }
 
 
 def _count_invalid(runner: RequestRunner, request: Request) -> None:
@@ -202,75 +287,189 @@ def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
         raise internal_error(exc) from None
 
 
-async def _generate(runner: RequestRunner, lifetime: RequestLifetime) -> RequestState:
-    state = None
-    async for _, update in runner.run(lifetime):
-        state = update
-    if state is None or not state.is_finished:
+async def _admit_all(runner: RequestRunner, lifetimes: list[RequestLifetime]) -> None:
+    """Admit every prompt's request; if one fails (or this is cancelled), all of them end."""
+    if len(lifetimes) == 1:
+        await runner.admit(lifetimes[0])
+        return
+    tasks = [asyncio.ensure_future(runner.admit(lifetime)) for lifetime in lifetimes]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in done if t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+    except BaseException:
+        _end_all(lifetimes, "another prompt of its request failed")
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _end_all(lifetimes: list[RequestLifetime], cause: str) -> None:
+    for lifetime in lifetimes:
+        lifetime.abort(cause)
+
+
+async def _merged(
+    runner: RequestRunner, lifetimes: list[RequestLifetime]
+) -> AsyncIterator[tuple[int, str, RequestState]]:
+    """(prompt index, new text, state) of every prompt's request as they come; a failure of one fails the lot."""
+    if len(lifetimes) == 1:  # the common case, without a task in between
+        async for text, state in runner.run(lifetimes[0]):
+            yield 0, text, state
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, lifetime: RequestLifetime) -> None:
+        try:
+            async for text, state in runner.run(lifetime):
+                queue.put_nowait((index, text, state))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            queue.put_nowait((index, exc, None))
+
+    tasks = [asyncio.ensure_future(pump(i, lifetime)) for i, lifetime in enumerate(lifetimes)]
+    try:
+        running = len(tasks)
+        while running:
+            index, text, state = await queue.get()
+            if isinstance(text, Exception):
+                raise text
+            if text is None:
+                running -= 1
+                continue
+            yield index, text, state
+    finally:
+        _end_all(lifetimes, "another prompt of its request ended early")  # no-op for those that finished
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _finals(runner: RequestRunner, lifetimes: list[RequestLifetime]) -> list[RequestState]:
+    """Every prompt's request run to its end: their final states, in prompt order."""
+    states: list[RequestState | None] = [None] * len(lifetimes)
+    async for index, _, state in _merged(runner, lifetimes):
+        states[index] = state
+    if any(state is None or not state.is_finished for state in states):
         raise ApiError(500, "the backend ended the request without finishing it", type="server_error")
-    return state
+    return states
 
 
-async def _complete(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> CompletionResponse:
-    req, state = lifetime.req, await _generate(runner, lifetime)
-    choice = CompletionChoice(text=state.text, finish_reason=state.finish_reason)
+async def _complete(served: _Served, lifetimes: list[RequestLifetime]) -> CompletionResponse:
+    states = await _finals(served.runner, lifetimes)
+    choices = [_completion_choice(served, lt.req, state) for lt, state in zip(lifetimes, states)]
     return CompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
+        id=lifetimes[0].req.response_id, created=int(time.time()), model=served.model.name, choices=choices,
+        usage=_usage(states),
+    )  # fmt: skip
+
+
+def _completion_choice(served: _Served, req: PreparedRequest, state: RequestState) -> CompletionChoice:
+    params, texts = req.sampling_params, served.texts
+    logprobs = prompt_lp = None
+    if params.logprobs is not None:
+        echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if req.echo else ()
+        logprobs = completion_logprobs(texts, itertools.chain(echoed_at, positions(state.logprobs)))
+    if params.prompt_logprobs is not None and state.prompt_logprobs is not None:
+        prompt_lp = prompt_logprobs(texts, req.prompt_token_ids, state.prompt_logprobs)
+    return CompletionChoice(
+        index=req.prompt_index, text=req.prompt_text + state.text if req.echo else state.text,
+        logprobs=logprobs, finish_reason=state.finish_reason, prompt_logprobs=prompt_lp,
+    )  # fmt: skip
+
+
+async def _chat(served: _Served, lifetimes: list[RequestLifetime]) -> ChatCompletionResponse:
+    (state,) = await _finals(served.runner, lifetimes)
+    req, texts = lifetimes[0].req, served.texts
+    logprobs = chat_logprobs(texts, state.logprobs) if req.sampling_params.logprobs is not None else None
+    choice = ChatChoice(
+        message=AssistantMessage(content=state.text), logprobs=logprobs, finish_reason=state.finish_reason
     )
-
-
-async def _chat(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> ChatCompletionResponse:
-    req, state = lifetime.req, await _generate(runner, lifetime)
-    choice = ChatChoice(message=AssistantMessage(content=state.text), finish_reason=state.finish_reason)
+    prompt_lp = None
+    if req.sampling_params.prompt_logprobs is not None and state.prompt_logprobs is not None:
+        prompt_lp = prompt_logprobs(texts, req.prompt_token_ids, state.prompt_logprobs)
     return ChatCompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=[choice], usage=_usage(state)
-    )
+        id=req.response_id, created=int(time.time()), model=served.model.name, choices=[choice],
+        usage=_usage([state]), prompt_logprobs=prompt_lp,
+    )  # fmt: skip
 
 
-def _usage(state: RequestState) -> Usage:
-    return Usage.of(state.num_prompt_tokens, state.num_output_tokens)
+def _usage(states: list[RequestState]) -> Usage:
+    return Usage.of(sum(s.num_prompt_tokens for s in states), sum(s.num_output_tokens for s in states))
 
 
 async def _completion_events(
-    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
+    served: _Served, lifetimes: list[RequestLifetime], include_usage: bool
 ) -> AsyncIterator[str]:
-    req, created = lifetime.req, int(time.time())
+    first, created, model = lifetimes[0].req, int(time.time()), served.model.name
     usage_field = {"usage": None} if include_usage else {}
-    state = None
-    async for text, state in runner.run(lifetime):
-        choice = CompletionChoice(text=text, finish_reason=state.finish_reason)
-        chunk = CompletionResponse(id=req.response_id, created=created, model=model, choices=[choice])
-        yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
-    if include_usage and state is not None:
+    exclude = {"usage"}
+    sent = [0] * len(lifetimes)  # characters of each choice's text sent so far: its next text_offset
+    echoed_yet = [False] * len(lifetimes)
+    finals: dict[int, RequestState] = {}
+    async for index, text, state in _merged(served.runner, lifetimes):
+        req = lifetimes[index].req
+        echo_now = req.echo and not echoed_yet[index]
+        echoed_yet[index] = True
+        if echo_now:
+            text = req.prompt_text + text
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if echo_now else ()
+            at = itertools.chain(echoed_at, positions(state.take_logprobs()))
+            logprobs = completion_logprobs(served.texts, at, offset=sent[index])
+        sent[index] += len(text)
+        choice = CompletionChoice(
+            index=req.prompt_index, text=text, logprobs=logprobs, finish_reason=state.finish_reason
+        )
+        chunk = CompletionResponse(id=first.response_id, created=created, model=model, choices=[choice])
+        yield _event(chunk.model_dump(exclude=exclude) | usage_field)
+        finals[index] = state
+    if include_usage and finals:
         final = CompletionResponse(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=first.response_id,
+            created=created,
+            model=model,
+            choices=[],
+            usage=_usage(list(finals.values())),
         )
         yield _event(final.model_dump())
 
 
 async def _chat_events(
-    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
+    served: _Served, lifetimes: list[RequestLifetime], include_usage: bool
 ) -> AsyncIterator[str]:
-    req, created = lifetime.req, int(time.time())
+    req, created, model = lifetimes[0].req, int(time.time()), served.model.name
     exclude = set() if include_usage else {"usage"}
+    asked = req.sampling_params.logprobs is not None
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> str:
+        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         body = ChatCompletionChunk(id=req.response_id, created=created, model=model, choices=[choice])
         payload = body.model_dump(exclude=exclude)
         payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # as OpenAI: absent, not null
         return _event(payload)
 
+    def pending(state: RequestState):
+        """The log-probabilities of the tokens not yet sent, to go with this chunk (if asked)."""
+        if not asked:
+            return None
+        logprobs = state.take_logprobs()
+        return chat_logprobs(served.texts, logprobs) if len(logprobs) else None
+
     yield chunk(DeltaMessage(role="assistant", content=""))  # OpenAI opens every chat stream with the role
     state = None
-    async for text, state in runner.run(lifetime):
+    async for _, text, state in _merged(served.runner, lifetimes):
         if text:
-            yield chunk(DeltaMessage(content=text))
+            yield chunk(DeltaMessage(content=text), logprobs=pending(state))
         if state.is_finished:
-            yield chunk(DeltaMessage(), state.finish_reason)
+            yield chunk(DeltaMessage(), state.finish_reason, pending(state))
     if include_usage and state is not None:
         final = ChatCompletionChunk(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(state)
+            id=req.response_id, created=created, model=model, choices=[], usage=_usage([state])
         )
         yield _event(final.model_dump())
 
@@ -279,15 +478,15 @@ class _EventStream(StreamingResponse):
     """A request's server-sent events. However the response ends (all sent, the client gone, a failure), the
     request ends with it, directly: the event generators may sit at a `yield` that no cancellation reaches."""
 
-    def __init__(self, events: AsyncIterator[str], lifetime: RequestLifetime) -> None:
+    def __init__(self, events: AsyncIterator[str], lifetimes: list[RequestLifetime]) -> None:
         super().__init__(_with_done(events), media_type="text/event-stream")
-        self._lifetime = lifetime
+        self._lifetimes = lifetimes
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._lifetime.abort("its event stream ended early (the client left)")
+            _end_all(self._lifetimes, "its event stream ended early (the client left)")
 
 
 async def _with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -305,8 +504,10 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime: RequestLifetime) -> Any:
-    """Await `work`; if the client disconnects first, abort its request, then cancel `work`."""
+async def _unless_disconnected(
+    request: Request, work: Awaitable[Any], lifetimes: list[RequestLifetime]
+) -> Any:
+    """Await `work`; if the client disconnects first, abort its requests, then cancel `work`."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -316,7 +517,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime:
         watcher.cancel()
         if not task.done():  # the client left, or this handler is cancelled
             # Aborted here, not by the cancellation: that one only stops `work` from going on.
-            lifetime.abort("the client disconnected" if gone else "its handler was cancelled")
+            _end_all(lifetimes, "the client disconnected" if gone else "its handler was cancelled")
             task.cancel()
             await asyncio.wait({task})
     if task not in done:

@@ -21,6 +21,9 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 # (coordinator/validation.py, UNSUPPORTED) rather than silently ignored.
 _REQUEST = ConfigDict(strict=True, extra="allow")
 
+# vLLM's extras that OpenAI's responses lack: in the body only when the request asked for them.
+_ONLY_WHEN_ASKED = Field(default=None, exclude_if=lambda value: value is None)
+
 # Every number the engine takes is bounded here, so no value can overflow on its way to a runtime.
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -129,7 +132,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = _ONLY_WHEN_ASKED
 
 
 class CompletionResponse(BaseModel):
@@ -176,7 +179,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
+    prompt_logprobs: PromptLogprobs | None = _ONLY_WHEN_ASKED  # vLLM's
 
 
 class DeltaMessage(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from amoe.logprobs import Logprobs, concat
 from amoe.request_rules import StopMatcher
 
 
@@ -32,6 +33,11 @@ class RequestState:
         self._unsent: list[str] = []  # the text's end not yet handed out, piece by piece
         self._sent = 0  # characters already handed out
         self.finish_reason: str | None = None
+        # Log-probabilities, when the request asked: of the output tokens (delta by delta, the unsent ones apart)
+        # and of the prompt's tokens 1..
+        self._logprobs: list[Logprobs] = []
+        self._unsent_logprobs: list[Logprobs] = []
+        self.prompt_logprobs: Logprobs | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -44,10 +50,22 @@ class RequestState:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    def append(self, token_ids: list[int], finish_reason: str | None) -> None:
-        """Add the engine's new tokens; a stop string found in the text finishes the request with "stop"."""
+    def append(
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: Logprobs | None = None,
+        prompt_logprobs: Logprobs | None = None,
+    ) -> None:
+        """Add the engine's new tokens (with their log-probabilities, if asked); a stop string found in the text
+        finishes the request with "stop"."""
         if self.is_finished:
             return
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
+            self._unsent_logprobs.append(logprobs)
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
         self.num_output_tokens += len(token_ids)
         new = "".join(self._detokenizer.add(t) for t in token_ids)
         if finish_reason is not None:
@@ -74,3 +92,13 @@ class RequestState:
         self._unsent = [rest] if rest else []
         self._sent = end
         return chunk
+
+    @property
+    def logprobs(self) -> Logprobs:
+        """The log-probabilities of every output token so far (empty if not asked)."""
+        return concat(self._logprobs)
+
+    def take_logprobs(self) -> Logprobs:
+        """Those not handed out yet: they go with the text a stream sends now."""
+        unsent, self._unsent_logprobs = self._unsent_logprobs, []
+        return concat(unsent)

@@ -109,7 +109,7 @@ class RequestRunner:
             lifetime.sent()
             async with contextlib.aclosing(stream):
                 while (delta := await self._next(stream, lifetime)) is not None:
-                    state.append(delta.token_ids, delta.finish_reason)
+                    state.append(delta.token_ids, delta.finish_reason, delta.logprobs, delta.prompt_logprobs)
                     lifetime.tokens(len(delta.token_ids))
                     if state.is_finished:  # all its output is here: end it (a stop string aborts it) first
                         lifetime.end(state.finish_reason)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amoe.logprobs import Logprobs
+from amoe.logprobs import Logprobs, concat
 
 # Prompt rows scored per pass: bounds the [rows, V] float32 logits a long prompt needs at once (512 rows of a
 # 128k vocabulary are 256 MiB).
@@ -30,17 +30,6 @@ def gather(logprobs: torch.Tensor, targets: torch.Tensor, ks: Sequence[int]) -> 
         targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), ks
     )
     return [Logprobs([t], [lp], [r], [i[:n]], [v[:n]]) for t, lp, r, i, v, n in rows]
-
-
-def concat(parts: Sequence[Logprobs]) -> Logprobs:
-    """Positions of one request, in order, as one Logprobs."""
-    columns: tuple[list, ...] = ([], [], [], [], [])
-    for part in parts:  # linear in the positions (a + b per part would copy all before it each time)
-        for column, values in zip(
-            columns, (part.token_ids, part.logprobs, part.ranks, part.top_ids, part.top_logprobs)
-        ):
-            column += values
-    return Logprobs(*columns)
 
 
 class SampleLogprobs:
