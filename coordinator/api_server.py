@@ -407,7 +407,7 @@ async def _completion_events(
     first, created, model = lifetimes[0].req, int(time.time()), served.model.name
     usage_field = {"usage": None} if include_usage else {}
     exclude = {"usage"}
-    sent = [0] * len(lifetimes)  # characters of each choice's text sent so far: its next text_offset
+    offsets = [0] * len(lifetimes)  # each choice's next text_offset: its tokens' texts so far, end to end
     echoed_yet = [False] * len(lifetimes)
     finals: dict[int, RequestState] = {}
     async for index, text, state in _merged(served.runner, lifetimes):
@@ -420,8 +420,9 @@ async def _completion_events(
         if req.sampling_params.logprobs is not None:
             echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if echo_now else ()
             at = itertools.chain(echoed_at, positions(state.take_logprobs()))
-            logprobs = completion_logprobs(served.texts, at, offset=sent[index])
-        sent[index] += len(text)
+            logprobs = completion_logprobs(served.texts, at, offset=offsets[index])
+            if logprobs.tokens:  # the next chunk's tokens go on from there, as in the whole response
+                offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         choice = CompletionChoice(
             index=req.prompt_index, text=text, logprobs=logprobs, finish_reason=state.finish_reason
         )
