@@ -22,7 +22,7 @@ from amoe.errors import RequestError
 from amoe.logprobs import Logprobs
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
-from amoe.model.logprobs import SampleLogprobs, prompt_logprobs
+from amoe.model.logprobs import prompt_logprobs, sample
 from amoe.model.sampler import Sampler, make_generator
 from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
@@ -97,10 +97,9 @@ class LocalEngine:
         head = self.runner.forward(chunks, tables, scored)
         logits = head.logits()  # [R, V]
         requests = [c.request for c in chunks]
-        params = [r.params for r in requests]
-        asked = SampleLogprobs(logits, [p.logprobs for p in params])  # before sampling, from the same logits
-        tokens = self.sampler(logits, params, [r.generator for r in requests])
-        sampled = asked.finish(tokens)
+        tokens, sampled = sample(
+            self.sampler, logits, [r.params for r in requests], [r.generator for r in requests]
+        )
         prompts = {i: self._prompt_logprobs(head, i, requests[i]) for i in scored}
         return [
             self._postprocess(chunk, token, sampled[i], prompts.get(i))

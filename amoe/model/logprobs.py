@@ -57,6 +57,16 @@ class SampleLogprobs:
         return out
 
 
+def sample(
+    sampler: Callable, logits: torch.Tensor, params: Sequence, generators: Sequence
+) -> tuple[list[int], list[Logprobs | None]]:
+    """The head's token path: each row's token from the sampler, and its Logprobs where its request asked —
+    taken from the same logits, before the sampler sees them."""
+    asked = SampleLogprobs(logits, [p.logprobs for p in params])
+    tokens = sampler(logits, params, generators)
+    return tokens, asked.finish(tokens)
+
+
 def prompt_logprobs(
     logits_at: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, prompt: Sequence[int], k: int
 ) -> Logprobs:

@@ -21,7 +21,7 @@ from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
-from amoe.model.logprobs import HeadSample, SampleLogprobs, prompt_logprobs
+from amoe.model.logprobs import HeadSample, prompt_logprobs, sample
 from amoe.model.sampler import Sampler
 from amoe.runtime.requests import RankRequest, RankRequests
 
@@ -124,11 +124,9 @@ class TorchAttention:
         put, head = self.device.put, self.model.head
         residual, expert_out, expert_ids = put(batch.residual), put(batch.expert_out), put(batch.expert_ids)
         logits = head(residual, expert_out, expert_ids, batch.cu_rows)  # [R, V]
-        params = [r.params for r in reqs]
-        asked = SampleLogprobs(logits, [p.logprobs for p in params])  # before sampling, from the same logits
-        tokens = self.sampler(logits, params, [r.generator for r in reqs])
-        if not asked.rows and not any(r.scores_prompt for r in reqs):
-            return HeadSample(tokens)
+        tokens, sampled = sample(self.sampler, logits, [r.params for r in reqs], [r.generator for r in reqs])
+        if not any(r.scores_prompt for r in reqs):
+            return HeadSample(tokens, sampled)
         prompts = {}
         starts = batch.cu_rows[:-1].tolist()
         for c, req in enumerate(reqs):
@@ -137,7 +135,7 @@ class TorchAttention:
                 rows = torch.arange(starts[c], starts[c] + len(req.prompt) - 1, device=residual.device)
                 logits_at = functools.partial(head.logits_at, residual, expert_out, expert_ids)
                 prompts[c] = prompt_logprobs(logits_at, rows, req.prompt, req.params.prompt_logprobs)
-        return HeadSample(tokens, asked.finish(tokens), prompts)
+        return HeadSample(tokens, sampled, prompts)
 
     def _input(self, batch: core.Batch, request_ids: list[int], requests: RankRequests) -> AttnInput:
         tables = [requests.block_table(rid) for rid in request_ids]
