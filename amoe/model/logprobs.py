@@ -22,9 +22,15 @@ def gather(logprobs: torch.Tensor, targets: torch.Tensor, ks: Sequence[int]) -> 
     """logprobs [n, V] float32 (log-softmax rows), targets [n] → per row: the target's log-probability and rank,
     and the row's top ks[i] — one Logprobs of one position each."""
     chosen = logprobs.gather(1, targets[:, None])  # [n, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1  # [n]: ties share the better rank, as vLLM counts
-    k = max(ks, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], targets[:, None][:, :0])
+    # At least the top 1: it ranks most tokens without another pass over the vocabulary.
+    top_values, top_ids = logprobs.topk(max(max(ks, default=0), 1), dim=-1)  # [n, k]
+    # Rank: 1 + how many tokens are more likely (ties share the better rank, as vLLM counts). A token at or above
+    # the row's k-th value is ranked by the top k alone (every greater value is among them); the others count
+    # their whole row.
+    ranks = (top_values > chosen).sum(dim=1) + 1  # [n]
+    outside = (chosen[:, 0] < top_values[:, -1]).nonzero()[:, 0]
+    if len(outside):
+        ranks[outside] = (logprobs[outside] > chosen[outside]).sum(dim=1) + 1
     # One transfer to the host for all of it: a handful of numbers per row.
     rows = zip(
         targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), ks
@@ -42,7 +48,9 @@ class SampleLogprobs:
         self.rows = [i for i, k in enumerate(ks) if k is not None]
         self.ks = [ks[i] for i in self.rows]
         self.logprobs = None
-        if self.rows:
+        if len(self.rows) == self.num_rows:  # every row asked: no gathering copy first
+            self.logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V], a new tensor
+        elif self.rows:
             index = torch.tensor(self.rows, device=logits.device)
             self.logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [n, V]
 
