@@ -370,13 +370,14 @@ async def _complete(served: _Served, lifetimes: list[RequestLifetime]) -> Comple
 def _completion_choice(served: _Served, req: PreparedRequest, state: RequestState) -> CompletionChoice:
     params, texts = req.sampling_params, served.texts
     logprobs = prompt_lp = None
+    output_text, output = ("", None) if req.echo_only else (state.text, state.logprobs)
     if params.logprobs is not None:
         echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if req.echo else ()
-        logprobs = completion_logprobs(texts, itertools.chain(echoed_at, positions(state.logprobs)))
+        logprobs = completion_logprobs(texts, itertools.chain(echoed_at, positions(output)))
     if params.prompt_logprobs is not None and state.prompt_logprobs is not None:
         prompt_lp = prompt_logprobs(texts, req.prompt_token_ids, state.prompt_logprobs)
     return CompletionChoice(
-        index=req.prompt_index, text=req.prompt_text + state.text if req.echo else state.text,
+        index=req.prompt_index, text=req.prompt_text + output_text if req.echo else output_text,
         logprobs=logprobs, finish_reason=state.finish_reason, prompt_logprobs=prompt_lp,
     )  # fmt: skip
 
@@ -414,12 +415,15 @@ async def _completion_events(
         req = lifetimes[index].req
         echo_now = req.echo and not echoed_yet[index]
         echoed_yet[index] = True
+        output = state.take_logprobs()
+        if req.echo_only:  # the prompt alone: its generated token is not shown
+            text, output = "", None
         if echo_now:
             text = req.prompt_text + text
         logprobs = None
         if req.sampling_params.logprobs is not None:
             echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if echo_now else ()
-            at = itertools.chain(echoed_at, positions(state.take_logprobs()))
+            at = itertools.chain(echoed_at, positions(output))
             logprobs = completion_logprobs(served.texts, at, offset=offsets[index])
             if logprobs.tokens:  # the next chunk's tokens go on from there, as in the whole response
                 offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])

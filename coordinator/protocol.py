@@ -60,6 +60,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 only with echo (the prompt scored, nothing generated: OpenAI's legacy scoring idiom, as vLLM serves it)
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     echo: bool | None = False
     logprobs: int | None = None  # top log-probabilities per token (OpenAI: 0..5; amoe and vLLM: 0..20)
     prompt_logprobs: int | None = None  # vLLM's: of the prompt's tokens

@@ -91,6 +91,7 @@ class PreparedRequest:
     # Its prompt's place in the request's list of prompts: its choice's index (prompt_index * n + i, once n > 1).
     prompt_index: int = 0
     echo: bool = False  # completions: the prompt (text, and tokens in logprobs) leads the choice
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its one generated token is not shown)
     prompt_text: str = ""  # what echo shows: the prompt as given, or its token ids decoded
 
 
@@ -107,6 +108,9 @@ def prepare_completions(
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:
         prompt_logprobs = req.logprobs  # as vLLM: echoed prompt tokens are scored like the output's
+    # echo with max_tokens 0: one token runs (its prefill scores the prompt) and is not shown, as in vLLM.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    max_tokens = 1 if echo_only else req.max_tokens
     response_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = []
     for index, (prompt_ids, text) in enumerate(_completion_prompts(req.prompt, tokenizer, model)):
@@ -114,9 +118,9 @@ def prepare_completions(
             text = tokenizer.decode(prompt_ids)
         prepared.append(
             _prepare(
-                req, next_id(), "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model,
+                req, next_id(), "cmpl", prompt_ids, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model,
                 logprobs=(req.logprobs, prompt_logprobs), response_id=response_id, prompt_index=index,
-                echo=bool(req.echo), prompt_text=text or "",
+                echo=bool(req.echo), echo_only=echo_only, prompt_text=text or "",
             )
         )  # fmt: skip
     return prepared
@@ -264,7 +268,10 @@ def _prepare(
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens <= 0:
-        raise bad_request(f"'{max_tokens_param}' must be at least 1; got {max_tokens}", max_tokens_param)
+        raise bad_request(
+            f"'{max_tokens_param}' must be at least 1 (0 only with 'echo'); got {max_tokens}",
+            max_tokens_param,
+        )
     elif max_tokens > room:
         raise bad_request(
             f"'{max_tokens_param}' is {max_tokens} but the prompt ({len(prompt_ids)} tokens) leaves room for only "

@@ -76,13 +76,28 @@ def test_completions_logprobs_with_echo_are_transformers(client, hf):
     )  # fmt: skip
     choice = got.choices[0]
     check_echo_choice(ref, PROMPT + output, choice.model_dump(), 3)
-    assert choice.text.startswith(Tokenizer.from_dir(hf.name_or_path).decode(PROMPT))  # the prompt's text first
+    assert choice.text.startswith(
+        Tokenizer.from_dir(hf.name_or_path).decode(PROMPT)
+    )  # the prompt's text first
     # Without echo: the output tokens only, each the most likely (greedy), its offset in the text.
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
     lp = plain.choices[0].logprobs
     assert lp.token_logprobs == choice.logprobs.token_logprobs[len(PROMPT) :]
     assert [len(top) for top in lp.top_logprobs] == [1] * 4 and lp.text_offset[0] == 0
     assert "".join(lp.tokens) == plain.choices[0].text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(http, hf):
+    _, ref = hf_greedy(hf, PROMPT, 1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    check_echo_choice(ref, PROMPT, whole, 1)
+    assert whole["text"] == http.post("/detokenize", json={"tokens": PROMPT}).json()["prompt"].removeprefix(
+        "<s>"
+    )
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["logprobs"] for c in chunks] == [whole["logprobs"]]
 
 
 def test_vllm_prompt_logprobs_name_token_ids_and_ranks(client, hf):
@@ -165,8 +180,12 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(http, tokenizer, server):
         "count": len(ids), "max_model_len": got["max_model_len"], "tokens": ids,
         "token_strs": tokenizer.token_strs(ids),
     }  # fmt: skip
-    bare = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello", "add_special_tokens": False}).json()
-    assert bare["tokens"] == tokenizer.encode("Hello", add_special_tokens=False) and bare["token_strs"] is None
+    bare = http.post(
+        "/tokenize", json={"model": MODEL, "prompt": "Hello", "add_special_tokens": False}
+    ).json()
+    assert (
+        bare["tokens"] == tokenizer.encode("Hello", add_special_tokens=False) and bare["token_strs"] is None
+    )
     messages = [{"role": "user", "content": "hi"}]
     chat = http.post("/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == tokenizer.encode_chat(messages)
@@ -181,6 +200,7 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(http, tokenizer, server):
 
 
 BAD = [
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"logprobs": "2"}, "logprobs"),
@@ -194,10 +214,14 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("path", "extra", "param"), BAD, ids=[f"{p[4:]}:{json.dumps(e)[:40]}" for p, e, _ in BAD])
+@pytest.mark.parametrize(
+    ("path", "extra", "param"), BAD, ids=[f"{p[4:]}:{json.dumps(e)[:40]}" for p, e, _ in BAD]
+)
 def test_bad_values_get_a_400_naming_the_parameter(http, path, extra, param):
     body = {"model": MODEL, "max_tokens": 2}
-    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body |= (
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     response = http.post(path, json=body | extra)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param

@@ -49,7 +49,7 @@ def _task_files(root) -> None:
     """Two YAML tasks over local JSON-lines datasets."""
     for name, docs in (("mc", MULTIPLE_CHOICE), ("gen", GENERATE)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: '{{{{question}}}}'\ndoc_to_target: '{{{{answer}}}}'\n"
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
     (root / "amoe_mc.yaml").write_text(
         f"task: amoe_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n"

@@ -40,10 +40,14 @@ def test_local_engine_logprobs_equal_transformers(tiny_checkpoint, hf_model):
     for i, prompt in enumerate(PROMPTS):
         output, ref = hf_greedy(hf_model, prompt, PARAMS.max_tokens)
         assert [t for o in outs[i] for t in o.new_token_ids] == output
-        check_logprobs(ref, prompt + output, concat([o.logprobs for o in outs[i]]), len(prompt), PARAMS.logprobs)
+        check_logprobs(
+            ref, prompt + output, concat([o.logprobs for o in outs[i]]), len(prompt), PARAMS.logprobs
+        )
         scored = [o.prompt_logprobs for o in outs[i] if o.prompt_logprobs is not None]
         assert len(scored) == 1 and outs[i][0].prompt_logprobs is not None  # once, with the first token
-        check_logprobs(ref, prompt, scored[0], 1, PARAMS.prompt_logprobs)  # the first token has nothing before it
+        check_logprobs(
+            ref, prompt, scored[0], 1, PARAMS.prompt_logprobs
+        )  # the first token has nothing before it
 
 
 def test_logprobs_survive_the_wire_and_bad_ones_do_not_decode():
@@ -55,7 +59,11 @@ def test_logprobs_survive_the_wire_and_bad_ones_do_not_decode():
     added = wire.decode(wire.encode(wire.AddRequest(1, [1], wire.to_wire_sampling(params, 4))))
     assert wire.from_wire_sampling(added.params) == params
     tag = 5  # TokenOut's; the fields follow in order
-    for logprobs in ([lp], [[[7], [-0.5], [1], [[7]], [[-0.5, -1.0]]], None], [[[7], [-0.5], [0], [[]], [[]]], None]):
+    for logprobs in (
+        [lp],
+        [[[7], [-0.5], [1], [[7]], [[-0.5, -1.0]]], None],
+        [[[7], [-0.5], [0], [[]], [[]]], None],
+    ):
         frame = bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
             [tag, 2, [11, 12], [[7], []], [None, None], 5, None, logprobs]
         )  # a column short, top ids and values of different lengths, rank 0
@@ -75,6 +83,16 @@ def test_an_emulated_rank_refuses_logprobs_by_name():
             requests.add(1, [1, 5], SamplingParams(**{name: 2}))
         assert err.value.param == name
     requests.add(2, [1, 5], SamplingParams())  # without them it serves
+
+
+def test_a_moved_request_does_not_score_its_prompt_again():
+    requests = RankRequests(
+        vocab_size=100, eos_token_ids=(2,), num_kv_blocks=8, block_size=16, max_model_len=128
+    )
+    params = SamplingParams(prompt_logprobs=1, logprobs=1)
+    first, _ = requests.add(1, [1, 5, 7], params)
+    moved, _ = requests.add(2, [1, 5, 7, 9, 11], params, num_generated=2)  # its output so far ends the prompt
+    assert first.scores_prompt and not moved.scores_prompt
 
 
 def test_sampling_params_bound_logprobs():
