@@ -98,7 +98,9 @@ def check_echo_choice(ref: torch.Tensor, tokens: list[int], choice: dict, k: int
     """A completions choice of `echo` + `logprobs: k` over token-id prompt + greedy output `tokens`: each token's
     log-probability (null for the first) and its top k as transformers gives them."""
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(tokens) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert (
+        len(lp["tokens"]) == len(tokens) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    )
     for i, token in enumerate(tokens[1:]):
         row = ref[i]
         assert abs(lp["token_logprobs"][i + 1] - float(row[token])) < LOGPROB_TOL, i

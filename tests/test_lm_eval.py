@@ -22,7 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="amoe-lm-eval-"))
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is in the dev extra: pip install -e .[dev]")
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm-evaluation-harness is in the dev extra: pip install -e .[dev]"
+)
 
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
@@ -49,7 +51,9 @@ def _task_files(root) -> None:
     """Two YAML tasks over local JSON-lines datasets."""
     for name, docs in (("mc", MULTIPLE_CHOICE), ("gen", GENERATE)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = "dataset_path: json\ntest_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+    common = (
+        "dataset_path: json\ntest_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+    )
     (root / "amoe_mc.yaml").write_text(
         f"task: amoe_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n"
@@ -100,7 +104,9 @@ def test_local_completions_scores_as_the_transformers_model_does(setup):
             choices += 1
     assert choices == sum(len(d["choices"]) for d in MULTIPLE_CHOICE)
     generated = [s["resps"] for s in ours["samples"]["amoe_gen"]]
-    assert generated == [s["resps"] for s in theirs["samples"]["amoe_gen"]] and all(g[0][0] for g in generated)
+    assert generated == [s["resps"] for s in theirs["samples"]["amoe_gen"]] and all(
+        g[0][0] for g in generated
+    )
     for task in TASKS:
         metrics = {k: v for k, v in ours["results"][task].items() if "," in k}
         assert metrics == {k: theirs["results"][task][k] for k in metrics}
