@@ -288,23 +288,11 @@ def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
 
 
 async def _admit_all(runner: RequestRunner, lifetimes: list[RequestLifetime]) -> None:
-    """Admit every prompt's request; if one fails (or this is cancelled), all of them end."""
+    """Admit a one-prompt request before answering (so a full server says 503 in the status line). Several
+    prompts are admitted each as it starts (`_merged`): waiting for all first could hold KV for some while the
+    others wait for it, and deadlock."""
     if len(lifetimes) == 1:
         await runner.admit(lifetimes[0])
-        return
-    tasks = [asyncio.ensure_future(runner.admit(lifetime)) for lifetime in lifetimes]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in done if t.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
-    except BaseException:
-        _end_all(lifetimes, "another prompt of its request failed")
-        raise
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _end_all(lifetimes: list[RequestLifetime], cause: str) -> None:
@@ -324,6 +312,7 @@ async def _merged(
 
     async def pump(index: int, lifetime: RequestLifetime) -> None:
         try:
+            await runner.admit(lifetime)
             async for text, state in runner.run(lifetime):
                 queue.put_nowait((index, text, state))
             queue.put_nowait((index, None, None))

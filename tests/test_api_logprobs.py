@@ -23,6 +23,7 @@ from amoe.tokenizer import Tokenizer
 from coordinator.validation import MAX_PROMPTS
 
 MODEL = "tiny-logprobs"
+KV_BLOCKS = 12  # of 16 tokens
 PROMPT = [1, 17, 300, 42, 9, 511]
 
 
@@ -34,7 +35,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     config = AmoeConfig().replace(
-        model={"path": str(model_dir)}, parallel={"mode": "local"}, server={"port": 0, "drain_timeout_s": 2.0}
+        model={"path": str(model_dir)},
+        parallel={"mode": "local"},
+        server={"port": 0, "drain_timeout_s": 2.0},
+        cache={"num_kv_blocks": KV_BLOCKS},  # small: a list of prompts may need more than it holds at once
     )
     srv = AmoeServer(config)
     thread = threading.Thread(target=asyncio.run, args=(srv.run(),), name="test-logprobs-server", daemon=True)
@@ -171,6 +175,15 @@ def test_a_list_of_prompts_gets_a_choice_each_in_order(http):
     for i, one in enumerate(alone):
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
         assert text == one["choices"][0]["text"]
+
+
+def test_prompts_needing_more_kv_than_the_cache_holds_run_in_turn(http):
+    # Each reserves 3 blocks (3 + 40 tokens): 8 of them need twice the cache; admitted as they start, they finish.
+    prompts = [[1, 30 + i, 7] for i in range(8)]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8 * 40
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(http, tokenizer, server):
