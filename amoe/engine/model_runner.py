@@ -43,6 +43,8 @@ def _head_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
     """The rows the head reads (each chunk's last; every row of a scored chunk), where each chunk's last one
     lands among them, and where each scored chunk's rows start."""
+    if not scored:  # the usual step: each chunk's last row, without a Python loop over them
+        return cu_rows[1:] - 1, torch.arange(len(cu_rows) - 1), {}
     bounds, scored = cu_rows.tolist(), set(scored)
     keep: list[int] = []
     last: list[int] = []
