@@ -12,6 +12,7 @@ from typing import Any
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs, concat
 from amoe.request_rules import StopMatcher
 from amoe.sampling_params import SamplingParams
 from amoe.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
@@ -21,12 +22,26 @@ logger = logging.getLogger(__name__)
 PromptInput = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: one token's log-probability at a position, its rank there (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# vLLM's per-position form: the token there and the k most likely, token id -> Logprob
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length"
+    logprobs: list[PositionLogprobs] | None = None  # per token, when SamplingParams.logprobs asked
 
 
 @dataclass
@@ -36,6 +51,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token; when asked
 
 
 @dataclass
@@ -51,6 +67,8 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_cut: int | None = None  # where the text ends when a stop string ended the request
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def text(self) -> str:
@@ -89,7 +107,12 @@ class LLM:
             by_id = {p.request_id: p for p in pending}
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    self._absorb(by_id[out.request_id], out.new_token_ids, out.finish_reason)
+                    pending_one = by_id[out.request_id]
+                    if out.logprobs is not None:
+                        pending_one.logprobs.append(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        pending_one.prompt_logprobs = out.prompt_logprobs
+                    self._absorb(pending_one, out.new_token_ids, out.finish_reason)
         except BaseException:  # a bad prompt or an interrupt must not leave requests behind in the engine
             for p in pending:
                 self.engine.abort(p.request_id)
@@ -126,8 +149,30 @@ class LLM:
             pending.detokenizer.flush()
 
     def _to_output(self, pending: _Pending) -> RequestOutput:
-        completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason)
-        return RequestOutput(pending.request_id, pending.prompt, pending.prompt_token_ids, [completion])
+        logprobs = None
+        if pending.params.logprobs is not None:
+            logprobs = self._positions(concat(pending.logprobs))
+        completion = CompletionOutput(0, pending.text, pending.token_ids, pending.finish_reason, logprobs)
+        prompt_logprobs = None
+        if pending.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._positions(pending.prompt_logprobs)]
+        return RequestOutput(
+            pending.request_id, pending.prompt, pending.prompt_token_ids, [completion], True, prompt_logprobs
+        )
+
+    def _positions(self, logprobs: Logprobs) -> list[PositionLogprobs]:
+        """vLLM's form: per position, the token there first, then the k most likely (ranks 1..k)."""
+
+        def text(token_id: int) -> str | None:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+
+        out = []
+        for i, token in enumerate(logprobs.token_ids):
+            entry = {token: Logprob(logprobs.logprobs[i], logprobs.ranks[i], text(token))}
+            for rank, (top_id, value) in enumerate(logprobs.top(i), start=1):
+                entry.setdefault(top_id, Logprob(value, rank, text(top_id)))
+            out.append(entry)
+        return out
 
     @staticmethod
     def _params_per_prompt(

@@ -101,3 +101,20 @@ def test_sampling_params_bound_logprobs():
             SamplingParams(logprobs=bad)
         assert err.value.param == "logprobs"
     assert SamplingParams(logprobs=0, prompt_logprobs=20).prompt_logprobs == 20
+
+
+def test_the_offline_llm_returns_them_as_vllm_does(tiny_checkpoint, hf_model):
+    from amoe.llm import LLM
+
+    prompt = PROMPTS[0]
+    out = LLM(tiny_checkpoint).generate([prompt], PARAMS)[0]
+    output, ref = hf_greedy(hf_model, prompt, PARAMS.max_tokens)
+    assert out.outputs[0].token_ids == output
+    for i, (token, entry) in enumerate(zip(output, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert list(entry)[0] == token and entry[token].rank == 1  # the token first, then the top k
+        assert set(entry) == {token, *row.topk(PARAMS.logprobs).indices.tolist()}
+        assert abs(entry[token].logprob - float(row[token])) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, token in enumerate(prompt[1:]):
+        assert abs(out.prompt_logprobs[i + 1][token].logprob - float(ref[i, token])) < 1e-4
