@@ -224,6 +224,8 @@ def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
             check_text(body.prompt, "prompt")
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for m in messages:
+            check_text(m["content"], "messages")
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except Exception as exc:  # a checkpoint's template may reject e.g. a system message
