@@ -25,7 +25,10 @@ MAX_PROMPTS = 256
 # accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored.
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (None, False),
+    "echo": (None, False),  # chat's (repeat the last message); completions declare theirs
+    "logprob_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
