@@ -26,7 +26,10 @@ MAX_PROMPTS = 256
 # accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored. (The sampling
 # options amoe implements are typed fields of coordinator/protocol.py, read by coordinator/sampling_options.py.)
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False),
+    "echo": (None, False),  # chat's (repeat the last message); completions declare theirs
+    "logprob_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
     "length_penalty": (None, 1, 1.0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),

@@ -288,6 +288,8 @@ BAD = [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"echo": True}, "echo"),  # chat's echo (repeat the last message): not served
+    ("/v1/completions", {"logprobs": 1, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
 ]
 
 
