@@ -137,9 +137,7 @@ class RequestRunner:
                         in_backend.discard(delta.index)
                         if not in_backend:  # the backend holds nothing of it any more
                             lifetime.backend_ended()
-                    if (
-                        delta.prompt_logprobs is not None
-                    ):  # reported once, and every sequence's choice shows them
+                    if delta.prompt_logprobs is not None:  # reported once: every sequence's choice shows them
                         for each in states:
                             each.prompt_logprobs = delta.prompt_logprobs
                     state = states[delta.index]
