@@ -118,3 +118,27 @@ def test_the_offline_llm_returns_them_as_vllm_does(tiny_checkpoint, hf_model):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i, token in enumerate(prompt[1:]):
         assert abs(out.prompt_logprobs[i + 1][token].logprob - float(ref[i, token])) < 1e-4
+
+
+def test_the_offline_llm_gives_each_of_n_its_own_and_ranks_best_of_by_them(tiny_checkpoint):
+    """n=2 (and best_of=3 > n) offline: each completion's logprobs are its own sequence's, their sum its
+    cumulative_logprob (best_of's ranking, descending); the prompt's are the request's, once. Sequence i is the
+    lone request seeded seed + i."""
+    from amoe.llm import LLM
+
+    llm, prompt = LLM(tiny_checkpoint), PROMPTS[0]
+    common = {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True, "logprobs": 1}
+    out = llm.generate([prompt], SamplingParams(n=2, seed=5, prompt_logprobs=1, **common))[0]
+    for i, completion in enumerate(out.outputs):
+        alone = llm.generate([prompt], SamplingParams(seed=5 + i, **common))[0].outputs[0]
+        assert completion.token_ids == alone.token_ids
+        values = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
+        assert values == pytest.approx(
+            [e[t].logprob for t, e in zip(alone.token_ids, alone.logprobs)], abs=1e-4
+        )
+        assert completion.cumulative_logprob == pytest.approx(sum(values), abs=1e-5)
+    assert len(out.prompt_logprobs) == len(prompt)
+    best = llm.generate([prompt], SamplingParams(n=2, best_of=3, seed=5, **common))[0].outputs
+    assert [c.index for c in best] == [0, 1] and best[0].cumulative_logprob >= best[1].cumulative_logprob
+    unranked = llm.generate([prompt], SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=2))[0].outputs
+    assert [c.cumulative_logprob for c in unranked] == [None, None]  # none computed, as vLLM without logprobs
