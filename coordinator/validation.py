@@ -101,15 +101,17 @@ def prepare_completions(
     echo_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if echo_only else req.max_tokens
     response_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = _completion_prompts(req.prompt, tokenizer, model)
+    options = _options(req, tokenizer, model, (req.logprobs, prompt_logprobs))  # once: the prompts share them
     prepared = []
-    for index, (prompt_ids, text) in enumerate(_completion_prompts(req.prompt, tokenizer, model)):
+    for index, (prompt_ids, text) in enumerate(prompts):
         if req.echo and text is None:
             text = tokenizer.decode(prompt_ids)
         prepared.append(
             _prepare(
-                req, next_id(), "cmpl", prompt_ids, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model, tokenizer,
-                logprobs=(req.logprobs, prompt_logprobs), response_id=response_id, prompt_index=index,
-                echo=bool(req.echo), echo_only=echo_only, prompt_text=text or "",
+                req, next_id(), "cmpl", prompt_ids, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model, options,
+                response_id=response_id, prompt_index=index, echo=bool(req.echo), echo_only=echo_only,
+                prompt_text=text or "",
             )
         )  # fmt: skip
     return prepared
@@ -138,10 +140,8 @@ def prepare_chat(
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    logprobs = _chat_logprobs(req)
-    return _prepare(
-        req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, tokenizer, param, logprobs=logprobs
-    )
+    options = _options(req, tokenizer, model, _chat_logprobs(req))
+    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, options, param)
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> tuple[int | None, int | None]:
@@ -240,10 +240,9 @@ def _prepare(
     max_tokens: int | None,
     default_max_tokens: int | None,
     model: ModelInfo,
-    tokenizer: Tokenizer,
+    options: dict[str, Any],
     max_tokens_param: str = "max_tokens",
     *,
-    logprobs: tuple[int | None, int | None] = (None, None),
     response_id: str | None = None,
     **extra: Any,
 ) -> PreparedRequest:
@@ -272,7 +271,7 @@ def _prepare(
         response_id=response_id or f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop, model, tokenizer, logprobs),
+        sampling_params=_sampling_params(req, max_tokens, stop, model, options),
         stop=stop,
         **extra,
     )
@@ -287,13 +286,27 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _options(
+    req: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    logprobs: tuple[int | None, int | None],
+) -> dict[str, Any]:
+    """SamplingParams options beyond the core set: log-probabilities (per output token, per prompt token) and
+    coordinator/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
+    try:
+        options = sampling_options(req, tokenizer, model.vocab_size, model.grammars)
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return {"logprobs": logprobs[0], "prompt_logprobs": logprobs[1], **options}
+
+
 def _sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     stop: list[str],
     model: ModelInfo,
-    tokenizer: Tokenizer,
-    logprobs: tuple[int | None, int | None],
+    options: dict[str, Any],
 ) -> Any:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= model.vocab_size), None)
@@ -309,10 +322,8 @@ def _sampling_params(
             stop=stop,
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
-            logprobs=logprobs[0],
-            prompt_logprobs=logprobs[1],
             **{name: value for name, value in given.items() if value is not None},
-            **sampling_options(req, tokenizer, model.vocab_size, model.grammars),
+            **options,
         )
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -132,24 +132,30 @@ def test_n_chat_choices_carry_their_own_raw_logprobs_streamed_alike(client, engi
     expected: dict[int, list[tuple[float, list[float]]]] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            lp = o.logprobs
-            expected.setdefault(o.index, []).extend(zip(lp.logprobs, lp.top_logprobs))
+            expected.setdefault(o.index, []).extend(zip(o.logprobs.logprobs, o.logprobs.top_logprobs))
     assert [c.index for c in out.choices] == [0, 1]
     for choice in out.choices:
-        got = [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in choice.logprobs.content]
-        assert [round(v, 4) for v, _ in got] == [round(v, 4) for v, _ in expected[choice.index]]
-        assert [[round(t, 4) for t in top] for _, top in got] == [
-            [round(t, 4) for t in top] for _, top in expected[choice.index]
-        ]
+        _close(_values(choice.logprobs.content), expected[choice.index])
     streamed = client.chat.completions.create(**args, stream=True, extra_body={"ignore_eos": True})
     per_choice: dict[int, list] = {0: [], 1: []}
     for chunk in streamed:
         for c in chunk.choices:
             per_choice[c.index] += c.logprobs.content if c.logprobs else []
     for choice in out.choices:
-        assert [e.model_dump() for e in per_choice[choice.index]] == [
-            e.model_dump() for e in choice.logprobs.content
-        ]
+        assert [e.token for e in per_choice[choice.index]] == [e.token for e in choice.logprobs.content]
+        _close(_values(per_choice[choice.index]), _values(choice.logprobs.content))
+
+
+def _values(content) -> list[tuple[float, list[float]]]:
+    return [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in content]
+
+
+def _close(got: list[tuple[float, list[float]]], want: list[tuple[float, list[float]]]) -> None:
+    """Equal but for float noise (a step batched otherwise runs other matmul shapes)."""
+    assert len(got) == len(want)
+    for (value, top), (value_want, top_want) in zip(got, want):
+        assert value == pytest.approx(value_want, abs=1e-4)
+        assert top == pytest.approx(top_want, abs=1e-4)
 
 
 @pytest.mark.timeout(120)
