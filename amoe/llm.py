@@ -12,6 +12,7 @@ from typing import Any
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs, concat
 from amoe.request_rules import StopMatcher
 from amoe.sampling_params import SamplingParams
 from amoe.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
@@ -21,13 +22,28 @@ logger = logging.getLogger(__name__)
 PromptInput = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: one token's log-probability at a position, its rank there (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# vLLM's per-position form: the token there and the k most likely, token id -> Logprob
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length"
-    cumulative_logprob: float | None = None  # raw, when best_of > n ranked it (else 0)
+    # The sum of its tokens' log-probabilities, when they were computed (logprobs asked, or best_of ranked it).
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per token, when SamplingParams.logprobs asked
 
 
 @dataclass
@@ -37,6 +53,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token; when asked
 
 
 @dataclass
@@ -53,7 +70,13 @@ class _Pending:
     finish_reason: str | None = None
     stop_cut: int | None = None  # where the text ends when a stop string ended the request
     index: int = 0  # which of the prompt's sequences (n > 1)
-    cumulative_logprob: float = 0.0  # best_of ranks by it
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: Logprobs | None = None  # the prompt's, on its first sequence
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """best_of ranks by it."""
+        return sum(sum(part.logprobs) for part in self.logprobs)
 
     @property
     def text(self) -> str:
@@ -93,7 +116,10 @@ class LLM:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     seq = by_id[(out.request_id, out.index)]
-                    seq.cumulative_logprob += out.logprob or 0.0
+                    if out.logprobs is not None:
+                        seq.logprobs.append(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        seq.prompt_logprobs = out.prompt_logprobs
                     self._absorb(seq, out.new_token_ids, out.finish_reason)
         except BaseException:  # a bad prompt or an interrupt must not leave requests behind in the engine
             for seqs in pending:
@@ -147,16 +173,36 @@ class LLM:
 
     def _to_output(self, seqs: list[_Pending]) -> RequestOutput:
         """The prompt's n completions (best_of > n: the n of highest cumulative log-probability)."""
-        first, n = seqs[0], seqs[0].params.n
-        if len(seqs) > n:
-            seqs = sorted(seqs, key=lambda p: p.cumulative_logprob, reverse=True)[:n]
-        completions = [
-            CompletionOutput(
-                i, p.text, p.token_ids, p.finish_reason, p.cumulative_logprob if len(seqs) else None
-            )
-            for i, p in enumerate(seqs)
-        ]
-        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions)
+        first, params = seqs[0], seqs[0].params
+        if params.ranks_sequences:
+            seqs = sorted(seqs, key=lambda p: p.cumulative_logprob, reverse=True)[: params.n]
+        completions = [self._completion(i, p) for i, p in enumerate(seqs)]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._positions(first.prompt_logprobs)]
+        return RequestOutput(
+            first.request_id, first.prompt, first.prompt_token_ids, completions, True, prompt_logprobs
+        )
+
+    def _completion(self, index: int, seq: _Pending) -> CompletionOutput:
+        computed = seq.params.num_logprobs is not None
+        logprobs = self._positions(concat(seq.logprobs)) if seq.params.logprobs is not None else None
+        cumulative = seq.cumulative_logprob if computed else None
+        return CompletionOutput(index, seq.text, seq.token_ids, seq.finish_reason, cumulative, logprobs)
+
+    def _positions(self, logprobs: Logprobs) -> list[PositionLogprobs]:
+        """vLLM's form: per position, the token there first, then the k most likely (ranks 1..k)."""
+
+        def text(token_id: int) -> str | None:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+
+        out = []
+        for i, token in enumerate(logprobs.token_ids):
+            entry = {token: Logprob(logprobs.logprobs[i], logprobs.ranks[i], text(token))}
+            for rank, (top_id, value) in enumerate(logprobs.top(i), start=1):
+                entry.setdefault(top_id, Logprob(value, rank, text(top_id)))
+            out.append(entry)
+        return out
 
     @staticmethod
     def _params_per_prompt(

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from amoe.errors import RequestError
+from amoe.logprobs import MAX_LOGPROBS
 
 # Ranges every engine can honour: a seed travels as an int64, counts as int32; below _SAMPLING_EPS a temperature
 # is greedy (as in vLLM: dividing logits by a denormal would overflow them).
@@ -54,6 +55,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A compiled grammar every output must follow (amoe.structured.compile_grammar), or None.
     grammar: str | None = None
+    # Log-probabilities (vLLM's names): None asks for none; k >= 0 asks for each sampled (or prompt) token's own
+    # and the k most likely tokens' at its position. Prompt log-probabilities are reported once, with the first
+    # token. best_of ranks its sequences by the sum of the same sampled-token log-probabilities.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or lists from JSON / vLLM-style callers; store tuples (frozen, hashable).
@@ -105,6 +111,12 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(
+                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}", name
+                )
 
     def _validate_processors(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -175,6 +187,19 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences generated from the prompt: best_of if given, else n."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """best_of > n: the n returned are the best by cumulative log-probability."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The top log-probabilities each sampled token carries back from the head: as asked, or 0 (the token's
+        own only) when best_of ranks the sequences by them; None: none."""
+        if self.logprobs is None and self.ranks_sequences:
+            return 0
+        return self.logprobs
 
     @property
     def has_processors(self) -> bool:

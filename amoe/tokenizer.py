@@ -125,6 +125,10 @@ class Tokenizer:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: Iterable[int]) -> list[str]:
+        """Each id's vocabulary piece, as transformers' `convert_ids_to_tokens` gives it (vLLM's token_strs)."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

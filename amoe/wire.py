@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from amoe.errors import TransportError
+from amoe.logprobs import MAX_LOGPROBS, Logprobs
 
 PROTOCOL_VERSION = 2
 
@@ -97,15 +98,22 @@ class TokenOut(_Msg, tag=5):
     error: Annotated[str, Meta(max_length=65536)] | None = (
         None  # why ("rejected": the request; "error": the runtime)
     )
-    # Per request, the raw log-probability of its new token (0 for none), when one of them is ranked for
-    # best_of (else empty): the coordinator sums them, so a moved sequence's score goes on where it was.
-    token_logprobs: list[Annotated[float, Meta(le=0.0)]] = []
+    # Per request, when any wanted them: Logprobs of its new tokens (asked for, or best_of ranks its sequences:
+    # the coordinator sums them, so a moved sequence's score goes on where it was) / of its prompt (first token
+    # only), or None.
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.request_ids) == len(self.token_ids) == len(self.finish_reasons):
             raise ValueError("request_ids, token_ids and finish_reasons differ in length")
-        if self.token_logprobs and len(self.token_logprobs) != len(self.request_ids):
-            raise ValueError("token_logprobs and request_ids differ in length")
+        for column in (self.logprobs, self.prompt_logprobs):
+            if column is not None and len(column) != len(self.request_ids):
+                raise ValueError("logprobs and request_ids differ in length")
+        if self.logprobs is not None and any(
+            lp is not None and lp.token_ids != tokens for lp, tokens in zip(self.logprobs, self.token_ids)
+        ):
+            raise ValueError("logprobs are not of the tokens they travel with")
 
 
 # ---- coordinator → runtime
@@ -142,6 +150,8 @@ class WireSampling(msgspec.Struct, array_like=True, frozen=True):
     allowed_token_ids: list[TokenId] | None = None
     bad_words_token_ids: list[list[TokenId]] = []
     grammar: Annotated[str, Meta(max_length=1 << 20)] | None = None  # compiled (amoe.structured)
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class AddRequest(_Msg, tag=17):
@@ -265,6 +275,8 @@ def to_wire_sampling(params: Any, seed: int | None) -> WireSampling:
         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
         bad_words_token_ids=[list(w) for w in params.bad_words_token_ids],
         grammar=params.grammar,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -291,6 +303,8 @@ def from_wire_sampling(params: WireSampling) -> Any:
         allowed_token_ids=params.allowed_token_ids,
         bad_words_token_ids=params.bad_words_token_ids,
         grammar=params.grammar,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 

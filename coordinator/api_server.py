@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,32 +23,40 @@ from coordinator.backend import Backend
 from coordinator.body_limit import BodyLimitMiddleware
 from coordinator.lifetime import RequestLifetime
 from coordinator.load_balancer import LoadBalancer
+from coordinator.logprobs_api import TokenTexts
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import (
     ApiError,
     ErrorResponse,
+    bad_request,
     from_exception,
     install_error_handlers,
     internal_error,
 )
 from coordinator.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
-    Usage,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
-from coordinator.request_state import Detokenizer, RequestState
-from coordinator.serving import RequestRunner
-from coordinator.validation import ModelInfo, Tokenizer, prepare_chat, prepare_completion
+from coordinator.request_state import Detokenizer
+from coordinator.responses import Responder, event
+from coordinator.serving import RequestRunner, end_all
+from coordinator.validation import (
+    ModelInfo,
+    PreparedRequest,
+    Tokenizer,
+    check_text,
+    prepare_chat,
+    prepare_completions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,7 @@ class _Served:
     created: int
     request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
     api_key: str | None
+    responder: Responder  # runs an API call's requests and shapes its response
 
 
 def create_app(
@@ -97,7 +105,8 @@ def create_app(
     runner = RequestRunner(
         backend, balancer, metrics, make_detokenizer, server.request_timeout_s, server.stall_timeout_s
     )
-    served = _Served(runner, tokenizer, model, int(time.time()), itertools.count(1), api_key)
+    responder = Responder(runner, model.name, TokenTexts(tokenizer))
+    served = _Served(runner, tokenizer, model, int(time.time()), itertools.count(1), api_key, responder)
     app = FastAPI(title="amoe", version=__version__, description="OpenAI-compatible API of amoe")
     app.state.served = served
     install_error_handlers(app, on_invalid=lambda request: _count_invalid(runner, request))
@@ -111,6 +120,7 @@ def create_app(
     )
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
+    _add_tokenizer_routes(app, served)
     return app
 
 
@@ -149,29 +159,91 @@ def _add_info_routes(app: FastAPI, served: _Served) -> None:
 
 
 def _add_generation_routes(app: FastAPI, served: _Served) -> None:
-    runner = served.runner
+    runner, responder = served.runner, served.responder
 
     async def generate(body, request: Request, endpoint: str, prepare, stream_events, complete) -> Response:
-        # Completions and chat differ only in how a request is prepared and how its output is shaped.
-        request_id = next(served.request_ids)
+        # Completions and chat differ only in how a request is prepared and how its output is shaped; a
+        # completions body with a list of prompts runs one request per prompt, answered together.
+        request_id = next(served.request_ids)  # the first prompt's; the others' follow
+        ids = itertools.chain([request_id], served.request_ids)
         with _count_rejections(runner, endpoint, request_id):
             # Tokenizing and templating off the event loop: a huge prompt must not freeze every other stream.
-            req = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, request_id)
-        lifetime = runner.open(req, endpoint)  # from here on, whatever happens ends it (and counts it)
-        await _unless_disconnected(request, runner.admit(lifetime), lifetime)
+            reqs = await asyncio.to_thread(prepare, body, served.tokenizer, served.model, ids.__next__)
+        lifetimes = [runner.open(req, endpoint) for req in reqs]  # from here on, whatever happens ends them
+        await _unless_disconnected(request, _admit_all(runner, lifetimes), lifetimes)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(runner, lifetime, served.model.name, include_usage)
-            return _EventStream(events, lifetime)
-        return await _unless_disconnected(request, complete(runner, lifetime, served.model.name), lifetime)
+            events = stream_events(lifetimes, include_usage)
+            return _EventStream(events, lifetimes)
+        return await _unless_disconnected(request, complete(lifetimes), lifetimes)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(body, request, "completions", prepare_completion, _completion_events, _complete)
+        return await generate(
+            body, request, "completions", prepare_completions, responder.completion_events, responder.complete
+        )
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(body, request, "chat", prepare_chat, _chat_events, _chat)
+        return await generate(body, request, "chat", _prepare_chat, responder.chat_events, responder.chat)
+
+
+def _prepare_chat(body, tokenizer, model, next_id) -> list[PreparedRequest]:
+    return [prepare_chat(body, tokenizer, model, next_id())]
+
+
+def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (which lm-evaluation-harness looks for to tokenize with
+    the server's own tokenizer)."""
+    tokenizer, model = served.tokenizer, served.model
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise ApiError(
+                404, f"The model '{name}' does not exist (serving '{model.name}')", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+
+    def encode(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+        if isinstance(body, TokenizeCompletionRequest):
+            check_text(body.prompt, "prompt")
+            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for m in messages:
+            check_text(m["content"], "messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as exc:  # a checkpoint's template may reject e.g. a system message
+            raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(body.model)
+        tokens = await asyncio.to_thread(encode, body)
+        strs = tokenizer.token_strs(tokens) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=model.max_model_len, tokens=tokens, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        bad = next((t for t in body.tokens if t >= model.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"'tokens' holds token id {bad}, outside the vocabulary [0, {model.vocab_size})", "tokens"
+            )
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info() -> dict[str, Any]:
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **tokenizer.special_tokens,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": model.max_model_len,
+        }
 
 
 def _count_invalid(runner: RequestRunner, request: Request) -> None:
@@ -202,131 +274,43 @@ def _count_rejections(runner: RequestRunner, endpoint: str, request_id: int):
         raise internal_error(exc) from None
 
 
-async def _generate(runner: RequestRunner, lifetime: RequestLifetime) -> list[RequestState]:
-    """Every sequence's final state, by index."""
-    states: dict[int, RequestState] = {}
-    async for _, update in runner.run(lifetime):
-        states[update.index] = update
-    num_seqs = lifetime.req.sampling_params.num_sequences
-    if len(states) != num_seqs or not all(s.is_finished for s in states.values()):
-        raise ApiError(500, "the backend ended the request without finishing it", type="server_error")
-    return [states[i] for i in range(num_seqs)]
-
-
-def _chosen(states: list[RequestState], n: int) -> list[RequestState]:
-    """The n returned: all of them, or with best_of > n the n of highest cumulative log-probability (vLLM's
-    ranking), in that order."""
-    if len(states) == n:
-        return states
-    return sorted(states, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
-
-
-async def _complete(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> CompletionResponse:
-    req, states = lifetime.req, await _generate(runner, lifetime)
-    choices = [
-        CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason)
-        for i, s in enumerate(_chosen(states, req.sampling_params.n))
-    ]
-    return CompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=choices, usage=_usage(states)
-    )
-
-
-async def _chat(runner: RequestRunner, lifetime: RequestLifetime, model: str) -> ChatCompletionResponse:
-    req, states = lifetime.req, await _generate(runner, lifetime)
-    choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason)
-        for i, s in enumerate(_chosen(states, req.sampling_params.n))
-    ]
-    return ChatCompletionResponse(
-        id=req.response_id, created=int(time.time()), model=model, choices=choices, usage=_usage(states)
-    )
-
-
-def _usage(states: list[RequestState]) -> Usage:
-    """Every generated token counts, those of best_of's discarded sequences too."""
-    return Usage.of(states[0].num_prompt_tokens, sum(s.num_output_tokens for s in states))
-
-
-async def _completion_events(
-    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    req, created = lifetime.req, int(time.time())
-    usage_field = {"usage": None} if include_usage else {}
-    states: dict[int, RequestState] = {}
-    async for text, state in runner.run(lifetime):
-        states[state.index] = state
-        choice = CompletionChoice(index=state.index, text=text, finish_reason=state.finish_reason)
-        chunk = CompletionResponse(id=req.response_id, created=created, model=model, choices=[choice])
-        yield _event(chunk.model_dump(exclude={"usage"}) | usage_field)
-    if include_usage and states:
-        final = CompletionResponse(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(list(states.values()))
-        )
-        yield _event(final.model_dump())
-
-
-async def _chat_events(
-    runner: RequestRunner, lifetime: RequestLifetime, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    req, created = lifetime.req, int(time.time())
-    exclude = set() if include_usage else {"usage"}
-
-    def chunk(delta: DeltaMessage, index: int, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
-        body = ChatCompletionChunk(id=req.response_id, created=created, model=model, choices=[choice])
-        payload = body.model_dump(exclude=exclude)
-        payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # as OpenAI: absent, not null
-        return _event(payload)
-
-    for index in range(req.sampling_params.n):  # OpenAI opens every choice of a chat stream with the role
-        yield chunk(DeltaMessage(role="assistant", content=""), index)
-    states: dict[int, RequestState] = {}
-    async for text, state in runner.run(lifetime):
-        states[state.index] = state
-        if text:
-            yield chunk(DeltaMessage(content=text), state.index)
-        if state.is_finished:
-            yield chunk(DeltaMessage(), state.index, state.finish_reason)
-    if include_usage and states:
-        final = ChatCompletionChunk(
-            id=req.response_id, created=created, model=model, choices=[], usage=_usage(list(states.values()))
-        )
-        yield _event(final.model_dump())
+async def _admit_all(runner: RequestRunner, lifetimes: list[RequestLifetime]) -> None:
+    """Admit a one-prompt request before answering (so a full server says 503 in the status line); several
+    prompts are admitted each as it starts (RequestRunner.run_all)."""
+    if len(lifetimes) == 1:
+        await runner.admit(lifetimes[0])
 
 
 class _EventStream(StreamingResponse):
     """A request's server-sent events. However the response ends (all sent, the client gone, a failure), the
     request ends with it, directly: the event generators may sit at a `yield` that no cancellation reaches."""
 
-    def __init__(self, events: AsyncIterator[str], lifetime: RequestLifetime) -> None:
+    def __init__(self, events: AsyncIterator[str], lifetimes: list[RequestLifetime]) -> None:
         super().__init__(_with_done(events), media_type="text/event-stream")
-        self._lifetime = lifetime
+        self._lifetimes = lifetimes
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._lifetime.abort("its event stream ended early (the client left)")
+            end_all(self._lifetimes, "its event stream ended early (the client left)")
 
 
 async def _with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """The OpenAI stream framing: an error mid-stream becomes an error event; always end with [DONE]."""
     try:
         async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
+            async for each in events:
+                yield each
     except Exception as exc:  # headers are sent already: the status can no longer change
-        yield _event({"error": from_exception(exc).info.model_dump()})
+        yield event({"error": from_exception(exc).info.model_dump()})
     yield "data: [DONE]\n\n"
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime: RequestLifetime) -> Any:
-    """Await `work`; if the client disconnects first, abort its request, then cancel `work`."""
+async def _unless_disconnected(
+    request: Request, work: Awaitable[Any], lifetimes: list[RequestLifetime]
+) -> Any:
+    """Await `work`; if the client disconnects first, abort its requests, then cancel `work`."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -336,7 +320,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], lifetime:
         watcher.cancel()
         if not task.done():  # the client left, or this handler is cancelled
             # Aborted here, not by the cancellation: that one only stops `work` from going on.
-            lifetime.abort("the client disconnected" if gone else "its handler was cancelled")
+            end_all(lifetimes, "the client disconnected" if gone else "its handler was cancelled")
             task.cancel()
             await asyncio.wait({task})
     if task not in done:

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from amoe.logprobs import Logprobs
+
 
 @dataclass(frozen=True)
 class TokenDelta:
@@ -15,7 +17,9 @@ class TokenDelta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     index: int = 0  # which of the request's sequences (n > 1); each finishes on its own
-    logprob: float | None = None  # the raw log-probability of these tokens, when best_of ranks the sequence
+    # Of token_ids, when the request asked (SamplingParams.logprobs) or best_of ranks its sequences by them.
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # prompt tokens 1.. (first delta only), when asked
 
     @property
     def is_finished(self) -> bool:

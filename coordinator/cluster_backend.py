@@ -232,9 +232,10 @@ class ClusterBackend(Backend):
     # ---- what the cluster tells us (ClusterEvents)
 
     def on_tokens(self, msg: wire.TokenOut) -> None:
-        logprobs = msg.token_logprobs or [None] * len(msg.request_ids)
-        for seq_id, tokens, reason, logprob in zip(
-            msg.request_ids, msg.token_ids, msg.finish_reasons, logprobs
+        none = [None] * len(msg.request_ids)
+        columns = (msg.logprobs or none, msg.prompt_logprobs or none)
+        for seq_id, tokens, reason, logprobs, prompt in zip(
+            msg.request_ids, msg.token_ids, msg.finish_reasons, *columns
         ):
             request_id, index = self._sequence_of.get(seq_id, (seq_id, 0))
             stream = self._streams.get(request_id)
@@ -269,7 +270,8 @@ class ClusterBackend(Backend):
                 stream.running.discard(index)
                 if not stream.running:
                     del self._streams[request_id]
-            stream.queue.put_nowait(TokenDelta(list(tokens), reason, index, logprob))
+            delta = TokenDelta(list(tokens), reason, index, logprobs=logprobs, prompt_logprobs=prompt)
+            stream.queue.put_nowait(delta)
 
     def _runtime_of(self, stream: _Stream) -> int:
         return self.cluster.attn_runtimes[stream.rank].id

@@ -21,6 +21,9 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 # (coordinator/validation.py, UNSUPPORTED) rather than silently ignored.
 _REQUEST = ConfigDict(strict=True, extra="allow")
 
+# vLLM's extras that OpenAI's responses lack: in the body only when the request asked for them.
+_ONLY_WHEN_ASKED = Field(default=None, exclude_if=lambda value: value is None)
+
 # Every number the engine takes is bounded here, so no value can overflow on its way to a runtime.
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -109,6 +112,11 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 only with echo (the prompt scored, nothing generated: OpenAI's legacy scoring idiom, as vLLM serves it)
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    echo: bool | None = False
+    logprobs: int | None = None  # top log-probabilities per token (OpenAI: 0..5; amoe and vLLM: 0..20)
+    prompt_logprobs: int | None = None  # vLLM's: of the prompt's tokens
 
 
 class TextPart(BaseModel):
@@ -132,6 +140,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: of the rendered conversation's tokens
 
 
 class Usage(BaseModel):
@@ -148,11 +159,34 @@ class Usage(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions log-probabilities: per token its text, log-probability (null for a prompt's first),
+    the most likely tokens' (text → log-probability; the token's own included) and its offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one token of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (null for the first), token id (as a JSON key) → its Logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = _ONLY_WHEN_ASKED
 
 
 class CompletionResponse(BaseModel):
@@ -169,10 +203,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat log-probabilities: per output token, its own and the `top_logprobs` most likely."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -183,6 +233,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _ONLY_WHEN_ASKED  # vLLM's
 
 
 class DeltaMessage(BaseModel):
@@ -193,7 +244,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -212,6 +263,44 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "amoe"
     max_model_len: int
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize of a prompt."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize of a conversation, rendered with the model's chat template."""
+
+    model_config = _STRICT
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

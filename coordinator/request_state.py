@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from amoe.logprobs import Logprobs, concat
 from amoe.request_rules import StopMatcher
 
 
@@ -36,7 +37,6 @@ class RequestState:
             include_stop_str  # vLLM's include_stop_str_in_output: cut after it, not before
         )
         self.index = index  # which of the request's sequences (n > 1)
-        self.cumulative_logprob = 0.0  # of its tokens, when best_of ranks it
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self._parts: list[str] = []  # the text, piece by piece
@@ -44,6 +44,11 @@ class RequestState:
         self._unsent: list[str] = []  # the text's end not yet handed out, piece by piece
         self._sent = 0  # characters already handed out
         self.finish_reason: str | None = None
+        # Log-probabilities, when the request asked (or best_of ranks by them): of the output tokens (delta by
+        # delta, the unsent ones apart) and of the prompt's tokens 1.. (shared by the request's sequences).
+        self._logprobs: list[Logprobs] = []
+        self._unsent_logprobs: list[Logprobs] = []
+        self.prompt_logprobs: Logprobs | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -56,10 +61,16 @@ class RequestState:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    def append(self, token_ids: list[int], finish_reason: str | None) -> None:
-        """Add the engine's new tokens; a stop string found in the text finishes the request with "stop"."""
+    def append(
+        self, token_ids: list[int], finish_reason: str | None, logprobs: Logprobs | None = None
+    ) -> None:
+        """Add the engine's new tokens (with their log-probabilities, if asked); a stop string found in the text
+        finishes the request with "stop"."""
         if self.is_finished:
             return
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
+            self._unsent_logprobs.append(logprobs)
         self.num_output_tokens += len(token_ids)
         new = "".join(self._detokenizer.add(t) for t in token_ids)
         if finish_reason is not None:
@@ -88,3 +99,18 @@ class RequestState:
         self._unsent = [rest] if rest else []
         self._sent = end
         return chunk
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' log-probabilities (best_of ranks by it; 0 when none were computed)."""
+        return sum(sum(part.logprobs) for part in self._logprobs)
+
+    @property
+    def logprobs(self) -> Logprobs:
+        """The log-probabilities of every output token so far (empty if not asked)."""
+        return concat(self._logprobs)
+
+    def take_logprobs(self) -> Logprobs:
+        """Those not handed out yet: they go with the text a stream sends now."""
+        unsent, self._unsent_logprobs = self._unsent_logprobs, []
+        return concat(unsent)

@@ -137,12 +137,13 @@ class RequestRunner:
                         in_backend.discard(delta.index)
                         if not in_backend:  # the backend holds nothing of it any more
                             lifetime.backend_ended()
+                    if delta.prompt_logprobs is not None:  # reported once: every sequence's choice shows them
+                        for each in states:
+                            each.prompt_logprobs = delta.prompt_logprobs
                     state = states[delta.index]
                     if state.is_finished:  # a stop string ended it here; the backend's end of it is late
                         continue
-                    state.append(delta.token_ids, delta.finish_reason)
-                    if delta.logprob is not None:
-                        state.cumulative_logprob += delta.logprob
+                    state.append(delta.token_ids, delta.finish_reason, delta.logprobs)
                     lifetime.tokens(len(delta.token_ids))
                     done = all(s.is_finished for s in states)
                     if done:  # all its output is here: end it (a stop string aborts it) first
@@ -166,6 +167,43 @@ class RequestRunner:
         finally:
             lifetime.end(reason, cause)
 
+    async def run_all(self, lifetimes: list[RequestLifetime]) -> AsyncIterator[tuple[int, str, RequestState]]:
+        """(prompt index, new text, state of its sequence) of every prompt's request as they come (`run`), the
+        requests of one API call; a failure of one fails the lot. One prompt's request is admitted already; with
+        several, each is admitted as it starts: waiting for all first could hold KV for some while the others
+        wait for it, and deadlock."""
+        if len(lifetimes) == 1:  # the common case, without a task in between
+            async for text, state in self.run(lifetimes[0]):
+                yield 0, text, state
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, lifetime: RequestLifetime) -> None:
+            try:
+                await self.admit(lifetime)
+                async for text, state in self.run(lifetime):
+                    queue.put_nowait((index, text, state))
+                queue.put_nowait((index, None, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
+                queue.put_nowait((index, exc, None))
+
+        tasks = [asyncio.ensure_future(pump(i, lifetime)) for i, lifetime in enumerate(lifetimes)]
+        try:
+            running = len(tasks)
+            while running:
+                index, text, state = await queue.get()
+                if isinstance(text, Exception):
+                    raise text
+                if text is None:
+                    running -= 1
+                    continue
+                yield index, text, state
+        finally:
+            end_all(lifetimes, "another prompt of its request ended early")  # no-op for those that finished
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _next(self, stream: AsyncIterator[TokenDelta], lifetime: RequestLifetime) -> TokenDelta | None:
         """The stream's next delta (None at its end), within the stall timeout and before the deadline (504)."""
         wait = min(self.stall_timeout_s, lifetime.deadline - time.monotonic())
@@ -183,6 +221,12 @@ class RequestRunner:
         if delta is None:
             lifetime.backend_ended()
         return delta
+
+
+def end_all(lifetimes: list[RequestLifetime], cause: str) -> None:
+    """Abort the requests of one API call (those ended already stay as they ended)."""
+    for lifetime in lifetimes:
+        lifetime.abort(cause)
 
 
 def _timeout(message: str) -> ApiError:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from amoe.errors import RequestError
+from amoe.logprobs import MAX_LOGPROBS
 from amoe.sampling_params import SamplingParams
 from coordinator.openai_errors import ApiError, bad_request
 from coordinator.protocol import ChatCompletionRequest, CompletionRequest
@@ -15,16 +17,19 @@ from coordinator.sampling_options import sampling_options
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
+# Prompts one completions request may carry (each runs as a request of its own); evaluation harnesses batch a
+# few dozen.
+MAX_PROMPTS = 256
 
 # Parameters OpenAI or vLLM accept that amoe does not implement, each with the values that ask for nothing (what
 # SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends use_beam_search false): those are
 # accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored. (The sampling
 # options amoe implements are typed fields of coordinator/protocol.py, read by coordinator/sampling_options.py.)
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "prompt_logprobs": (None,),
+    "echo": (None, False),  # chat's (repeat the last message); completions declare theirs
+    "logprob_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
     "length_penalty": (None, 1, 1.0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -51,6 +56,8 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -70,16 +77,52 @@ class PreparedRequest:
     max_tokens: int
     sampling_params: Any  # amoe.sampling_params.SamplingParams
     stop: list[str]
+    # Its prompt's place in the request's list of prompts: its choices are prompt_index * n + i, i < n.
+    prompt_index: int = 0
+    echo: bool = False  # completions: the prompt (text, and tokens in logprobs) leads the choice
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its one generated token is not shown)
+    prompt_text: str = ""  # what echo shows: the prompt as given, or its token ids decoded
+
+
+def prepare_completions(
+    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, next_id: Callable[[], int]
+) -> list[PreparedRequest]:
+    """One prepared request per prompt of `prompt` (a string, token ids, or a list of either), in order, sharing
+    the response's id; `next_id()` gives each its request id."""
+    _check_common(req, model)
+    _check_logprobs(req.logprobs, "logprobs")
+    _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs  # as vLLM: echoed prompt tokens are scored like the output's
+    # echo with max_tokens 0: one token runs (its prefill scores the prompt) and is not shown, as in vLLM.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    max_tokens = 1 if echo_only else req.max_tokens
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = _completion_prompts(req.prompt, tokenizer, model)
+    options = _options(req, tokenizer, model, (req.logprobs, prompt_logprobs))  # once: the prompts share them
+    prepared = []
+    for index, (prompt_ids, text) in enumerate(prompts):
+        if req.echo and text is None:
+            text = tokenizer.decode(prompt_ids)
+        prepared.append(
+            _prepare(
+                req, next_id(), "cmpl", prompt_ids, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model, options,
+                response_id=response_id, prompt_index=index, echo=bool(req.echo), echo_only=echo_only,
+                prompt_text=text or "",
+            )
+        )  # fmt: skip
+    return prepared
 
 
 def prepare_completion(
     req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
 ) -> PreparedRequest:
-    _check_common(req, model)
-    prompt_ids = _completion_prompt_ids(req.prompt, tokenizer, model)
-    return _prepare(
-        req, request_id, "cmpl", prompt_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, model, tokenizer
-    )
+    """The request of a one-prompt completions body."""
+    prepared = prepare_completions(req, tokenizer, model, iter([request_id]).__next__)
+    return prepared[0]
 
 
 def prepare_chat(
@@ -90,14 +133,43 @@ def prepare_chat(
         raise bad_request("'messages' must contain at least one message", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     for m in messages:
-        _check_text(m["content"], "messages")
+        check_text(m["content"], "messages")
     try:
         prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # a checkpoint's template may reject e.g. a system message
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, tokenizer, param)
+    options = _options(req, tokenizer, model, _chat_logprobs(req))
+    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, options, param)
+
+
+def _chat_logprobs(req: ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """(top log-probabilities per output token or None, per prompt token or None), as OpenAI and vLLM check them."""
+    _check_logprobs(req.top_logprobs, "top_logprobs")
+    _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs
+
+
+def _check_logprobs(value: int | None, param: str) -> None:
+    if value is None:
+        return
+    if value < 0:
+        raise bad_request(
+            f"'{param}' must be an integer in [0, {MAX_LOGPROBS}]; got {value} (-1, the whole vocabulary, is not "
+            "supported)",
+            param,
+        )
+    if value > MAX_LOGPROBS:
+        raise bad_request(
+            f"'{param}' is {value}, more than the {MAX_LOGPROBS} most likely tokens amoe returns per position "
+            f"(vLLM's default --max-logprobs)",
+            param,
+        )
 
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> None:
@@ -128,14 +200,21 @@ def _same(value: Any, noop: Any) -> bool:
     return value == noop
 
 
-def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> list[int]:
+def _completion_prompts(
+    prompt: Any, tokenizer: Tokenizer, model: ModelInfo
+) -> list[tuple[list[int], str | None]]:
+    """Each prompt's token ids, and its text if it came as text."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request; got {len(prompt)}", "prompt")
+        return [_completion_prompt(p, tokenizer, model) for p in prompt]
+    return [_completion_prompt(prompt, tokenizer, model)]
+
+
+def _completion_prompt(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
-        return tokenizer.encode(prompt)  # with the special tokens the checkpoint's tokenizer adds
+        check_text(prompt, "prompt")
+        return tokenizer.encode(prompt), prompt  # with the special tokens the checkpoint's tokenizer adds
     if not prompt:
         raise bad_request("'prompt' must not be empty", "prompt")
     bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
@@ -143,10 +222,10 @@ def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) 
         raise bad_request(
             f"'prompt' holds token id {bad}, outside the vocabulary [0, {model.vocab_size})", "prompt"
         )
-    return list(prompt)
+    return list(prompt), None
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -161,8 +240,11 @@ def _prepare(
     max_tokens: int | None,
     default_max_tokens: int | None,
     model: ModelInfo,
-    tokenizer: Tokenizer,
+    options: dict[str, Any],
     max_tokens_param: str = "max_tokens",
+    *,
+    response_id: str | None = None,
+    **extra: Any,
 ) -> PreparedRequest:
     room = model.max_model_len - len(prompt_ids)
     if room <= 0:
@@ -173,7 +255,10 @@ def _prepare(
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens <= 0:
-        raise bad_request(f"'{max_tokens_param}' must be at least 1; got {max_tokens}", max_tokens_param)
+        raise bad_request(
+            f"'{max_tokens_param}' must be at least 1 (0 only with 'echo'); got {max_tokens}",
+            max_tokens_param,
+        )
     elif max_tokens > room:
         raise bad_request(
             f"'{max_tokens_param}' is {max_tokens} but the prompt ({len(prompt_ids)} tokens) leaves room for only "
@@ -183,11 +268,12 @@ def _prepare(
     stop = _stop_strings(req.stop)
     return PreparedRequest(
         request_id=request_id,
-        response_id=f"{kind}-{uuid.uuid4().hex}",
+        response_id=response_id or f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop, model, tokenizer),
+        sampling_params=_sampling_params(req, max_tokens, stop, model, options),
         stop=stop,
+        **extra,
     )
 
 
@@ -196,8 +282,23 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     if any(s == "" for s in stops):
         raise bad_request("stop strings must not be empty", "stop")
     for s in stops:
-        _check_text(s, "stop")
+        check_text(s, "stop")
     return stops
+
+
+def _options(
+    req: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    logprobs: tuple[int | None, int | None],
+) -> dict[str, Any]:
+    """SamplingParams options beyond the core set: log-probabilities (per output token, per prompt token) and
+    coordinator/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
+    try:
+        options = sampling_options(req, tokenizer, model.vocab_size, model.grammars)
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return {"logprobs": logprobs[0], "prompt_logprobs": logprobs[1], **options}
 
 
 def _sampling_params(
@@ -205,7 +306,7 @@ def _sampling_params(
     max_tokens: int,
     stop: list[str],
     model: ModelInfo,
-    tokenizer: Tokenizer,
+    options: dict[str, Any],
 ) -> Any:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= model.vocab_size), None)
@@ -222,7 +323,7 @@ def _sampling_params(
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             **{name: value for name, value in given.items() if value is not None},
-            **sampling_options(req, tokenizer, model.vocab_size, model.grammars),
+            **options,
         )
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -63,3 +63,50 @@ def transformers_checkpoint(preset_name: str, out_dir: Path, seed: int = 0, pack
     generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return out_dir
+
+
+# ---- log-probabilities against transformers (float32 log-softmax of its logits, teacher-forced)
+
+LOGPROB_TOL = 1e-4
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy output for `prompt`, and its log-softmax rows [len(prompt) + max_tokens - 1, V]: row i
+    scores the token after position i of prompt + output."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        logits = model(torch.tensor([tokens[:-1]])).logits[0]
+    return tokens[len(prompt) :], torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_logprobs(ref: torch.Tensor, tokens: list[int], logprobs, first: int, k: int) -> None:
+    """`logprobs` (amoe.logprobs.Logprobs) of tokens[first:] against transformers' rows (ref[i] scores tokens[i+1]):
+    values within LOGPROB_TOL, ranks and the top k exactly transformers'."""
+    assert logprobs.token_ids == tokens[first:]
+    for i, token in enumerate(tokens[first:]):
+        row = ref[first - 1 + i]
+        assert abs(logprobs.logprobs[i] - float(row[token])) < LOGPROB_TOL, (i, token)
+        assert logprobs.ranks[i] == int((row > row[token]).sum()) + 1
+        top = row.topk(k)
+        assert logprobs.top_ids[i] == top.indices.tolist()
+        assert all(abs(a - b) < LOGPROB_TOL for a, b in zip(logprobs.top_logprobs[i], top.values.tolist()))
+
+
+def check_echo_choice(ref: torch.Tensor, tokens: list[int], choice: dict, k: int) -> None:
+    """A completions choice of `echo` + `logprobs: k` over token-id prompt + greedy output `tokens`: each token's
+    log-probability (null for the first) and its top k as transformers gives them."""
+    lp = choice["logprobs"]
+    assert (
+        len(lp["tokens"]) == len(tokens) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    )
+    for i, token in enumerate(tokens[1:]):
+        row = ref[i]
+        assert abs(lp["token_logprobs"][i + 1] - float(row[token])) < LOGPROB_TOL, i
+        # The token's own and the top k, keyed by text: ids that decode alike (lone bytes: U+FFFD) share a key.
+        allowed = [float(row[token]), *row.topk(k).values.tolist()]
+        values = lp["top_logprobs"][i + 1].values()
+        assert values and all(any(abs(v - a) < LOGPROB_TOL for a in allowed) for v in values), i
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0

@@ -215,10 +215,6 @@ def test_a_stop_string_aborts_the_backend_request():
 # ---- parameters amoe does not implement: refused by name, their no-op values accepted
 
 UNSUPPORTED_CASES = [
-    ("logprobs", 2),
-    ("logprobs", 0),  # 0 asks for the sampled token's logprob: not the same as false
-    ("top_logprobs", 3),
-    ("echo", True),
     ("length_penalty", 2.0),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),

@@ -77,7 +77,7 @@ def reference(engine, tokenizer, prompt: str, params: SamplingParams) -> list[tu
     while engine.has_unfinished():
         for o in engine.step():
             tokens.setdefault(o.index, []).extend(o.new_token_ids)
-            score[o.index] = score.get(o.index, 0.0) + (o.logprob or 0.0)
+            score[o.index] = score.get(o.index, 0.0) + (sum(o.logprobs.logprobs) if o.logprobs else 0.0)
     return [(tokenizer.decode(tokens[i]), score[i]) for i in sorted(tokens)]
 
 
@@ -115,6 +115,47 @@ def test_best_of_returns_the_highest_scoring_sequences(client, engine, tokenizer
     )
     assert [c.text for c in out.choices] == [text for text, _ in ranked[:2]]
     assert out.usage.completion_tokens == 20  # every sequence generated counts
+
+
+@pytest.mark.timeout(120)
+def test_n_chat_choices_carry_their_own_raw_logprobs_streamed_alike(client, engine, tokenizer):
+    """Chat n=2 with logprobs under a penalty, sampled at the attention rank: each choice's log-probabilities are
+    the engine's for its sequence (the raw model's: the penalty changes the draws, not them), and a stream carries
+    each choice's in its own chunks."""
+    body = {"temperature": 1.0, "max_tokens": 4, "seed": 3, "presence_penalty": 1.5}
+    messages = [{"role": "user", "content": "hi"}]
+    args = {"model": MODEL, "messages": messages, "n": 2, "logprobs": True, "top_logprobs": 2, **body}
+    out = client.chat.completions.create(**args, extra_body={"ignore_eos": True})
+    engine.add_request(
+        2, tokenizer.encode_chat(messages), SamplingParams(n=2, logprobs=2, ignore_eos=True, **body)
+    )
+    expected: dict[int, list[tuple[float, list[float]]]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            expected.setdefault(o.index, []).extend(zip(o.logprobs.logprobs, o.logprobs.top_logprobs))
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice in out.choices:
+        _close(_values(choice.logprobs.content), expected[choice.index])
+    streamed = client.chat.completions.create(**args, stream=True, extra_body={"ignore_eos": True})
+    per_choice: dict[int, list] = {0: [], 1: []}
+    for chunk in streamed:
+        for c in chunk.choices:
+            per_choice[c.index] += c.logprobs.content if c.logprobs else []
+    for choice in out.choices:
+        assert [e.token for e in per_choice[choice.index]] == [e.token for e in choice.logprobs.content]
+        _close(_values(per_choice[choice.index]), _values(choice.logprobs.content))
+
+
+def _values(content) -> list[tuple[float, list[float]]]:
+    return [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in content]
+
+
+def _close(got: list[tuple[float, list[float]]], want: list[tuple[float, list[float]]]) -> None:
+    """Equal but for float noise (a step batched otherwise runs other matmul shapes)."""
+    assert len(got) == len(want)
+    for (value, top), (value_want, top_want) in zip(got, want):
+        assert value == pytest.approx(value_want, abs=1e-4)
+        assert top == pytest.approx(top_want, abs=1e-4)
 
 
 @pytest.mark.timeout(120)

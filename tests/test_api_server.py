@@ -272,7 +272,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL_NAME, "prompt": _TOO_LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
     ("completions", {"model": MODEL_NAME, "prompt": [1, 99999]}, 400, "prompt"),
     ("completions", {"model": MODEL_NAME, "prompt": []}, 400, "prompt"),
-    ("completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": MODEL_NAME, "prompt": ["a", [1, 2]]}, 400, "prompt"),  # text and ids mixed
     ("completions", {"model": MODEL_NAME, "prompt": "\ud800"}, 400, "prompt"),
     ("completions", {"model": MODEL_NAME, "prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"model": MODEL_NAME, "prompt": "hi", "n": 129}, 400, "n"),

@@ -137,9 +137,10 @@ def test_forked_sequences_share_a_row_and_best_of_gets_raw_logprobs():
     seqs = [Seq(params, [1], [], generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
     tokens, logprobs = sample_sequences(Sampler(), logits, [1, 1, 1], seqs, EOS)
     expected = torch.log_softmax(logits[1], -1)[tokens]
-    assert torch.allclose(torch.tensor(logprobs), expected)
+    assert [lp.token_ids for lp in logprobs] == [[t] for t in tokens]
+    assert torch.allclose(torch.tensor([lp.logprobs[0] for lp in logprobs]), expected)
     plain = [Seq(SamplingParams(), [1], [], generator=torch.Generator().manual_seed(1))]
-    assert sample_sequences(Sampler(), logits, [0], plain, EOS)[1] is None
+    assert sample_sequences(Sampler(), logits, [0], plain, EOS)[1] == [None]
 
 
 @pytest.mark.parametrize(
@@ -186,3 +187,34 @@ def test_a_moved_sequence_counts_min_tokens_from_its_readmission():
         seq = Seq(params, [1], [9, 9, 9] + [4] * new, num_generated=3)
         row = apply_processors(logits.clone(), [seq], EOS)[0]
         assert (row[2] == float("-inf")) == banned
+
+
+class _Allow:
+    """A grammar state that allows a fixed set of tokens (amoe.structured.GrammarState's `allowed`)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.mask = np.zeros(VOCAB, dtype=bool)
+        self.mask[tokens] = True
+
+    def allowed(self) -> np.ndarray:
+        return self.mask
+
+
+def test_logprobs_are_the_raw_models_but_see_the_grammar_mask():
+    """vLLM's default raw_logprobs: the processors (here logit_bias and a penalty) decide the draw but not the
+    reported log-probabilities; a grammar's mask, which vLLM applies before its sampler, is in them."""
+    logits = _logits(seed=9)
+    raw = torch.log_softmax(logits[0], -1)
+    params = SamplingParams(temperature=0, logprobs=2, logit_bias={5: 100.0}, presence_penalty=1.0)
+    tokens, logprobs = sample_sequences(Sampler(), logits.clone(), [0], [Seq(params, [1], [3])], EOS)
+    assert tokens == [5]  # the bias decided it
+    assert logprobs[0].logprobs[0] == pytest.approx(raw[5].item(), abs=1e-6)
+    assert logprobs[0].top_ids[0] == raw.topk(2).indices.tolist()
+
+    grammar = _Allow(list(range(10, 20)))
+    seq = Seq(SamplingParams(temperature=0, logprobs=3), [1], [], grammar=grammar)
+    tokens, logprobs = sample_sequences(Sampler(), logits.clone(), [0], [seq], EOS)
+    masked = torch.log_softmax(logits[0].masked_fill(~torch.from_numpy(grammar.mask), float("-inf")), -1)
+    assert 10 <= tokens[0] < 20
+    assert logprobs[0].logprobs[0] == pytest.approx(masked[tokens[0]].item(), abs=1e-6)
+    assert logprobs[0].top_ids[0] == masked.topk(3).indices.tolist()

@@ -119,8 +119,9 @@ def test_best_of_sequences_carry_their_raw_log_probability(engine):
     scores: dict[int, float] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            assert o.logprob is not None and o.logprob <= 0
-            scores[o.index] = scores.get(o.index, 0.0) + o.logprob
+            assert o.logprobs is not None and o.logprobs.logprobs[0] <= 0
+            assert o.logprobs.top_ids == [[]]  # best_of alone asks for the token's own, no top k
+            scores[o.index] = scores.get(o.index, 0.0) + o.logprobs.logprobs[0]
     assert sorted(scores) == [0, 1, 2]
 
 

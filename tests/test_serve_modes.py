@@ -11,6 +11,9 @@ import time
 
 import httpx
 import pytest
+import torch
+import transformers
+from factories import check_echo_choice, hf_greedy
 
 from amoe.llm import LLM
 from amoe.model.make import make_model
@@ -30,6 +33,12 @@ def reference(model_dir):
     llm = LLM(model=str(model_dir))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     return [out.outputs[0].text for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [hf_greedy(hf, prompt, 3) for prompt in PROMPTS]
 
 
 class Server:
@@ -99,12 +108,20 @@ async def _complete_all(url: str, prompts, max_tokens, model=None) -> list[dict]
     ],
     ids=["ep", "pingpong"],
 )
-def test_sync_modes_match_reference(model_dir, reference, flags):
+def test_sync_modes_match_reference(model_dir, reference, hf_reference, flags):
     server = Server("--model", str(model_dir), *flags)
     with server as url:
         answers = asyncio.run(_complete_all(url, PROMPTS, MAX_TOKENS))
         health = httpx.get(f"{url}/health").json()
+        body = {"model": answers[0]["model"], "prompt": PROMPTS, "max_tokens": 3, "temperature": 0}
+        scored = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 3}, timeout=60)
     assert [a["choices"][0]["text"] for a in answers] == reference
+    # Every prompt in one request, scored where the head runs: transformers' log-probabilities, echo included.
+    assert scored.status_code == 200, scored.text
+    choices = scored.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(len(PROMPTS)))
+    for prompt, (output, ref), choice in zip(PROMPTS, hf_reference, choices):
+        check_echo_choice(ref, prompt + output, choice, 3)
     assert health["status"] == "ok" and health["mode"] == flags[1]
     # Lock-step devices cannot rejoin a running group: start-up says so, once (docs/healing.md)
     said = [line for line in server.lines if "self-healing is off" in line]

@@ -207,7 +207,8 @@ class LocalBackend(Backend):
                     list(out.new_token_ids),
                     out.finish_reason if out.finished else None,
                     out.index,
-                    out.logprob,
+                    out.logprobs,
+                    out.prompt_logprobs,
                 ),
             )
             for out in outputs

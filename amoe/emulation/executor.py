@@ -23,6 +23,7 @@ from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.shapes import model_config_of, profile_of
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
+from amoe.model.logprobs import HeadSample
 
 # Width of the placeholder rows emulated runtimes exchange: costs always use the profile's real hidden size, so
 # a narrow wire only saves the host's copies (16 floats = 64 bytes per row instead of 16 kB for Mixtral).
@@ -166,13 +167,14 @@ class EmulatedAttention:
         rows = torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
         return rows, rows, torch.from_numpy(ids), torch.from_numpy(weights)  # ids, weights [N, K]
 
-    def sample(self, batch, rows, seqs) -> tuple[list[int], None]:
-        """Hold for the head's time; the same placeholder token for every sequence."""
+    def sample(self, batch, rows, seqs) -> HeadSample:
+        """Hold for the head's time; the same placeholder token for every sequence (no logits: a request asking
+        for log-probabilities is refused when it arrives, RankRequests.computes_logits)."""
         n, num_chunks = batch.num_rows, len(set(rows))
         self.clock.hold(
             cost_model.head_time(self.em.profile, self.em.gpu, num_chunks, n, self.em.host), "head", n
         )
-        return [self.token] * len(seqs), None
+        return HeadSample([self.token] * len(seqs))
 
     def copy_kv(self, copies) -> None:
         """No KV is held: a fork copies nothing."""

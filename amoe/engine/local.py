@@ -12,14 +12,18 @@ import itertools
 import logging
 from pathlib import Path
 
+import torch
+
 from amoe import device as devices
 from amoe.engine.config import EngineConfig
-from amoe.engine.model_runner import ModelRunner
+from amoe.engine.model_runner import HeadRows, ModelRunner
 from amoe.engine.request import EngineOutput, Request
 from amoe.engine.scheduler import ScheduledChunk, Scheduler
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
+from amoe.model.logprobs import prompt_logprobs
 from amoe.model.sampler import Sampler, make_generator, sample_sequences, sequence_seed
 from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
@@ -101,7 +105,9 @@ class LocalEngine:
         if not chunks:
             return []
         tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
-        logits = self.runner.run(chunks, tables)  # [R, V]
+        scored = [i for i, c in enumerate(chunks) if _scores_prompt(c)]
+        head = self.runner.forward(chunks, tables, scored)
+        logits = head.logits()  # [R, V]
         rows, seqs, new_tokens = [], [], []
         for row, chunk in enumerate(chunks):
             family = [chunk.request, *self._fork(chunk)]
@@ -110,10 +116,19 @@ class LocalEngine:
             new_tokens += [len(chunk.token_ids)] + [0] * (len(family) - 1)  # forks hold their KV already
         eos = self.model_config.stop_token_ids
         tokens, logprobs = sample_sequences(self.sampler, logits, rows, seqs, eos)
+        prompts = {row: self._prompt_logprobs(head, row, chunks[row].request) for row in scored}
         return [
-            self._postprocess(seq, token, n, None if logprobs is None else logprobs[i])
-            for i, (seq, token, n) in enumerate(zip(seqs, tokens, new_tokens))
+            # A prompt's log-probabilities go out once, with its chunk's own request (the first of its family).
+            self._postprocess(seq, token, n, logprobs[i], prompts.pop(row, None))
+            for i, (seq, row, token, n) in enumerate(zip(seqs, rows, tokens, new_tokens))
         ]
+
+    @staticmethod
+    def _prompt_logprobs(head: HeadRows, chunk: int, request: Request) -> Logprobs:
+        """The prompt's tokens scored by the rows before them (its chunk starts at position 0)."""
+        first, n = head.first[chunk], len(request.prompt_token_ids) - 1
+        rows = torch.arange(first, first + n, device=head.residual.device)
+        return prompt_logprobs(head.logits_at, rows, request.prompt_token_ids, request.params.prompt_logprobs)
 
     def _fork(self, chunk: ScheduledChunk) -> list[Request]:
         """At a request's first sample, its other sequences (n > 1): each a copy of its prompt's KV in blocks of
@@ -171,7 +186,14 @@ class LocalEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _postprocess(self, request: Request, token: int, num_new: int, logprob: float | None) -> EngineOutput:
+    def _postprocess(
+        self,
+        request: Request,
+        token: int,
+        num_new: int,
+        logprobs: Logprobs | None = None,
+        prompt: Logprobs | None = None,
+    ) -> EngineOutput:
         request.num_cached_tokens += num_new
         request.output_token_ids.append(token)
         if request.grammar is not None:
@@ -187,7 +209,7 @@ class LocalEngine:
                 del self._families[request.client_id]
         return EngineOutput(
             request.client_id, [token], finished=reason is not None, finish_reason=reason, index=request.index,
-            logprob=logprob,
+            logprobs=logprobs, prompt_logprobs=prompt,
         )  # fmt: skip
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -202,3 +224,16 @@ class LocalEngine:
         if reason is None and request.grammar is not None and request.grammar.is_done:
             return "stop"  # the output is complete: only its end could follow (vLLM stops here too)
         return reason
+
+
+def _scores_prompt(chunk: ScheduledChunk) -> bool:
+    """Its prompt's log-probabilities are due: asked for, and this is the first prefill of the request itself (a
+    preempted request's recomputation, which starts over with tokens already sent, reported them before; a fork
+    that waited for blocks and prefills alone shares its parent's)."""
+    request = chunk.request
+    return (
+        request.params.prompt_logprobs is not None
+        and chunk.start_position == 0
+        and not request.output_token_ids
+        and request.index == 0
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,9 +12,51 @@ from amoe import core
 from amoe.device import CPU, Device
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
+from amoe.model.head import Head
 from amoe.model.kv_cache import LatentKVCache, PagedKVCache, kv_cache_for
 from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
 from amoe.model.moe import GroupedExperts
+
+
+@dataclass
+class HeadRows:
+    """The head's input after the last block: each chunk's last row (`last` [R]) and, for a scored chunk c,
+    all its rows from `first[c]` on (in chunk order), indexed into residual / expert_out / expert_ids."""
+
+    head: Head
+    residual: torch.Tensor  # [M, H]
+    expert_out: torch.Tensor  # [M, K, H]
+    expert_ids: torch.Tensor  # [M, K]
+    last: torch.Tensor  # [R]
+    first: dict[int, int]  # scored chunk -> its first row's index
+
+    def logits(self) -> torch.Tensor:
+        """Next-token logits of each chunk's last row [R, V] float32."""
+        return self.logits_at(self.last)
+
+    def logits_at(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.head.logits_at(self.residual, self.expert_out, self.expert_ids, rows)
+
+
+def _head_rows(
+    cu_rows: torch.Tensor, scored: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+    """The rows the head reads (each chunk's last; every row of a scored chunk), where each chunk's last one
+    lands among them, and where each scored chunk's rows start."""
+    if not scored:  # the usual step: each chunk's last row, without a Python loop over them
+        return cu_rows[1:] - 1, torch.arange(len(cu_rows) - 1), {}
+    bounds, scored = cu_rows.tolist(), set(scored)
+    keep: list[int] = []
+    last: list[int] = []
+    first: dict[int, int] = {}
+    for c in range(len(bounds) - 1):
+        if c in scored:
+            first[c] = len(keep)
+            keep += range(bounds[c], bounds[c + 1])
+        else:
+            keep.append(bounds[c + 1] - 1)
+        last.append(len(keep) - 1)
+    return torch.tensor(keep, dtype=torch.int64), torch.tensor(last, dtype=torch.int64), first
 
 
 @dataclass
@@ -59,6 +102,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:
         """Chunks (with their requests' block tables) → next-token logits [R, V] float32."""
+        return self.forward(chunks, block_tables).logits()
+
+    @torch.inference_mode()
+    def forward(
+        self, chunks: list[ScheduledChunk], block_tables: list[list[int]], scored: Sequence[int] = ()
+    ) -> HeadRows:
+        """Run the chunks through every block; the head's input keeps each chunk's last row, and every row of
+        the chunks in `scored` (whose prompts are scored: amoe/model/logprobs.py)."""
         batch = self._prepare(chunks, block_tables)
         plan = AttnPlan.build(
             batch.positions,
@@ -78,18 +129,19 @@ class ModelRunner:
             token_ids=put(batch.token_ids),
             plan=plan.to(self.device.torch),
         )
+        keep, last, first = _head_rows(batch.cu_rows, scored)
+        keep_dev = put(keep)
         last_block = self.cfg.num_blocks - 1
         for b, layer in enumerate(self.attention):
             out = layer(inp, self.kv)
             residual, moe_input, ids, weights = out.residual, out.moe_input, out.topk_ids, out.topk_weights
             if b == last_block:
-                # Only the last row of a chunk feeds the head: skip the last block's experts for the others.
-                last = batch.cu_rows[1:] - 1
-                residual, moe_input, ids, weights = residual[last], moe_input[last], ids[last], weights[last]
+                # Only the rows the head reads go on: skip the last block's experts for the others.
+                residual, moe_input = residual[keep_dev], moe_input[keep_dev]
+                ids, weights = ids[keep_dev], weights[keep_dev]
             inp.token_ids, inp.residual, inp.expert_ids = None, residual, ids
             inp.expert_out = self._run_experts(b, moe_input, ids, weights)
-        rows = torch.arange(len(chunks) + 1)
-        return self.head(inp.residual, inp.expert_out, inp.expert_ids, rows)
+        return HeadRows(self.head, inp.residual, inp.expert_out, inp.expert_ids, put(last), first)
 
     def _run_experts(
         self, block: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

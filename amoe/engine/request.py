@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from amoe.logprobs import Logprobs
 from amoe.sampling_params import SamplingParams
 
 
@@ -71,4 +72,6 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     index: int = 0  # which of the request's sequences (n > 1)
-    logprob: float | None = None  # the raw log-probability of its new token, when best_of ranks it
+    # Of new_token_ids, if the request asked (SamplingParams.logprobs) or best_of ranks its sequences by them.
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., with its first token, if asked

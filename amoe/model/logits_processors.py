@@ -1,8 +1,9 @@
 """Logits processors: what a request's parameters do to its logits row before the sampler draws from it.
 
 They run where the head runs (the attention rank, or the local engine), on each sequence's row, in vLLM v1's
-order (vllm/v1/sample/sampler.py): the grammar's mask, allowed_token_ids, bad words, min_tokens, logit_bias, then
-the penalties (repetition over prompt and output, frequency and presence over the output). Temperature, min_p,
+order (its model runner's grammar mask, then vllm/v1/sample/sampler.py): the grammar's mask, allowed_token_ids,
+bad words, min_tokens, logit_bias, then the penalties (repetition over prompt and output, frequency and presence
+over the output). Temperature, min_p,
 top-k and top-p belong to the sampler (amoe/model/sampler.py). Every step is a pure function of the sequence's
 tokens so far, so a seeded draw stays reproducible with any of them: the sampler still takes one uniform number
 per sampled token. Rows of requests without any of these parameters are not touched (the plain path pays a scan of
@@ -37,10 +38,20 @@ class SequenceView(Protocol):
         ...
 
 
+def mask_grammars(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
+    """logits [R, V] float32, one row per sequence, in place: the tokens each sequence's grammar forbids out.
+    Apart from the other processors: the log-probabilities a request gets back see this mask, not them."""
+    for row, seq in zip(logits, seqs):
+        if seq.grammar is not None:
+            allowed = torch.from_numpy(seq.grammar.allowed()).to(row.device)  # [V] bool
+            row.masked_fill_(~allowed, _NEG_INF)
+
+
 def apply_processors(
     logits: torch.Tensor, seqs: Sequence[SequenceView], eos_token_ids: Sequence[int]
 ) -> torch.Tensor:
-    """logits [R, V] float32, one row per sequence → the same tensor, each row processed per its sequence."""
+    """logits [R, V] float32, one row per sequence, its grammar's mask applied (mask_grammars) → the same tensor,
+    each row processed per its sequence."""
     for i, seq in enumerate(seqs):
         if seq.params.has_processors:
             _process_row(logits[i], seq, eos_token_ids)
@@ -50,11 +61,7 @@ def apply_processors(
 def _process_row(row: torch.Tensor, seq: SequenceView, eos_token_ids: Sequence[int]) -> None:
     """row [V], in place."""
     params, vocab, out = seq.params, row.shape[0], seq.output_ids
-    grammar = seq.grammar
-    allowed = torch.from_numpy(grammar.allowed()) if grammar is not None else None  # [V] bool
-    if allowed is not None:
-        raw = row.clone()
-        row.masked_fill_(~allowed.to(row.device), _NEG_INF)
+    masked = row.clone() if seq.grammar is not None else None  # what the grammar alone allows
     if params.allowed_token_ids is not None:
         keep = torch.zeros(vocab, dtype=torch.bool, device=row.device)
         keep[_ids(params.allowed_token_ids, vocab, row.device)] = True
@@ -72,9 +79,9 @@ def _process_row(row: torch.Tensor, seq: SequenceView, eos_token_ids: Sequence[i
         inside = ids < vocab
         row.index_add_(0, ids[inside], bias[inside])
     _penalize(row, seq, params)
-    if allowed is not None and not torch.isfinite(row).any():
+    if masked is not None and not torch.isfinite(row).any():
         # The other parameters left nothing the grammar allows: the grammar wins (its output must parse).
-        row.copy_(raw.masked_fill_(~allowed.to(row.device), _NEG_INF))
+        row.copy_(masked)
 
 
 def _penalize(row: torch.Tensor, seq: SequenceView, params: SamplingParams) -> None:
@@ -99,11 +106,3 @@ def _ends_with(tokens: Sequence[int], prefix: Sequence[int]) -> bool:
 def _ids(ids: Sequence[int], vocab: int, device) -> torch.Tensor:
     """Token ids as an index tensor, those past the logits' width dropped (a tokenizer larger than lm_head)."""
     return torch.tensor([t for t in ids if t < vocab], dtype=torch.long, device=device)
-
-
-def ranking_logprobs(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> torch.Tensor | None:
-    """[R, V] log-softmax of the raw rows of sequences ranked for best_of (None if none is): taken before the
-    processors, so a sequence's score is the model's log-probability of its tokens, as vLLM's cumulative_logprob."""
-    if not any(s.params.best_of is not None and s.params.best_of > s.params.n for s in seqs):
-        return None
-    return torch.log_softmax(logits, dim=-1)

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from amoe.model.logits_processors import apply_processors, ranking_logprobs
+from amoe.logprobs import Logprobs
+from amoe.model.logits_processors import apply_processors, mask_grammars
+from amoe.model.logprobs import SampleLogprobs
 from amoe.request_rules import sequence_seed  # noqa: F401 - the sampler's seeds, where engines find them
 from amoe.sampling_params import SamplingParams
 
@@ -71,19 +73,20 @@ def sample_sequences(
     rows: list[int],
     seqs: Sequence,
     eos_token_ids: Sequence[int],
-) -> tuple[list[int], list[float] | None]:
+) -> tuple[list[int], list[Logprobs | None]]:
     """logits [R, V] of a head step; sequence j samples from row rows[j] (the n sequences of a request that was
-    just prefilled share its row) → one token per sequence, and, if any sequence is ranked for best_of, each
-    token's log-probability under the raw model (else None). `seqs` are amoe.model.logits_processors views
-    with a `generator`."""
+    just prefilled share its row) → one token per sequence, and each token's Logprobs where its sequence wants
+    them (SamplingParams.num_logprobs: asked for, or best_of's ranking), else None. The log-probabilities are
+    taken after the grammar's mask and before every other processor, as vLLM's default "raw_logprobs" (its model
+    runner masks the logits before its sampler takes them). `seqs` are amoe.model.logits_processors views with
+    a `generator`."""
     if rows != list(range(logits.shape[0])):
         logits = logits[rows]  # [S, V], a copy: the processors change it per sequence
-    ranked = ranking_logprobs(logits, seqs)
+    mask_grammars(logits, seqs)
+    wanted = SampleLogprobs(logits, [s.params.num_logprobs for s in seqs])
     apply_processors(logits, seqs, eos_token_ids)
     tokens = sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-    if ranked is None:
-        return tokens, None
-    return tokens, ranked.gather(1, torch.tensor(tokens, device=ranked.device)[:, None]).squeeze(1).tolist()
+    return tokens, wanted.finish(tokens)
 
 
 def make_generator(params: SamplingParams, seed: int | None) -> torch.Generator | None:

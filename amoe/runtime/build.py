@@ -151,6 +151,7 @@ def attention_executor(
         max_model_len=max_model_len(config, cfg, blocks),
         skip_prefill=em is not None and config.executor.decode_only,
         grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
+        computes_logits=em is None,
     )
     if em is not None:
         return AttentionExecutor(requests, em.attention(), cfg)

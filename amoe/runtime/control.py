@@ -78,8 +78,20 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
         if not out.tokens:
             return
         rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
-        logprobs = out.logprobs or []
-        channel.send(wire.TokenOut(runtime, rids, tokens, reasons, out.kv_free_blocks, out.error, logprobs))
+        logprobs = [out.logprobs.get(rid) for rid in rids] if out.logprobs else None
+        prompts = [out.prompt_logprobs.get(rid) for rid in rids] if out.prompt_logprobs else None
+        channel.send(
+            wire.TokenOut(
+                runtime,
+                rids,
+                tokens,
+                reasons,
+                out.kv_free_blocks,
+                out.error,
+                logprobs=logprobs,
+                prompt_logprobs=prompts,
+            )  # fmt: skip
+        )
 
     return publish
 

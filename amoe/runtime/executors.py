@@ -4,12 +4,14 @@ compute — `TorchAttention` here (attention + head + sampler over a paged KV ca
 (amoe.emulation.executor.EmulatedAttention). Either compute offers:
 
     attend(batch, request_ids, requests) -> (residual, moe_input, topk_ids, topk_weights)   # blocks 0..B-1
-    sample(batch, rows, seqs) -> (a token id per sequence, their raw log-probs or None)       # the head
+    sample(batch, rows, seqs) -> HeadSample: a token per sequence (j from chunk rows[j]), log-probs if wanted
     copy_kv(copies)    # a request's sequences forked from its prefill (n > 1): (source, destination) slots
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 from typing import Any
@@ -22,6 +24,7 @@ from amoe.model.attention import AttnInput, AttnPlan
 from amoe.model.config import ModelConfig
 from amoe.model.kv_cache import kv_cache_for
 from amoe.model.layers import AttentionRank, ExpertLayer
+from amoe.model.logprobs import HeadSample, prompt_logprobs
 from amoe.model.moe import GroupedExperts
 from amoe.model.sampler import Sampler, sample_sequences
 from amoe.runtime.requests import HeadOutput, RankRequest, RankRequests
@@ -153,17 +156,14 @@ class AttentionExecutor:
         seq_ids, rows, copies, failed = self.requests.fork(rids)
         if copies:
             self.compute.copy_kv(copies)
-        tokens, logprobs = self.compute.sample(batch, rows, self.requests.of(seq_ids))
+        sample = self.compute.sample(batch, rows, self.requests.of(seq_ids))
         context_lens = batch.context_lens.tolist()
-        out = self.requests.advance(seq_ids, tokens, [context_lens[r] for r in rows], logprobs)
+        out = self.requests.advance(seq_ids, sample.tokens, [context_lens[r] for r in rows], sample)
         if not failed:
             return out
         logger.error("no KV blocks to fork sequences %s: they fail", failed)
         ended = [(rid, [], "error") for rid in failed]
-        logprobs = None if out.logprobs is None else out.logprobs + [0.0] * len(failed)
-        return HeadOutput(
-            out.next, out.tokens + ended, out.kv_free_blocks, "no KV blocks for a sequence", logprobs
-        )
+        return dataclasses.replace(out, tokens=out.tokens + ended, error="no KV blocks for a sequence")
 
     def stats(self) -> dict:
         """The compute's own counters (an emulated GPU's clock), if it keeps any."""
@@ -200,15 +200,24 @@ class TorchAttention:
         host = self.device.host
         return out.residual, out.moe_input, host(out.topk_ids), host(out.topk_weights)
 
-    def sample(
-        self, batch: core.Batch, rows: list[int], seqs: list[RankRequest]
-    ) -> tuple[list[int], list[float] | None]:
+    def sample(self, batch: core.Batch, rows: list[int], seqs: list[RankRequest]) -> HeadSample:
         """Sequence j samples from the logits of chunk rows[j]; the rank's logits processors run here, with it."""
-        put = self.device.put
-        logits = self.model.head(
-            put(batch.residual), put(batch.expert_out), put(batch.expert_ids), batch.cu_rows
-        )  # [R, V]
-        return sample_sequences(self.sampler, logits, rows, seqs, self.eos_token_ids)
+        put, head = self.device.put, self.model.head
+        residual, expert_out, expert_ids = put(batch.residual), put(batch.expert_out), put(batch.expert_ids)
+        logits = head(residual, expert_out, expert_ids, batch.cu_rows)  # [R, V]
+        tokens, logprobs = sample_sequences(self.sampler, logits, rows, seqs, self.eos_token_ids)
+        if not any(seq.scores_prompt for seq in seqs):
+            return HeadSample(tokens, logprobs)
+        prompts = {}
+        starts = batch.cu_rows[:-1].tolist()
+        for j, (c, seq) in enumerate(zip(rows, seqs)):
+            # The prompt's first prefill is the chunk that starts at position 0 (every row of it is here); only
+            # the chunk's own request scores it (its forks, sampled from the same chunk, do not).
+            if seq.scores_prompt and int(batch.positions[starts[c]]) == 0:
+                at = torch.arange(starts[c], starts[c] + len(seq.prompt) - 1, device=residual.device)
+                logits_at = functools.partial(head.logits_at, residual, expert_out, expert_ids)
+                prompts[j] = prompt_logprobs(logits_at, at, seq.prompt, seq.params.prompt_logprobs)
+        return HeadSample(tokens, logprobs, prompts)
 
     def copy_kv(self, copies: list[tuple[list[int], list[int]]]) -> None:
         put = self.device.put

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from amoe.errors import RequestError
+from amoe.logprobs import Logprobs
 from amoe.model.kv_cache import BlockManager, KVCacheFullError
+from amoe.model.logprobs import HeadSample
 from amoe.model.sampler import make_generator, sequence_seed
 from amoe.request_rules import check_prompt, stop_reason
 from amoe.runtime.faults import Faults
@@ -69,6 +71,9 @@ class RankRequest:
     grammar: Any = None  # amoe.structured.GrammarState
     forks: list[int] = field(default_factory=list)  # ids of its other sequences, forked at its first sample
     children: list[RankRequest] = field(default_factory=list)  # those sequences, once forked
+    # Its prompt's log-probabilities are due with its first token: asked for, and not a request moved from a lost
+    # rank (that one reported them there; its "prompt" now ends with its output so far).
+    scores_prompt: bool = False
 
     @property
     def aborted(self) -> bool:
@@ -104,8 +109,9 @@ class HeadOutput:
     tokens: Outputs
     kv_free_blocks: int
     error: str | None = None
-    # Per entry of `tokens`: the raw log-probability of its new token (0 for none), when one is ranked for best_of.
-    logprobs: list[float] | None = None
+    # request id -> Logprobs of its new token / of its prompt, for the requests that wanted them (and got a token)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
     @classmethod
     def failed(cls, request_ids: list[int], error: str, kv_free_blocks: int = 0) -> HeadOutput:
@@ -131,6 +137,7 @@ class RankRequests:
         max_model_len: int,
         skip_prefill: bool = False,
         grammars: Grammars | None = None,
+        computes_logits: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -140,6 +147,9 @@ class RankRequests:
         # as a decode row whose context is the whole prompt; its KV is reserved when that row reaches block 0.
         self.skip_prefill = skip_prefill
         self.grammars = grammars  # structured output (None: a request asking for it is rejected)
+        self.computes_logits = (
+            computes_logits  # False: an emulated GPU, which has no log-probabilities to give
+        )
         self.faults = Faults.from_env()  # tests only (AMOE_FAULTS)
         self._lock = threading.Lock()  # see the module docstring
         self._requests: dict[int, RankRequest] = {}
@@ -168,6 +178,10 @@ class RankRequests:
         it samples on exactly as it would have.
         """
         check_prompt(prompt, self.vocab_size, self.max_model_len)
+        if not self.computes_logits:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise RequestError(f"{name}: the emulated executor computes no logits", name)
         if not 0 <= num_generated < len(prompt):
             raise RequestError(f"num_generated must be in [0, {len(prompt)}), got {num_generated}")
         # A moved request comes back one sequence at a time (its own seed): only a fresh one forks.
@@ -191,6 +205,7 @@ class RankRequests:
         req = RankRequest(
             list(prompt), params, generator=generator, num_generated=num_generated, seed=params.seed,
             grammar=grammar, forks=list(seq_ids),
+            scores_prompt=params.prompt_logprobs is not None and num_generated == 0,
         )  # fmt: skip
         with self._lock:
             if any(rid in self._requests for rid in (request_id, *seq_ids)):
@@ -310,21 +325,26 @@ class RankRequests:
         request_ids: list[int],
         tokens: list[int],
         context_lens: list[int],
-        logprobs: list[float] | None = None,
+        sample: HeadSample | None = None,
     ) -> HeadOutput:
         """Record one sampled token per request (whose context held `context_lens` tokens): stop rules decide
-        who finishes (freeing their KV); the others' tokens go on to block 0. Loop thread."""
+        who finishes (freeing their KV); the others' tokens go on to block 0. The log-probabilities `sample`
+        computed go out with the tokens. Loop thread."""
         go_on, go_tokens, go_pos, outputs = [], [], [], []
-        step_logprobs = None if logprobs is None else []
+        logprobs, prompts = {}, {}
         with self._lock:
             for i, (rid, token, ctx) in enumerate(zip(request_ids, tokens, context_lens)):
                 req = self._requests[rid]
                 new = [] if req.aborted else [token]
+                if new and sample is not None:
+                    if sample.logprobs is not None and sample.logprobs[i] is not None:
+                        logprobs[rid] = sample.logprobs[i]
+                    if i in sample.prompt_logprobs:
+                        prompts[rid] = sample.prompt_logprobs[i]
+                        req.scores_prompt = False
                 req.output += new
                 if new and req.grammar is not None:
                     req.grammar.accept(token)
-                if step_logprobs is not None:
-                    step_logprobs.append(min(logprobs[i], 0.0) if new else 0.0)  # the wire takes <= 0 only
                 req.finish_reason = "abort" if req.aborted else self._stop_reason(req, token, ctx + 1)
                 outputs.append((rid, new, req.finish_reason))
                 if req.finish_reason is None:
@@ -334,9 +354,12 @@ class RankRequests:
                 else:
                     self._end(rid, req.finish_reason)
         return HeadOutput(
-            Rows.decode(go_on, go_tokens, go_pos), outputs, self.blocks.num_free_blocks,
-            logprobs=step_logprobs,
-        )  # fmt: skip
+            Rows.decode(go_on, go_tokens, go_pos),
+            outputs,
+            self.blocks.num_free_blocks,
+            logprobs=logprobs,
+            prompt_logprobs=prompts,
+        )
 
     def _end(self, request_id: int, reason: str) -> None:
         """Under the lock: free a request's KV and drop it."""

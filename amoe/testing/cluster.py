@@ -15,6 +15,7 @@ from typing import Any
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
 from amoe.sampling_params import SamplingParams
+from coordinator.backend import TokenDelta
 from coordinator.cluster_backend import ClusterBackend
 
 
@@ -62,12 +63,21 @@ class ServedCluster:
         num_ranks = len(self.backend.cluster.attn_runtimes)
         return self._call(self._generate_all(prompts, params, num_ranks), timeout)
 
+    def deltas(
+        self, prompts: list[list[int]], params: SamplingParams, timeout: float = 120.0
+    ) -> list[list[TokenDelta]]:
+        """Each prompt's deltas as the coordinator gets them (tokens, log-probabilities), all in flight at once."""
+        num_ranks = len(self.backend.cluster.attn_runtimes)
+        return self._call(self._deltas_all(prompts, params, num_ranks), timeout)
+
     async def _generate_all(self, prompts, params, num_ranks) -> list[list[int]]:
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            tokens = []
-            async for delta in self.backend.generate(next(self._ids), prompt, params, rank=i % num_ranks):
-                tokens += delta.token_ids
-            return tokens
+        deltas = await self._deltas_all(prompts, params, num_ranks)
+        return [[t for delta in each for t in delta.token_ids] for each in deltas]
+
+    async def _deltas_all(self, prompts, params, num_ranks) -> list[list[TokenDelta]]:
+        async def one(i: int, prompt: list[int]) -> list[TokenDelta]:
+            generate = self.backend.generate(next(self._ids), prompt, params, rank=i % num_ranks)
+            return [delta async for delta in generate]
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
