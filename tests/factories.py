@@ -110,3 +110,18 @@ def check_echo_choice(ref: torch.Tensor, tokens: list[int], choice: dict, k: int
         assert values and all(any(abs(v - a) < LOGPROB_TOL for a in allowed) for v in values), i
     offsets = lp["text_offset"]
     assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+class AliveProcess:
+    """A runtime process as the cluster manager polls and kills it (for tests that drive the manager by hand)."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9

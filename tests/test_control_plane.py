@@ -9,6 +9,7 @@ import asyncio
 import threading
 
 import pytest
+from factories import AliveProcess
 
 from amoe import wire
 from amoe.config import AmoeConfig
@@ -19,30 +20,15 @@ from coordinator.cluster_backend import ClusterBackend, _Stream
 from coordinator.runtimes import RuntimeProc
 
 
-class _Alive:
-    """A runtime process as the cluster manager polls and kills it."""
-
-    pid = 4242
-
-    def __init__(self) -> None:
-        self.returncode = None
-
-    def poll(self):
-        return self.returncode
-
-    def kill(self):
-        self.returncode = -9
-
-
 class _Launcher:
     def __init__(self) -> None:
         self.spawned: list[tuple[int, str]] = []
         self.generations: list[int] = []
 
-    def spawn(self, runtime: int, role: str, generation: int = 0) -> _Alive:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> AliveProcess:
         self.spawned.append((runtime, role))
         self.generations.append(generation)
-        return _Alive()
+        return AliveProcess()
 
 
 def report(runtime: int, role: str, **fields) -> dict:
@@ -54,8 +40,8 @@ def backend(tmp_path):
     """A ClusterBackend whose cluster has attention runtime 0 (rank 0) and expert runtime 1, both ready."""
     be = ClusterBackend(AmoeConfig(), tmp_path)
     be.cluster.runtimes = [
-        RuntimeProc(0, "attention", proc=_Alive(), num_kv_blocks=10, kv_free=10, ready=True),
-        RuntimeProc(1, "expert", proc=_Alive(), ready=True),
+        RuntimeProc(0, "attention", proc=AliveProcess(), num_kv_blocks=10, kv_free=10, ready=True),
+        RuntimeProc(1, "expert", proc=AliveProcess(), ready=True),
     ]
     be._status = "ok"
     be.deaths = []

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import zmq
+from factories import AliveProcess
 
 from amoe import wire
 from amoe.config import AmoeConfig
@@ -16,26 +17,13 @@ from coordinator.control_plane import ControlPlane
 from coordinator.runtimes import RuntimeProc
 
 
-class _Alive:
-    pid = 4242
-
-    def __init__(self) -> None:
-        self.returncode = None
-
-    def poll(self):
-        return self.returncode
-
-    def kill(self):
-        self.returncode = -9
-
-
 class _Launch:
     def __init__(self) -> None:
         self.spawned: list[tuple[int, str, int]] = []
 
-    def spawn(self, runtime: int, role: str, generation: int = 0) -> _Alive:
+    def spawn(self, runtime: int, role: str, generation: int = 0) -> AliveProcess:
         self.spawned.append((runtime, role, generation))
-        return _Alive()
+        return AliveProcess()
 
     def tick(self, now: float) -> None:
         pass
@@ -87,8 +75,8 @@ def test_a_runtime_whose_messages_stay_undelivered_is_replaced_and_its_outbox_dr
         be = ClusterBackend(AmoeConfig(), tmp_path)
         cluster = be.cluster
         cluster.runtimes += [
-            RuntimeProc(0, "attention", proc=_Alive(), num_kv_blocks=10, kv_free=10, ready=True),
-            RuntimeProc(1, "expert", proc=_Alive(), ready=True),
+            RuntimeProc(0, "attention", proc=AliveProcess(), num_kv_blocks=10, kv_free=10, ready=True),
+            RuntimeProc(1, "expert", proc=AliveProcess(), ready=True),
         ]
         be._status = "ok"
         cluster.plane = cluster.watch.plane = ControlPlane("ipc")

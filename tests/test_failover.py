@@ -11,6 +11,7 @@ import signal
 
 import httpx
 import pytest
+from factories import AliveProcess
 
 from amoe import wire
 from amoe.bench.servers import ServerProcess
@@ -22,19 +23,6 @@ from coordinator.backend import RankKV, TokenDelta
 from coordinator.cluster_backend import ClusterBackend
 from coordinator.load_balancer import LoadBalancer
 from coordinator.runtimes import RuntimeProc
-
-
-class _Alive:
-    pid = 4242
-
-    def __init__(self) -> None:
-        self.returncode = None
-
-    def poll(self):
-        return self.returncode
-
-    def kill(self):
-        self.returncode = -9
 
 
 def _balancer(ranks: list[RankKV]) -> LoadBalancer:
@@ -82,9 +70,9 @@ def test_a_request_waiting_for_its_lost_rank_is_admitted_on_another_from_its_tok
     async def scenario():
         be = ClusterBackend(config, tmp_path)
         be.cluster.runtimes += [
-            RuntimeProc(0, "attention", proc=_Alive(), num_kv_blocks=10, kv_free=10, ready=True),
-            RuntimeProc(1, "attention", proc=_Alive(), num_kv_blocks=10, kv_free=10, ready=True),
-            RuntimeProc(2, "expert", proc=_Alive(), ready=True),
+            RuntimeProc(0, "attention", proc=AliveProcess(), num_kv_blocks=10, kv_free=10, ready=True),
+            RuntimeProc(1, "attention", proc=AliveProcess(), num_kv_blocks=10, kv_free=10, ready=True),
+            RuntimeProc(2, "expert", proc=AliveProcess(), ready=True),
         ]
         be._status = "ok"
         sent = []
