@@ -82,6 +82,10 @@ _A100_NVLINK = LinkProfile(bandwidth=300 * GB, latency=NVLINK_LATENCY_S, efficie
 # H100 SXM5 datasheet: BF16 989 TFLOPS dense (1,979 with sparsity); HBM3 3.35 TB/s; NVLink 4 900 GB/s (450 each
 # way). H200 SXM datasheet: the same compute and NVLink; HBM3e 141 GB at 4.8 TB/s.
 _HOPPER_NVLINK = LinkProfile(bandwidth=450 * GB, latency=NVLINK_LATENCY_S, efficiency=LINK_EFFICIENCY)
+# H800 SXM5 (the export variant DeepSeek and EPS-MoE ran on): the H100's compute and HBM3 (80 GB, 3.35 TB/s) with
+# NVLink cut to 400 GB/s per GPU, 200 each way (NVIDIA H800 product brief). DeepSeek-V3's report (arXiv 2412.19437,
+# §3.4) measures ~160 GB/s NVLink and 50 GB/s of IB per GPU on its H800 nodes: 0.80 of 200 is that 160.
+_H800_NVLINK = LinkProfile(bandwidth=200 * GB, latency=NVLINK_LATENCY_S, efficiency=LINK_EFFICIENCY)
 # AMoE Table 2 (AWS p4d, the paper's multi-node setup): 4 x 100 Gbps EFA per 8-GPU node = 6.25 GB/s per GPU.
 # Latency assumed ~20 µs (EFA's SRD is slower per message than InfiniBand).
 _P4D_EFA = LinkProfile(bandwidth=400e9 / 8 / 8, latency=20e-6, efficiency=LINK_EFFICIENCY)
@@ -112,6 +116,7 @@ GPUS: dict[str, GpuProfile] = {
     "a100-80g": _gpu("a100-80g", 312, 2039, 80, _A100_NVLINK, _HDR_IB),
     "h100": _gpu("h100", 989, 3350, 80, _HOPPER_NVLINK, _NDR_IB),
     "h200": _gpu("h200", 989, 4800, 141, _HOPPER_NVLINK, _NDR_IB),
+    "h800": _gpu("h800", 989, 3350, 80, _H800_NVLINK, _NDR_IB),
 }
 
 
@@ -292,7 +297,7 @@ HOSTS: dict[str, HostOverhead] = {
 
 
 def gpu_profile(name: str) -> GpuProfile:
-    """The named GPU profile (a100-40g, a100-80g, h100, h200)."""
+    """The named GPU profile (a100-40g, a100-80g, h100, h200, h800)."""
     return _lookup("GPU", GPUS, name)
 
 
