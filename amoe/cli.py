@@ -7,6 +7,7 @@ and keeps its traceback. Heavy imports happen inside the run functions so that `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -63,16 +64,21 @@ def add_generate_command(sub: Any) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument(
+        "--generation-config", default="auto", metavar="auto|vllm|DIR",
+        help="where unset sampling flags take their defaults from, as vLLM's (default: auto, the model's own)",
+    )  # fmt: skip
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from amoe.llm import LLM
-    from amoe.sampling_params import SamplingParams
 
     flags = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-    params = SamplingParams(**{k: getattr(args, k) for k in flags if getattr(args, k) is not None})
-    llm = LLM(model=args.model)  # None: the demo model, built on first use; LLM logs that it is random-weight
+    # None: the demo model, built on first use; LLM logs that it is random-weight
+    llm = LLM(model=args.model, generation_config=args.generation_config)
+    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
     results = llm.generate(prompts, params)
     for prompt, result in zip(args.prompt, results):

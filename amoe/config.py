@@ -39,6 +39,9 @@ class ModelSection:
     # auto: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16 (amoe.device.model_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    # Sampling defaults as vLLM's --generation-config: auto (the checkpoint's generation_config.json), vllm (none),
+    # or a directory holding one (amoe.generation_config)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         # vLLM's other names for the same dtypes (`--dtype half`, `--dtype float`)
@@ -371,6 +374,7 @@ _VLLM_ALIASES = {
     ("model", "path"): "--model",
     ("model", "dtype"): "--dtype",
     ("model", "max_model_len"): "--max-model-len",
+    ("model", "generation_config"): "--generation-config",
     ("cache", "max_num_seqs"): "--max-num-seqs",
     ("device", "memory_utilization"): "--gpu-memory-utilization",
     ("server", "host"): "--host",

@@ -12,6 +12,7 @@ from typing import Any
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
 from amoe.errors import RequestError
+from amoe.generation_config import sampling_defaults
 from amoe.logprobs import Logprobs, concat
 from amoe.request_rules import StopMatcher
 from amoe.sampling_params import SamplingParams
@@ -88,14 +89,18 @@ class _Pending:
 class LLM:
     """A model served in-process: `LLM(path).generate(["Hello"], SamplingParams(temperature=0))`."""
 
-    def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
-        """model: a Hugging Face Mixtral directory (None: the tiny random-weight demo model); engine_options:
+    def __init__(
+        self, model: str | Path | None = None, *, generation_config: str = "auto", **engine_options: Any
+    ) -> None:
+        """model: a Hugging Face checkpoint directory (None: the tiny random-weight demo model); generation_config:
+        where generate()'s default sampling parameters come from, as vLLM's (amoe.generation_config); engine_options:
         fields of amoe.engine.config.EngineConfig (block_size, num_kv_blocks, max_num_seqs, dtype, seed, ...)."""
         if model is None:
             from amoe.model.make import default_model_path  # builds the demo model on first use only
 
             model = default_model_path()
         self.model_dir = Path(model)
+        self._defaults = sampling_defaults(self.model_dir, generation_config)
         self.engine = LocalEngine(self.model_dir, EngineConfig.from_options(**engine_options))
         self.tokenizer = _load_tokenizer(self.model_dir)
         self._ids = itertools.count()
@@ -204,12 +209,15 @@ class LLM:
             out.append(entry)
         return out
 
-    @staticmethod
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams: the generation config's defaults, as in vLLM."""
+        return SamplingParams(**self._defaults)
+
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params = list(sampling_params)

@@ -100,10 +100,14 @@ class AmoeServer:
             self._uvicorn.should_exit = True
 
     async def _start_backend(self, model_dir: Path):
+        from amoe.generation_config import sampling_defaults
         from amoe.structured import Grammars
         from amoe.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir)
+        defaults = sampling_defaults(
+            model_dir, self.config.model.generation_config
+        )  # a bad file fails before a load
         if self.config.parallel.mode == "local":
             backend, max_model_len, vocab = await self._start_local(model_dir)
         else:
@@ -112,7 +116,13 @@ class AmoeServer:
         eos = tokenizer.backend.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None
         # Checks structured output requests against the served tokenizer (the runtimes use the model's eos ids).
         grammars = Grammars(tokenizer.backend.to_str(), vocab, (eos,) if eos is not None else (0,))
-        model = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab, grammars=grammars)
+        model = ModelInfo(
+            name=name,
+            max_model_len=max_model_len,
+            vocab_size=vocab,
+            grammars=grammars,
+            sampling_defaults=defaults,
+        )
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
 

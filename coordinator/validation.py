@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from amoe.errors import RequestError
@@ -67,6 +67,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     grammars: Any = None  # amoe.structured.Grammars of the served tokenizer (None: no structured output)
+    # --generation-config's defaults (amoe.generation_config): what a request leaves unset; max_tokens also caps
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -252,8 +254,11 @@ def _prepare(
             f"the prompt is {len(prompt_ids)} tokens but the model's context length is {model.max_model_len}",
             "prompt" if kind == "cmpl" else "messages",
         )
+    cap = model.sampling_defaults.get(
+        "max_tokens"
+    )  # the generation config's max_new_tokens, as vLLM caps with it
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        max_tokens = min(v for v in (default_max_tokens, room, cap) if v is not None)
     elif max_tokens <= 0:
         raise bad_request(
             f"'{max_tokens_param}' must be at least 1 (0 only with 'echo'); got {max_tokens}",
@@ -265,6 +270,8 @@ def _prepare(
             f"{room} in the model's context length of {model.max_model_len}",
             max_tokens_param,
         )
+    elif cap is not None:
+        max_tokens = min(max_tokens, cap)
     stop = _stop_strings(req.stop)
     return PreparedRequest(
         request_id=request_id,
@@ -316,14 +323,12 @@ def _sampling_params(
             "stop_token_ids",
         )
     given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+    chosen = {name: value for name, value in model.sampling_defaults.items() if name != "max_tokens"}
+    chosen.update((name, value) for name, value in given.items() if value is not None)
+    chosen.update(options)  # the request's own penalties and min_p win over the defaults too
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
-            stop=stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=req.ignore_eos,
-            **{name: value for name, value in given.items() if value is not None},
-            **options,
+            max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, **chosen
         )
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None

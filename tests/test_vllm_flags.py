@@ -74,17 +74,22 @@ def test_help_groups_vllms_flags(capsys):
     group = text[text.index("vLLM's flags:") :].split("\n\n", 2)[:2]
     block = "\n".join(group)
     for flag in ("MODEL", "--model", "--dtype", "--max-model-len", "--max-num-seqs", "--served-model-name", "--seed",
-                 "--host", "--port", "--api-key", "--gpu-memory-utilization", "--tensor-parallel-size", "--headless"):  # fmt: skip
+                 "--host", "--port", "--api-key", "--gpu-memory-utilization", "--tensor-parallel-size", "--headless",
+                 "--generation-config"):  # fmt: skip
         assert flag in block, flag
 
 
-def test_vllms_quickstart_command_line_serves(model_dir):
+def test_vllms_quickstart_command_line_serves(model_dir, tmp_path):
     """vLLM's quickstart (`vllm serve MODEL --dtype auto --api-key token-abc123`) with `amoe` in place of `vllm`
-    and the port left to the OS; plus the model-length, name, batch and seed flags of its serving docs."""
+    and the port left to the OS; plus the model-length, name, batch, seed and generation-config flags of its
+    serving docs."""
+    creator = tmp_path / "creator"
+    creator.mkdir()
+    (creator / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 12}')
     cmd = [
         sys.executable, "-m", "amoe", "serve", str(model_dir), "--dtype", "auto", "--api-key", "token-abc123",
         "--port", "0", "--served-model-name", "tiny-chat", "--max-model-len", "64", "--max-num-seqs", "4",
-        "--seed", "3",
+        "--seed", "3", "--generation-config", str(creator),
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -117,6 +122,15 @@ def test_vllms_quickstart_command_line_serves(model_dir):
         text = httpx.post(f"{url}/v1/completions", json=sampled, headers=headers, timeout=60).json()
         assert text["choices"][0]["text"] == _first_sampled(model_dir, seed=3)
         assert text["choices"][0]["text"] != _first_sampled(model_dir, seed=4)
+        # --generation-config: what a request leaves unset comes from the file (greedy, 12 tokens), with a warning
+        unset = {"model": "tiny-chat", "prompt": [5, 6, 7], "ignore_eos": True}
+        defaulted = httpx.post(f"{url}/v1/completions", json=unset, headers=headers, timeout=60).json()
+        greedy = httpx.post(
+            f"{url}/v1/completions", json={**body, "max_tokens": 12}, headers=headers, timeout=60
+        ).json()
+        assert defaulted["usage"]["completion_tokens"] == 12
+        assert defaulted["choices"][0]["text"] == greedy["choices"][0]["text"]
+        assert any("default sampling parameters come from" in line for line in lines)
     finally:
         proc.send_signal(2)
         try:
