@@ -20,7 +20,10 @@ from msgspec import Meta
 from amoe.errors import TransportError
 from amoe.logprobs import MAX_LOGPROBS, Logprobs
 
-PROTOCOL_VERSION = 2
+# 3: TokenOut carries log-probabilities and WireSampling the penalties, min_p, logit_bias, allowed ids, bad words,
+# n and a grammar. Their fields have defaults, so a version-2 peer would decode a version-3 frame and silently drop
+# what it does not know; the version byte makes a mixed cluster refuse instead.
+PROTOCOL_VERSION = 3
 
 
 class WireError(TransportError):
