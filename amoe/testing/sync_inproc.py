@@ -30,7 +30,8 @@ MODES = ("ep", "pingpong")
 
 class SyncCluster:
     """`ep` over `num_devices`, or `pingpong` over `num_attn` + `num_expert` devices, with torch executors on a
-    checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.emulation.executor.Emulation)."""
+    checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.emulation.executor.Emulation); `pipeline`: ep's
+    expert pipeline."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class SyncCluster:
         dtype: torch.dtype | None = None,
         timeout_s: float = 10.0,
         poll_s: float = 0.005,
+        pipeline=None,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"parallel mode must be one of {MODES} here; got {mode!r}")
@@ -59,6 +61,8 @@ class SyncCluster:
         self.model_config: ModelConfig = cfg
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.options = {"timeout_s": timeout_s, "poll_s": poll_s}
+        if pipeline is not None:  # ep's expert pipeline (amoe.runtime.sync.eps.ExpertPipeline)
+            self.options["pipeline"] = pipeline
         if mode == "pingpong":
             self.options["micro_batches"] = micro_batches
             place = Placement.disaggregated(num_attn, num_expert, cfg.num_expert_ids)
