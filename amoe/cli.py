@@ -167,6 +167,10 @@ def add_plan_command(sub: Any) -> None:
         "--simulate-per-mode", type=int, default=3,
         help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
     )  # fmt: skip
+    p.add_argument(
+        "--eps", action="store_true",
+        help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(run=run_plan)
 

@@ -120,9 +120,26 @@ def run_plan_scale(args: argparse.Namespace) -> int:
     return plan_scale.main(args)
 
 
+def add_bench_eps_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "eps", help="EPS-MoE's Tables II and III, N* and decode auto PN against the cost model"
+    )
+    from amoe.emulation.eps_bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(run=run_eps)
+
+
+def run_eps(args: argparse.Namespace) -> int:
+    from amoe.emulation import eps_bench
+
+    return eps_bench.main(args)
+
+
 PLAN_BENCH_SUBCOMMANDS = (
     add_bench_plan_check_command,
     add_bench_plan_table_command,
     add_bench_plan_scale_command,
     add_bench_policies_command,
+    add_bench_eps_command,
 )

@@ -534,15 +534,25 @@ def prefill_gain(block: PrefillBlock, pipelines: int) -> float:
 # ---- the runtime's `auto` (amoe.runtime.sync.eps.ExpertPipeline)
 
 
-def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int):
-    """total rows of an iteration over all devices → the PN the simulated layer is fastest with (the search,
-    memoised: an iteration's rows repeat)."""
-    curves = curves_for(gpu)
+def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None):
+    """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
+    and the simulation's model, with the host's step per chunk) is fastest under uniform routing; memoised, an
+    iteration's rows repeat."""
+    from amoe.emulation.cost_model import NO_HOST
+
+    host = host or NO_HOST
+    experts = [[e for e in range(model.num_experts) if e % devices == d] for d in range(devices)]
 
     @functools.lru_cache(maxsize=4096)
     def choose(total_rows: int) -> int:
-        layer = model_layer(model, devices, max(1, total_rows) / devices)
-        return search_pipelines(gpu, curves, layer, "auto", max_pipelines)[0]
+        per_expert = max(1, total_rows) * model.top_k / model.num_experts
+        rows = [[per_expert] * len(es) for es in experts]
+        tokens = max(1, total_rows) / devices
+        times = {
+            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto")
+            for n in range(1, max_pipelines + 1)
+        }
+        return min(times, key=lambda n: (times[n], n))
 
     return choose
 
@@ -555,3 +565,64 @@ def kernel_chooser(model: ModelProfile, gpu: GpuProfile):
         return best_kernel(gpu, curves, rows, model.hidden_size, model.expert_intermediate)
 
     return choose
+
+
+# ---- an EP block of the bounds and the simulation (bounds._ep, simulate._simulate_ep)
+
+
+def ep_block_moe_time(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    host,
+    rows: Sequence[Sequence[float]],
+    experts: Sequence[Sequence[int]],
+    tokens_per_device: float,
+    pipelines: int,
+    kernel: str,
+) -> float:
+    """Dispatch, experts and combine of one EP block, pipelined: device d's local experts experts[d] have rows[d]
+    tokens each; each of the PN chunks (the p-th group of every device's experts, as amoe.runtime.sync.eps splits
+    them) waits at its combine for the slowest device's compute, and pays one host step per device. kernel
+    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the paper's
+    routing and permutation kernels) is left out: amoe's host overhead prices its own."""
+    curves = curves_for(gpu)
+    devices = len(experts)
+    pn = max(1, min(pipelines, min((len(es) for es in experts if es), default=1)))
+    layer = EpLayer(
+        model.hidden_size, model.expert_intermediate, devices, 1, model.experts_per_token, tokens_per_device, 0.0,
+        model.bytes_per_activation,
+    )  # fmt: skip
+    chunks = []
+    for p in range(pn):
+        slowest, sent = 0.0, 0.0
+        for es, rs in zip(experts, rows):
+            if not es:  # a device without experts (more devices than experts): attention only
+                continue
+            group = [i for i in range(len(es)) if i * pn // len(es) == p]
+            t = 0.0
+            by_width: dict[int, list[float]] = {}
+            for i in group:
+                by_width.setdefault(model.intermediate_of(es[i]), []).append(rs[i])
+            for inter, r in by_width.items():
+                k = kernel or "grouped"
+                if k == "auto":
+                    k = best_kernel(gpu, curves, r, model.hidden_size, inter)
+                t += experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
+            busy = sum(rs[i] for i in group)
+            if busy:
+                t += host.expert_step_s + busy * host.expert_row_s
+            slowest = max(slowest, t)
+            sent += len(group) / len(es) / devices
+        a2a = a2a_time(curves, layer, sent)
+        chunks.append(Chunk(a2a, slowest, a2a))
+    return pipeline_time(chunks, overlap=pn > 1)
+
+
+def ep_pipelines_for(
+    dep_pipelines: int, model: ModelProfile, gpu: GpuProfile, devices: int, tokens: int, host=None
+) -> int:
+    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all."""
+    if dep_pipelines:
+        return dep_pipelines
+    most = model.num_expert_ids // devices
+    return pipeline_chooser(model, gpu, devices, max(1, most), host)(int(tokens))

@@ -189,11 +189,12 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
     choose_pn = choose_kernel = None
     if par.pipelines is None or par.kernel == "auto":
         from amoe.emulation import eps
-        from amoe.emulation.profiles import gpu_profile
+        from amoe.emulation.profiles import gpu_profile, host_overhead
         from amoe.emulation.shapes import profile_of
 
         profile = em.profile if em is not None else profile_of(cfg)
         gpu = gpu_profile(config.executor.gpu)
-        choose_pn = eps.pipeline_chooser(profile, gpu, len(place.hosts), most)
+        host = host_overhead(config.executor.host_overhead)
+        choose_pn = eps.pipeline_chooser(profile, gpu, len(place.hosts), most, host)
         choose_kernel = eps.kernel_chooser(profile, gpu)
     return ExpertPipeline(par.pipelines, par.ep_kernel, most, choose_pn, choose_kernel)
