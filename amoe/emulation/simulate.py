@@ -37,9 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from amoe.config import SchedulerSection
-from amoe.emulation import bounds
+from amoe.emulation import bounds, eps
 from amoe.emulation import cost_model as cm
-from amoe.emulation import eps
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
 
