@@ -11,7 +11,6 @@ final JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import asdict, replace
@@ -20,13 +19,6 @@ from amoe.emulation import bounds, eps
 from amoe.emulation.plan import PlanRequest, mean_context, plan_profile, search
 from amoe.emulation.plan_table import PROFILE, ROUTINGS
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fit", action="store_true", help="refit the h800 curves to Table II's PN 1 rows first")
-    p.add_argument("--gpus", default="a100-80g,h100,h200", help="the planner's table's GPUs (decode check)")
-    p.add_argument("--sizes", default="8,16", help="the planner's table's pool sizes (decode check)")
-    p.add_argument("--top-k", default="1,2", help="the planner's table's top-k (decode check)")
 
 
 def table2(curves: eps.EpsCurves) -> dict:
