@@ -27,7 +27,7 @@ def flags(args, pipelines: int | None) -> list[str]:
         "--executor", "emulated", "--executor-profile", args.profile, "--gpu", args.gpu, "--parallel", "ep",
         "--attn-ranks", str(args.devices), "--routing", "uniform", "--time-scale", str(args.time_scale),
         "--scheduler-attn-batch-cap", str(args.tokens_per_device), "--server-max-waiting", "100000",
-        "--transport-timeout-s", "120", "--cache-max-num-seqs", "1024",
+        "--transport-timeout-s", "120", "--cache-max-num-seqs", "1024", "--server-stall-timeout-s", "3600",
     ]  # fmt: skip
     if pipelines is not None:
         out += ["--ep-pipelines", str(pipelines), "--ep-kernel", "auto"]

@@ -150,3 +150,19 @@ def test_kernel_choice_follows_load_on_h800():
         == gpu_profile("a100-80g").compute_efficiency
     )
     assert math.isclose(eps.FP8_BYTES, 0.515625)
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_the_pipeline_prints_the_local_engines_text(deepseek_v2, capsys):
+    args = ["generate", "--model", str(deepseek_v2), "--prompt", "Hello there", "--temperature", "0"]
+    assert main([*args, "--max-tokens", "5"]) == 0
+    local = capsys.readouterr().out
+    assert (
+        main(
+            [*args, "--max-tokens", "5", "--parallel", "ep", "--ep-pipelines", "3", "--ep-kernel", "grouped"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out == local and local.strip()
+    assert main([*args, "--ep-kernel", "fast", "--parallel", "ep"]) == 1
+    assert "--ep-kernel must be one of auto, grouped, dense" in capsys.readouterr().err
