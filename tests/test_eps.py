@@ -166,3 +166,53 @@ def test_generate_with_the_pipeline_prints_the_local_engines_text(deepseek_v2, c
     assert capsys.readouterr().out == local and local.strip()
     assert main([*args, "--ep-kernel", "fast", "--parallel", "ep"]) == 1
     assert "--ep-kernel must be one of auto, grouped, dense" in capsys.readouterr().err
+
+
+def test_the_h800_curves_are_table2s_pn1_fit():
+    """The constants in eps.CURVES are what fitting Table II's PN 1 rows gives (rounded), not tuned by hand."""
+    fitted, stored = eps.fit_table2(gpu_profile("h800")), eps.CURVES["h800"]
+    pairs = [
+        (fitted.grouped.peak_fraction, stored.grouped.peak_fraction),
+        (fitted.grouped.fall_m, stored.grouped.fall_m),
+        (fitted.dense.peak_fraction, stored.dense.peak_fraction),
+        (fitted.a2a_bandwidth, stored.a2a_bandwidth),
+        (fitted.layer_fixed_s, stored.layer_fixed_s),
+    ]
+    assert all(math.isclose(a, b, rel_tol=0.01) for a, b in pairs), pairs
+    assert fitted.grouped.half_m < 5 and fitted.dense.half_m < 1  # both saturate well below Table II's m
+
+
+@pytest.mark.timeout(60)
+def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
+    """The emulated executor under `--ep-pipelines 4 --ep-kernel auto` (DeepSeek-V2 on H800s, 2 blocks): every
+    request ends, with one expert hold per chunk, device and block; `auto` picks more chunks for more rows."""
+    from amoe.config import AmoeConfig, ExecutorSection
+    from amoe.emulation.executor import Emulation
+    from amoe.runtime import build
+
+    executor = ExecutorSection(
+        kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=0.001, routing="uniform"
+    )
+    em = Emulation(executor)
+
+    def pipeline(pn: str):
+        config = AmoeConfig(executor=executor).replace(
+            parallel={"mode": "ep", "attn_ranks": 2, "ep_pipelines": pn, "ep_kernel": "auto"}
+        )
+        return build.ep_pipeline(
+            config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em
+        )
+
+    auto = pipeline("auto")
+    assert auto.max_pipelines == 80  # 161 expert ids (160 routed + the shared one) on 2 devices
+    assert auto.pipelines_for(2) == 1 < auto.pipelines_for(2 * 8192)
+    prompt = list(range(3, 3 + 1024))
+    with SyncCluster(
+        mode="ep", num_devices=2, emulation=em, pipeline=pipeline("4"), num_kv_blocks=512
+    ) as cluster:
+        reqs = [cluster.submit(prompt, SamplingParams(temperature=0, max_tokens=1), rank=r) for r in (0, 1)]
+        assert [len(o) for o in cluster.wait(reqs, timeout=30)] == [1, 1]
+        stats = cluster.stats()
+    holds = [s["emulated"]["experts"]["kinds"]["expert"]["steps"] for s in stats]
+    blocks = em.model_config.num_blocks
+    assert all(h % (4 * blocks) == 0 and h > 0 for h in holds), holds
