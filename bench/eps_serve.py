@@ -3,7 +3,7 @@ pipeline, prefill throughput (long prompts, max_tokens 1) and decode throughput,
 (wall throughput × the time scale). Prints a table and a final JSON line (docs/results.md "EPS-MoE").
 
     python bench/eps_serve.py [--profile deepseek-v2:2] [--gpu h800] [--devices 8] [--seq-lens 1024,8192]
-        [--pipelines 1,5,20] [--time-scale 40]
+        [--pipelines 1,5,20,auto] [--time-scale 150]
 
 PN 1 without --ep-kernel is EP as it ran before the pipeline (one grouped step between two all-to-alls); the
 others run `--ep-pipelines N --ep-kernel auto`. Prefill: every device gets tokens_per_device / seq_len prompts of
@@ -22,7 +22,7 @@ import httpx
 from amoe.bench.servers import ServerProcess
 
 
-def flags(args, pipelines: int | None) -> list[str]:
+def flags(args, pipelines: str | None) -> list[str]:
     out = [
         "--executor", "emulated", "--executor-profile", args.profile, "--gpu", args.gpu, "--parallel", "ep",
         "--attn-ranks", str(args.devices), "--routing", "uniform", "--time-scale", str(args.time_scale),
@@ -54,7 +54,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [1] + [3 + (seed * 7919 + i * 104729) % 900 for i in range(n - 1)]
 
 
-async def measure(args, pipelines: int | None) -> dict:
+async def measure(args, pipelines: str | None) -> dict:
     row = {
         "pipelines": pipelines or 1,
         "kernel": "auto" if pipelines is not None else "grouped (no pipeline)",
@@ -83,11 +83,11 @@ def main() -> None:
     )
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--time-scale", type=float, default=40.0)
+    p.add_argument("--time-scale", type=float, default=150.0)
     args = p.parse_args()
     args.seq_lens = [int(s) for s in args.seq_lens.split(",")]
     rows = []
-    for pn in [None, *(int(x) for x in args.pipelines.split(","))]:
+    for pn in [None, *args.pipelines.split(",")]:
         rows.append(asyncio.run(measure(args, pn)))
         print(rows[-1], flush=True)
     base = rows[0]
