@@ -107,9 +107,7 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))
-        if isinstance(self.ep_pipelines, int) and not isinstance(
-            self.ep_pipelines, bool
-        ):  # a JSON config's 5
+        if type(self.ep_pipelines) is int:  # a JSON config's 5 (a bool is no PN: it stays and is refused)
             object.__setattr__(self, "ep_pipelines", str(self.ep_pipelines))
         self._check_ep_pipeline()
         _positive("parallel.attn_ranks", self.attn_ranks)
@@ -124,7 +122,7 @@ class ParallelSection:
         if self.ep_kernel is not None and self.ep_kernel not in EP_KERNELS:
             raise ConfigError(f"--ep-kernel must be one of {', '.join(EP_KERNELS)}; got {self.ep_kernel!r}")
         pipelines = self.ep_pipelines
-        if pipelines not in (None, "auto") and (not pipelines.isdigit() or int(pipelines) < 1):
+        if pipelines not in (None, "auto") and not (str(pipelines).isdigit() and int(pipelines) >= 1):
             raise ConfigError(f"--ep-pipelines must be a positive integer or auto; got {self.ep_pipelines!r}")
 
     @property
