@@ -91,13 +91,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_ep(args: argparse.Namespace, params: Any) -> int:
-    """`amoe generate --parallel ep`: the EP devices as threads of this process (amoe.testing.sync_inproc), with
+    """`amoe generate --parallel ep`: the EP devices as threads of this process (amoe.runtime.sync.group), with
     the expert pipeline when asked; greedy tokens are the local engine's."""
     from amoe.config import AmoeConfig
     from amoe.model.config import load_model_config
     from amoe.model.make import default_model_path
     from amoe.runtime import build
-    from amoe.testing.sync_inproc import SyncCluster
+    from amoe.runtime.sync.group import SyncCluster
     from amoe.tokenizer import Tokenizer
 
     if args.chat:
