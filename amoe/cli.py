@@ -68,6 +68,12 @@ def add_generate_command(sub: Any) -> None:
         "--generation-config", default="auto", metavar="auto|vllm|DIR",
         help="where unset sampling flags take their defaults from, as vLLM's (default: auto, the model's own)",
     )  # fmt: skip
+    p.add_argument(
+        "--parallel", default="local", help="local (one engine) | ep: --attn-ranks devices in this process"
+    )
+    p.add_argument("--attn-ranks", type=int, default=2, help="ep: the devices (default: 2)")
+    p.add_argument("--ep-pipelines", help="ep: EPS-MoE's expert pipeline, N | auto (docs/serve.md)")
+    p.add_argument("--ep-kernel", help="ep: auto | grouped | dense")
     p.set_defaults(run=run_generate)
 
 
@@ -75,9 +81,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from amoe.llm import LLM
 
     flags = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    if args.parallel != "local" or args.ep_pipelines is not None or args.ep_kernel is not None:
+        return _generate_ep(args, given)
     # None: the demo model, built on first use; LLM logs that it is random-weight
     llm = LLM(model=args.model, generation_config=args.generation_config)
-    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
     results = llm.generate(prompts, params)
@@ -85,6 +93,40 @@ def run_generate(args: argparse.Namespace) -> int:
         if len(args.prompt) > 1:
             print(f"--- {prompt!r}")
         print(result.outputs[0].text)
+    return 0
+
+
+def _generate_ep(args: argparse.Namespace, given: dict[str, Any]) -> int:
+    """`amoe generate --parallel ep`: the EP devices as threads of this process (amoe.runtime.sync.group), with
+    the expert pipeline when asked; greedy tokens are the local engine's."""
+    from amoe.config import AmoeConfig
+    from amoe.generation_config import sampling_defaults
+    from amoe.model.config import load_model_config
+    from amoe.model.make import default_model_path
+    from amoe.runtime import build
+    from amoe.runtime.sync.group import SyncCluster
+    from amoe.sampling_params import SamplingParams
+    from amoe.tokenizer import Tokenizer
+
+    if args.chat:
+        raise ConfigError("--chat runs on the local engine; drop --parallel ep")
+    parallel = {"mode": args.parallel, "attn_ranks": args.attn_ranks}
+    parallel |= {k: getattr(args, k) for k in ("ep_pipelines", "ep_kernel") if getattr(args, k) is not None}
+    config = AmoeConfig().replace(parallel=parallel)
+    if config.parallel.mode != "ep":
+        raise ConfigError(f"generate runs --parallel local or ep; got --parallel {config.parallel.mode}")
+    model_dir = args.model or default_model_path()
+    params = SamplingParams(**{**sampling_defaults(model_dir, args.generation_config), **given})
+    cfg = load_model_config(model_dir)
+    pipeline = build.ep_pipeline(config, build.placement(config, cfg.num_expert_ids), cfg, None)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = [tokenizer.encode(p) for p in args.prompt]
+    with SyncCluster(model_dir, mode="ep", num_devices=args.attn_ranks, pipeline=pipeline) as cluster:
+        outputs = cluster.generate(prompts, params)
+    for prompt, tokens in zip(args.prompt, outputs):
+        if len(args.prompt) > 1:
+            print(f"--- {prompt!r}")
+        print(tokenizer.decode(tokens))
     return 0
 
 
@@ -172,6 +214,10 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument(
         "--simulate-per-mode", type=int, default=3,
         help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--eps", action="store_true",
+        help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(run=run_plan)

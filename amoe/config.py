@@ -17,6 +17,9 @@ POLICIES = ("defrag", "mtfs", "flfs", "wave")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_SYNONYMS = {"half": "float16", "float": "float32"}
+# ep's expert GEMM (EPS-MoE's load-aware choice): one grouped GEMM for a device's experts, one dense GEMM per
+# expert, or the cost model's pick by tokens per expert.
+EP_KERNELS = ("auto", "grouped", "dense")
 # Where a runtime's tensors live (docs/gpu.md): auto = CUDA when this host has it.
 DEVICE_KINDS = ("auto", "cpu", "cuda")
 
@@ -97,13 +100,44 @@ class ParallelSection:
     # aep / pingpong: the expert runtime (0..expert_ranks-1) of each expert, "0,1,2,3,0,1,2,3"; None: e mod M.
     # `amoe plan` writes one that balances a skewed routing.
     expert_map: str | None = None
+    # ep: EPS-MoE's expert pipeline (docs/serve.md "The expert pipeline"): each block's experts run as PN chunks,
+    # one group of every device's hosted experts each, chunk p's all-to-all in flight while chunk p-1 computes.
+    # "N" (1..the experts a device hosts) or "auto" (the cost model's choice per iteration's load); None: 1.
+    ep_pipelines: str | None = None
+    # ep: the expert GEMM of a chunk: grouped (one grouped step for a device's experts), dense (one GEMM per
+    # expert) or auto (the cost model's choice by tokens per expert); None: grouped.
+    ep_kernel: str | None = None
 
     def __post_init__(self) -> None:
         _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))
+        if type(self.ep_pipelines) is int:  # a JSON config's 5 (a bool is no PN: it stays and is refused)
+            object.__setattr__(self, "ep_pipelines", str(self.ep_pipelines))
+        self._check_ep_pipeline()
         _positive("parallel.attn_ranks", self.attn_ranks)
         _positive("parallel.expert_ranks", self.expert_ranks)
         _positive("parallel.threads_per_rank", self.threads_per_rank)
         _positive("parallel.micro_batches", self.micro_batches)
+
+    def _check_ep_pipeline(self) -> None:
+        for name, value in (("--ep-pipelines", self.ep_pipelines), ("--ep-kernel", self.ep_kernel)):
+            if value is not None and self.mode != "ep":
+                raise ConfigError(f"{name} applies to --parallel ep only; got --parallel {self.mode}")
+        if self.ep_kernel is not None and self.ep_kernel not in EP_KERNELS:
+            raise ConfigError(f"--ep-kernel must be one of {', '.join(EP_KERNELS)}; got {self.ep_kernel!r}")
+        pipelines = self.ep_pipelines
+        if pipelines not in (None, "auto") and not (str(pipelines).isdigit() and int(pipelines) >= 1):
+            raise ConfigError(f"--ep-pipelines must be a positive integer or auto; got {self.ep_pipelines!r}")
+
+    @property
+    def pipelines(self) -> int | None:
+        """ep's PN: a number, None for auto (1 when not given)."""
+        if self.ep_pipelines == "auto":
+            return None
+        return int(self.ep_pipelines or 1)
+
+    @property
+    def kernel(self) -> str:
+        return self.ep_kernel or "grouped"
 
 
 @dataclass(frozen=True)
@@ -391,6 +425,8 @@ _ALIASES = {
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",
     ("parallel", "threads_per_rank"): "--threads-per-rank",
+    ("parallel", "ep_pipelines"): "--ep-pipelines",
+    ("parallel", "ep_kernel"): "--ep-kernel",
     ("scheduler", "policy"): "--scheduler",
     ("transport", "plane"): "--transport",
     ("executor", "kind"): "--executor",

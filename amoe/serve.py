@@ -36,6 +36,7 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
         raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
     config = resolve_device(config)  # --device cuda on a host without CUDA fails here, before anything starts
     check_executor(config.executor)  # an unknown --gpu / --profile / --routing fails here too
+    _check_ep_pipeline(config)  # a PN above the experts a device hosts too
     if dist.node_rank > 0:
         from amoe.node_agent import main as agent_main
 
@@ -43,6 +44,23 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
     server = AmoeServer(config)
     asyncio.run(server.run())
     return server.exit_code
+
+
+def _check_ep_pipeline(config: AmoeConfig) -> None:
+    """`--ep-pipelines N` against the model's experts per device, from its config.json (or emulated profile)."""
+    par = config.parallel
+    if par.mode != "ep" or par.pipelines is None:
+        return
+    from amoe.runtime import build
+
+    model_dir = (
+        None
+        if config.executor.profile is not None and config.executor.kind == "emulated"
+        else _model_dir(config)
+    )
+    em = build.emulation(config, model_dir)
+    cfg = build.runtime_model_config(em, model_dir)
+    build.ep_pipeline(config, build.placement(config, cfg.num_expert_ids), cfg, em)
 
 
 class AmoeServer:

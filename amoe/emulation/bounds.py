@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from amoe.emulation import cost_model as cm
+from amoe.emulation import eps
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec, inclusion_probabilities
 
@@ -93,6 +94,14 @@ class Deployment:
     replicas: int = 1  # independent copies of the deployment serving side by side (behind one load balancer)
     expert_map: tuple[int, ...] | None = None  # expert -> expert GPU (aep / pingpong); None: e mod num_expert
     gpus_per_node: int = 8  # which transfers cross hosts
+    # ep: EPS-MoE's expert pipeline (amoe.emulation.eps): PN (0: auto, the runtime's choice) and the kernel
+    # (grouped | dense | auto); 1 and "": EP's one grouped step between two all-to-alls, as before.
+    ep_pipelines: int = 1
+    ep_kernel: str = ""
+
+    @property
+    def pipelined(self) -> bool:
+        return self.mode == "ep" and (self.ep_pipelines != 1 or bool(self.ep_kernel))
 
     @property
     def num_gpus(self) -> int:
@@ -336,6 +345,7 @@ def _ep(
     attn = cm.decode_attention_time(model, gpu, b, ctx, host)
     tokens = n * b
     iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
+    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
     for blk in range(model.num_blocks):
         per_device = [
             cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local
@@ -343,10 +353,14 @@ def _ep(
         slowest = max(per_device)
         stall += slowest - sum(per_device) / len(per_device)
         skew.append(slowest / (sum(per_device) / len(per_device)))
+        if dep.pipelined:  # the all-to-alls and experts as PN chunks (the barrier stall as computed above)
+            rows = [[tokens * q[blk, e] for e in es] for es in local]
+            iteration += attn + eps.ep_block_moe_time(model, gpu, host, rows, local, b, pn, dep.ep_kernel)
+            continue
         iteration += attn + a2a + slowest
     tps = tokens / iteration
     return Prediction(
         tokens_per_s=tps, itl_s=iteration, concurrency=tokens, bottleneck="barrier",
         expert_skew=float(np.mean(skew)),
-        extra={"all_to_all_s_per_block": a2a, "barrier_stall_fraction": stall / iteration},
+        extra={"all_to_all_s_per_block": a2a, "barrier_stall_fraction": stall / iteration, "ep_pipelines": pn},
     )  # fmt: skip

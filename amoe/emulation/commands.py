@@ -120,9 +120,27 @@ def run_plan_scale(args: argparse.Namespace) -> int:
     return plan_scale.main(args)
 
 
+def add_bench_eps_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "eps", help="EPS-MoE's Tables II and III, N* and decode auto PN against the cost model"
+    )
+    p.add_argument("--fit", action="store_true", help="refit the h800 curves to Table II's PN 1 rows first")
+    p.add_argument("--gpus", default="a100-80g,h100,h200", help="the planner's table's GPUs (decode check)")
+    p.add_argument("--sizes", default="8,16", help="the planner's table's pool sizes (decode check)")
+    p.add_argument("--top-k", default="1,2", help="the planner's table's top-k (decode check)")
+    p.set_defaults(run=run_eps)
+
+
+def run_eps(args: argparse.Namespace) -> int:
+    from amoe.emulation import eps_bench
+
+    return eps_bench.main(args)
+
+
 PLAN_BENCH_SUBCOMMANDS = (
     add_bench_plan_check_command,
     add_bench_plan_table_command,
     add_bench_plan_scale_command,
     add_bench_policies_command,
+    add_bench_eps_command,
 )

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import check_executor, cost_model
+from amoe.emulation import check_executor, cost_model, eps
 from amoe.emulation.clock import EmulatedClock
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
@@ -130,6 +130,24 @@ class EmulatedExpertExecutor:
         rows = [b.num_rows for b in batches]
         experts = [b.index for b in batches]
         t = cost_model.grouped_expert_time(self.em.profile, self.em.expert_gpu, rows, self.em.host, experts)
+        self.clock.hold(t, "expert", sum(rows))
+        return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
+
+    def run_experts(self, batches: list, kernel: str) -> list[torch.Tensor]:
+        """A chunk of an EP expert pipeline: one hold for its experts as one grouped GEMM or one GEMM per expert,
+        priced by the GPU's kernel curves (amoe.emulation.eps), plus one host step."""
+        rows = [b.num_rows for b in batches]
+        model, gpu = self.em.profile, self.em.expert_gpu
+        curves = eps.curves_for(gpu)
+        by_width: dict[int, list[int]] = {}  # the shared expert has its own width: its own GEMMs
+        for b in batches:
+            by_width.setdefault(model.intermediate_of(b.index), []).append(b.num_rows)
+        t = sum(
+            eps.experts_time(gpu, curves.curve(kernel), kernel, r, model.hidden_size, inter)
+            for inter, r in by_width.items()
+        )
+        if sum(rows):
+            t += self.em.host.expert_step_s + sum(rows) * self.em.host.expert_row_s
         self.clock.hold(t, "expert", sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 

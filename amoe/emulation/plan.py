@@ -59,6 +59,8 @@ class PlanRequest:
     # by the bound can need far more requests in flight to fill its batches than a smaller split (H100 top-1).
     simulate_per_mode: int = 3
     model_dir: str | None = None  # plan for this checkpoint's config.json instead of a named profile
+    # EP deployments with EPS-MoE's expert pipeline, PN and kernel chosen by `auto` (`amoe plan --eps`)
+    eps: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,11 @@ def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
         for gpu in types:
             for n in counts(req.gpus[gpu]):
                 replicas = req.gpus[gpu] // n if req.replicate else 1
+                pipeline = {"ep_pipelines": 0, "ep_kernel": "auto"} if req.eps else {}
                 for cap in req.attn_caps:
-                    yield bounds.Deployment("ep", gpu, n, attn_cap=cap, replicas=replicas, **common)
+                    yield bounds.Deployment(
+                        "ep", gpu, n, attn_cap=cap, replicas=replicas, **common, **pipeline
+                    )
     for ta, te in itertools.product(types, types):
         for a in counts(req.gpus[ta]):
             room = req.gpus[te] - (a if ta == te else 0)
@@ -363,6 +368,9 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         args += ["--model", req.model_dir or model_dir]
     if d.mode == "ep":
         args += ["--parallel", "ep", "--attn-ranks", str(d.num_attn)]
+        if d.pipelined:
+            pn = str(d.ep_pipelines) if d.ep_pipelines else "auto"
+            args += ["--ep-pipelines", pn, *(["--ep-kernel", d.ep_kernel] if d.ep_kernel else [])]
     else:
         args += ["--parallel", d.mode, "--attn-ranks", str(d.num_attn), "--expert-ranks", str(d.num_expert)]
     args += ["--scheduler-attn-batch-cap", str(d.attn_cap)]
@@ -391,7 +399,8 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
 def describe(d: bounds.Deployment) -> str:
     copies = f" x{d.replicas} replicas" if d.replicas > 1 else ""
     if d.mode == "ep":
-        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}"
+        pipeline = f" eps pn {d.ep_pipelines or 'auto'} {d.ep_kernel or 'grouped'}" if d.pipelined else ""
+        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}{pipeline}"
     roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
     extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"
     placement = " balanced" if d.expert_map is not None else ""
@@ -454,7 +463,7 @@ def main(args) -> int:
         profile=args.model_profile or Path(model_dir).resolve().name, gpus=gpus, workload=args.workload,
         top_k=args.top_k, routing=args.routing, itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus),
         gpus_per_node=args.gpus_per_node, modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
-        simulate_per_mode=args.simulate_per_mode, model_dir=model_dir,
+        simulate_per_mode=args.simulate_per_mode, model_dir=model_dir, eps=getattr(args, "eps", False),
     )  # fmt: skip
     if req.simulate_top < 0 or req.simulate_per_mode < 0:
         raise ConfigError(

@@ -250,6 +250,38 @@ def _deepseek_v3_like() -> ModelProfile:
     )
 
 
+def _deepseek_v2() -> ModelProfile:
+    # deepseek-ai/DeepSeek-V2 config.json (huggingface.co/deepseek-ai/DeepSeek-V2): hidden_size 5120,
+    # num_hidden_layers 60, vocab_size 102400, n_routed_experts 160, num_experts_per_tok 6, moe_intermediate_size
+    # 1536, n_shared_experts 2, num_attention_heads 128, q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+    # qk_rope_head_dim 64, v_head_dim 128, max_position_embeddings 163840, bos 100000, eos 100001. What EPS-MoE
+    # (arXiv 2410.12247) runs on H800s. Simplifications: the two shared experts are one SwiGLU of width 2 x 1536
+    # (the same FLOPs and bytes), every block is MoE (the real first one is dense), BF16.
+    h, heads = 5120, 128
+    attn = h * 1536 + 1536 * heads * 192 + h * 576 + 512 * heads * 256 + heads * 128 * h + h * 160
+    return ModelProfile(
+        name="deepseek-v2",
+        vocab_size=102400,
+        hidden_size=h,
+        num_blocks=60,
+        num_experts=160,
+        top_k=6,
+        expert_intermediate=1536,
+        attn_params=attn,
+        kv_bytes_per_token=(512 + 64) * 2,  # MLA's latent and rope key
+        attn_flops_per_context_token=2 * heads * 576 + 2 * heads * 512,
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=128,
+        num_shared_experts=1,
+        shared_intermediate=2 * 1536,
+        max_position_embeddings=163840,
+        bos_token_id=100000,
+        eos_token_id=100001,
+        source="DeepSeek-V2 config.json shapes (MLA, 160 routed + 2 shared experts as one, top-6), BF16",
+    )
+
+
 MODELS: dict[str, ModelProfile] = {
     # AMoE §5: Mixtral 8x7B with MQA; Figure 9 runs it with top-1 and top-2 routing (pass top_k to override).
     "mixtral-8x7b-mqa": _mixtral_8x7b(
@@ -260,6 +292,7 @@ MODELS: dict[str, ModelProfile] = {
         "mixtral-8x7b-16e", 16, 1, "Mixtral 8x7B with 16 experts, top-1 (AMoE §5.2)"
     ),
     "deepseek-v3-like": _deepseek_v3_like(),
+    "deepseek-v2": _deepseek_v2(),
 }
 
 

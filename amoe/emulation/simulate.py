@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from amoe.config import SchedulerSection
-from amoe.emulation import bounds
+from amoe.emulation import bounds, eps
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
@@ -292,6 +292,7 @@ def _simulate_ep(
     a2a = 2 * bounds.all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
     head = cm.head_time(model, gpu, b, b, host)
     rid = np.arange(tokens)
+    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
     elapsed, iterations, position = 0.0, 0, 0
     while elapsed < duration_s or iterations < 8:
         iteration = head
@@ -300,6 +301,10 @@ def _simulate_ep(
                 blk, tokens, request_ids=rid, positions=np.full(tokens, position), now_s=elapsed
             )
             counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
+            if dep.pipelined:  # EPS-MoE's chunks (amoe.emulation.eps), the runtime's PN and kernel choice
+                rows = [counts[es].tolist() for es in local]
+                iteration += attn + eps.ep_block_moe_time(model, gpu, host, rows, local, b, pn, dep.ep_kernel)
+                continue
             slowest = max(cm.grouped_expert_time(model, gpu, counts[es].tolist(), host, es) for es in local)
             iteration += attn + a2a + slowest
         elapsed += iteration

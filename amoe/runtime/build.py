@@ -174,3 +174,27 @@ def expert_executor(
     return ExpertExecutor(
         build_expert_layers(model_dir, cfg, experts, dtype(config, cfg, dev), dev.torch), dev
     )
+
+
+def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emulation | None):
+    """EP's expert pipeline (`--ep-pipelines`, `--ep-kernel`), or None when neither is given; ConfigError for a PN
+    above the experts a device hosts. `auto` asks the cost model, on the emulated GPU's profile (torch: the
+    checkpoint's shapes on `--gpu`)."""
+    from amoe.runtime.sync.eps import ExpertPipeline, fewest_hosted
+
+    par = config.parallel
+    if par.mode != "ep" or (par.ep_pipelines is None and par.ep_kernel is None):
+        return None
+    most = fewest_hosted(place.expert_runtime, place.hosts)
+    choose_pn = choose_kernel = None
+    if par.pipelines is None or par.kernel == "auto":
+        from amoe.emulation import eps
+        from amoe.emulation.profiles import gpu_profile, host_overhead
+        from amoe.emulation.shapes import profile_of
+
+        profile = em.profile if em is not None else profile_of(cfg)
+        gpu = gpu_profile(config.executor.gpu)
+        host = host_overhead(config.executor.host_overhead)
+        choose_pn = eps.pipeline_chooser(profile, gpu, len(place.hosts), most, host)
+        choose_kernel = eps.kernel_chooser(profile, gpu)
+    return ExpertPipeline(par.pipelines, par.ep_kernel, most, choose_pn, choose_kernel)

@@ -109,6 +109,22 @@ class ExpertExecutor:
         """A device's experts of one block, each on its rows (EP's grouped step; torch runs them one by one)."""
         return [self.run(batch) for batch in batches]
 
+    @torch.inference_mode()
+    def run_experts(self, batches: list, kernel: str) -> list[torch.Tensor]:
+        """A chunk of an EP expert pipeline (`--ep-kernel`): "grouped" runs the block's experts as one grouped GEMM
+        per projection where GroupedExperts can (the floats of one GEMM per expert, checked bitwise), "dense" one
+        GEMM per expert."""
+        if kernel == "dense" or len(batches) < 2:
+            return [self.run(batch) for batch in batches]
+        put = self.device.put
+        block = batches[0].block
+        sizes = [b.num_rows for b in batches]
+        cu = [0, *itertools.accumulate(sizes)]
+        x = put(torch.cat([b.x for b in batches]))  # [S, H] expert by expert
+        weights = put(torch.cat([b.weights for b in batches]))
+        out = self._run_groups(block, x, weights, [b.index for b in batches], cu)
+        return [out[lo:hi] for lo, hi in zip(cu, cu[1:])]
+
 
 class AttentionExecutor:
     """An attention DP rank as the runtime loop runs it: its requests, and the compute that runs their layers.

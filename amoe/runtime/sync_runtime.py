@@ -40,6 +40,7 @@ class SyncRuntime:
         self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
         self.comm, self.groups = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
+        self.pipeline = build.ep_pipeline(self.config, place, cfg, self.emulation)
         self.attention = self.device.attention  # None on an expert device
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self._started = time.monotonic()
@@ -127,6 +128,7 @@ class SyncRuntime:
                 publish,
                 micro_batches=par.micro_batches,
                 timeout_s=timeout,
+                pipeline=self.pipeline,
             )
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread as Failed, then exit
             self.error = exc

@@ -51,6 +51,7 @@ class SyncDevice:
         self.hosted_experts = [e for e, d in enumerate(self.expert_device) if d == rank]
         self.stats = SyncStats(cfg.num_blocks, cfg.num_expert_ids)
         self._failures: list[HeadOutput] = []  # loop thread only
+        self.iteration_rows = 0  # the current iteration's rows on all devices (the BEGIN barrier's total)
 
     @property
     def role(self) -> str:

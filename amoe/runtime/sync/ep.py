@@ -19,6 +19,7 @@ from amoe.device import Device
 from amoe.runtime.requests import HeadOutput
 from amoe.runtime.sync.batch import Chunk, LayerBatch, attention_batch
 from amoe.runtime.sync.device import SyncDevice
+from amoe.runtime.sync.eps import ExpertPipeline, pipelined_moe
 from amoe.runtime.sync.exchange import barrier_exchange
 from amoe.runtime.sync.iterate import serve_iterations
 from amoe.runtime.sync.moe import Routed, receive_combine, send_dispatch, serve_experts
@@ -33,28 +34,37 @@ def run_ep_loop(
     *,
     timeout_s: float = 10.0,
     poll_s: float = 0.005,
+    pipeline: ExpertPipeline | None = None,
 ) -> None:
     """Serve as one EP device until any device's `stop` is set. Raises EngineDeadError when a peer is silent
-    for `timeout_s` at a barrier."""
+    for `timeout_s` at a barrier. `pipeline`: EPS-MoE's expert pipeline (amoe.runtime.sync.eps); None: none."""
     ex = barrier_exchange(device, comm, timeout_s)
 
     def iteration(it: int, chunks: list[Chunk]) -> list[HeadOutput]:
-        return _iteration(device, ex, it, chunks)
+        return _iteration(device, ex, it, chunks, pipeline)
 
     serve_iterations(device, ex, stop, iteration, publish, poll_s)
 
 
 def _iteration(
-    device: SyncDevice, ex: core.BarrierExchange, it: int, chunks: list[Chunk]
+    device: SyncDevice,
+    ex: core.BarrierExchange,
+    it: int,
+    chunks: list[Chunk],
+    pipeline: ExpertPipeline | None,
 ) -> list[HeadOutput]:
     """One batch through every block, a barrier all-to-all on each side of every expert layer, then the head.
     A batch whose layer fails ends there; the device still takes part in every all-to-all, without rows."""
     batch = attention_batch(chunks, device.attn_rank) if chunks else None
     carried = ()  # (residual, expert_out, expert_ids) of the previous block
+    pn = pipeline.pipelines_for(device.iteration_rows) if pipeline is not None else 0  # one PN for all blocks
     for block in range(device.cfg.num_blocks):
         step = batch.at_block(block, *carried) if block and batch else batch
         residual, routed = _attend(device, step)
-        expert_out = _moe(device, ex, it, block, routed)
+        if pipeline is not None:
+            expert_out = pipelined_moe(device, ex, it, block, routed, pipeline, pn)
+        else:
+            expert_out = _moe(device, ex, it, block, routed)
         if step is not None and (residual is None or expert_out is None):
             if expert_out is None:
                 device.fail(step, f"an expert layer of block {block} failed on another device")

@@ -51,6 +51,7 @@ def serve_iterations(
             device.stats.add_idle(time.perf_counter() - start)
             continue
         device.stats.add_wait(time.perf_counter() - start)  # the BEGIN barrier of a working iteration
+        device.iteration_rows = total  # every device's rows: what an EP pipeline's auto PN is chosen by
         outputs = run_iteration(it, chunks)
         device.stats.end_iteration(time.perf_counter() - start, rows)
         for out in outputs:

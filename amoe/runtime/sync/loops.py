@@ -22,11 +22,12 @@ def run_sync_loop(
     micro_batches: int = 2,
     timeout_s: float = 10.0,
     poll_s: float = 0.005,
+    pipeline=None,
 ) -> None:
     """Serve `device` in mode "ep" or "pingpong" until any device's stop is set (they leave together); what
-    each head step samples leaves through `publish`."""
+    each head step samples leaves through `publish`. `pipeline`: ep's expert pipeline (amoe.runtime.sync.eps)."""
     if mode == "ep":
-        run_ep_loop(device, comm, stop, publish, timeout_s=timeout_s, poll_s=poll_s)
+        run_ep_loop(device, comm, stop, publish, timeout_s=timeout_s, poll_s=poll_s, pipeline=pipeline)
     elif mode == "pingpong":
         run_pingpong_loop(
             device, comm, stop, publish, micro_batches=micro_batches, timeout_s=timeout_s, poll_s=poll_s

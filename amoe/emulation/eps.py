@@ -1,0 +1,628 @@
+"""EPS-MoE's cost model (arXiv 2410.12247; docs/emulation.md "The expert pipeline"): expert GEMM efficiency per
+kernel (grouped or dense) as a function of tokens per expert m, the all-to-all of an EP layer, and the time of a
+layer whose experts run as PN chunks (Algorithm 1) with communication overlapping compute.
+
+* **Kernel curves.** A GEMM phase of an expert layer costs max(FLOPs / (peak · eff(m)), bytes / HBM) — the
+  roofline with a compute efficiency that depends on the kernel and the load: dense (one cuBLAS GEMM per expert)
+  eff(m) = a · m / (m + h); grouped (one cutlass grouped GEMM over a device's experts) the same with its own (a, h),
+  times 1 / (1 + m / s): grouped GEMMs fall behind on large per-expert problems (the paper's Fig. 5a). On the h800
+  the constants are fitted to the PN 1 rows of the paper's Table II (`fit_table2`); a GPU without a curve keeps the
+  roofline at its profile's compute efficiency for both kernels (what the cost model priced before), and a curve
+  measured on a GPU at hand replaces it (`CURVES`).
+* **The pipeline.** Chunk p carries the tokens of the p-th group of every device's local experts: its dispatch and
+  combine all-to-all move 1/PN of the bytes and each pays the collective's fixed cost (the per-chunk overhead
+  k N + b of the paper's §IV-D, k = 2 · the fixed cost + the chunk's kernel launches); the compute stream runs
+  chunk p's experts once its dispatch is in; the communication stream runs the all-to-alls in Algorithm 1's issue
+  order. While an all-to-all runs beside a GEMM that holds every SM, the GEMM is slowed by the SMs the collective
+  takes (`INTERFERENCE`); capping the GEMM's SMs (the paper's 116 of 132) removes that.
+
+Times in seconds of GPU time; pure functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from amoe.emulation.cost_model import EXPERT_KERNELS
+from amoe.emulation.profiles import GpuProfile, ModelProfile
+
+KERNELS = ("grouped", "dense")
+# FP8 dispatch: one byte per element plus a float32 scale per 128 (DeepSeek-V3's block scales) of BF16's two.
+FP8_BYTES = (1 + 4 / 128) / 2
+# The fixed cost of one collective: bounds.A2A_FIXED_NVLINK_S, the project's assumed NCCL all-to-all latency in an
+# NVLink node. Table II's PN 1 rows cannot tell it from the per-layer b (both are paid once there), so it is not
+# fitted.
+A2A_FIXED_S = 20e-6
+
+# The paper's §IV-E: a communication kernel is given 16 of the H800's 132 SMs (GEMMs capped at 116). When the
+# GEMM is not capped the collective takes its SMs anyway: the GEMM runs on 116 of 132 while the two overlap.
+COMM_SMS, GPU_SMS = 16, 132
+INTERFERENCE = COMM_SMS / (GPU_SMS - COMM_SMS)  # extra GEMM time per second of overlap (13.8 %)
+
+
+@dataclass(frozen=True)
+class KernelCurve:
+    """Fraction of the GPU's peak FLOP/s an expert GEMM reaches with m tokens per expert:
+    peak_fraction · m / (m + half_m) / (1 + m / fall_m) (fall_m 0: no fall)."""
+
+    peak_fraction: float
+    half_m: float
+    fall_m: float = 0.0
+
+    def efficiency(self, m: float) -> float:
+        if m <= 0:
+            return self.peak_fraction
+        eff = self.peak_fraction * m / (m + self.half_m)
+        return eff / (1.0 + m / self.fall_m) if self.fall_m > 0 else eff
+
+
+@dataclass(frozen=True)
+class EpsCurves:
+    """One GPU's kernel curves and EP all-to-all: fixed cost per collective, the bandwidth it reaches per GPU, and
+    the bytes FP8 dispatch keeps (a fraction of BF16's)."""
+
+    gpu: str
+    grouped: KernelCurve
+    dense: KernelCurve
+    a2a_fixed_s: float
+    a2a_bandwidth: float  # bytes/s a device's all-to-all moves
+    layer_fixed_s: float = 0.0  # b: per layer whatever PN (routing, permutation, reduction, synchronisation)
+    fp8_bytes: float = FP8_BYTES
+    source: str = ""
+
+    def curve(self, kernel: str) -> KernelCurve:
+        return self.grouped if kernel == "grouped" else self.dense
+
+
+# ---- the paper's Table II (4 x H800, one MoE layer of Gate+Up+Down, ms)
+# Columns: (hidden, intermediate) x m, m the tokens per expert (as the paper defines m for its Fig. 5). The paper
+# gives neither the experts per GPU nor the routing; docs/emulation.md argues 8 experts per GPU from the FLOPs and
+# bytes (40 experts of [5120, 15360] could not stream their weights in the 2.3 ms of m = 256, 16 barely), with
+# each token's copies spread evenly over the 4 GPUs. With 8 local experts PN 20 is PN 8, one expert a chunk.
+TABLE2_SHAPES = ((5120, 1536), (5120, 15360))
+TABLE2_M = (3072, 1024, 256)
+TABLE2_GPUS, TABLE2_LOCAL_EXPERTS, TABLE2_TOP_K = 4, 8, 6
+
+
+@dataclass(frozen=True)
+class Table2Row:
+    id: int
+    pipelines: int
+    kernel: str
+    overlap: bool
+    fp8: bool
+    sms: int | None  # GEMM SMs (None: not controlled)
+    ms: tuple[float, ...]  # m=3072 (shape 0, shape 1), m=1024 (...), m=256 (...)
+
+
+TABLE2 = (
+    Table2Row(0, 1, "grouped", False, False, 132, (5.698, 32.469, 2.120, 8.996, 1.032, 2.349)),
+    Table2Row(1, 1, "grouped", False, True, 132, (4.330, 30.980, 1.512, 8.516, 1.513, 2.203)),
+    Table2Row(2, 1, "dense", False, False, None, (5.620, 21.247, 3.889, 7.497, 0.868, 2.708)),
+    Table2Row(3, 5, "grouped", True, False, 132, (4.837, 25.979, 1.790, 8.333, 0.683, 2.452)),
+    Table2Row(4, 5, "grouped", True, False, 116, (4.248, 26.270, 1.568, 8.808, 0.636, 2.461)),
+    Table2Row(5, 5, "grouped", True, True, 132, (3.728, 24.833, 1.418, 7.996, 0.607, 2.358)),
+    Table2Row(6, 5, "grouped", True, True, 116, (3.277, 25.928, 1.299, 8.697, 0.597, 2.398)),
+    Table2Row(7, 5, "dense", True, False, None, (4.299, 20.203, 1.714, 7.128, 0.798, 2.598)),
+    Table2Row(8, 5, "dense", True, True, None, (3.111, 19.795, 1.438, 6.895, 0.727, 2.549)),
+    Table2Row(9, 20, "dense", True, False, None, (4.855, 20.599, 2.133, 7.043, 1.016, 2.655)),
+    Table2Row(10, 20, "dense", True, True, None, (3.465, 20.012, 1.715, 6.893, 0.977, 2.619)),
+)
+
+
+# ---- expert GEMMs
+
+
+def _phases(h: int, inter: int, rows: float, bp: int, ba: int) -> list[tuple[float, float]]:
+    """(FLOPs, bytes) of gate_up GEMM, SiLU·mul and down GEMM of one SwiGLU expert (cost_model._swiglu_phases)."""
+    return [
+        (2 * rows * h * 2 * inter, 2 * h * inter * bp + rows * (h + 2 * inter) * ba),
+        (0.0, rows * 3 * inter * ba),
+        (2 * rows * inter * h, inter * h * bp + rows * (inter + h) * ba),
+    ]
+
+
+def experts_time(
+    gpu: GpuProfile,
+    curve: KernelCurve | None,
+    kernel: str,
+    rows: Sequence[float],
+    hidden: int,
+    inter: int,
+    bytes_per_param: int = 2,
+    bytes_per_activation: int = 2,
+) -> float:
+    """A device's experts on `rows` tokens each, as one grouped GEMM sequence or one GEMM sequence per expert.
+    Without a curve: the roofline at the profile's compute efficiency (cost_model.grouped_expert_time's GPU part)."""
+    busy = [r for r in rows if r > 0]
+    if not busy:
+        return 0.0
+    bp, ba = bytes_per_param, bytes_per_activation
+
+    def rate(m: float) -> float:
+        return gpu.peak_flops * curve.efficiency(m) if curve is not None else gpu.usable_flops
+
+    if kernel == "dense":
+        total = 0.0
+        for r in busy:
+            total += sum(
+                max(f / rate(r), b / gpu.usable_bandwidth) for f, b in _phases(hidden, inter, r, bp, ba)
+            )
+            total += EXPERT_KERNELS * gpu.launch_s
+        return total
+    phases = np.zeros((3, 2))
+    for r in busy:
+        phases += np.asarray(_phases(hidden, inter, r, bp, ba))
+    m = sum(busy) / len(busy)
+    gemm = sum(max(f / rate(m), b / gpu.usable_bandwidth) for f, b in phases)
+    return float(gemm + EXPERT_KERNELS * gpu.launch_s)
+
+
+def best_kernel(gpu: GpuProfile, curves: EpsCurves, rows: Sequence[float], hidden: int, inter: int) -> str:
+    """The load-aware choice: the kernel the curves predict faster for these tokens per expert (grouped on a tie)."""
+    times = {k: experts_time(gpu, curves.curve(k), k, rows, hidden, inter) for k in KERNELS}
+    return min(KERNELS, key=lambda k: (times[k], k != "grouped"))
+
+
+# ---- the pipeline (Algorithm 1 on two streams)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline chunk's dispatch, expert compute and combine, in seconds (compute on every SM)."""
+
+    dispatch_s: float
+    compute_s: float
+    combine_s: float
+
+
+def pipeline_time(
+    chunks: Sequence[Chunk],
+    overlap: bool = True,
+    interference: float = INTERFERENCE,
+    before_s: float = 0.0,
+    after_s: float = 0.0,
+) -> float:
+    """The layer's time from its first dispatch to its last combine. Without overlap the chunks run one after
+    another. With it: the communication stream runs dispatch(0), then per p = 1..PN dispatch(p), combine(p − 2),
+    then the last combines (Algorithm 1's issue order); compute(p) starts when dispatch(p) and compute(p − 1) are
+    done and is slowed by `interference` for the time a collective runs beside it. `before_s` runs on the compute
+    stream beside dispatch(0) (the shared experts), `after_s` after the last compute (the local reduction, beside
+    the last combine)."""
+    if not overlap:
+        return before_s + sum(c.dispatch_s + c.compute_s + c.combine_s for c in chunks) + after_s
+    n = len(chunks)
+    order = [("d", 0)]
+    for p in range(1, n + 1):
+        if p < n:
+            order.append(("d", p))
+        if p >= 2:
+            order.append(("c", p - 2))
+    order.append(("c", n - 1))
+    comm_free = 0.0
+    busy: list[tuple[float, float]] = []  # communication intervals
+    dispatched = [0.0] * n
+    computed = [0.0] * n
+    compute_free = before_s
+    # The streams depend on each other only through (dispatch p → compute p) and (compute p → combine p): run the
+    # communication stream op by op, computing each chunk the first time its combine needs it.
+    next_compute = 0
+
+    def compute_until(p: int) -> None:
+        nonlocal compute_free, next_compute
+        while next_compute <= p:
+            q = next_compute
+            start = max(compute_free, dispatched[q])
+            computed[q] = _stretched(start, chunks[q].compute_s, busy, interference)
+            compute_free = computed[q]
+            next_compute += 1
+
+    for kind, p in order:
+        if kind == "d":
+            start = comm_free
+            comm_free = start + chunks[p].dispatch_s
+            dispatched[p] = comm_free
+        else:
+            compute_until(p)
+            start = max(comm_free, computed[p])
+            comm_free = start + chunks[p].combine_s
+        busy.append((start, comm_free))
+    compute_until(n - 1)
+    return max(comm_free, computed[-1] + after_s)
+
+
+def _stretched(start: float, work: float, busy: list[tuple[float, float]], interference: float) -> float:
+    """When `work` seconds of compute started at `start` end, running 1 / (1 + interference) as fast while a
+    collective of `busy` runs beside it (intervals known when it starts: issued before it, or not beside it)."""
+    t, left = start, work
+    for lo, hi in sorted(busy):
+        if hi <= t or left <= 0:
+            continue
+        if lo > t:
+            gap = min(lo - t, left)
+            t, left = t + gap, left - gap
+            if left <= 0:
+                break
+        span = hi - max(lo, t)
+        done = span / (1.0 + interference)
+        if done >= left:
+            return t + left * (1.0 + interference)
+        t, left = hi, left - done
+    return t + left
+
+
+# ---- an EP MoE layer: all-to-all sizes and the chunks of a pipeline
+
+
+@dataclass(frozen=True)
+class EpLayer:
+    """An EP MoE layer on one device: its tokens, where they go, the experts it computes."""
+
+    hidden: int
+    inter: int
+    devices: int
+    local_experts: int
+    top_k: int
+    tokens: float  # the tokens this device brings (each sent to top_k experts)
+    rows_per_expert: float  # the tokens each local expert computes (from every device)
+    bytes_per_activation: int = 2
+
+
+def table2_layer(shape: tuple[int, int], m: int) -> EpLayer:
+    """One column of Table II: 4 GPUs of 8 experts, m tokens per expert (a GPU sends and receives 8 m copies)."""
+    tokens = TABLE2_LOCAL_EXPERTS * m / TABLE2_TOP_K
+    return EpLayer(shape[0], shape[1], TABLE2_GPUS, TABLE2_LOCAL_EXPERTS, TABLE2_TOP_K, tokens, m)
+
+
+def a2a_time(curves: EpsCurves, layer: EpLayer, fraction: float, fp8: bool = False) -> float:
+    """One all-to-all of `fraction` of the layer's copies: the fixed cost plus the bytes that leave the device."""
+    remote = layer.tokens * layer.top_k * fraction * (layer.devices - 1) / layer.devices
+    num_bytes = remote * layer.hidden * layer.bytes_per_activation * (curves.fp8_bytes if fp8 else 1.0)
+    return curves.a2a_fixed_s + num_bytes / curves.a2a_bandwidth
+
+
+def layer_chunks(
+    gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, pipelines: int, kernel: str, fp8: bool = False
+) -> list[Chunk]:
+    """The PN chunks of an EP layer: chunk p's experts are the p-th group of the local ones (split as evenly as
+    whole experts allow), its all-to-alls carry the copies bound for them. kernel "auto": per chunk."""
+    sizes = [len(g) for g in np.array_split(np.arange(layer.local_experts), pipelines)]
+    chunks = []
+    for size in sizes:
+        frac = size / layer.local_experts
+        rows = [layer.rows_per_expert] * size
+        k = best_kernel(gpu, curves, rows, layer.hidden, layer.inter) if kernel == "auto" else kernel
+        compute = experts_time(gpu, curves.curve(k), k, rows, layer.hidden, layer.inter)
+        chunks.append(Chunk(a2a_time(curves, layer, frac, fp8), compute, a2a_time(curves, layer, frac)))
+    return chunks
+
+
+def layer_time(
+    gpu: GpuProfile,
+    curves: EpsCurves,
+    layer: EpLayer,
+    pipelines: int,
+    kernel: str,
+    overlap: bool,
+    fp8: bool = False,
+    sms: int | None = None,
+    before_s: float = 0.0,
+    after_s: float = 0.0,
+) -> float:
+    """An EP MoE layer with PN chunks; `sms` < 132: the GEMM capped, so no interference from the collectives."""
+    chunks = layer_chunks(gpu, curves, layer, min(pipelines, layer.local_experts), kernel, fp8)
+    interference = 0.0 if sms is not None and sms <= GPU_SMS - COMM_SMS else INTERFERENCE
+    return curves.layer_fixed_s + pipeline_time(chunks, overlap, interference, before_s, after_s)
+
+
+def table2_prediction(curves: EpsCurves, gpu: GpuProfile, row: Table2Row) -> list[float]:
+    """The row's six cells (ms), as the cost model predicts them."""
+    out = []
+    for m in TABLE2_M:
+        for shape in TABLE2_SHAPES:
+            t = layer_time(
+                gpu, curves, table2_layer(shape, m), row.pipelines, row.kernel, row.overlap, row.fp8, row.sms
+            )
+            out.append(t * 1e3)
+    return out
+
+
+# ---- the pipeline number: closed form and search
+
+
+def chunk_overhead(gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, kernel: str) -> float:
+    """k of the paper's R(N) = k N + b: what one more chunk costs — two more collectives' fixed cost and one more
+    chunk's kernel launches (per expert for dense GEMMs, once for a grouped one)."""
+    launches = EXPERT_KERNELS * gpu.launch_s
+    per_chunk = launches if kernel == "grouped" else 0.0  # dense launches per expert whatever the chunking
+    return 2 * curves.a2a_fixed_s + per_chunk
+
+
+def closed_form_pipelines(gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, kernel: str) -> float:
+    """The paper's N* = √(C / k), C = min(communication, compute) of the layer without a pipeline."""
+    (one,) = layer_chunks(gpu, curves, layer, 1, kernel)
+    c = min(one.dispatch_s + one.combine_s, one.compute_s)
+    return math.sqrt(c / chunk_overhead(gpu, curves, layer, kernel))
+
+
+def search_pipelines(
+    gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, kernel: str, max_pipelines: int | None = None
+) -> tuple[int, float]:
+    """(PN, time) minimising the simulated layer over 1..local experts."""
+    top = max_pipelines or layer.local_experts
+    times = {n: layer_time(gpu, curves, layer, n, kernel, True) for n in range(1, top + 1)}
+    best = min(times, key=lambda n: (times[n], n))
+    return best, times[best]
+
+
+# ---- fitting the curves to Table II's PN 1 rows (the other rows are predictions)
+
+FIT_START = (0.6, 200.0, 0.6, 50.0, 2000.0, 100e9, 100e-6)
+
+
+def curves_from(params: Sequence[float], gpu: str = "h800", source: str = "") -> EpsCurves:
+    dense_a, dense_h, group_a, group_h, group_fall, bandwidth, layer_fixed = (float(p) for p in params)
+    return EpsCurves(
+        gpu=gpu,
+        grouped=KernelCurve(group_a, group_h, group_fall),
+        dense=KernelCurve(dense_a, dense_h),
+        a2a_fixed_s=A2A_FIXED_S,
+        a2a_bandwidth=bandwidth,
+        layer_fixed_s=layer_fixed,
+        source=source,
+    )
+
+
+def fit_table2(gpu: GpuProfile, rows: Sequence[Table2Row] | None = None, iterations: int = 1500) -> EpsCurves:
+    """Curves whose PN 1 predictions best match Table II's PN 1 rows (least squares of log ratios, Nelder-Mead
+    in log space from FIT_START; deterministic)."""
+    rows = [r for r in TABLE2 if r.pipelines == 1] if rows is None else list(rows)
+
+    def loss(logp: np.ndarray) -> float:
+        p = np.exp(logp)
+        if p[0] > 1 or p[2] > 1:  # fractions of peak
+            return 1e9
+        curves = curves_from(p)
+        err = [
+            math.log(pred / paper)
+            for r in rows
+            for pred, paper in zip(table2_prediction(curves, gpu, r), r.ms)
+        ]
+        return float(np.sum(np.square(err)))
+
+    best = _nelder_mead(loss, np.log(np.asarray(FIT_START)), iterations)
+    return curves_from(np.exp(best), gpu.name, "fitted to Table II's PN 1 rows (amoe bench eps --fit)")
+
+
+def _nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.3) -> np.ndarray:
+    """Minimise f from x0 (the textbook simplex: reflect, expand, contract, shrink)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex]
+                values = [f(x) for x in simplex]
+    return simplex[int(np.argmin(values))]
+
+
+# Per GPU: the curves the cost model uses (h800: `fit_table2`'s result, rounded; regenerate with
+# `amoe bench eps --fit`). A GPU missing here has no curve: both kernels cost the roofline.
+CURVES: dict[str, EpsCurves] = {
+    "h800": EpsCurves(
+        gpu="h800",
+        grouped=KernelCurve(peak_fraction=0.737, half_m=1.31, fall_m=4830.0),
+        dense=KernelCurve(peak_fraction=0.621, half_m=0.0),
+        a2a_fixed_s=A2A_FIXED_S,
+        a2a_bandwidth=153e9,
+        layer_fixed_s=678e-6,
+        source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit",
+    ),
+}
+
+
+def curves_for(gpu: GpuProfile) -> EpsCurves:
+    """The GPU's curves; without a fitted or measured one, both kernels at the profile's compute efficiency (the
+    roofline the cost model prices everywhere else) and the all-to-all at NVLink's usable bandwidth."""
+    if gpu.name in CURVES:
+        return CURVES[gpu.name]
+    flat = KernelCurve(gpu.compute_efficiency, 0.0)
+    return EpsCurves(gpu.name, flat, flat, A2A_FIXED_S, gpu.nvlink.usable_bandwidth, source="roofline")
+
+
+def with_curves(gpu: str, curves: EpsCurves) -> EpsCurves:
+    """`curves` for another GPU name (a curve measured on a GPU at hand, registered in CURVES)."""
+    return replace(curves, gpu=gpu)
+
+
+def model_layer(model: ModelProfile, devices: int, tokens_per_device: float) -> EpLayer:
+    """An EP MoE layer of `model` over `devices` devices, uniform routing, each bringing `tokens_per_device`."""
+    local = model.num_experts // devices
+    rows = devices * tokens_per_device * model.top_k / model.num_experts
+    return EpLayer(
+        model.hidden_size,
+        model.expert_intermediate,
+        devices,
+        local,
+        model.top_k,
+        tokens_per_device,
+        rows,
+        model.bytes_per_activation,
+    )
+
+
+# ---- DeepSeek-V2 prefill on 8 GPUs (the paper's Table III)
+
+# Tokens each GPU prefills per forward: SGLang's default chunked-prefill size (the paper does not give its batch);
+# fixed before any comparison with Table III.
+PREFILL_TOKENS_PER_GPU = 8192
+TABLE3_SEQ_LENS = (1024, 2048, 4096, 8192)
+TABLE3_PIPELINES = (1, 5, 20)
+TABLE3_GAIN = {  # prefill throughput gain over EP without the pipeline, % (Table III, 8 x H800, no FP8)
+    20: (21.27, 18.05, 10.00, 11.60),
+    5: (21.81, 20.53, 16.89, 12.75),
+    1: (11.83, 11.02, 6.77, 5.13),
+}
+
+
+@dataclass(frozen=True)
+class PrefillBlock:
+    """One block's parts on one device during prefill (seconds)."""
+
+    attention_s: float
+    shared_s: float
+    reduce_s: float
+    baseline_moe_s: float  # EP without the pipeline: dispatch, grouped GEMM, combine in turn
+    eps_moe_s: dict[int, float]  # PN → the pipelined MoE
+
+
+def prefill_block(
+    model: ModelProfile, gpu: GpuProfile, devices: int, seq_len: int, tokens: int, pipelines: Sequence[int]
+) -> PrefillBlock:
+    """A DeepSeek-V2-style block on one of `devices` EP devices prefilling `tokens` tokens in sequences of
+    `seq_len`: attention (data parallel), the shared expert computed locally, the routed experts over EP. The
+    baseline runs attention, shared expert, dispatch, grouped GEMM, combine and the local reduction in turn; EPS
+    hides the shared expert behind dispatch(0) and the reduction behind the last combine, pipelines the routed
+    experts in PN chunks and picks each chunk's kernel by load (Fig. 9b, Algorithm 1)."""
+    from amoe.emulation import cost_model as cm
+
+    curves = curves_for(gpu)
+    seqs = max(1, tokens // seq_len)
+    attention = cm.attention_layer_time(model, gpu, [seq_len] * seqs, [seq_len] * seqs)
+    n = seqs * seq_len
+    inter = model.shared_intermediate
+    shared = experts_time(gpu, curves.curve("dense"), "dense", [n], model.hidden_size, inter)
+    # The reduction reads each token's top-k outputs and writes its sum: memory-bound.
+    reduce = (model.top_k + 1) * n * model.hidden_size * model.bytes_per_activation / gpu.usable_bandwidth
+    layer = model_layer(model, devices, n)
+    baseline = layer_time(gpu, curves, layer, 1, "grouped", overlap=False)
+    eps = {
+        pn: layer_time(gpu, curves, layer, pn, "auto", overlap=True, before_s=shared, after_s=reduce)
+        for pn in pipelines
+    }
+    return PrefillBlock(attention, shared, reduce, baseline, eps)
+
+
+def prefill_gain(block: PrefillBlock, pipelines: int) -> float:
+    """EPS's prefill throughput over the baseline's, minus 1 (tokens per block time)."""
+    base = block.attention_s + block.shared_s + block.baseline_moe_s + block.reduce_s
+    return base / (block.attention_s + block.eps_moe_s[pipelines]) - 1.0
+
+
+# ---- the runtime's `auto` (amoe.runtime.sync.eps.ExpertPipeline)
+
+
+def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None):
+    """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
+    and the simulation's model, with the host's step per chunk) is fastest under uniform routing; memoised, an
+    iteration's rows repeat."""
+    from amoe.emulation.cost_model import NO_HOST
+
+    host = host or NO_HOST
+    experts = [[e for e in range(model.num_experts) if e % devices == d] for d in range(devices)]
+
+    @functools.lru_cache(maxsize=4096)
+    def choose(total_rows: int) -> int:
+        per_expert = max(1, total_rows) * model.top_k / model.num_experts
+        rows = [[per_expert] * len(es) for es in experts]
+        tokens = max(1, total_rows) / devices
+        times = {
+            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto")
+            for n in range(1, max_pipelines + 1)
+        }
+        return min(times, key=lambda n: (times[n], n))
+
+    return choose
+
+
+def kernel_chooser(model: ModelProfile, gpu: GpuProfile):
+    """rows per expert of a chunk → grouped or dense, whichever the curves price lower."""
+    curves = curves_for(gpu)
+
+    def choose(rows: Sequence[int]) -> str:
+        return best_kernel(gpu, curves, rows, model.hidden_size, model.expert_intermediate)
+
+    return choose
+
+
+# ---- an EP block of the bounds and the simulation (bounds._ep, simulate._simulate_ep)
+
+
+def ep_block_moe_time(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    host,
+    rows: Sequence[Sequence[float]],
+    experts: Sequence[Sequence[int]],
+    tokens_per_device: float,
+    pipelines: int,
+    kernel: str,
+) -> float:
+    """Dispatch, experts and combine of one EP block, pipelined: device d's local experts experts[d] have rows[d]
+    tokens each; each of the PN chunks (the p-th group of every device's experts, as amoe.runtime.sync.eps splits
+    them) waits at its combine for the slowest device's compute, and pays one host step per device. kernel
+    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the paper's
+    routing and permutation kernels) is left out: amoe's host overhead prices its own."""
+    curves = curves_for(gpu)
+    devices = len(experts)
+    pn = max(1, min(pipelines, min((len(es) for es in experts if es), default=1)))
+    layer = EpLayer(
+        model.hidden_size, model.expert_intermediate, devices, 1, model.experts_per_token, tokens_per_device, 0.0,
+        model.bytes_per_activation,
+    )  # fmt: skip
+    chunks = []
+    for p in range(pn):
+        slowest, sent = 0.0, 0.0
+        for es, rs in zip(experts, rows):
+            if not es:  # a device without experts (more devices than experts): attention only
+                continue
+            group = [i for i in range(len(es)) if i * pn // len(es) == p]
+            t = 0.0
+            by_width: dict[int, list[float]] = {}
+            for i in group:
+                by_width.setdefault(model.intermediate_of(es[i]), []).append(rs[i])
+            for inter, r in by_width.items():
+                k = kernel or "grouped"
+                if k == "auto":
+                    k = best_kernel(gpu, curves, r, model.hidden_size, inter)
+                t += experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
+            busy = sum(rs[i] for i in group)
+            if busy:
+                t += host.expert_step_s + busy * host.expert_row_s
+            slowest = max(slowest, t)
+            sent += len(group) / len(es) / devices
+        a2a = a2a_time(curves, layer, sent)
+        chunks.append(Chunk(a2a, slowest, a2a))
+    return pipeline_time(chunks, overlap=pn > 1)
+
+
+def ep_pipelines_for(
+    dep_pipelines: int, model: ModelProfile, gpu: GpuProfile, devices: int, tokens: int, host=None
+) -> int:
+    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all."""
+    if dep_pipelines:
+        return dep_pipelines
+    most = model.num_expert_ids // devices
+    return pipeline_chooser(model, gpu, devices, max(1, most), host)(int(tokens))

@@ -1,0 +1,167 @@
+"""`amoe bench eps`: EPS-MoE's claims against the cost model (docs/results.md "EPS-MoE"), a table per check and a
+final JSON line.
+
+1. Table II: the kernel curves' predictions of every cell; the PN 1 rows are in sample (the curves were fitted to
+   them: `--fit` refits and prints the constants), the others out of sample; per column, the best configuration.
+2. Table III: DeepSeek-V2 prefill on 8 H800s, the gain of PN 1 / 5 / 20 over EP without the pipeline.
+3. The closed-form N* = √(C/k) against the search, per load.
+4. Decode: on the planner's table (its GPUs, pool sizes, top-k and routings; the best EP deployment of each cell),
+   the bound with `auto` PN against the best fixed PN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+
+from amoe.emulation import bounds, eps
+from amoe.emulation.plan import PlanRequest, mean_context, plan_profile, search
+from amoe.emulation.plan_table import PROFILE, ROUTINGS
+from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+
+
+def table2(curves: eps.EpsCurves) -> dict:
+    gpu = gpu_profile("h800")
+    cells, best = [], {}
+    for row in eps.TABLE2:
+        pred = eps.table2_prediction(curves, gpu, row)
+        for i, (got, paper) in enumerate(zip(pred, row.ms)):
+            err = got / paper - 1
+            cells.append({"id": row.id, "col": i, "paper_ms": paper, "model_ms": round(got, 3), "err": err})
+            best.setdefault(i, []).append((row.id, paper, got))
+    in_sample = [c for c in cells if eps.TABLE2[c["id"]].pipelines == 1]
+    out_sample = [c for c in cells if eps.TABLE2[c["id"]].pipelines != 1]
+    columns = []
+    for i, entries in sorted(best.items()):
+        paper_best = min(entries, key=lambda e: e[1])[0]
+        model_best = min(entries, key=lambda e: e[2])[0]
+        columns.append({"col": i, "paper_best_id": paper_best, "model_best_id": model_best})
+    return {
+        "cells": cells,
+        "pn1_within_10pct": sum(abs(c["err"]) <= 0.10 for c in in_sample),
+        "pn1_cells": len(in_sample),
+        "other_within_15pct": sum(abs(c["err"]) <= 0.15 for c in out_sample),
+        "other_cells": len(out_sample),
+        "same_best": sum(c["paper_best_id"] == c["model_best_id"] for c in columns),
+        "columns": columns,
+    }
+
+
+def table3() -> dict:
+    gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
+    rows = []
+    for i, seq in enumerate(eps.TABLE3_SEQ_LENS):
+        block = eps.prefill_block(model, gpu, 8, seq, eps.PREFILL_TOKENS_PER_GPU, eps.TABLE3_PIPELINES)
+        gains = {pn: 100 * eps.prefill_gain(block, pn) for pn in eps.TABLE3_PIPELINES}
+        paper = {pn: eps.TABLE3_GAIN[pn][i] for pn in eps.TABLE3_PIPELINES}
+        order = sorted(gains, key=gains.get, reverse=True)
+        rows.append({
+            "seq_len": seq, "model_gain_pct": {pn: round(g, 2) for pn, g in gains.items()}, "paper_gain_pct": paper,
+            "pn5_points_off": round(gains[5] - paper[5], 2), "order": order,
+            "paper_order": sorted(paper, key=paper.get, reverse=True),
+        })  # fmt: skip
+    return {"rows": rows}
+
+
+def closed_form() -> list[dict]:
+    gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
+    curves = eps.curves_for(gpu)
+    out = []
+    for tokens in (256, 1024, 4096, 8192, 16384):
+        layer = eps.model_layer(model, 8, tokens)
+        n_star = eps.closed_form_pipelines(gpu, curves, layer, "dense")
+        best, t_best = eps.search_pipelines(gpu, curves, layer, "dense")
+        at = eps.layer_time(gpu, curves, layer, max(1, round(n_star)), "dense", True)
+        out.append({
+            "tokens_per_gpu": tokens, "n_star": round(n_star, 2), "search_pn": best,
+            "time_at_n_star_over_best": round(at / t_best, 4),
+        })  # fmt: skip
+    return out
+
+
+def decode(gpus: list[str], sizes: list[int], top_ks: list[int]) -> list[dict]:
+    """Per cell of the planner's table: the best EP deployment by the bound; its bound with auto PN and each fixed
+    PN (kernel auto)."""
+    out = []
+    host = host_overhead("amoe-paper")
+    for gpu in gpus:
+        for n in sizes:
+            for k in top_ks:
+                for routing in ROUTINGS:
+                    req = PlanRequest(
+                        PROFILE, {gpu: n}, top_k=k, routing=routing, modes=("ep",), simulate_top=0
+                    )
+                    plans = search(req)
+                    if not plans:
+                        continue
+                    dep = replace(plans[0].deployment, replicas=1)
+                    model = bounds.full_depth(plan_profile(req))
+                    q = bounds.routing_inclusion(model, routing, req.seed)
+                    ctx = mean_context(req.workload)
+                    top = max(1, min(len(es) for es in dep.experts_on(model.num_expert_ids)))
+
+                    def tps(pn: int, dep=dep, model=model, q=q, ctx=ctx) -> float:
+                        d = replace(dep, ep_pipelines=pn, ep_kernel="auto")
+                        return bounds.predict(model, d, q, ctx, host).tokens_per_s
+
+                    fixed = {pn: tps(pn) for pn in range(1, top + 1)}
+                    auto = tps(0)
+                    best = max(fixed.values())
+                    out.append({
+                        "gpu": gpu, "gpus": n, "top_k": k, "routing": routing, "ep": dep.num_attn,
+                        "local_experts": top, "auto_pn": d_auto_pn(dep, model, host), "auto_tps": round(auto), "best_fixed_pn": max(fixed, key=fixed.get),
+                        "best_fixed_tps": round(best), "auto_loss_pct": round(float(100 * (1 - auto / best)), 3),
+                    })  # fmt: skip
+    return out
+
+
+def d_auto_pn(dep: bounds.Deployment, model, host) -> int:
+    """The PN `auto` picks at the deployment's operating point (its batch cap on every device)."""
+    gpu = gpu_profile(dep.attn_gpu)
+    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host)
+
+
+def main(args) -> int:
+    curves = eps.CURVES["h800"]
+    if args.fit:
+        curves = eps.fit_table2(gpu_profile("h800"))
+        print("fitted h800 curves:", json.dumps(asdict(curves)))
+    t2 = table2(curves)
+    print("Table II (ms): id col paper model err")
+    for c in t2["cells"]:
+        tag = "in " if eps.TABLE2[c["id"]].pipelines == 1 else "out"
+        print(
+            f"  {tag} {c['id']:2d} {c['col']} {c['paper_ms']:8.3f} {c['model_ms']:8.3f} {100 * c['err']:+6.1f} %"
+        )
+    print(
+        f"PN 1 cells within 10 %: {t2['pn1_within_10pct']}/{t2['pn1_cells']}; other cells within 15 %: "
+        f"{t2['other_within_15pct']}/{t2['other_cells']}; same best configuration: {t2['same_best']}/6"
+    )
+    t3 = table3()
+    print("Table III (prefill gain %, DeepSeek-V2, 8 x H800): seq  model{PN: gain}  paper")
+    for r in t3["rows"]:
+        print(f"  {r['seq_len']:5d} {r['model_gain_pct']} {r['paper_gain_pct']} order {r['order']}")
+    cf = closed_form()
+    print("N* = sqrt(C/k) vs search (DeepSeek-V2 layer, 8 x H800, dense):")
+    for r in cf:
+        print(f"  {r}")
+    dec = decode(
+        args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(k) for k in args.top_k.split(",")]
+    )
+    worst = max((r["auto_loss_pct"] for r in dec), default=math.nan)
+    print(
+        f"decode: auto PN against the best fixed PN on {len(dec)} cells of the planner's table; worst loss {worst} %"
+    )
+    for r in dec:
+        print(f"  {r}")
+    summary = {
+        "bench": "eps",
+        "table2": {k: v for k, v in t2.items() if k != "cells"},
+        "table3": t3["rows"],
+        "closed_form": cf,
+        "decode_cells": len(dec),
+        "decode_worst_auto_loss_pct": worst,
+    }
+    print(json.dumps(summary))
+    return 0

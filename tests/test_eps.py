@@ -1,0 +1,218 @@
+"""EPS-MoE's expert pipeline for `--parallel ep` (amoe/runtime/sync/eps.py) and its cost model
+(amoe/emulation/eps.py): greedy tokens with PN 2 and 3 equal transformers' and the local engine's, bad flags fail
+in one line, the pipeline's schedule and the closed-form PN."""
+
+import math
+
+import pytest
+import torch
+from factories import hf_greedy, reference_tokens, transformers_checkpoint
+
+from amoe.cli import main
+from amoe.config import ParallelSection
+from amoe.emulation import eps
+from amoe.emulation.profiles import gpu_profile, model_profile
+from amoe.errors import ConfigError
+from amoe.model.config import load_model_config
+from amoe.placement import Placement
+from amoe.runtime.sync.eps import ExpertPipeline, expert_groups, fewest_hosted, split_routed
+from amoe.runtime.sync.moe import Routed
+from amoe.sampling_params import SamplingParams
+from amoe.testing.sync_inproc import SyncCluster
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6)
+PROMPTS = [[1, 17, 33, 5, 9, 64, 2, 8, 11], [1, 4], [1, 90, 7, 7, 3]]
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory):
+    """transformers' own DeepSeek-V2 (MLA, a dense first layer, shared experts), random weights."""
+    return transformers_checkpoint("tiny-deepseek-v2", tmp_path_factory.mktemp("eps") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def expected(deepseek_v2):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(deepseek_v2, dtype=torch.float32).eval()
+    hf = [hf_greedy(model, p, PARAMS.max_tokens)[0] for p in PROMPTS]
+    local = reference_tokens(deepseek_v2, PROMPTS, PARAMS)
+    assert local == hf  # the oracle agrees with itself before the pipeline is judged against it
+    return hf
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "pipelines,kernel",
+    [(2, "grouped"), (3, "dense"), (3, "auto")],
+    ids=["pn2-grouped", "pn3-dense", "pn3-auto"],
+)
+def test_pipelined_ep_greedy_tokens_equal_transformers(deepseek_v2, expected, pipelines, kernel):
+    cfg_choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu_profile("h800"))
+    place = Placement.expert_parallel(2, load_model_config(deepseek_v2).num_expert_ids)
+    most = fewest_hosted(place.expert_runtime, place.hosts)
+    pipeline = ExpertPipeline(pipelines, kernel, most, choose_kernel=cfg_choose)
+    cluster = SyncCluster(deepseek_v2, mode="ep", num_devices=2, pipeline=pipeline)
+    kernels = []  # (device, kernel) of every chunk an expert device ran
+    for d in cluster.devices:
+        d.experts.run_experts = _spy(d.rank, d.experts.run_experts, kernels)
+    with cluster:
+        assert cluster.generate(PROMPTS, PARAMS, timeout=60) == expected
+    assert not cluster.errors
+    blocks = cluster.model_config.num_blocks
+    assert (
+        len(kernels) % (2 * pipelines * blocks) == 0 and kernels
+    )  # every device, chunk and block, each iteration
+    assert {k for _, k in kernels} <= ({kernel} if kernel != "auto" else {"grouped", "dense"})
+
+
+def _spy(rank, run, seen):
+    def run_experts(batches, kernel):
+        seen.append((rank, kernel))
+        return run(batches, kernel)
+
+    return run_experts
+
+
+def test_chunks_carry_every_copy_once_in_row_order():
+    expert_device = (0, 1, 0, 1, 0, 1, 0, 1, 0)  # 9 expert ids (the last a shared one) on 2 devices
+    group = expert_groups(expert_device, 3)
+    assert sorted(group[[0, 2, 4, 6, 8]].tolist()) == [0, 0, 1, 1, 2]  # device 0's 5 experts in 3 groups
+    ids = torch.tensor([[0, 3, 8], [5, 2, 8], [7, 6, 8], [1, 4, 8]])
+    routed = Routed(
+        torch.arange(4.0)[:, None].expand(4, 2).contiguous(), ids, torch.rand(4, 3),
+        torch.arange(4), torch.zeros(4, dtype=torch.int64),
+    )  # fmt: skip
+    parts = split_routed(routed, group, 3)
+    seen = sorted((int(r), int(s)) for p in parts for r, s in zip(p.rows, p.slots))
+    assert seen == [(r, s) for r in range(4) for s in range(3)]
+    for i, p in enumerate(parts):
+        assert p.rows.tolist() == sorted(p.rows.tolist())
+        assert torch.equal(p.routed.moe_input[:, 0], p.rows.float())
+        assert torch.equal(p.routed.topk_ids[:, 0], ids[p.rows, p.slots])
+        assert bool((group[p.routed.topk_ids] == i).all())
+
+
+@pytest.mark.parametrize(
+    "section,flag",
+    [
+        ({"mode": "aep", "ep_pipelines": "2"}, "--ep-pipelines"),
+        ({"mode": "pingpong", "ep_kernel": "dense"}, "--ep-kernel"),
+        ({"mode": "ep", "ep_kernel": "cutlass"}, "--ep-kernel"),
+        ({"mode": "ep", "ep_pipelines": "0"}, "--ep-pipelines"),
+        ({"mode": "ep", "ep_pipelines": "many"}, "--ep-pipelines"),
+    ],
+)
+def test_bad_pipeline_flags_name_the_flag(section, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ParallelSection(**section)
+
+
+def test_pipelines_above_the_local_experts_fail_in_one_line(tiny_checkpoint, capsys):
+    args = ["serve", "--model", str(tiny_checkpoint), "--parallel", "ep", "--attn-ranks", "2"]
+    assert main([*args, "--ep-pipelines", "5"]) == 1  # the tiny Mixtral: 8 experts, 4 a device
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ep-pipelines must be in [1, 4]" in err
+    assert ParallelSection(mode="ep", ep_pipelines=4).pipelines == 4  # a JSON config's number
+    assert ParallelSection(mode="ep", ep_pipelines="auto").pipelines is None
+
+
+def test_pipeline_schedule_overlaps_and_pays_per_chunk():
+    one = [eps.Chunk(1.0, 2.0, 1.0)]
+    assert eps.pipeline_time(one, overlap=True, interference=0.0) == 4.0
+    chunks = [eps.Chunk(0.25, 0.5, 0.25)] * 4  # the same work in 4 chunks
+    assert eps.pipeline_time(chunks, overlap=False) == 4.0
+    piped = eps.pipeline_time(chunks, overlap=True, interference=0.0)
+    assert piped < 4.0 and piped >= 2.0 + 0.25 + 0.25  # compute-bound: one dispatch and one combine show
+    assert eps.pipeline_time(chunks, overlap=True, interference=0.5) > piped  # SMs shared with the collective
+
+
+def test_closed_form_pipeline_number_agrees_with_the_search():
+    gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
+    curves = eps.curves_for(gpu)
+    for tokens in (4096, 8192, 16384):
+        layer = eps.model_layer(model, 8, tokens)
+        n_star = eps.closed_form_pipelines(gpu, curves, layer, "dense")
+        best, t_best = eps.search_pipelines(gpu, curves, layer, "dense")
+        at_star = eps.layer_time(gpu, curves, layer, max(1, round(n_star)), "dense", True)
+        assert at_star <= t_best * 1.05, (tokens, n_star, best)
+
+
+def test_kernel_choice_follows_load_on_h800():
+    gpu = gpu_profile("h800")
+    choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu)
+    assert choose([16] * 8) == "grouped"  # decode: few tokens per expert
+    assert choose([8192] * 8) == "dense"  # the grouped curve falls on large problems (Fig. 5a)
+    flat = eps.curves_for(gpu_profile("a100-80g"))  # no curve: both kernels on the roofline
+    assert (
+        flat.grouped.efficiency(10)
+        == flat.dense.efficiency(5000)
+        == gpu_profile("a100-80g").compute_efficiency
+    )
+    assert math.isclose(eps.FP8_BYTES, 0.515625)
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_the_pipeline_prints_the_local_engines_text(deepseek_v2, capsys):
+    args = ["generate", "--model", str(deepseek_v2), "--prompt", "Hello there", "--temperature", "0"]
+    assert main([*args, "--max-tokens", "5"]) == 0
+    local = capsys.readouterr().out
+    assert (
+        main(
+            [*args, "--max-tokens", "5", "--parallel", "ep", "--ep-pipelines", "3", "--ep-kernel", "grouped"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out == local and local.strip()
+    assert main([*args, "--ep-kernel", "fast", "--parallel", "ep"]) == 1
+    assert "--ep-kernel must be one of auto, grouped, dense" in capsys.readouterr().err
+
+
+def test_the_h800_curves_are_table2s_pn1_fit():
+    """The constants in eps.CURVES are what fitting Table II's PN 1 rows gives (rounded), not tuned by hand."""
+    fitted, stored = eps.fit_table2(gpu_profile("h800")), eps.CURVES["h800"]
+    pairs = [
+        (fitted.grouped.peak_fraction, stored.grouped.peak_fraction),
+        (fitted.grouped.fall_m, stored.grouped.fall_m),
+        (fitted.dense.peak_fraction, stored.dense.peak_fraction),
+        (fitted.a2a_bandwidth, stored.a2a_bandwidth),
+        (fitted.layer_fixed_s, stored.layer_fixed_s),
+    ]
+    assert all(math.isclose(a, b, rel_tol=0.01) for a, b in pairs), pairs
+    assert fitted.grouped.half_m < 5 and fitted.dense.half_m < 1  # both saturate well below Table II's m
+
+
+@pytest.mark.timeout(60)
+def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
+    """The emulated executor under `--ep-pipelines 4 --ep-kernel auto` (DeepSeek-V2 on H800s, 2 blocks): every
+    request ends, with one expert hold per chunk, device and block; `auto` picks more chunks for more rows."""
+    from amoe.config import AmoeConfig, ExecutorSection
+    from amoe.emulation.executor import Emulation
+    from amoe.runtime import build
+
+    executor = ExecutorSection(
+        kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=0.001, routing="uniform"
+    )
+    em = Emulation(executor)
+
+    def pipeline(pn: str):
+        config = AmoeConfig(executor=executor).replace(
+            parallel={"mode": "ep", "attn_ranks": 2, "ep_pipelines": pn, "ep_kernel": "auto"}
+        )
+        return build.ep_pipeline(
+            config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em
+        )
+
+    auto = pipeline("auto")
+    assert auto.max_pipelines == 80  # 161 expert ids (160 routed + the shared one) on 2 devices
+    assert auto.pipelines_for(2) == 1 < auto.pipelines_for(2 * 8192)
+    prompt = list(range(3, 3 + 1024))
+    with SyncCluster(
+        mode="ep", num_devices=2, emulation=em, pipeline=pipeline("4"), num_kv_blocks=512
+    ) as cluster:
+        reqs = [cluster.submit(prompt, SamplingParams(temperature=0, max_tokens=1), rank=r) for r in (0, 1)]
+        assert [len(o) for o in cluster.wait(reqs, timeout=30)] == [1, 1]
+        stats = cluster.stats()
+    holds = [s["emulated"]["experts"]["kinds"]["expert"]["steps"] for s in stats]
+    blocks = em.model_config.num_blocks
+    assert all(h % (4 * blocks) == 0 and h > 0 for h in holds), holds
