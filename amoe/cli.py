@@ -63,6 +63,9 @@ def add_generate_command(sub: Any) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int, help="sampling seed")
+    from amoe.config import add_config_flags
+
+    add_config_flags(p, ("offload",))  # --offload-budget SIZE, --offload-policy, ... as `amoe serve` has them
     p.set_defaults(run=run_generate)
 
 
@@ -72,7 +75,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     flags = ("max_tokens", "temperature", "top_p", "top_k", "seed")
     params = SamplingParams(**{k: getattr(args, k) for k in flags if getattr(args, k) is not None})
-    llm = LLM(model=args.model)  # None: the demo model, built on first use; LLM logs that it is random-weight
+    from amoe.config import config_from_args
+
+    offload = config_from_args(args).offload
+    options = {f"offload_{name}": value for name, value in vars(offload).items()}
+    # model None: the demo model, built on first use; LLM logs that it is random-weight
+    llm = LLM(model=args.model, **options)
     prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
     results = llm.generate(prompts, params)
     for prompt, result in zip(args.prompt, results):

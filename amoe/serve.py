@@ -104,6 +104,10 @@ class AmoeServer:
         from amoe.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir)
+        if self.config.offload.budget is not None:
+            from amoe.offload.wiring import check_offload
+
+            check_offload(self.config, model_dir)  # a budget too small, a bad EAMC: one line, nothing started
         if self.config.parallel.mode == "local":
             backend, max_model_len, vocab = await self._start_local(model_dir)
         else:

@@ -86,10 +86,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        # --offload-budget: the routed experts stay on disk behind a store (amoe.offload), the rest is loaded here;
+        # a budget below the minimum fails before any weight loads.
+        self.offload = Offload.local(offload, model_dir, cfg, dtype, device)
         rank = build_attention_rank(model_dir, cfg, dtype, device.torch)
         self.attention, self.head = rank.layers, rank.head
-        # --offload-budget: the routed experts stay on disk behind a store (amoe.offload), the rest is loaded here.
-        self.offload = Offload.local(offload, model_dir, cfg, dtype, device)
         hosted = (
             range(cfg.num_experts, cfg.num_expert_ids) if self.offload.store else range(cfg.num_expert_ids)
         )

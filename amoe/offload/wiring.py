@@ -142,6 +142,36 @@ class Offload:
             self.recorder.close()
 
 
+def check_offload(config, model_dir) -> None:
+    """Before anything loads or starts: every process that would host experts gets a budget above its minimum,
+    and the policy builds (an EAMC file of the wrong shape fails here, with both shapes)."""
+    from amoe.device import CPU, model_dtype
+    from amoe.model.config import load_model_config
+    from amoe.offload.store import make_store_policy, plan_slots, routed_expert_bytes
+    from amoe.placement import Placement
+
+    offload = config.offload
+    if offload.budget is None or config.executor.kind != "torch":
+        return
+    cfg = load_model_config(model_dir)
+    dtype = model_dtype(config.model.dtype, cfg.dtype, CPU)
+    expert = routed_expert_bytes(cfg, dtype)
+    if config.parallel.mode == "local":
+        hosts = {"this process": (list(range(cfg.num_expert_ids)), True)}
+    else:
+        placement = Placement.of(config.parallel, cfg.num_expert_ids)
+        hosts = {
+            f"the expert runtime of experts {placement.experts_of(r)}": (placement.experts_of(r), False)
+            for r in sorted(set(placement.expert_runtime))
+        }
+    for where, (experts, attention) in hosts.items():
+        shared = [e for e in experts if e >= cfg.num_experts]
+        routed = len(experts) - len(shared)
+        dense = dense_bytes(cfg, dtype, attention=attention, shared=shared)
+        plan_slots(offload.budget_bytes, dense, expert, routed * cfg.num_blocks, where)
+    make_store_policy(offload, cfg)  # built once and dropped: its errors (a bad EAMC file) surface here
+
+
 def _recorder(offload, cfg, model_dir) -> RoutingRecorder | None:
     if offload.record is None:
         return None
