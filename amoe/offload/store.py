@@ -231,12 +231,12 @@ class ExpertStore:
         """Disk → slot, outside the lock (the reads release the GIL)."""
         ext = self._extents[key]
         try:
-            gate_up, at = self._gate_up[slot], 0
+            gate_up, at, parts = self._gate_up[slot], 0, []
             for part in ext.gate_up:
                 rows = part.shape[0]
-                self._reader.read(part, gate_up[at : at + rows])
+                parts.append((part, gate_up[at : at + rows]))
                 at += rows
-            self._reader.read(ext.down, self._down[slot])
+            self._reader.read_all([*parts, (ext.down, self._down[slot])])
         except Exception as exc:  # noqa: BLE001 - the step that wanted it fails, not the I/O thread
             logger.exception("[offload] reading expert %s failed", key)
             return exc
