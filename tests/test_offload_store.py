@@ -64,8 +64,11 @@ def test_reads_give_the_loaders_floats(ckpt, cfg, direct):
         parts = [(ext.gate_up[0], gate_up2[:n]), (ext.gate_up[-1], gate_up2[n:]), (ext.down, down2)]
         reader.read_all(parts if len(ext.gate_up) == 2 else [(ext.gate_up[0], gate_up2), (ext.down, down2)])
         assert torch.equal(gate_up2, w.gate_up) and torch.equal(down2, w.down)
+        down16 = torch.empty(w.down.shape, dtype=torch.bfloat16)  # served in another dtype: cast on the way
+        reader.read(ext.down, down16)
+        assert torch.equal(down16, w.down.to(torch.bfloat16))
     # O_DIRECT rounds each read out to whole 4 KiB blocks; a buffered read is the payload itself
-    payload = 2 * sum(index.expert(cfg, *k).nbytes for k in ref)
+    payload = sum(2 * index.expert(cfg, *k).nbytes + index.expert(cfg, *k).down.nbytes for k in ref)
     assert reader.bytes_read >= payload if reader.direct else reader.bytes_read == payload
     reader.close()
 

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 ALIGN = 4096  # O_DIRECT's offset, length and buffer alignment (the logical block size is at most this)
+CHUNK = 1 << 20  # bytes per O_DIRECT read: the staging buffer's size, whatever an expert's
+GAP = 64 << 10  # extents of one file closer than this are read as one span (the gap read and dropped)
 Key = tuple[int, int]
 
 
@@ -148,69 +150,58 @@ class DiskReader:
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
-        self.bytes_read = 0  # bytes the system calls transferred (O_DIRECT rounds each read out to ALIGN)
-
-    def read_all(self, parts: list[tuple[Extent, torch.Tensor]]) -> None:
-        """Several extents into their tensors; one read of the span that covers them when they lie together in
-        one file (an expert's three projections usually do), so a copy costs one disk round trip, not three."""
-        paths = {ext.path for ext, _ in parts}
-        start = min(ext.offset for ext, _ in parts)
-        end = max(ext.offset + ext.nbytes for ext, _ in parts)
-        if len(parts) == 1 or len(paths) > 1 or end - start > 1.25 * sum(ext.nbytes for ext, _ in parts):
-            for ext, out in parts:
-                self.read(ext, out)
-            return
-        span = Extent(parts[0][0].path, start, end - start, torch.uint8, (end - start,))
-        raw = None
-        if self.direct:
-            try:
-                raw = self._read_direct_raw(span)
-            except OSError as exc:
-                logger.info("[offload] O_DIRECT refused on %s (%s): buffered reads + fadvise", span.path, exc)
-                self.direct = False
-        if not self.direct:
-            raw = self._aligned(end - start)
-            self._read_buffered(span, raw)
-        for ext, out in parts:
-            lo = ext.offset - start
-            _copy_into(out, raw[lo : lo + ext.nbytes], ext)
+        self.bytes_read = 0  # bytes the system calls transferred (O_DIRECT rounds reads out to ALIGN)
 
     def read(self, ext: Extent, out: torch.Tensor) -> None:
         """The extent's tensor into `out` (contiguous, ext.shape elements), cast to out's dtype if it differs."""
+        self.read_all([(ext, out)])
+
+    def read_all(self, parts: list[tuple[Extent, torch.Tensor]]) -> None:
+        """Several extents into their tensors. Extents that lie together in one file (an expert's three
+        projections usually do) are read as one span, so a copy costs one disk round trip, not three."""
+        if any(
+            ext.dtype != out.dtype for ext, out in parts
+        ):  # a cast: through a staging buffer, part by part
+            for ext, out in parts:
+                raw = torch.empty(
+                    ext.nbytes, dtype=torch.uint8
+                )  # not the staging buffer: reads go through it
+                self._read_bytes([(ext.path, ext.offset, raw)])
+                out.copy_(raw.view(ext.dtype).view(ext.shape))
+            return
+        self._read_bytes([(ext.path, ext.offset, out.view(-1).view(torch.uint8)) for ext, out in parts])
+
+    def _read_bytes(self, targets: list[tuple[Path, int, torch.Tensor]]) -> None:
+        """Bytes at (path, offset) into each uint8 tensor."""
         if self.direct:
             try:
-                self._read_direct(ext, out)
+                for span in _spans(targets):
+                    self._read_direct(span)
                 return
             except OSError as exc:  # EINVAL: this file system (tmpfs, some overlays) refuses O_DIRECT
-                logger.info("[offload] O_DIRECT refused on %s (%s): buffered reads + fadvise", ext.path, exc)
+                logger.info("[offload] O_DIRECT refused (%s): buffered reads + fadvise from now on", exc)
                 self.direct = False
-        self._read_buffered(ext, out)
+        for path, offset, out in targets:
+            fd = self._fd(path, direct=False)
+            self.bytes_read += _preadv_all(fd, out, offset, need=out.numel())
+            # The pages the read brought in are clean: drop them, so the page cache does not become a second,
+            # unbudgeted expert cache (which would also make every "disk" read after the first a memory copy).
+            os.posix_fadvise(fd, offset, out.numel(), os.POSIX_FADV_DONTNEED)
 
-    def _read_direct(self, ext: Extent, out: torch.Tensor) -> None:
-        _copy_into(out, self._read_direct_raw(ext), ext)
-
-    def _read_direct_raw(self, ext: Extent) -> torch.Tensor:
-        """The extent's bytes (a view into the staging buffer, valid until the next read)."""
-        fd = self._fd(ext.path, direct=True)
-        start = ext.offset - ext.offset % ALIGN
-        end = -(-(ext.offset + ext.nbytes) // ALIGN) * ALIGN
-        buf = self._aligned(end - start)
-        self.bytes_read += _preadv_all(fd, buf, start, need=ext.offset + ext.nbytes - start)
-        lo = ext.offset - start
-        return buf[lo : lo + ext.nbytes]
-
-    def _read_buffered(self, ext: Extent, out: torch.Tensor) -> None:
-        fd = self._fd(ext.path, direct=False)
-        if ext.dtype == out.dtype:  # straight into the slot: no staging copy
-            target = out.view(-1).view(torch.uint8)
-        else:
-            target = self._aligned(ext.nbytes)
-        self.bytes_read += _preadv_all(fd, target, ext.offset, need=ext.nbytes)
-        # The pages the read brought in are clean: drop them, so the page cache does not become a second,
-        # unbudgeted expert cache (which would also make every "disk" read after the first a memory copy).
-        os.posix_fadvise(fd, ext.offset, ext.nbytes, os.POSIX_FADV_DONTNEED)
-        if target.data_ptr() != out.data_ptr():
-            _copy_into(out, target, ext)
+    def _read_direct(self, span: list[tuple[Path, int, torch.Tensor]]) -> None:
+        """One file's nearby targets: aligned reads of at most CHUNK through the staging buffer (so it stays
+        small), each chunk's bytes copied to the targets it overlaps."""
+        fd = self._fd(span[0][0], direct=True)
+        lo = span[0][1] - span[0][1] % ALIGN
+        hi = max(offset + out.numel() for _, offset, out in span)
+        for at in range(lo, hi, CHUNK):
+            buf = self._aligned(CHUNK)
+            got = _preadv_all(fd, buf, at, need=min(CHUNK, hi - at))
+            self.bytes_read += got
+            for _, offset, out in span:
+                a, b = max(at, offset), min(at + got, offset + out.numel())
+                if a < b:
+                    out[a - offset : b - offset].copy_(buf[a - at : b - at])
 
     def _aligned(self, nbytes: int) -> torch.Tensor:
         """A staging buffer of `nbytes` whose address is ALIGN-aligned (grown, never shrunk)."""
@@ -237,6 +228,21 @@ class DiskReader:
         self._fds.clear()
 
 
+def _spans(targets: list[tuple[Path, int, torch.Tensor]]) -> list[list[tuple[Path, int, torch.Tensor]]]:
+    """Targets grouped into runs that are read as one: same file, each starting within GAP of the last's end."""
+    spans: list[list[tuple[Path, int, torch.Tensor]]] = []
+    end = 0
+    for target in sorted(targets, key=lambda t: (str(t[0]), t[1])):
+        path, offset, out = target
+        if spans and spans[-1][0][0] == path and offset - end <= GAP:
+            spans[-1].append(target)
+            end = max(end, offset + out.numel())
+        else:
+            spans.append([target])
+            end = offset + out.numel()
+    return spans
+
+
 def _preadv_all(fd: int, buf: torch.Tensor, offset: int, need: int) -> int:
     """Read into the uint8 tensor `buf` from `offset` until `need` bytes are in (a read may come back short);
     returns the bytes transferred. os.preadv releases the GIL for the system call."""
@@ -250,10 +256,3 @@ def _preadv_all(fd: int, buf: torch.Tensor, offset: int, need: int) -> int:
             )
         done += n
     return done
-
-
-def _copy_into(out: torch.Tensor, raw: torch.Tensor, ext: Extent) -> None:
-    """raw (uint8, ext.nbytes) reinterpreted as ext.dtype [ext.shape], copied (and cast) into out."""
-    if raw.storage_offset() % ext.dtype.itemsize:
-        raw = raw.clone()  # a view as float needs an element-aligned start
-    out.copy_(raw.view(ext.dtype).view(ext.shape))
