@@ -165,3 +165,28 @@ def test_routing_record_format(tmp_path):
         "steps": [[[[0, 1], [2, 1], [3, 1]]] * 2, [[[0, 1], [1, 1], [3, 2]]] * 2],
     }
     assert len(lines) == 2
+
+
+def test_local_backend_store_on_metrics():
+    """The local engine's store shows as runtime 0, role local; its counters stay monotonic."""
+    from coordinator.metrics import CoordinatorMetrics
+
+    class Backend:
+        stats = {"hits": 5, "misses": 3, "loads": 4, "evictions": 1, "bytes_read": 4096, "stall_s": 0.5,
+                 "prefetches": 1, "prefetch_used": 1, "slots": 2, "resident": 2, "experts": 32}  # fmt: skip
+
+        def offload_stats(self):
+            return dict(self.stats)
+
+    text = CoordinatorMetrics(Backend()).render().decode()
+    labels = '{role="local",runtime="0"}'
+    for line in (
+        f"amoe_offload_hits_total{labels} 5.0",
+        f"amoe_offload_misses_total{labels} 3.0",
+        f"amoe_offload_read_bytes_total{labels} 4096.0",
+        f"amoe_offload_stall_seconds_total{labels} 0.5",
+        f"amoe_offload_prefetch_used_total{labels} 1.0",
+        f"amoe_offload_slots{labels} 2.0",
+        f"amoe_offload_experts{labels} 32.0",
+    ):
+        assert line in text, text
