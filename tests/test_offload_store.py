@@ -190,3 +190,19 @@ def test_local_backend_store_on_metrics():
         f"amoe_offload_experts{labels} 32.0",
     ):
         assert line in text, text
+
+
+def test_policy_errors_surface_at_start_up(ckpt, monkeypatch):
+    """The activation policy's EAMC loader (amoe.offload.activation) raises on a file of the wrong shape; start-up
+    turns that into one line naming the file, before anything loads."""
+    import amoe.offload.policy as policy_module
+
+    def bad_eamc(name, num_blocks, num_experts, eamc_path=None):
+        raise ValueError(f"EAMC of shape (3, 8) does not fit the model's ({num_blocks}, {num_experts})")
+
+    monkeypatch.setattr(policy_module, "make_policy", bad_eamc)
+    config = AmoeConfig().replace(
+        parallel={"mode": "local"}, offload={"budget": "1GiB", "policy": "activation", "eamc": "/x.eamc"}
+    )
+    with pytest.raises(ConfigError, match=r"--offload-eamc /x.eamc: EAMC of shape \(3, 8\) .* \(4, 8\)"):
+        check_offload(config, ckpt)
