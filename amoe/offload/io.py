@@ -195,8 +195,9 @@ class DiskReader:
         lo = span[0][1] - span[0][1] % ALIGN
         hi = max(offset + out.numel() for _, offset, out in span)
         for at in range(lo, hi, CHUNK):
-            buf = self._aligned(CHUNK)
-            got = _preadv_all(fd, buf, at, need=min(CHUNK, hi - at))
+            need = min(CHUNK, hi - at)
+            buf = self._aligned(CHUNK)[: -(-need // ALIGN) * ALIGN]  # the last chunk: only the blocks it needs
+            got = _preadv_all(fd, buf, at, need=need)
             self.bytes_read += got
             for _, offset, out in span:
                 a, b = max(at, offset), min(at + got, offset + out.numel())
