@@ -94,6 +94,7 @@ class ExpertStore:
             else:
                 self.counters["misses"] += 1
                 if key not in self._loading:
+                    self._errors.pop(key, None)  # an earlier failed copy ahead: this one tries again
                     self._enqueue(key, DEMAND)
                 start = time.perf_counter()
                 while key not in self._slot_of:
