@@ -211,3 +211,24 @@ def test_policy_errors_surface_at_start_up(ckpt, monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"--offload-eamc /x.eamc: EAMC of shape \(3, 8\) .* \(4, 8\)"):
         check_offload(config, ckpt)
+
+
+def test_a_failed_read_fails_the_step_not_the_store(ckpt, cfg, tmp_path):
+    import shutil
+
+    from amoe.errors import ModelLoadError
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    store = ExpertStore(copy, cfg, [(0, 0), (3, 7)], num_slots=1, policy=LRU(), dtype=torch.float32)
+    try:
+        with store.use((0, 0)):  # early in the file: read before the file is cut
+            pass
+        data = copy / "model.safetensors"
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # (3, 7) lies in the lost half
+        with pytest.raises(ModelLoadError, match=r"expert \(3, 7\): .*end of file"):
+            store.acquire((3, 7))
+        assert store._thread.is_alive()  # the I/O thread goes on
+    finally:
+        store.close()
+    assert not store._thread.is_alive()
