@@ -27,7 +27,7 @@ from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
 
 PROMPTS = [[1], [1, 5, 9, 200], [1] + list(range(30, 45)), [1] + list(range(100, 140))]
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -43,10 +43,14 @@ def sizes(ckpt):
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
+def reference_outputs(ckpt):
+    return LLM(model=str(ckpt), num_kv_blocks=64).generate(PROMPTS, PARAMS)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, reference_outputs):
     """Every expert resident; the same tokens transformers gives (checked on two prompts)."""
-    outputs = LLM(model=str(ckpt), num_kv_blocks=64).generate(PROMPTS, PARAMS)
-    tokens = [o.outputs[0].token_ids for o in outputs]
+    tokens = [o.outputs[0].token_ids for o in reference_outputs]
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     for prompt, got in list(zip(PROMPTS, tokens))[1:3]:
         assert hf_greedy(hf, prompt, MAX_TOKENS)[0] == got
@@ -54,8 +58,8 @@ def reference(ckpt):
 
 
 @pytest.fixture(scope="module")
-def reference_texts(ckpt, reference):
-    return [o.outputs[0].text for o in LLM(model=str(ckpt), num_kv_blocks=64).generate(PROMPTS, PARAMS)]
+def reference_texts(reference, reference_outputs):
+    return [o.outputs[0].text for o in reference_outputs]
 
 
 @pytest.mark.parametrize(

@@ -196,7 +196,8 @@ class DiskReader:
         hi = max(offset + out.numel() for _, offset, out in span)
         for at in range(lo, hi, CHUNK):
             need = min(CHUNK, hi - at)
-            buf = self._aligned(CHUNK)[: -(-need // ALIGN) * ALIGN]  # the last chunk: only the blocks it needs
+            # The last chunk reads only the blocks it needs.
+            buf = self._aligned(CHUNK)[: -(-need // ALIGN) * ALIGN]
             got = _preadv_all(fd, buf, at, need=need)
             self.bytes_read += got
             for _, offset, out in span:
