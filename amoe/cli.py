@@ -74,18 +74,24 @@ def add_generate_command(sub: Any) -> None:
     p.add_argument("--attn-ranks", type=int, default=2, help="ep: the devices (default: 2)")
     p.add_argument("--ep-pipelines", help="ep: EPS-MoE's expert pipeline, N | auto (docs/serve.md)")
     p.add_argument("--ep-kernel", help="ep: auto | grouped | dense")
+    from amoe.config import add_config_flags
+
+    add_config_flags(p, ("offload",))  # --offload-budget SIZE, --offload-policy, ... as `amoe serve` has them
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from amoe.config import config_from_args
     from amoe.llm import LLM
 
     flags = ("max_tokens", "temperature", "top_p", "top_k", "seed")
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    offload = config_from_args(args).offload
     if args.parallel != "local" or args.ep_pipelines is not None or args.ep_kernel is not None:
-        return _generate_ep(args, given)
-    # None: the demo model, built on first use; LLM logs that it is random-weight
-    llm = LLM(model=args.model, generation_config=args.generation_config)
+        return _generate_ep(args, given, offload)
+    options = {f"offload_{name}": value for name, value in vars(offload).items()}
+    # model None: the demo model, built on first use; LLM logs that it is random-weight
+    llm = LLM(model=args.model, generation_config=args.generation_config, **options)
     params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
     results = llm.generate(prompts, params)
@@ -96,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_ep(args: argparse.Namespace, given: dict[str, Any]) -> int:
+def _generate_ep(args: argparse.Namespace, given: dict[str, Any], offload: Any) -> int:
     """`amoe generate --parallel ep`: the EP devices as threads of this process (amoe.runtime.sync.group), with
     the expert pipeline when asked; greedy tokens are the local engine's."""
     from amoe.config import AmoeConfig
@@ -112,7 +118,7 @@ def _generate_ep(args: argparse.Namespace, given: dict[str, Any]) -> int:
         raise ConfigError("--chat runs on the local engine; drop --parallel ep")
     parallel = {"mode": args.parallel, "attn_ranks": args.attn_ranks}
     parallel |= {k: getattr(args, k) for k in ("ep_pipelines", "ep_kernel") if getattr(args, k) is not None}
-    config = AmoeConfig().replace(parallel=parallel)
+    config = AmoeConfig().replace(parallel=parallel, offload=vars(offload))  # a budget with ep is refused
     if config.parallel.mode != "ep":
         raise ConfigError(f"generate runs --parallel local or ep; got --parallel {config.parallel.mode}")
     model_dir = args.model or default_model_path()

@@ -308,6 +308,51 @@ class DistSection:
         return self.nnodes > 1 or self.backend == "ray"
 
 
+# Byte units of --offload-budget: SI (k, M, G, T: powers of 1000) and IEC (Ki, Mi, Gi, Ti: powers of 1024).
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+OFFLOAD_POLICIES = ("activation", "lru", "lfu")  # amoe.offload.policy.POLICIES (this module stays torch-free)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "512MiB", "2GB", "1.5G", "4096": SI units are powers of 1000, IEC (Ki, Mi, ...) of 1024."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
+    if m is None:
+        raise ConfigError(f"a size is a number with an optional unit (512MiB, 2GB, 4096); got {text!r}")
+    number, prefix, iec = m.groups()
+    if iec and not prefix:
+        raise ConfigError(f"a size is a number with an optional unit (512MiB, 2GB, 4096); got {text!r}")
+    scale = 1024 ** (1 + "kmgt".index(prefix.lower())) if iec else _SIZE_UNITS[prefix.lower()]
+    return int(float(number) * scale)
+
+
+@dataclass(frozen=True)
+class OffloadSection:
+    """Expert offloading (docs/offload.md): expert weights stay in their safetensors files and a process that
+    hosts experts keeps at most `budget` bytes of weights resident — its dense part plus a pool of expert slots."""
+
+    budget: str | None = None  # None: every expert resident (no offloading); else a size: 512MiB, 2GB
+    policy: str = "activation"  # which resident expert to evict, which absent ones to fetch early
+    eamc: str | None = (
+        None  # activation policy: the expert activation matrix collection (`amoe offload build-eamc`)
+    )
+    record: str | None = None  # JSON Lines file the routing of every finished sequence is written to
+    # false: load an expert only when a step asks for it (no look-ahead within a block, no policy prefetch)
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            _positive("offload.budget", parse_size(self.budget))
+        _choice("offload.policy", self.policy, OFFLOAD_POLICIES)
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"offload.prefetch must be true or false; got {self.prefetch}")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget is None else parse_size(self.budget)
+
+
 @dataclass(frozen=True)
 class AmoeConfig:
     """Everything a deployment is configured by; built once, never mutated after start-up."""
@@ -321,6 +366,7 @@ class AmoeConfig:
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     server: ServerSection = field(default_factory=ServerSection)
     dist: DistSection = field(default_factory=DistSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
 
     def __post_init__(self) -> None:
         if self.dist.multi_node and (self.parallel.mode != "aep" or self.tensor_plane != "inline"):
@@ -340,6 +386,12 @@ class AmoeConfig:
                 "--expert-gpu times the expert runtimes of an emulated aep or pingpong deployment (an EP device "
                 f"runs attention and experts on one GPU); got --executor {self.executor.kind} "
                 f"--parallel {self.parallel.mode}"
+            )
+        offloads = self.offload.budget is not None and self.executor.kind == "torch"
+        if offloads and self.parallel.mode not in ("local", "aep"):
+            raise ConfigError(
+                f"--offload-budget serves --parallel local or aep (expert runtimes hold the store); got --parallel "
+                f"{self.parallel.mode}"
             )
 
     @property

@@ -123,9 +123,12 @@ class AmoeServer:
         from amoe.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir)
-        defaults = sampling_defaults(
-            model_dir, self.config.model.generation_config
-        )  # a bad file fails before a load
+        # a bad generation config fails here, before a load
+        defaults = sampling_defaults(model_dir, self.config.model.generation_config)
+        if self.config.offload.budget is not None:
+            from amoe.offload.wiring import check_offload
+
+            check_offload(self.config, model_dir)  # a budget too small, a bad EAMC: one line, nothing started
         if self.config.parallel.mode == "local":
             backend, max_model_len, vocab = await self._start_local(model_dir)
         else:

@@ -363,6 +363,23 @@ class CommReport(_Report):
     departed_peers: list[RuntimeId] = []
 
 
+class OffloadReport(_Report):
+    """An expert runtime's expert store (amoe.offload.store.ExpertStore.stats)."""
+
+    hits: Count = 0
+    misses: Count = 0
+    loads: Count = 0
+    evictions: Count = 0
+    bytes_read: Count = 0
+    prefetches: Count = 0
+    prefetch_used: Count = 0
+    stall_s: Seconds = 0.0
+    slots: Count = 0
+    resident: Count = 0
+    experts: Count = 0
+    expert_bytes: Count = 0
+
+
 class RuntimeReport(_Report):
     """What the coordinator reads of a runtime's heartbeat stats: every number in range, every map well formed."""
 
@@ -392,6 +409,7 @@ class RuntimeReport(_Report):
     routed: list[list[Count]] = []
     batch_rows: BatchRows | None = None
     comm: CommReport | None = None
+    offload: OffloadReport | None = None
 
 
 def check_report(runtime: int, stats: dict[str, Any]) -> dict[str, Any]:

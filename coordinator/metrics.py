@@ -78,6 +78,26 @@ COMM_COUNTERS = (
         "Connections refused before any frame: no CURVE, or not the cluster's keys",
     ),
 )
+# The expert store of a process that offloads (docs/offload.md): report key "offload", labels (runtime, role).
+OFFLOAD_COUNTERS = (
+    ("amoe_offload_hits", "hits", "Expert lookups of a step that found the expert resident"),
+    ("amoe_offload_misses", "misses", "Expert lookups of a step that had to wait for a copy from disk"),
+    ("amoe_offload_loads", "loads", "Experts copied from disk into a slot (misses and prefetches)"),
+    ("amoe_offload_evictions", "evictions", "Resident experts dropped to make room"),
+    ("amoe_offload_read_bytes", "bytes_read", "Expert bytes read from disk"),
+    ("amoe_offload_stall_seconds", "stall_s", "Time steps waited for an expert's copy"),
+    ("amoe_offload_prefetches", "prefetches", "Experts copied before a step asked for them"),
+    (
+        "amoe_offload_prefetch_used",
+        "prefetch_used",
+        "Prefetched experts a step used before they were evicted (recall = this / prefetches)",
+    ),
+)
+OFFLOAD_GAUGES = (
+    ("amoe_offload_slots", "slots", "Expert slots of the store (its budget beside the dense part)"),
+    ("amoe_offload_resident_experts", "resident", "Experts resident now"),
+    ("amoe_offload_experts", "experts", "Experts the store serves (resident or on disk)"),
+)
 COMM_DROP_REASONS = (
     "garbage",
     "truncated",
@@ -267,6 +287,10 @@ class RuntimeCollector:
         with self._lock:
             for report in sorted(reports, key=lambda rep: int(rep.get("runtime", -1))):
                 self._add_report(fam, report)
+            local = _local_offload(self._backend)
+            if local is not None:  # the local engine's store: one process, runtime 0
+                value = self._offsets.apply(0, "local", self._offload_counters(local))
+                self._add_offload(fam, ("0", "local"), local, value)
             for (block, expert), value in sorted(self._offsets.totals("routed").items()):
                 fam.routed.add_metric([block, expert], value)
         for rank, kv in enumerate(_kv_usage(self._backend)):
@@ -312,6 +336,19 @@ class RuntimeCollector:
                 fam.comm_dropped.add_metric([*rt, reason], value[("comm_dropped", reason)])
             failed = comm.get("failed_peers", 0)
             fam.failed_peers.add_metric(rt, len(failed) if isinstance(failed, (list, tuple)) else failed)
+        if isinstance(report.get("offload"), dict):
+            self._add_offload(fam, rt, report["offload"], value)
+
+    @staticmethod
+    def _offload_counters(offload: dict[str, Any]) -> dict[tuple, float]:
+        return {(name,): float(offload.get(key, 0)) for name, key, _ in OFFLOAD_COUNTERS}
+
+    @staticmethod
+    def _add_offload(fam: _Families, rt: tuple, offload: dict[str, Any], value: dict[tuple, float]) -> None:
+        for (name, _, _), metric in zip(OFFLOAD_COUNTERS, fam.offload_counters):
+            metric.add_metric(rt, value[(name,)])
+        for (_, key, _), metric in zip(OFFLOAD_GAUGES, fam.offload_gauges):
+            metric.add_metric(rt, float(offload.get(key, 0)))
 
     def _counters(self, report: dict[str, Any]) -> dict[tuple, float]:
         """Every counter of one report, raw, keyed (name, *labels)."""
@@ -327,6 +364,8 @@ class RuntimeCollector:
             out.update({(name,): float(comm.get(key, 0)) for name, key, _ in COMM_COUNTERS})
             for reason, n in _dropped(comm.get("dropped"), COMM_DROP_REASONS).items():
                 out[("comm_dropped", reason)] = float(n)
+        if isinstance(report.get("offload"), dict):
+            out.update(self._offload_counters(report["offload"]))
         hist = report.get("batch_rows")
         if isinstance(hist, dict):
             for kind, counts in hist.get("counts", {}).items():
@@ -432,6 +471,8 @@ class _Families:
         self.recovery = HistogramMetricFamily(
             "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
         )
+        self.offload_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_COUNTERS]
+        self.offload_gauges = [GaugeMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_GAUGES]
         self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
         self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
 
@@ -441,7 +482,7 @@ class _Families:
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
             self.routed, self.kv_used, self.kv_total, self.control_dropped, self.control_send_failures,
             self.rejected_handshakes,
-            self.readmitted, self.moved, self.recovery,
+            self.readmitted, self.moved, self.recovery, *self.offload_counters, *self.offload_gauges,
         ]  # fmt: skip
 
 
@@ -449,6 +490,12 @@ def _runtime_stats(backend: Any) -> list[dict[str, Any]]:
     """The latest report per runtime; a backend without runtimes (the local one) has none."""
     runtime_stats = getattr(backend, "runtime_stats", None)
     return list(runtime_stats()) if runtime_stats is not None else []
+
+
+def _local_offload(backend: Any) -> dict[str, Any] | None:
+    """The local backend's expert store counters, when it offloads."""
+    offload_stats = getattr(backend, "offload_stats", None)
+    return offload_stats() if offload_stats is not None else None
 
 
 def _kv_usage(backend: Any) -> list[Any]:

@@ -81,6 +81,8 @@ class LocalBackend(Backend):
             await asyncio.to_thread(self._thread.join, _JOIN_TIMEOUT_S)
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
+        if hasattr(self._engine, "close"):
+            self._engine.close()  # the expert store's I/O thread, the routing record
         for queue in self._streams.values():
             queue.put_nowait(TokenDelta(finish_reason="abort"))
         if self._status != "dead":
@@ -94,6 +96,11 @@ class LocalBackend(Backend):
             {"rank": 0, "free_blocks": self._kv.free_blocks, "total_blocks": self._kv.total_blocks}
         ]
         return report
+
+    def offload_stats(self) -> dict | None:
+        """The engine's expert store counters (a locked snapshot: safe from the event loop), or None."""
+        engine = self._engine
+        return engine.offload_stats() if engine is not None and hasattr(engine, "offload_stats") else None
 
     def kv_usage(self) -> list[RankKV]:
         return [self._kv]

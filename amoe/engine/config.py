@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from amoe.config import DEVICE_KINDS, DTYPE_NAMES, AmoeConfig, CacheSection, DeviceSection
+from amoe.config import DEVICE_KINDS, DTYPE_NAMES, AmoeConfig, CacheSection, DeviceSection, OffloadSection
 from amoe.errors import ConfigError
 
 
@@ -26,6 +26,13 @@ class EngineConfig:
     max_num_seqs: int = CacheSection.max_num_seqs
     max_num_batched_tokens: int = 8192
     seed: int = 0  # seeds the generators of requests that bring no seed
+    # Expert offloading (docs/offload.md), as config.OffloadSection: budget "512MiB" keeps at most that much of the
+    # weights resident (dense part + expert slots); record writes the routing of finished sequences.
+    offload_budget: str | None = OffloadSection.budget
+    offload_policy: str = OffloadSection.policy
+    offload_eamc: str | None = OffloadSection.eamc
+    offload_record: str | None = OffloadSection.record
+    offload_prefetch: bool = OffloadSection.prefetch
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in ("auto", *DTYPE_NAMES):
@@ -44,6 +51,14 @@ class EngineConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len <= 0
         ):
             raise ConfigError(f"max_model_len must be a positive integer; got {self.max_model_len!r}")
+        self.offload  # noqa: B018 - validates the offload options now
+
+    @property
+    def offload(self) -> OffloadSection:
+        return OffloadSection(
+            budget=self.offload_budget, policy=self.offload_policy, eamc=self.offload_eamc,
+            record=self.offload_record, prefetch=self.offload_prefetch,
+        )  # fmt: skip
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -66,5 +81,9 @@ class EngineConfig:
             num_kv_blocks=config.cache.num_kv_blocks,
             max_num_seqs=config.cache.max_num_seqs,
             seed=config.server.seed,
+            **{
+                f"offload_{f.name}": getattr(config.offload, f.name)
+                for f in dataclasses.fields(OffloadSection)
+            },
             **overrides,
         )

@@ -40,7 +40,14 @@ class LocalEngine:
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.device = devices.runtime_device(self.config.device)
         dtype = devices.model_dtype(self.config.dtype or "auto", self.model_config.dtype, self.device)
-        self.runner = ModelRunner(model_dir, self.model_config, self.config.block_size, dtype, self.device)
+        self.runner = ModelRunner(
+            model_dir,
+            self.model_config,
+            self.config.block_size,
+            dtype,
+            self.device,
+            offload=self.config.offload,
+        )
         num_kv_blocks = self.config.num_kv_blocks or self._kv_blocks(dtype)
         self.runner.allocate_kv(num_kv_blocks)
         self.blocks = BlockManager(num_kv_blocks, self.config.block_size)
@@ -162,6 +169,7 @@ class LocalEngine:
         if not ended:
             return None
         for request in ended:
+            self.runner.offload.end(request.request_id)
             del self._requests[request.request_id]
             family.remove(request)
             self.scheduler.finish(request)
@@ -183,6 +191,14 @@ class LocalEngine:
             self.abort(request_id)
         return ids
 
+    def offload_stats(self) -> dict | None:
+        """The expert store's counters (docs/metrics.md), or None when every expert is resident."""
+        return self.runner.offload.stats()
+
+    def close(self) -> None:
+        """Stop the expert store's I/O thread and close the routing record; idempotent."""
+        self.runner.offload.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -201,6 +217,7 @@ class LocalEngine:
         reason = self._finish_reason(request, token)
         if reason is not None:
             request.finish_reason = reason
+            self.runner.offload.end(request.request_id)
             self.scheduler.finish(request)
             del self._requests[request.request_id]
             family = self._families[request.client_id]

@@ -16,6 +16,7 @@ from amoe.model.head import Head
 from amoe.model.kv_cache import LatentKVCache, PagedKVCache, kv_cache_for
 from amoe.model.layers import AttnInput, AttnPlan, ExpertLayer, build_attention_rank, build_expert_layers
 from amoe.model.moe import GroupedExperts
+from amoe.offload.wiring import Offload
 
 
 @dataclass
@@ -79,18 +80,25 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: Device = CPU,
+        offload=None,
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        # --offload-budget: the routed experts stay on disk behind a store (amoe.offload), the rest is loaded here;
+        # a budget below the minimum fails before any weight loads.
+        self.offload = Offload.local(offload, model_dir, cfg, dtype, device)
         rank = build_attention_rank(model_dir, cfg, dtype, device.torch)
         self.attention, self.head = rank.layers, rank.head
+        hosted = (
+            range(cfg.num_experts, cfg.num_expert_ids) if self.offload.store else range(cfg.num_expert_ids)
+        )
         self.experts: dict[tuple[int, int], ExpertLayer] = build_expert_layers(
-            model_dir, cfg, range(cfg.num_expert_ids), dtype, device.torch
+            model_dir, cfg, hosted, dtype, device.torch
         )
         self.grouped: dict[int, GroupedExperts] = {}  # block -> its routed experts, where grouped GEMMs run
-        if GroupedExperts.supported(device.torch, dtype):
+        if GroupedExperts.supported(device.torch, dtype) and not self.offload.store:
             for b in range(cfg.num_blocks):  # block by block, so the stacked copy never doubles the model
                 self.grouped[b] = GroupedExperts([self.experts.pop((b, e)) for e in range(cfg.num_experts)])
         self.kv: PagedKVCache | LatentKVCache | None = None
@@ -132,15 +140,18 @@ class ModelRunner:
         keep, last, first = _head_rows(batch.cu_rows, scored)
         keep_dev = put(keep)
         last_block = self.cfg.num_blocks - 1
+        seqs = [c.request.request_id for c in chunks]
         for b, layer in enumerate(self.attention):
             out = layer(inp, self.kv)
             residual, moe_input, ids, weights = out.residual, out.moe_input, out.topk_ids, out.topk_weights
+            self.offload.routed(b, seqs, ids, batch.cu_rows)  # the policy's and the recorder's hook
             if b == last_block:
                 # Only the rows the head reads go on: skip the last block's experts for the others.
                 residual, moe_input = residual[keep_dev], moe_input[keep_dev]
                 ids, weights = ids[keep_dev], weights[keep_dev]
             inp.token_ids, inp.residual, inp.expert_ids = None, residual, ids
             inp.expert_out = self._run_experts(b, moe_input, ids, weights)
+        self.offload.end_step()
         return HeadRows(self.head, inp.residual, inp.expert_out, inp.expert_ids, put(last), first)
 
     def _run_experts(
@@ -158,7 +169,10 @@ class ModelRunner:
         grouped_out = torch.empty_like(grouped_x)
         bounds = offsets.tolist()
         first = 0
-        if block in self.grouped:  # the routed experts at once; the shared one (id E, own width) below
+        if self.offload.store is not None:  # the routed experts from the store, one at a time, resident first
+            first = self.cfg.num_experts
+            self.offload.run_experts(block, grouped_x, grouped_w, grouped_out, bounds[: first + 1])
+        elif block in self.grouped:  # the routed experts at once; the shared one (id E, own width) below
             first, end = self.cfg.num_experts, bounds[self.cfg.num_experts]
             ends = offsets[1 : first + 1].to(device=grouped_x.device, dtype=torch.int32)
             grouped_out[:end] = self.grouped[block](grouped_x[:end], ends, grouped_w[:end])

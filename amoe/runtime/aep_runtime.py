@@ -159,6 +159,8 @@ class Runtime:
         report = self.reporter.report()
         if self.emulation is not None:
             report["emulated"] = self.executor.stats()
+        elif self.attention is None:
+            report.update(self.executor.stats())  # "offload": the expert store's counters, when it offloads
         return report
 
     def stop(self) -> None:
@@ -166,4 +168,7 @@ class Runtime:
         if self._thread is not None:
             self._thread.join(10.0)
         self.engine.stop()
+        offload = getattr(self.executor, "offload", None)
+        if offload is not None:
+            offload.close()  # the store's I/O thread; the routing record's file
         self.comm.close()  # says goodbye, so peers tell a clean stop from a death

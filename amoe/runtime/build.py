@@ -155,7 +155,14 @@ def attention_executor(
     )
     if em is not None:
         return AttentionExecutor(requests, em.attention(), cfg)
-    return AttentionExecutor(requests, TorchAttention(model, cfg, blocks, config.cache.block_size, dev), cfg)
+    from amoe.offload.wiring import Offload
+
+    rank = runtime if runtime < config.parallel.attn_ranks else 0
+    recorder = Offload.attention_rank(config.offload, model_dir, cfg, rank, config.parallel.attn_ranks)
+    compute = TorchAttention(model, cfg, blocks, config.cache.block_size, dev)
+    return AttentionExecutor(
+        requests, compute, cfg, offload=recorder if recorder.recorder is not None else None
+    )
 
 
 def expert_executor(
@@ -170,10 +177,16 @@ def expert_executor(
     if em is not None:
         return em.expert_executor()
     from amoe.model.layers import build_expert_layers
+    from amoe.offload.wiring import Offload
 
-    return ExpertExecutor(
-        build_expert_layers(model_dir, cfg, experts, dtype(config, cfg, dev), dev.torch), dev
-    )
+    weights_dtype = dtype(config, cfg, dev)
+    # --offload-budget: the routed experts stay on disk behind the store; only the shared ones load here.
+    offload = Offload.expert_runtime(config.offload, model_dir, cfg, experts, weights_dtype, dev)
+    if offload.store is None:
+        return ExpertExecutor(build_expert_layers(model_dir, cfg, experts, weights_dtype, dev.torch), dev)
+    shared = [e for e in experts if e >= cfg.num_experts]
+    layers = build_expert_layers(model_dir, cfg, shared, weights_dtype, dev.torch) if shared else {}
+    return ExpertExecutor(layers, dev, offload=offload)
 
 
 def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emulation | None):

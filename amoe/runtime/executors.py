@@ -38,15 +38,20 @@ class ExpertExecutor:
     one grouped GEMM per projection where that is checked bitwise against one F.linear per expert
     (amoe.model.moe.GroupedExperts: float32 on the CPU), else expert by expert: the same floats either way."""
 
-    def __init__(self, layers: dict[tuple[int, int], ExpertLayer], device: Device = CPU) -> None:
-        self.layers = layers
+    def __init__(
+        self, layers: dict[tuple[int, int], ExpertLayer], device: Device = CPU, offload=None
+    ) -> None:
+        self.layers = layers  # with offloading: only the shared experts; the routed ones are the store's
         self.device = device
+        self.offload = offload  # amoe.offload.wiring.Offload with a store, or None
         # block -> [(GroupedExperts, its experts in stack order)], one per width of the block's hosted experts (a
         # shared expert of another width stays on its own).
         self.grouped: dict[int, list[tuple[GroupedExperts, list[int]]]] = {}
         sample = next(iter(layers.values()), None)
-        if sample is not None and GroupedExperts.supported(
-            sample.mlp.gate_up.device, sample.mlp.gate_up.dtype
+        if (
+            offload is None
+            and sample is not None
+            and GroupedExperts.supported(sample.mlp.gate_up.device, sample.mlp.gate_up.dtype)
         ):
             self._stack()
 
@@ -69,6 +74,8 @@ class ExpertExecutor:
     def run(self, batch: core.Batch) -> torch.Tensor:
         put = self.device.put  # rows that came over a host plane (inline, gloo) go up to the device here
         groups = batch.group_experts
+        if self.offload is not None:
+            return self._run_offloaded(batch, put(batch.x), put(batch.weights))
         if groups is None or len(groups) == 1:
             expert = batch.index if groups is None else int(groups[0])
             return self.layers[(batch.block, expert)](put(batch.x), put(batch.weights))  # [N, H]
@@ -105,6 +112,35 @@ class ExpertExecutor:
             out[lo:hi] = self.layers[(block, e)](x[lo:hi], weights[lo:hi])
         return out
 
+    def _run_offloaded(self, batch: core.Batch, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The batch's routed experts from the store (resident first, the others' copies overlapping them), the
+        shared one from its resident layer; x [N, H] → [N, H]."""
+        groups = batch.group_experts
+        experts = [batch.index] if groups is None else groups.tolist()
+        cu = [0, x.shape[0]] if groups is None else batch.cu_rows.tolist()
+        num_routed = self.offload.num_experts
+        seqs = batch.request_ids.tolist()
+        self.offload.routed_on_expert_side(
+            batch.block, [e for e in experts if e < num_routed],
+            [seqs[cu[g] : cu[g + 1]] for g, e in enumerate(experts) if e < num_routed],
+        )  # fmt: skip
+        out = torch.empty_like(x)
+        spans = {}
+        for g, e in enumerate(experts):
+            lo, hi = cu[g], cu[g + 1]
+            if e < num_routed:
+                spans[e] = (lo, hi)
+            else:
+                out[lo:hi] = self.layers[(batch.block, e)](x[lo:hi], weights[lo:hi])
+        self.offload.run_spans(batch.block, x, weights, out, spans)
+        self.offload.end_step()
+        return out
+
+    def stats(self) -> dict:
+        """The expert store's counters (docs/metrics.md "offload"), when this runtime offloads."""
+        offload = self.offload.stats() if self.offload is not None else None
+        return {"offload": offload} if offload is not None else {}
+
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
         """A device's experts of one block, each on its rows (EP's grouped step; torch runs them one by one)."""
         return [self.run(batch) for batch in batches]
@@ -133,10 +169,13 @@ class AttentionExecutor:
     HeadOutput (the tokens that go on re-enter block 0; the sampled tokens leave the runtime).
     """
 
-    def __init__(self, requests: RankRequests, compute: Any, cfg: ModelConfig) -> None:
+    def __init__(self, requests: RankRequests, compute: Any, cfg: ModelConfig, offload=None) -> None:
         self.requests = requests
         self.compute = compute
         self.num_blocks = cfg.num_blocks
+        self.offload = (
+            offload  # amoe.offload.wiring.Offload recording the routing (--offload-record), or None
+        )
         # Tokens routed per (block, expert), for the runtime stats; only ever grows, so a racing read is safe.
         self.routed = torch.zeros(cfg.num_blocks, cfg.num_expert_ids, dtype=torch.int64)
 
@@ -164,6 +203,8 @@ class AttentionExecutor:
             self.requests.enter(rids, batch.context_lens.tolist(), lens)
         out = self.compute.attend(batch, rids, self.requests)
         self.routed[batch.block] += torch.bincount(out[2].flatten(), minlength=self.routed.shape[1])
+        if self.offload is not None:
+            self.offload.routed(batch.block, rids, out[2], batch.cu_rows)
         return out
 
     def _head(self, batch: core.Batch, rids: list[int]) -> HeadOutput:
@@ -175,6 +216,9 @@ class AttentionExecutor:
         sample = self.compute.sample(batch, rows, self.requests.of(seq_ids))
         context_lens = batch.context_lens.tolist()
         out = self.requests.advance(seq_ids, sample.tokens, [context_lens[r] for r in rows], sample)
+        if self.offload is not None:
+            for rid in out.finished:
+                self.offload.end(rid)
         if not failed:
             return out
         logger.error("no KV blocks to fork sequences %s: they fail", failed)

@@ -48,6 +48,7 @@ class InProcessCluster:
         dtype: torch.dtype | None = None,
         publish=None,
         report: bool = False,
+        offload=None,
     ) -> None:
         if (model_dir is None) == (emulation is None):
             raise ConfigError("give a checkpoint directory (torch executors) or an emulation, not both")
@@ -79,6 +80,10 @@ class InProcessCluster:
                 executor = AttentionExecutor(requests, compute, cfg)
             elif emulation is not None:
                 executor = emulation.expert_executor()
+            elif (
+                offload is not None and offload.budget is not None
+            ):  # config.OffloadSection: a store per runtime
+                executor = _offloaded_experts(offload, model_dir, cfg, list(ecfg.experts), dtype)
             else:
                 executor = ExpertExecutor(build_expert_layers(model_dir, cfg, ecfg.experts, dtype))
             self.engines.append(engine)
@@ -138,6 +143,9 @@ class InProcessCluster:
         self._stop.set()
         for thread in self._threads:
             thread.join()
+        for executor in self.executors:
+            if getattr(executor, "offload", None) is not None:
+                executor.offload.close()
         for engine in self.engines:
             engine.stop()
 
@@ -160,3 +168,17 @@ class InProcessCluster:
 
     def stats(self) -> list[dict]:
         return [engine.stats() for engine in self.engines]
+
+
+def _offloaded_experts(offload, model_dir, cfg, experts: list[int], dtype) -> ExpertExecutor:
+    """An expert runtime whose routed experts come from a store (amoe.runtime.build.expert_executor's way)."""
+    from amoe.device import CPU
+    from amoe.offload.wiring import Offload
+
+    dtype = dtype or torch.float32
+    off = Offload.expert_runtime(offload, model_dir, cfg, experts, dtype, CPU)
+    shared = [e for e in experts if e >= cfg.num_experts]
+    layers = build_expert_layers(model_dir, cfg, shared, dtype) if shared else {}
+    if off.store is None:
+        return ExpertExecutor(build_expert_layers(model_dir, cfg, experts, dtype))
+    return ExpertExecutor(layers, CPU, offload=off)

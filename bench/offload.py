@@ -1,0 +1,200 @@
+"""Expert offloading on this machine: a checkpoint whose experts are at least 3x the budget, generated greedily with
+`--offload-budget`, against the same model fully resident and against reading every expert on demand (a budget of
+one expert, no prefetch: no cache).
+
+    .venv/bin/python bench/offload.py [--dir /tmp/amoe-bench-offload] [--budget-experts 12] [--new-tokens 24]
+
+Each configuration runs in a process of its own, which measures itself: VmRSS (and its peak VmHWM) from
+/proc/self/status before the model loads and after the generation, bytes the kernel read for it from storage
+(/proc/self/io read_bytes), tokens/s, and the store's counters. Checks: the offloaded process's resident memory grew
+by at most its budget (dense part + expert slots) + 10 %; the store's bytes read equal misses x expert bytes when
+nothing is prefetched; every configuration's tokens equal the fully resident one's. Prints a table and a final
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# 32 blocks x 8 experts of 3 x 512 x 1536 float32 = 9 MiB each: 2304 MiB of experts, ~85 MiB of dense part. That
+# large because the engine's own working memory (KV cache, activations, the GEMM library's buffers: ~60 MiB here,
+# the same with every expert resident) must fit in the budget's 10 %.
+SHAPE = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=64, num_local_experts=8, num_experts_per_tok=2, vocab_size=1024,
+)  # fmt: skip
+
+
+def proc_status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (the page cache and O_DIRECT alike)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise KeyError("read_bytes")
+
+
+def make_checkpoint(out: Path) -> Path:
+    from amoe.model.checkpoint import write_random_checkpoint
+    from amoe.model.presets import preset
+
+    config = out / "config.json"
+    if (
+        not config.exists()
+        or json.loads(config.read_text())["num_hidden_layers"] != SHAPE["num_hidden_layers"]
+    ):
+        write_random_checkpoint({**preset("tiny"), **SHAPE}, out, seed=0)
+    warmup = out.parent / (out.name + "-warmup")
+    if not (warmup / "config.json").exists():
+        write_random_checkpoint(preset("tiny"), warmup, seed=0)
+    return out
+
+
+def prompts(num: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(3, 1024, (length - 1,), generator=gen).tolist() for _ in range(num)]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One configuration, measured from inside its own process; prints one JSON line."""
+    from amoe import LLM, SamplingParams
+
+    options = json.loads(args.child)
+    batch = prompts(args.num_prompts, args.prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    # The runtime is not the model: the interpreter, torch, and the engine's own code exercised once (imports,
+    # thread pools, the GEMM library's start-up) on the tiny model, then the baseline. `rss_runtime` is before it.
+    import gc
+
+    rss_runtime = proc_status("VmRSS")
+    warm = LLM(args.dir.parent / (args.dir.name + "-warmup"), num_kv_blocks=8, max_num_seqs=args.num_prompts)
+    warm.generate(prompts(args.num_prompts, args.prompt_len), SamplingParams(temperature=0, max_tokens=2))
+    del warm
+    gc.collect()
+    kv_blocks = args.num_prompts * -(-(args.prompt_len + args.new_tokens) // 16)
+    rss0 = proc_status("VmRSS")
+    llm = LLM(args.dir, num_kv_blocks=kv_blocks, max_num_seqs=args.num_prompts, **options)
+    rss_loaded = proc_status("VmRSS")
+    io0 = proc_read_bytes()
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(batch, params)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    io1 = proc_read_bytes()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    stats = llm.engine.offload_stats()
+    llm.engine.close()
+    print(json.dumps({
+        "rss_before": rss0, "rss_loaded": rss_loaded, "rss_after": proc_status("VmRSS"), "hwm": proc_status("VmHWM"),
+        "rss_runtime": rss_runtime, "kernel_read_bytes": io1 - io0, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": sum(map(len, tokens)) / wall,
+        "tokens": tokens, "store": stats,
+    }))  # fmt: skip
+
+
+def run(args: argparse.Namespace, label: str, options: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps(options)]
+    cmd += ["--dir", str(args.dir), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["label"] = label
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--dir", type=Path, default=Path("/tmp/amoe-bench-offload"), help="checkpoint (made if absent)"
+    )
+    p.add_argument("--budget-experts", type=int, default=72, help="expert slots of the offloaded runs")
+    p.add_argument("--policies", default="lru,lfu", help="an offloaded run per --offload-policy")
+    p.add_argument("--new-tokens", type=int, default=12)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        child(args)
+        return
+
+    from amoe.model.config import load_model_config
+    from amoe.offload.store import dense_bytes, routed_expert_bytes
+
+    make_checkpoint(args.dir)
+    cfg = load_model_config(args.dir)
+    dense = dense_bytes(cfg, torch.float32, attention=True)
+    expert = routed_expert_bytes(cfg, torch.float32)
+    num_keys = cfg.num_blocks * cfg.num_experts
+    budget = dense + args.budget_experts * expert
+    no_cache = dense + expert
+    policies = args.policies.split(",")
+    configs = [
+        ("resident", {}),
+        *((f"offload-{p}", {"offload_budget": str(budget), "offload_policy": p}) for p in policies),
+        ("no-cache", {"offload_budget": str(no_cache), "offload_policy": "lru", "offload_prefetch": False}),
+    ]
+    results = [run(args, label, options) for label, options in configs]
+    ref = results[0]["tokens"]
+    print(f"experts {num_keys} x {expert / 2**20:.1f} MiB = {num_keys * expert / 2**20:.0f} MiB; dense part "
+          f"{dense / 2**20:.1f} MiB; offload budget {budget / 2**20:.1f} MiB ({args.budget_experts} slots)")  # fmt: skip
+    print(f"{'run':<14} {'tok/s':>7} {'tok/cpu-s':>9} {'RSS grew MiB':>13} {'peak MiB':>9} {'hits':>6} {'misses':>7} "
+          f"{'read MiB':>9} {'stall s':>8} {'recall':>7}")  # fmt: skip
+    for r in results:
+        s = r["store"] or {}
+        recall = s.get("prefetch_used", 0) / s["prefetches"] if s.get("prefetches") else float("nan")
+        cpu_rate = sum(map(len, r["tokens"])) / r["cpu_s"]
+        print(f"{r['label']:<14} {r['tokens_per_s']:7.2f} {cpu_rate:9.2f} {(r['rss_after'] - r['rss_before']) / 2**20:13.1f} "
+              f"{r['hwm'] / 2**20:9.1f} {s.get('hits', 0):6d} {s.get('misses', 0):7d} "
+              f"{s.get('bytes_read', 0) / 2**20:9.1f} {s.get('stall_s', 0):8.2f} {recall:7.2f}")  # fmt: skip
+    offloaded, nc = results[1:-1], results[-1]
+    grew = max(r["rss_after"] - r["rss_before"] for r in offloaded)
+    checks = {
+        "experts_over_budget": num_keys * expert / budget,
+        "experts_at_least_3x_budget": num_keys * expert >= 3 * budget,
+        # The budget counts the dense part (docs/offload.md): what the process added over its runtime (the
+        # interpreter, torch, amoe's code warmed up) is at most dense part + expert slots + 10 % — the budget + 10 %.
+        "rss_grew_bytes": grew,
+        "rss_grew_over_budget": grew / budget,
+        "rss_within_budget_plus_10pct": grew <= 1.10 * budget,
+        "rss_grew_with_runtime_start_bytes": max(r["rss_after"] - r["rss_runtime"] for r in offloaded),
+        "no_cache_bytes_equal_misses": nc["store"]["bytes_read"] == nc["store"]["misses"] * expert,
+        "no_cache_kernel_read_over_store_read": nc["kernel_read_bytes"] / max(1, nc["store"]["bytes_read"]),
+        "tokens_equal": all(r["tokens"] == ref for r in results),
+    }
+    for name, value in checks.items():
+        print(f"  {name}: {value}")
+    summary = {
+        "bench": "offload", "dense_bytes": dense, "expert_bytes": expert, "experts": num_keys, "budget_bytes": budget,
+        "slots": args.budget_experts, "policies": policies, "new_tokens": args.new_tokens,
+        "num_prompts": args.num_prompts,
+        "runs": {
+            r["label"]: {k: v for k, v in r.items() if k not in ("tokens", "label")} for r in results
+        },
+        "checks": checks,
+    }  # fmt: skip
+    print(json.dumps(summary))
+    if not (
+        checks["tokens_equal"]
+        and checks["no_cache_bytes_equal_misses"]
+        and checks["rss_within_budget_plus_10pct"]
+    ):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
