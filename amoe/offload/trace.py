@@ -206,7 +206,9 @@ def batch_steps(trace: Trace, batch: list[int]) -> list[list[np.ndarray]]:
     out = []
     for i in range(longest):
         running = [trace.sequences[s][i] for s in batch if i < len(trace.sequences[s])]
-        out.append([np.unique(np.concatenate([step[b][0] for step in running])) for b in range(trace.num_blocks)])
+        out.append(
+            [np.unique(np.concatenate([step[b][0] for step in running])) for b in range(trace.num_blocks)]
+        )
     return out
 
 
