@@ -132,8 +132,12 @@ class ActivationPolicy(Policy):
         queue = self._merged_queue()
         # Only experts the nearest entry predicts (ratio > 0) count as prefetched: the ε-priority rest of the queue
         # is there to order copies when the link has time, not to pin every later block in the cache.
-        likely = queue > EPSILON * self.decay[:, None] * (1.0 + 1e-9)
+        likely = self._predicted(queue)
         return np.where(queue >= MAX_PRIORITY, MAX_PRIORITY, np.where(likely, PREFETCH_TIER + queue, score))
+
+    def _predicted(self, queue: np.ndarray) -> np.ndarray:
+        """[L, E] queued above the ε floor: predicted by the nearest entry, or needed now."""
+        return queue > EPSILON * self.decay[:, None] * (1.0 + 1e-9)
 
     def victim(self, resident: Iterable[Key]) -> Key:
         keys = list(resident)
@@ -145,7 +149,11 @@ class ActivationPolicy(Policy):
         return keys[int(order[0])]
 
     def wanted(self, limit: int) -> list[Key]:
-        queue = self._merged_queue().ravel()
+        # Only what the nearest entry predicts (and on-demand experts): an ε-priority expert is worth ordering but
+        # not worth evicting a cached one for (replaying with every later expert queued, more bandwidth lowered
+        # the hit ratio: the link filled the cache with experts no entry predicted).
+        queue = self._merged_queue()
+        queue = np.where(self._predicted(queue), queue, 0.0).ravel()
         limit = min(limit, int(np.count_nonzero(queue)))
         if limit <= 0:
             return []
