@@ -181,7 +181,7 @@ def mixtral_all_missed(tokens: int = 2) -> dict:
     return {
         "expert_mb": round(expert_bytes / 1e6, 1),
         "loads_per_token": loads // tokens,
-        "misses": ex.tiers.stats.host_misses,
+        "misses": ex.tiers.stats.host_misses + ex.tiers.stats.ssd_misses,
         "emulated_s_per_token": round(busy / tokens, 4),
         "pcie_bound_s_per_token": round(bound, 4),
         "of_bound": round(busy / tokens / bound, 3),

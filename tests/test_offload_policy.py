@@ -6,7 +6,7 @@ import pytest
 from amoe.errors import ConfigError
 from amoe.offload.activation import EPSILON, MAX_PRIORITY, ActivationPolicy
 from amoe.offload.eam import EAMC, Refiner, distance
-from amoe.offload.policy import make_policy
+from amoe.offload.policy import LRU, make_policy
 
 
 def test_distance_is_eq1():
@@ -107,6 +107,17 @@ def test_priorities_follow_algorithms_1_and_2():
     )  # no longer predicted, ratio 0 at block 1
     policy.end(7)
     assert policy.wanted(5) == []
+
+
+def test_a_prefetch_evicts_only_experts_ranked_below_it():
+    entry = np.array([[4, 0, 0], [1, 0, 3], [0, 4, 0], [4, 0, 0]], dtype=float)
+    policy = ActivationPolicy(4, 3, eamc=EAMC(entry[None], 4, 3), refine=False)
+    policy.routed(seq=1, block=0, experts=[0], counts=[2])
+    policy.used((0, 0))
+    # (1, 2) is queued at (3/4 + ε) · 0.75; (0, 0) is cached at (1 + ε) · 1, (0, 1) at ε · 1
+    assert not policy.admits((1, 2), (0, 0))
+    assert policy.admits((1, 2), (0, 1))
+    assert LRU().admits((1, 2), (0, 0))  # policies without a queue never refuse
 
 
 def test_activation_policy_without_eamc_learns_from_finished_sequences():

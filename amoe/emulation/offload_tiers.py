@@ -132,7 +132,9 @@ class EmulatedTiers:
         if not candidates:
             return False
         victim = self.policy.victim(candidates)
-        if rank is not None and rank.get(victim, len(rank)) < rank[key]:
+        if rank is not None and (
+            rank.get(victim, len(rank)) < rank[key] or not self.policy.admits(key, victim)
+        ):
             return False  # the queue wants the victim more than what would replace it
         del self.device[victim]
         self.fresh.discard(victim)

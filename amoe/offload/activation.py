@@ -10,8 +10,8 @@ are on-demand misses, which jump the queue (Algorithm 1 step 11). A sequence's q
 
 Eviction (`victim`) ranks resident experts the same way (Algorithm 2): (ratio + ε) · (1 − block / L), the ratio
 taken from the EAM of the sequences running now, so experts reused within a sequence and experts of early blocks
-(which prefetching covers poorly) stay. Experts the queue wants outrank every merely cached one (§6.2), and an
-on-demand one outranks them all.
+(which prefetching covers poorly) stay. Prefetched experts — the ones the nearest entry predicts for later blocks —
+outrank every merely cached one (§6.2), and an on-demand one outranks them all.
 
 Concurrent sequences: each has its own EAM and queue; the queue a store sees is their union with each key's highest
 priority, and eviction uses the ratios of their summed EAM. Finished sequences refine the EAMC (eam.Refiner).
@@ -132,6 +132,8 @@ class ActivationPolicy(Policy):
         queue = self._merged_queue()
         # Only experts the nearest entry predicts (ratio > 0) count as prefetched: the ε-priority rest of the queue
         # is there to order copies when the link has time, not to pin every later block in the cache.
+        # "Prefetched" (§6.2) is read as "predicted by the nearest entry": the paper's system always prefetches
+        # them, so a demand-paging replay ranks them as its cache would (docs/offload.md compares the other reading).
         likely = self._predicted(queue)
         return np.where(queue >= MAX_PRIORITY, MAX_PRIORITY, np.where(likely, PREFETCH_TIER + queue, score))
 
@@ -147,6 +149,12 @@ class ActivationPolicy(Policy):
         # is the one prefetching can still cover.
         order = np.lexsort((-index[:, 1], -index[:, 0], score))
         return keys[int(order[0])]
+
+    def admits(self, key: Key, victim: Key) -> bool:
+        """A prefetch evicts only an expert ranked below it: §6.2 aligns the cache's priority with the prefetch
+        priority (both (ratio + ε) · (1 − block / L)), so a far, unlikely prediction does not push out an expert
+        the running sequences reuse."""
+        return bool(self._merged_queue()[key] > self.priorities()[victim])
 
     def wanted(self, limit: int) -> list[Key]:
         # Only what the nearest entry predicts (and on-demand experts): an ε-priority expert is worth ordering but

@@ -163,7 +163,9 @@ class _Link:
         if not candidates:
             return False
         victim = self.policy.victim(candidates)
-        if rank is not None and rank.get(victim, len(rank)) < rank[key]:
+        if rank is not None and (
+            rank.get(victim, len(rank)) < rank[key] or not self.policy.admits(key, victim)
+        ):
             return False  # the queue wants the victim more than the expert it would make room for
         del self.arrival[victim]
         self.fresh.discard(victim)
