@@ -128,6 +128,7 @@ class EmulatedExpertExecutor:
         self.hidden = em.model_config.hidden_size
         self.tiers = tiers
         self._sequences = SequenceTracker(tiers) if tiers is not None else None
+        self._step_end = 0.0  # emulated time the last step ended (offloading's copies are timed against it)
 
     def run(self, batch) -> torch.Tensor:
         """One expert's rows, or (an AEP grouped step: batch.group_experts) several experts' rows in one grouped
@@ -145,7 +146,7 @@ class EmulatedExpertExecutor:
             experts = [batch.index] if groups is None else groups.tolist()
             cu = [0, n] if groups is None else batch.cu_rows.tolist()
             t += self._wait_for_copies(batch.block, experts, cu, batch.request_ids.tolist())
-        self.clock.hold(t, "expert", n)
+        self._hold(t, n)
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
@@ -157,7 +158,7 @@ class EmulatedExpertExecutor:
             rids = [rid for b in batches for rid in b.request_ids.tolist()]
             cu = [0, *itertools.accumulate(rows)]
             t += self._wait_for_copies(batches[0].block, experts, cu, rids)
-        self.clock.hold(t, "expert", sum(rows))
+        self._hold(t, sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 
     def _wait_for_copies(
@@ -166,7 +167,9 @@ class EmulatedExpertExecutor:
         """Emulated seconds the step waits for its experts to reach the device (expert offloading): each expert's
         rows tell the policy their requests' routing, then the experts are fetched one after another. Shared
         experts (ids >= num_experts) are part of the resident dense model."""
-        now = self.clock.now()
+        # The GPU starts a step no earlier than the previous one ended on its own timeline: the clock's sleeps carry
+        # over- and under-shoot as debt, so now() alone can fall behind the copies the last step already paid for.
+        now = max(self.clock.now(), self._step_end)
         routed = [(e, i) for i, e in enumerate(experts) if e < self.em.profile.num_experts]
         for e, i in routed:
             self._sequences.routed(block, e, request_ids[cu[i] : cu[i + 1]])
@@ -175,6 +178,11 @@ class EmulatedExpertExecutor:
         for e, _ in routed:
             ready = self.tiers.acquire((block, e), ready)
         return ready - now
+
+    def _hold(self, t: float, rows: int) -> None:
+        start = max(self.clock.now(), self._step_end) if self.tiers is not None else 0.0
+        self.clock.hold(t, "expert", rows)
+        self._step_end = start + t
 
     def stats(self) -> dict:
         return self.clock.stats()
