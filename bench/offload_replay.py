@@ -105,8 +105,13 @@ def recall_by_bandwidth(name, m, train, test, batch) -> list[dict]:
         r = rp.replay_timed(
             evs, policy, m.capacity, bandwidth=gbps * GB, expert_bytes=m.expert_bytes, block_s=block_s
         )
+        hist = rp.replay_timed(
+            evs, ActivationPolicy(m.blocks, m.experts, eamc=eamc, history=True), m.capacity,
+            bandwidth=gbps * GB, expert_bytes=m.expert_bytes, block_s=block_s,
+        )  # fmt: skip
         row = {
             "model": name, "batch": batch, "gbps": gbps, "recall": round(r.recall, 4),
+            "recall_history": round(hist.recall, 4), "hit_ratio_history": round(hist.hit_ratio, 4),
             "hit_ratio": round(r.hit_ratio, 4), "prefetched": r.prefetched, "misses": r.misses, "late": r.late,
             "block_ms": round(block_s * 1e3, 3), "ms_per_step": round(r.time_s / max(r.steps, 1) * 1e3, 2),
         }  # fmt: skip
@@ -152,6 +157,9 @@ def tier_latency(name, m, train, test, batches) -> list[dict]:
         um = EmulatedTiers(LRU(), m.blocks, m.experts, m.expert_bytes, m.capacity, prefetch=False)
         row = {"model": name, "gpu": "a5000", "batch": batch, "activation": run_tiers(evs, act, m, batch)}
         row["on_demand_lru"] = run_tiers(evs, um, m, batch)
+        hist = EmulatedTiers(ActivationPolicy(m.blocks, m.experts, eamc=eamc, history=True), m.blocks, m.experts,
+                             m.expert_bytes, m.capacity)  # fmt: skip
+        row["activation_history"] = run_tiers(evs, hist, m, batch)
         row["speedup"] = round(row["on_demand_lru"]["ms_per_token"] / row["activation"]["ms_per_token"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
