@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from amoe.errors import ConfigError
 from amoe.offload.eam import DEFAULT_SIZE, EAMC, Refiner, unit_rows
 from amoe.offload.policy import Key, Policy
 
@@ -72,8 +73,6 @@ class ActivationPolicy(Policy):
                 else EAMC.empty(num_blocks, num_experts)
             )
         elif (eamc.num_blocks, eamc.num_experts) != (num_blocks, num_experts):
-            from amoe.errors import ConfigError  # noqa: PLC0415 - only on this error path
-
             raise ConfigError(
                 f"EAMC entries are ({eamc.num_blocks}, {eamc.num_experts}) (blocks, experts); "
                 f"the model needs ({num_blocks}, {num_experts})"
