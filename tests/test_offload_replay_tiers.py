@@ -49,6 +49,9 @@ def test_a_miss_holds_the_step_for_its_copy():
     assert busy == pytest.approx(3 * compute + copy, rel=1e-6)
     s = ex.tiers.stats
     assert (s.device_hits, s.host_misses, s.ssd_misses, s.pcie_bytes) == (2, 1, 0, EXPERT_BYTES)
+    assert ex.stats()["offload"]["host_misses"] == 1 and ex.stats()["offload"]["stall_s"] == pytest.approx(
+        copy
+    )
 
 
 def test_no_budget_no_tiers_and_a_budget_below_one_expert_is_refused():

@@ -185,7 +185,11 @@ class EmulatedExpertExecutor:
         self._step_end = start + t
 
     def stats(self) -> dict:
-        return self.clock.stats()
+        """The clock's busy time; with offloading also the tiers' hits, misses, bytes, recall and stall time."""
+        stats = self.clock.stats()
+        if self.tiers is not None:
+            stats["offload"] = {**dataclasses.asdict(self.tiers.stats), "recall": self.tiers.stats.recall}
+        return stats
 
 
 class EmulatedAttention:
