@@ -67,3 +67,14 @@ def test_ssd_copies_are_pipelined_into_pcie():
     assert tiers.acquire((0, 1), 0.0) == pytest.approx(pcie)  # in host memory
     assert tiers.acquire((1, 3), 1.0) == pytest.approx(1.0 + nvme + pcie)  # on SSD: NVMe, then PCIe
     assert tiers.stats.ssd_misses == 1 and tiers.stats.nvme_bytes == 1e8
+
+
+def test_ep_grouped_step_waits_for_each_missing_expert():
+    em = _emulation(2, policy="lru", prefetch=False)
+    ex = em.expert_executor()
+    batches = [_batch(5, 0, [1, 2]), _batch(5, 3, [2])]  # block 5 starts in host memory
+    ex.run_grouped(batches)
+    compute = cost_model.grouped_expert_time(em.profile, em.expert_gpu, [2, 1], em.host, [0, 3])
+    copy = cost_model.transfer_time(EXPERT_BYTES, PCIE4_X16)
+    assert ex.stats()["kinds"]["expert"]["busy_s"] == pytest.approx(compute + 2 * copy, rel=1e-6)
+    assert ex.tiers.stats.host_misses == 2
