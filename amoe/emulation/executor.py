@@ -128,7 +128,9 @@ class EmulatedExpertExecutor:
         self.hidden = em.model_config.hidden_size
         self.tiers = tiers
         self._sequences = SequenceTracker(tiers) if tiers is not None else None
-        self._step_end = 0.0  # emulated time the last step ended (offloading's copies are timed against it)
+        self._step_start = self._step_end = (
+            0.0  # emulated times of the step (offloading's copies are timed by them)
+        )
 
     def run(self, batch) -> torch.Tensor:
         """One expert's rows, or (an AEP grouped step: batch.group_experts) several experts' rows in one grouped
@@ -169,7 +171,7 @@ class EmulatedExpertExecutor:
         experts (ids >= num_experts) are part of the resident dense model."""
         # The GPU starts a step no earlier than the previous one ended on its own timeline: the clock's sleeps carry
         # over- and under-shoot as debt, so now() alone can fall behind the copies the last step already paid for.
-        now = max(self.clock.now(), self._step_end)
+        now = self._step_start = max(self.clock.now(), self._step_end)
         routed = [(e, i) for i, e in enumerate(experts) if e < self.em.profile.num_experts]
         for e, i in routed:
             self._sequences.routed(block, e, request_ids[cu[i] : cu[i + 1]])
@@ -180,9 +182,9 @@ class EmulatedExpertExecutor:
         return ready - now
 
     def _hold(self, t: float, rows: int) -> None:
-        start = max(self.clock.now(), self._step_end) if self.tiers is not None else 0.0
         self.clock.hold(t, "expert", rows)
-        self._step_end = start + t
+        if self.tiers is not None:
+            self._step_end = self._step_start + t  # t includes the wait for copies
 
     def stats(self) -> dict:
         """The clock's busy time; with offloading also the tiers' hits, misses, bytes, recall and stall time."""
