@@ -78,3 +78,27 @@ def test_ep_grouped_step_waits_for_each_missing_expert():
     copy = cost_model.transfer_time(EXPERT_BYTES, PCIE4_X16)
     assert ex.stats()["kinds"]["expert"]["busy_s"] == pytest.approx(compute + 2 * copy, rel=1e-6)
     assert ex.tiers.stats.host_misses == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["activation", "lru"])
+def test_emulated_aep_cluster_with_offloading(policy):
+    """The real AEP runtimes (engines, queues, loops) over emulated experts with a two-expert budget each."""
+    from amoe.sampling_params import SamplingParams  # noqa: PLC0415 - the in-process cluster's imports are heavy
+    from amoe.testing.inproc import InProcessCluster  # noqa: PLC0415
+
+    section = ExecutorSection(
+        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa:2", time_scale=0.05, routing="uniform"
+    )
+    em = Emulation(section, offload=OffloadSpec(budget_bytes=2 * EXPERT_BYTES, policy=policy))
+    with InProcessCluster(emulation=em, num_attn_ranks=1, num_expert_ranks=2) as cluster:
+        outputs = cluster.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=3), timeout=50)
+        stats = [x.stats() for x in cluster.executors[1:]]
+    assert [len(o) for o in outputs] == [3, 3, 3]
+    offload = [s["offload"] for s in stats]
+    misses = sum(o["host_misses"] + o["ssd_misses"] for o in offload)
+    assert misses > 0 and sum(o["stall_s"] for o in offload) > 0
+    copies = misses + sum(o["prefetched"] for o in offload)
+    assert sum(o["pcie_bytes"] for o in offload) == pytest.approx(copies * EXPERT_BYTES)
+    if policy == "lru":
+        assert all(o["prefetched"] == 0 for o in offload)

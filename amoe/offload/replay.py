@@ -160,6 +160,10 @@ class _Link:
         if len(self.arrival) < self.capacity:
             return True
         candidates = [k for k, t in self.arrival.items() if t <= now and k not in self.pinned]
+        if not candidates and rank is None:
+            # A step needing more experts than the budget holds runs them one after another: an on-demand copy may
+            # evict one of the step's experts that already ran.
+            candidates = [k for k, t in self.arrival.items() if t <= now and k != key]
         if not candidates:
             return False
         victim = self.policy.victim(candidates)
