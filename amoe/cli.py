@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from amoe import __version__
 from amoe.errors import AmoeError, ConfigError, RequestError
 from amoe.log import setup_logging
+from amoe.offload.cli import add_offload_command
 from amoe.queue_viewer import add_queues_command  # light: its heavy imports are in its run function
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ SUBCOMMANDS = (
     add_bench_command,
     add_plan_command,
     add_queues_command,
+    add_offload_command,
 )
 
 

@@ -10,6 +10,7 @@ so every request runs to max_tokens. The rest of the system (engines, queues, sc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from amoe.config import ExecutorSection
 from amoe.emulation import check_executor, cost_model, eps
 from amoe.emulation.clock import EmulatedClock
+from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTracker, build_tiers
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.shapes import model_config_of, profile_of
@@ -47,6 +49,7 @@ class Emulation:
         *,
         wire_hidden: int | None = WIRE_HIDDEN,
         spin_s: float = 0.0,
+        offload: OffloadSpec | None = None,
     ) -> None:
         if executor.kind != "emulated":
             raise ConfigError("an emulation needs executor.kind = emulated")
@@ -57,6 +60,7 @@ class Emulation:
         check_executor(executor)
         self.config = executor
         self.spin_s = spin_s
+        self.offload = offload  # None: every expert is resident (the default)
         self.gpu = gpu_profile(executor.gpu)
         self.expert_gpu = gpu_profile(executor.expert_gpu or executor.gpu)  # what expert layers are timed on
         self.host = host_overhead(executor.host_overhead)
@@ -97,7 +101,14 @@ class Emulation:
         return int(blocks)
 
     def expert_executor(self) -> EmulatedExpertExecutor:
-        return EmulatedExpertExecutor(self, self.clock())
+        return EmulatedExpertExecutor(self, self.clock(), tiers=self.offload_tiers())
+
+    def offload_tiers(self) -> EmulatedTiers | None:
+        """Device ← host ← SSD tiers for one expert runtime under the offload budget (None without one)."""
+        if self.offload is None:
+            return None
+        expert_bytes = self.profile.params_of(0) * self.profile.bytes_per_param
+        return build_tiers(self.offload, self.profile, expert_bytes)
 
     def attention(self) -> EmulatedAttention:
         return EmulatedAttention(self, self.router(), self.clock())
@@ -106,9 +117,20 @@ class Emulation:
 class EmulatedExpertExecutor:
     """Holds for an expert layer's predicted time; returns zero rows [N, H]."""
 
-    def __init__(self, em: Emulation, clock: EmulatedClock, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        em: Emulation,
+        clock: EmulatedClock,
+        dtype: torch.dtype = torch.float32,
+        tiers: EmulatedTiers | None = None,
+    ) -> None:
         self.em, self.clock, self.dtype = em, clock, dtype
         self.hidden = em.model_config.hidden_size
+        self.tiers = tiers
+        self._sequences = SequenceTracker(tiers) if tiers is not None else None
+        self._step_start = self._step_end = (
+            0.0  # emulated times of the step (offloading's copies are timed by them)
+        )
 
     def run(self, batch) -> torch.Tensor:
         """One expert's rows, or (an AEP grouped step: batch.group_experts) several experts' rows in one grouped
@@ -122,7 +144,11 @@ class EmulatedExpertExecutor:
         else:
             expert = batch.index if groups is None else int(groups[0])
             t = cost_model.expert_layer_time(self.em.profile, self.em.expert_gpu, n, self.em.host, expert)
-        self.clock.hold(t, "expert", n)
+        if self.tiers is not None:
+            experts = [batch.index] if groups is None else groups.tolist()
+            cu = [0, n] if groups is None else batch.cu_rows.tolist()
+            t += self._wait_for_copies(batch.block, experts, cu, batch.request_ids.tolist())
+        self._hold(t, n)
         return torch.zeros(n, self.hidden, dtype=self.dtype)  # [N, H]
 
     def run_grouped(self, batches: list) -> list[torch.Tensor]:
@@ -130,7 +156,11 @@ class EmulatedExpertExecutor:
         rows = [b.num_rows for b in batches]
         experts = [b.index for b in batches]
         t = cost_model.grouped_expert_time(self.em.profile, self.em.expert_gpu, rows, self.em.host, experts)
-        self.clock.hold(t, "expert", sum(rows))
+        if self.tiers is not None:
+            rids = [rid for b in batches for rid in b.request_ids.tolist()]
+            cu = [0, *itertools.accumulate(rows)]
+            t += self._wait_for_copies(batches[0].block, experts, cu, rids)
+        self._hold(t, sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 
     def run_experts(self, batches: list, kernel: str) -> list[torch.Tensor]:
@@ -151,8 +181,35 @@ class EmulatedExpertExecutor:
         self.clock.hold(t, "expert", sum(rows))
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 
+    def _wait_for_copies(
+        self, block: int, experts: list[int], cu: list[int], request_ids: list[int]
+    ) -> float:
+        """Emulated seconds the step waits for its experts to reach the device (expert offloading): each expert's
+        rows tell the policy their requests' routing, then the experts are fetched one after another. Shared
+        experts (ids >= num_experts) are part of the resident dense model."""
+        # The GPU starts a step no earlier than the previous one ended on its own timeline: the clock's sleeps carry
+        # over- and under-shoot as debt, so now() alone can fall behind the copies the last step already paid for.
+        now = self._step_start = max(self.clock.now(), self._step_end)
+        routed = [(e, i) for i, e in enumerate(experts) if e < self.em.profile.num_experts]
+        for e, i in routed:
+            self._sequences.routed(block, e, request_ids[cu[i] : cu[i + 1]])
+        self.tiers.pinned = {(block, e) for e, _ in routed}
+        ready = now
+        for e, _ in routed:
+            ready = self.tiers.acquire((block, e), ready)
+        return ready - now
+
+    def _hold(self, t: float, rows: int) -> None:
+        self.clock.hold(t, "expert", rows)
+        if self.tiers is not None:
+            self._step_end = self._step_start + t  # t includes the wait for copies
+
     def stats(self) -> dict:
-        return self.clock.stats()
+        """The clock's busy time; with offloading also the tiers' hits, misses, bytes, recall and stall time."""
+        stats = self.clock.stats()
+        if self.tiers is not None:
+            stats["offload"] = {**dataclasses.asdict(self.tiers.stats), "recall": self.tiers.stats.recall}
+        return stats
 
 
 class EmulatedAttention:

@@ -96,6 +96,16 @@ _HDR_IB = LinkProfile(bandwidth=200e9 / 8, latency=5e-6, efficiency=LINK_EFFICIE
 _NDR_IB = LinkProfile(bandwidth=400e9 / 8, latency=5e-6, efficiency=LINK_EFFICIENCY)
 
 
+# Expert offloading's links (MoE-Infinity's testbed, arXiv 2401.14361 §8.1: RTX A5000s, DDR4 host memory, NVMe in
+# RAID0). PCIe 4.0 x16 (PCI-SIG PCIe 4.0 base specification): 16 GT/s x 16 lanes with 128b/130b coding = 31.5 GB/s
+# each way; a large pinned cudaMemcpy reaches ~80 % of it (assumed, LINK_EFFICIENCY; MoE-Infinity §8.6 measures a
+# 33.5 MB Switch expert at 2 ms after its optimisations, i.e. 16.8 GB/s); ~10 µs per copy (assumed).
+PCIE4_X16 = LinkProfile(bandwidth=31.5 * GB, latency=10e-6, efficiency=LINK_EFFICIENCY)
+# One PCIe 4.0 x4 NVMe SSD: 7 GB/s sequential read (Samsung 980 PRO datasheet: up to 7,000 MB/s; the paper names no
+# drive), ~90 % of it on large direct reads and ~100 µs per read (assumed).
+NVME_GEN4 = LinkProfile(bandwidth=7.0 * GB, latency=100e-6, efficiency=0.90)
+
+
 def _gpu(name: str, tflops: float, hbm_gbps: float, mem_gib: float, nvlink: LinkProfile, net: LinkProfile):
     return GpuProfile(
         name=name,
@@ -117,6 +127,10 @@ GPUS: dict[str, GpuProfile] = {
     "h100": _gpu("h100", 989, 3350, 80, _HOPPER_NVLINK, _NDR_IB),
     "h200": _gpu("h200", 989, 4800, 141, _HOPPER_NVLINK, _NDR_IB),
     "h800": _gpu("h800", 989, 3350, 80, _H800_NVLINK, _NDR_IB),
+    # NVIDIA RTX A5000 datasheet (2021): 24 GB GDDR6 at 768 GB/s; tensor 222.2 TFLOPS with sparsity, i.e. 111.1
+    # dense FP16; PCIe 4.0 x16. MoE-Infinity's GPU (§8.1). Its peers talk over PCIe (the NVLink bridge joins only
+    # pairs), so both links are PCIE4_X16.
+    "a5000": _gpu("a5000", 111.1, 768, 24, PCIE4_X16, PCIE4_X16),
 }
 
 
@@ -330,7 +344,7 @@ HOSTS: dict[str, HostOverhead] = {
 
 
 def gpu_profile(name: str) -> GpuProfile:
-    """The named GPU profile (a100-40g, a100-80g, h100, h200, h800)."""
+    """The named GPU profile (a100-40g, a100-80g, h100, h200, h800, a5000)."""
     return _lookup("GPU", GPUS, name)
 
 

@@ -42,6 +42,10 @@ class Policy:
         the store skips them). Policies that do not prefetch return []."""
         return []
 
+    def admits(self, key: Key, victim: Key) -> bool:
+        """Whether prefetching `key` (from `wanted`) is worth evicting `victim`; on-demand loads never ask."""
+        return True
+
 
 class LRU(Policy):
     """Evict the expert used longest ago."""

@@ -1,0 +1,232 @@
+"""Routing traces for the offloading policies: recorded routing of a real checkpoint, or a task-clustered model.
+
+A trace is a list of sequences; a sequence is a list of forward steps (the prefill, then one per generated token);
+a step is, per MoE block, the experts its router picked and how many of the step's tokens each got.
+
+**Recorded routing** (what `amoe serve` writes, JSON Lines): a header line
+`{"format": "amoe-routing/1", "num_blocks": L, "num_experts": E, "model": NAME}`, then one line per finished sequence
+`{"seq": ID, "steps": [[[expert, tokens], ...] per block] per step}`.
+
+**The task-clustered model** (`TaskRouting`). A random-weight checkpoint's router has no structure a policy could
+learn, so the replay benchmarks draw routing from a model built to match what MoE-Infinity measured on real traces
+(arXiv 2401.14361 §3): batches of 1–32 sequences activate 3–20 % of the experts over their generation and 30–46 %
+of the activated experts are used more than once. The model: each sequence belongs to one of `num_tasks` tasks; a
+task favours, per block, a support of `support` experts (a seeded random subset, Zipf-weighted); a sequence picks
+per block `core` of them that most of its tokens go to (temporal locality: the same experts every step), and the
+rest of its tokens (a share `spread`) to the task's support at large (experts a sequence touches once or twice, but
+that sequences of one task share). `stats()` measures the §3 statistics of any trace; tests/test_offload_replay.py
+checks the defaults fall in the §3 ranges, and docs/offload.md records the values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from amoe.errors import ConfigError
+
+ROUTING_FORMAT = "amoe-routing/1"
+
+Step = list[tuple[np.ndarray, np.ndarray]]  # per block: (experts [k], tokens [k])
+Sequence_ = list[Step]
+
+
+@dataclass
+class Trace:
+    """Routing of many sequences of one model shape."""
+
+    num_blocks: int
+    num_experts: int
+    sequences: list[Sequence_]
+    origin: str = ""
+
+    def eams(self) -> np.ndarray:
+        """[N, L, E]: each sequence's expert activation matrix (token counts over all its steps)."""
+        out = np.zeros((len(self.sequences), self.num_blocks, self.num_experts), dtype=np.float32)
+        for i, seq in enumerate(self.sequences):
+            for step in seq:
+                for block, (experts, tokens) in enumerate(step):
+                    np.add.at(out[i, block], experts, tokens)
+        return out
+
+    def split(self, first: int) -> tuple[Trace, Trace]:
+        """The first `first` sequences and the rest (an EAMC built on one part, replayed on the other)."""
+        head, tail = self.sequences[:first], self.sequences[first:]
+        return (
+            Trace(self.num_blocks, self.num_experts, head, self.origin),
+            Trace(self.num_blocks, self.num_experts, tail, self.origin),
+        )
+
+
+def read_routing(path: str | Path) -> Trace:
+    """A routing file the server recorded (the module docstring's format); bad lines raise ConfigError with
+    their line number."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read routing file {path}: {exc}") from None
+    if not lines:
+        raise ConfigError(f"routing file {path} is empty")
+    try:
+        header = json.loads(lines[0])
+        if header.get("format") != ROUTING_FORMAT:
+            raise ValueError(f"format is {header.get('format')!r}, expected {ROUTING_FORMAT!r}")
+        num_blocks, num_experts = int(header["num_blocks"]), int(header["num_experts"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}:1: not an {ROUTING_FORMAT} header: {exc}") from None
+    sequences = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            sequences.append(_parse_sequence(json.loads(line), num_blocks, num_experts))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{number}: bad routing record: {exc}") from None
+    origin = f"recorded routing of {header.get('model', '?')} ({path.name})"
+    return Trace(num_blocks, num_experts, sequences, origin)
+
+
+def write_routing(trace: Trace, path: str | Path, model: str = "") -> None:
+    """The inverse of `read_routing` (tests and the benchmark write generated traces in the server's format)."""
+    with open(path, "w") as f:
+        header = {"format": ROUTING_FORMAT, "num_blocks": trace.num_blocks, "num_experts": trace.num_experts}
+        f.write(json.dumps({**header, "model": model}) + "\n")
+        for i, seq in enumerate(trace.sequences):
+            steps = [[[[int(e), int(t)] for e, t in zip(*block)] for block in step] for step in seq]
+            f.write(json.dumps({"seq": i, "steps": steps}) + "\n")
+
+
+def _parse_sequence(record: dict, num_blocks: int, num_experts: int) -> Sequence_:
+    steps = record["steps"]
+    if not isinstance(steps, list):
+        raise ValueError("'steps' must be a list")
+    seq = []
+    for step in steps:
+        if len(step) != num_blocks:
+            raise ValueError(f"a step has {len(step)} blocks; the header says {num_blocks}")
+        blocks = []
+        for pairs in step:
+            arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+            if arr.size and (arr[:, 0].min() < 0 or arr[:, 0].max() >= num_experts or arr[:, 1].min() < 1):
+                raise ValueError(f"expert ids must be in [0, {num_experts}) with >= 1 token; got {pairs}")
+            blocks.append((arr[:, 0].copy(), arr[:, 1].copy()))
+        seq.append(blocks)
+    return seq
+
+
+@dataclass(frozen=True)
+class TaskRouting:
+    """The task-clustered routing model (module docstring). Defaults were set from the §3 statistics alone
+    (docs/offload.md "Routing traces"), before any policy was replayed on them."""
+
+    num_blocks: int = 24
+    num_experts: int = 128
+    top_k: int = 1
+    num_tasks: int = 2
+    support: int = 20  # experts a task favours per block
+    zipf: float = 2.5  # weight of a task's r-th favoured expert ∝ 1 / (r + 1)^zipf
+    core: int = 1  # experts per block a sequence sends most tokens to
+    spread: float = 0.1  # share of a sequence's generated tokens routed over its task's support, not its core
+    noise: float = 0.0  # share of every token's routing spread evenly over all experts (the rare experts)
+    prompt: tuple[int, int] = (8, 32)  # prompt tokens, uniform inclusive
+    output: tuple[int, int] = (8, 32)  # generated tokens (decode steps), uniform inclusive
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.core <= self.support <= self.num_experts:
+            raise ConfigError("need 1 <= top_k <= core <= support <= num_experts")
+        if not (0.0 <= self.spread <= 1.0 and 0.0 <= self.noise <= 1.0):
+            raise ConfigError(f"spread and noise must be in [0, 1]; got {self.spread}, {self.noise}")
+
+    def task_tables(self) -> np.ndarray:
+        """[T, L, E] each task's routing distribution per block."""
+        rng = np.random.default_rng([self.seed, 0])
+        weights = 1.0 / (np.arange(self.support) + 1.0) ** self.zipf
+        tables = np.zeros((self.num_tasks, self.num_blocks, self.num_experts))
+        for t in range(self.num_tasks):
+            for b in range(self.num_blocks):
+                tables[t, b, rng.choice(self.num_experts, self.support, replace=False)] = weights
+        tables /= tables.sum(axis=-1, keepdims=True)
+        return (1.0 - self.noise) * tables + self.noise / self.num_experts
+
+    def generate(self, num_sequences: int, seed: int = 1) -> Trace:
+        """`num_sequences` sequences, tasks drawn uniformly; `seed` picks the sequences (the tasks stay)."""
+        tables = self.task_tables()
+        rng = np.random.default_rng([self.seed, seed])
+        sequences = [self._sequence(tables[rng.integers(self.num_tasks)], rng) for _ in range(num_sequences)]
+        origin = (
+            f"task-clustered routing model (amoe.offload.trace.TaskRouting, {self.num_tasks} tasks, "
+            f"{self.num_blocks}x{self.num_experts}, top-{self.top_k}), statistics from MoE-Infinity §3"
+        )
+        return Trace(self.num_blocks, self.num_experts, sequences, origin)
+
+    def _sequence(self, task: np.ndarray, rng: np.random.Generator) -> Sequence_:
+        # The sequence's own routing distribution per block: its core experts drawn from the task's, most tokens
+        # to them, the rest over the task's support.
+        dist = np.empty_like(task)  # [L, E]
+        for b in range(self.num_blocks):
+            core = rng.choice(self.num_experts, self.core, replace=False, p=task[b])
+            own = np.zeros(self.num_experts)
+            own[core] = 1.0 / self.core
+            uniform = self.noise / self.num_experts
+            dist[b] = (1.0 - self.noise) * ((1.0 - self.spread) * own + self.spread * task[b]) + uniform
+        n_prompt = int(rng.integers(self.prompt[0], self.prompt[1] + 1))
+        n_output = int(rng.integers(self.output[0], self.output[1] + 1))
+        # The prompt's tokens are the task's text at large; generated tokens stay with the sequence's core.
+        return [self._step(task, n_prompt, rng)] + [self._step(dist, 1, rng) for _ in range(n_output)]
+
+    def _step(self, dist: np.ndarray, tokens: int, rng: np.random.Generator) -> Step:
+        """`tokens` tokens through every block, each to top_k distinct experts drawn ∝ dist (Gumbel-top-k)."""
+        step = []
+        with np.errstate(divide="ignore"):
+            log_p = np.log(dist)  # [L, E]
+        for b in range(self.num_blocks):
+            keys = log_p[b] + rng.gumbel(size=(tokens, self.num_experts))
+            picks = np.argpartition(-keys, self.top_k - 1, axis=1)[:, : self.top_k]
+            experts, counts = np.unique(picks, return_counts=True)
+            step.append((experts, counts))
+        return step
+
+
+def batches(trace: Trace, batch_size: int) -> list[list[int]]:
+    """Consecutive sequences grouped `batch_size` at a time (the last batch may be smaller)."""
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1; got {batch_size}")
+    n = len(trace.sequences)
+    return [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+
+
+def batch_steps(trace: Trace, batch: list[int]) -> list[list[np.ndarray]]:
+    """The batch run in lockstep: per step, per block, the experts any of its running sequences picked."""
+    longest = max(len(trace.sequences[s]) for s in batch)
+    out = []
+    for i in range(longest):
+        running = [trace.sequences[s][i] for s in batch if i < len(trace.sequences[s])]
+        out.append(
+            [np.unique(np.concatenate([step[b][0] for step in running])) for b in range(trace.num_blocks)]
+        )
+    return out
+
+
+def stats(trace: Trace, batch_size: int) -> dict:
+    """MoE-Infinity §3's statistics over batches of `batch_size` sequences run together: the mean share of all
+    experts the batch activated during its generation, and the mean share of those used in more than one step."""
+    total = trace.num_blocks * trace.num_experts
+    active, reused = [], []
+    for batch in batches(trace, batch_size):
+        if len(batch) < batch_size:
+            continue
+        uses = np.zeros((trace.num_blocks, trace.num_experts), dtype=np.int64)  # steps each expert ran in
+        for step in batch_steps(trace, batch):
+            for b, experts in enumerate(step):
+                uses[b, experts] += 1
+        n_active = int((uses > 0).sum())
+        active.append(n_active / total)
+        reused.append(int((uses > 1).sum()) / max(n_active, 1))
+    if not active:
+        raise ConfigError(f"the trace has fewer than {batch_size} sequences")
+    return {"batch": batch_size, "activated": float(np.mean(active)), "reused": float(np.mean(reused))}

@@ -1,0 +1,248 @@
+"""Expert offloading by trace replay (MoE-Infinity, arXiv 2401.14361 §8.3–8.4) and on emulated A5000 tiers.
+
+    PYTHONPATH=. .venv/bin/python bench/offload_replay.py [--quick] [--routing FILE --capacity N --expert-bytes B]
+
+1. The routing model's statistics beside §3's (3–20 % of experts active per batch of 1–32, 30–46 % reused).
+2. Cache hit ratio at the paper's cache sizes (Switch-large-128: 535 of 3072 experts; NLLB-MoE-128: 60 of 1536),
+   LRU, LFU, activation-aware (Algorithm 2 as printed, and amoe's variant with the EAMC's history) and Bélády's
+   optimum, demand paging.
+3. Prefetch recall against link bandwidth 8–128 GB/s (§8.3, the paper's Figure 10 in the arXiv text we have).
+4. Emulated per-token latency on an A5000 over PCIe 4.0: activation-aware offloading against on-demand fetching with
+   LRU (the paper's PyTorch-UM baseline), at batch sizes 1–16 (the paper's batcher: up to 16 requests).
+5. Mixtral-8x7B with every expert missed against the PCIe bound (64 expert loads of ~352 MB per token), through
+   the emulated expert executor.
+
+The traces come from the task-clustered routing model (amoe.offload.trace.TaskRouting, parameters set from §3
+alone) unless --routing gives a file the server recorded. Prints tables and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from amoe.config import ExecutorSection
+from amoe.emulation import cost_model
+from amoe.emulation.executor import Emulation
+from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec
+from amoe.emulation.profiles import GB, PCIE4_X16, gpu_profile, model_profile
+from amoe.offload import replay as rp
+from amoe.offload.activation import ActivationPolicy
+from amoe.offload.eam import EAMC
+from amoe.offload.policy import LFU, LRU
+from amoe.offload.trace import TaskRouting, read_routing, stats
+
+A5000 = gpu_profile("a5000")
+# The paper's models as shapes: MoE blocks, experts, top-k, bytes per expert (FP32 as its memory figures imply:
+# 15 GB holds ~535 Switch-large experts, 8 GB ~60 NLLB ones), dense bytes per block, paper's cache (§8.4).
+MODELS = {
+    "switch-large-128": SimpleNamespace(
+        blocks=24, experts=128, top_k=1, expert_bytes=2 * 1024 * 4096 * 4, dense_bytes=4 * 1024**2 * 4,
+        capacity=535, paper={"activation": 0.46, "best_baseline": 0.32, "oracle": 0.56}, routing={},
+        paper_recall={"8": None, "128": 0.98, "baseline_128": 0.38},
+    ),
+    "nllb-moe-128": SimpleNamespace(
+        blocks=12, experts=128, top_k=2, expert_bytes=2 * 2048 * 8192 * 4, dense_bytes=4 * 2048**2 * 4,
+        capacity=60, paper={"activation": 0.34, "best_baseline": 0.21, "oracle": 0.43},
+        # top-2 doubles the experts a token touches: these were set to bring the §3 statistics back into range
+        # (docs/offload.md), before any replay of this shape.
+        routing={"core": 2, "spread": 0.05, "zipf": 3.25},
+        paper_recall={"8": None, "128": 0.99, "baseline_128": 0.63},
+    ),
+}  # fmt: skip
+BANDWIDTHS_GBPS = (8, 16, 32, 64, 128)
+EAMC_SIZE = 100  # §8.5: Switch-large saturates at 100 entries
+
+
+def block_seconds(m, experts_per_block: float, rows: int = 1) -> float:
+    """A block on the A5000 by the cost model's roofline: dense weights plus the step's experts streamed once,
+    2 FLOPs per weight and row, and a launch gap per kernel (12 for attention, 4 per expert, cost_model)."""
+    weights = m.dense_bytes + experts_per_block * m.expert_bytes
+    params = weights / 4  # FP32
+    gpu_s = cost_model.roofline(A5000, 2 * params * rows, weights)
+    return gpu_s + (cost_model.ATTENTION_KERNELS + 4 * experts_per_block) * A5000.launch_s
+
+
+def mean_experts_per_block(evs: list[rp.Event]) -> float:
+    keys = [len(ev.keys) for ev in evs if ev.block != rp.END]
+    return float(np.mean(keys))
+
+
+def hit_ratios(name, m, train, test, batch, capacities) -> list[dict]:
+    eamc = EAMC.build(train.eams(), EAMC_SIZE, seed=0)
+    evs = rp.events(test, batch)
+    rows = []
+    for cap in capacities:
+        row = {"model": name, "batch": batch, "capacity": cap}
+        for policy in (
+            LRU(),
+            LFU(),
+            ActivationPolicy(m.blocks, m.experts, eamc=eamc),
+            ActivationPolicy(m.blocks, m.experts, eamc=eamc, history=True),
+        ):
+            row[policy.name] = round(rp.replay(evs, policy, cap).hit_ratio, 4)
+        row["belady"] = round(rp.belady(rp.accesses(evs), cap).hit_ratio, 4)
+        best = max(row["lru"], row["lfu"])
+        row["ordered"] = row["lru"] < row["lfu"] < row["activation"] < row["belady"]
+        row["activation_over_best_baseline"] = round(row["activation"] - best, 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def recall_by_bandwidth(name, m, train, test, batch) -> list[dict]:
+    eamc = EAMC.build(train.eams(), EAMC_SIZE, seed=0)
+    evs = rp.events(test, batch)
+    block_s = block_seconds(m, mean_experts_per_block(evs), batch)
+    rows = []
+    for gbps in BANDWIDTHS_GBPS:
+        policy = ActivationPolicy(m.blocks, m.experts, eamc=eamc)
+        r = rp.replay_timed(
+            evs, policy, m.capacity, bandwidth=gbps * GB, expert_bytes=m.expert_bytes, block_s=block_s
+        )
+        hist = rp.replay_timed(
+            evs, ActivationPolicy(m.blocks, m.experts, eamc=eamc, history=True), m.capacity,
+            bandwidth=gbps * GB, expert_bytes=m.expert_bytes, block_s=block_s,
+        )  # fmt: skip
+        row = {
+            "model": name, "batch": batch, "gbps": gbps, "recall": round(r.recall, 4),
+            "recall_history": round(hist.recall, 4), "hit_ratio_history": round(hist.hit_ratio, 4),
+            "hit_ratio": round(r.hit_ratio, 4), "prefetched": r.prefetched, "misses": r.misses, "late": r.late,
+            "block_ms": round(block_s * 1e3, 3), "ms_per_step": round(r.time_s / max(r.steps, 1) * 1e3, 2),
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def run_tiers(evs: list[rp.Event], tiers: EmulatedTiers, m, batch: int) -> dict:
+    """The trace on emulated tiers: per block, the router's output reaches the policy, the block's experts are
+    acquired one after another, then the block computes (block_seconds)."""
+    now, steps = 0.0, 0
+    for ev in evs:
+        if ev.block == rp.END:
+            for seq in ev.ended:
+                tiers.end(seq)
+            continue
+        for seq, experts, tokens in ev.routing:
+            tiers.routed(seq, ev.block, experts, tokens)
+        tiers.pinned = set(ev.keys)
+        ready = now
+        for key in ev.keys:
+            ready = tiers.acquire(key, ready)
+        now = ready + block_seconds(m, len(ev.keys), len(ev.routing))
+        steps += ev.block == 0
+    s = tiers.stats
+    return {
+        "ms_per_token": round(now / steps * 1e3, 2),
+        "stall_share": round(s.stall_s / now, 3),
+        "on_demand": s.host_misses + s.ssd_misses,
+        "recall": round(s.recall, 4),
+        "pcie_gb": round(s.pcie_bytes / 1e9, 1),
+    }
+
+
+def tier_latency(name, m, train, test, batches) -> list[dict]:
+    eamc = EAMC.build(train.eams(), EAMC_SIZE, seed=0)
+    rows = []
+    for batch in batches:
+        evs = rp.events(test, batch)
+        act = EmulatedTiers(ActivationPolicy(m.blocks, m.experts, eamc=eamc), m.blocks, m.experts,
+                            m.expert_bytes, m.capacity)  # fmt: skip
+        um = EmulatedTiers(LRU(), m.blocks, m.experts, m.expert_bytes, m.capacity, prefetch=False)
+        row = {"model": name, "gpu": "a5000", "batch": batch, "activation": run_tiers(evs, act, m, batch)}
+        row["on_demand_lru"] = run_tiers(evs, um, m, batch)
+        hist = EmulatedTiers(ActivationPolicy(m.blocks, m.experts, eamc=eamc, history=True), m.blocks, m.experts,
+                             m.expert_bytes, m.capacity)  # fmt: skip
+        row["activation_history"] = run_tiers(evs, hist, m, batch)
+        row["speedup"] = round(row["on_demand_lru"]["ms_per_token"] / row["activation"]["ms_per_token"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def mixtral_all_missed(tokens: int = 2) -> dict:
+    """Mixtral-8x7B (32 blocks, top-2) through the emulated expert executor with a one-expert budget: every
+    token's 64 expert steps each miss (the two experts of a block differ) and wait for a 352 MB copy. Real time
+    (time scale 1, ~1 s per token): the tiers read the emulated clock, whose sleeps are only ~0.1 ms accurate."""
+    section = ExecutorSection(
+        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0
+    )
+    profile = model_profile("mixtral-8x7b-mqa")
+    expert_bytes = profile.params_of(0) * profile.bytes_per_param
+    em = Emulation(section, offload=OffloadSpec(expert_bytes, policy="lru", prefetch=False))
+    ex = em.expert_executor()
+    ex.tiers.host.update(ex.tiers.device)  # start cold: nothing on the device, every expert in host memory
+    ex.tiers.device.clear()
+    for t in range(tokens):
+        for block in range(profile.num_blocks):
+            for expert in (2 * t % 8, (2 * t + 1) % 8):
+                batch = SimpleNamespace(num_rows=1, group_experts=None, index=expert, block=block,
+                                        request_ids=torch.tensor([0]))  # fmt: skip
+                ex.run(batch)
+    busy = ex.stats()["kinds"]["expert"]["busy_s"]
+    loads = tokens * 2 * profile.num_blocks
+    bound = 2 * profile.num_blocks * expert_bytes / PCIE4_X16.bandwidth
+    return {
+        "expert_mb": round(expert_bytes / 1e6, 1),
+        "loads_per_token": loads // tokens,
+        "misses": ex.tiers.stats.host_misses + ex.tiers.stats.ssd_misses,
+        "emulated_s_per_token": round(busy / tokens, 4),
+        "pcie_bound_s_per_token": round(bound, 4),
+        "of_bound": round(busy / tokens / bound, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sequences (a smoke run)")
+    ap.add_argument("--routing", help="replay a routing file the server recorded instead of the model")
+    ap.add_argument("--capacity", type=int, help="with --routing: experts the cache holds")
+    ap.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
+    args = ap.parse_args()
+    start = time.time()
+    n_train, n_test = (120, 48) if args.quick else (300, 160)
+    out: dict = {"bench": "offload_replay", "eamc_size": EAMC_SIZE}
+    if args.routing:
+        trace = read_routing(args.routing)
+        train, test = trace.split(len(trace.sequences) // 2)
+        m = SimpleNamespace(blocks=trace.num_blocks, experts=trace.num_experts, expert_bytes=args.expert_bytes,
+                            dense_bytes=0, capacity=args.capacity or trace.num_blocks * trace.num_experts // 6)  # fmt: skip
+        out["origin"] = trace.origin
+        out["hit_ratio"] = hit_ratios("recorded", m, train, test, 1, [m.capacity])
+        print(json.dumps(out))
+        return
+    out["origin"] = {}
+    out["statistics"], out["hit_ratio"], out["recall"], out["latency"] = [], [], [], []
+    for name, m in MODELS.items():
+        model = TaskRouting(num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing)
+        train, test = model.generate(n_train, seed=1), model.generate(n_test, seed=2)
+        out["origin"][name] = test.origin
+        for b in (1, 4, 16, 32):
+            s = stats(train, b)
+            row = {"model": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}}
+            row["in_section3_ranges"] = 0.03 <= s["activated"] <= 0.20 and 0.30 <= s["reused"] <= 0.46
+            out["statistics"].append(row)
+            print(json.dumps(row), flush=True)
+        caps = sorted(
+            {m.capacity // 4, m.capacity // 2, m.capacity, m.capacity * 2}
+        )  # Figure 11 sweeps sizes
+        for batch in (1, 16):
+            out["hit_ratio"] += hit_ratios(name, m, train, test, batch, caps)
+        out["recall"] += recall_by_bandwidth(name, m, train, test, 1)
+        out["latency"] += tier_latency(name, m, train, test, (1, 4, 16))
+    out["mixtral_all_missed"] = mixtral_all_missed()
+    print(json.dumps(out["mixtral_all_missed"]), flush=True)
+    out["ordered"] = sum(r["ordered"] for r in out["hit_ratio"])
+    out["cases"] = len(out["hit_ratio"])
+    out["wall_s"] = round(time.time() - start, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

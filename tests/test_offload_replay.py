@@ -1,0 +1,129 @@
+"""Trace replay: Bélády is optimal, routing files round-trip, the task-clustered model has MoE-Infinity §3's
+statistics, `amoe offload build-eamc` builds from recorded routing."""
+
+import functools
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from amoe import cli
+from amoe.errors import ConfigError
+from amoe.offload import replay as rp
+from amoe.offload.activation import ActivationPolicy
+from amoe.offload.eam import EAMC
+from amoe.offload.policy import LFU, LRU
+from amoe.offload.trace import TaskRouting, read_routing, stats, write_routing
+
+
+def _optimal_misses(keys, capacity):
+    """Fewest misses over every eviction choice (exhaustive search)."""
+
+    @functools.cache
+    def best(i, cache):
+        if i == len(keys):
+            return 0
+        key = keys[i]
+        if key in cache:
+            return best(i + 1, cache)
+        if len(cache) < capacity:
+            return 1 + best(i + 1, cache | {key})
+        return 1 + min(best(i + 1, (cache - {v}) | {key}) for v in cache)
+
+    return best(0, frozenset())
+
+
+def test_belady_is_optimal_on_small_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n_keys, capacity = int(rng.integers(2, 6)), int(rng.integers(1, 4))
+        keys = [(0, int(k)) for k in rng.integers(0, n_keys, size=int(rng.integers(1, 13)))]
+        assert rp.belady(keys, capacity).misses == _optimal_misses(tuple(keys), capacity)
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    model = TaskRouting(num_blocks=4, num_experts=32, support=8, seed=3)
+    return model, model.generate(40, seed=1), model.generate(24, seed=2)
+
+
+def test_no_policy_beats_belady(small_trace):
+    model, train, test = small_trace
+    evs = rp.events(test, 4)
+    eamc = EAMC.build(train.eams(), size=10)
+    for capacity in (4, 16, 40):
+        ceiling = rp.belady(rp.accesses(evs), capacity).hits
+        for policy in (LRU(), LFU(), ActivationPolicy(4, 32, eamc=eamc)):
+            result = rp.replay(evs, policy, capacity)
+            assert result.hits + result.misses == len(rp.accesses(evs))
+            assert result.hits <= ceiling
+
+
+def test_timed_replay_prefetches_more_with_more_bandwidth(small_trace):
+    model, train, test = small_trace
+    evs = rp.events(test, 1)
+    eamc = EAMC.build(train.eams(), size=10)
+    recalls = []
+    for bandwidth in (1e9, 1e12):
+        policy = ActivationPolicy(4, 32, eamc=eamc, refine=False)
+        r = rp.replay_timed(evs, policy, 24, bandwidth=bandwidth, expert_bytes=1e7, block_s=1e-3)
+        assert r.hits + r.late + r.misses == len(rp.accesses(evs))
+        recalls.append(r.recall)
+    assert recalls[0] < recalls[1]
+    # LRU prefetches nothing: every copy is on demand.
+    r = rp.replay_timed(evs, LRU(), 24, bandwidth=1e12, expert_bytes=1e7, block_s=1e-3)
+    assert r.prefetched == 0 and r.recall == 0.0
+
+
+def test_task_routing_has_the_section_3_statistics():
+    # MoE-Infinity §3: batches of 1-32 activate 3-20 % of the experts; 30-46 % of those are used more than once.
+    trace = TaskRouting(num_blocks=8).generate(192, seed=1)
+    for batch in (1, 4, 16, 32):
+        s = stats(trace, batch)
+        assert 0.03 <= s["activated"] <= 0.20, s
+        assert 0.30 <= s["reused"] <= 0.46, s
+    assert stats(trace, 1)["activated"] < stats(trace, 32)["activated"]
+    # top-2 (NLLB-MoE-128's routing) with the parameters bench/offload_replay.py uses for it
+    trace = TaskRouting(num_blocks=8, top_k=2, core=2, spread=0.05, zipf=3.25).generate(128, seed=1)
+    for batch in (1, 32):
+        s = stats(trace, batch)
+        assert 0.03 <= s["activated"] <= 0.20 and 0.30 <= s["reused"] <= 0.46, s
+
+
+def test_routing_file_round_trip_and_errors(tmp_path, small_trace):
+    _, train, _ = small_trace
+    path = tmp_path / "routing.jsonl"
+    write_routing(train, path, model="tiny")
+    back = read_routing(path)
+    assert (back.num_blocks, back.num_experts, len(back.sequences)) == (4, 32, 40)
+    assert np.array_equal(back.eams(), train.eams())
+    assert "tiny" in back.origin
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"format": "amoe-routing/1", "num_blocks": 2, "num_experts": 4}) + "\n"
+                   + json.dumps({"seq": 0, "steps": [[[[5, 1]], [[0, 1]]]]}) + "\n")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: .*expert ids"):
+        read_routing(bad)
+    bad.write_text('{"format": "other"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1"):
+        read_routing(bad)
+
+
+def test_build_eamc_command(tmp_path, small_trace, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "setup_logging", lambda verbose: None)  # leave this process's logging alone
+    _, train, _ = small_trace
+    routing, out = tmp_path / "routing.jsonl", tmp_path / "eamc.npz"
+    write_routing(train, routing, model="tiny")
+    assert (
+        cli.main(["offload", "build-eamc", "--routing", str(routing), "--size", "8", "--out", str(out)]) == 0
+    )
+    assert len(EAMC.load(out, 4, 32)) == 8
+    assert cli.main(["offload", "build-eamc", "--routing", str(tmp_path / "none"), "--out", str(out)]) != 0
+    assert "cannot read routing file" in capsys.readouterr().err
+
+
+def test_events_are_shared_by_policies(small_trace):
+    _, _, test = small_trace
+    evs = rp.events(test, 3)
+    ends = [ev for ev in evs if ev.block == rp.END]
+    assert sorted(itertools.chain.from_iterable(ev.ended for ev in ends)) == list(range(24))
