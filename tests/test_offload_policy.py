@@ -5,8 +5,9 @@ import pytest
 
 from amoe.errors import ConfigError
 from amoe.offload.activation import EPSILON, MAX_PRIORITY, ActivationPolicy
+from amoe.offload.choose import make_policy
 from amoe.offload.eam import EAMC, Refiner, distance
-from amoe.offload.policy import LRU, make_policy
+from amoe.offload.policy import LRU
 
 
 def test_distance_is_eq1():

@@ -102,3 +102,14 @@ def test_emulated_aep_cluster_with_offloading(policy):
     assert sum(o["pcie_bytes"] for o in offload) == pytest.approx(copies * EXPERT_BYTES)
     if policy == "lru":
         assert all(o["prefetched"] == 0 for o in offload)
+
+
+def test_the_offload_flags_reach_the_emulated_executor():
+    """`amoe serve --executor emulated --offload-budget ...`: the runtimes' emulation gets the budget and policy."""
+    from amoe.config import AmoeConfig  # noqa: PLC0415
+    from amoe.runtime.build import emulation  # noqa: PLC0415
+
+    executor = {"kind": "emulated", "gpu": "a5000", "profile": "mixtral-8x7b-mqa:2", "routing": "uniform"}
+    config = AmoeConfig().replace(executor=executor, offload={"budget": "800MB", "policy": "lfu"})
+    assert emulation(config, None).offload == OffloadSpec(800e6, "lfu", None, prefetch=True)
+    assert emulation(AmoeConfig().replace(executor=executor), None).offload is None

@@ -197,20 +197,21 @@ def test_local_backend_store_on_metrics():
         assert line in text, text
 
 
-def test_policy_errors_surface_at_start_up(ckpt, monkeypatch):
-    """The activation policy's EAMC loader (amoe.offload.activation) raises on a file of the wrong shape; start-up
-    turns that into one line naming the file, before anything loads."""
-    import amoe.offload.policy as policy_module
+def test_policy_errors_surface_at_start_up(ckpt, tmp_path):
+    """An EAMC file built for another model (amoe offload build-eamc's output, npz) is one line at start-up naming
+    the file and both shapes, before anything loads."""
+    import numpy as np
 
-    def bad_eamc(name, num_blocks, num_experts, eamc_path=None):
-        raise ValueError(f"EAMC of shape (3, 8) does not fit the model's ({num_blocks}, {num_experts})")
+    from amoe.offload.eam import EAMC
 
-    monkeypatch.setattr(policy_module, "make_policy", bad_eamc)
+    path = tmp_path / "other-model.npz"
+    EAMC.build(np.random.default_rng(0).random((6, 3, 8)), size=2).save(path)
     config = AmoeConfig().replace(
-        parallel={"mode": "local"}, offload={"budget": "1GiB", "policy": "activation", "eamc": "/x.eamc"}
+        parallel={"mode": "local"}, offload={"budget": "1GiB", "policy": "activation", "eamc": str(path)}
     )
-    with pytest.raises(ConfigError, match=r"--offload-eamc /x.eamc: EAMC of shape \(3, 8\) .* \(4, 8\)"):
+    with pytest.raises(ConfigError, match=r"--offload-eamc .*other-model.npz: .*\(3, 8\).*\(4, 8\)") as info:
         check_offload(config, ckpt)
+    assert "\n" not in str(info.value)
 
 
 def test_a_failed_read_fails_the_step_not_the_store(ckpt, cfg, tmp_path):

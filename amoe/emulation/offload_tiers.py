@@ -204,7 +204,7 @@ class SequenceTracker:
 
 def build_tiers(spec: OffloadSpec, model, expert_bytes: float) -> EmulatedTiers:
     """The tiers of one emulated expert runtime holding every block of `model`'s routed experts."""
-    from amoe.offload.policy import make_policy  # noqa: PLC0415 - the activation policy loads numpy files
+    from amoe.offload.choose import make_policy  # noqa: PLC0415 - the activation policy loads numpy files
 
     device_experts = int(spec.budget_bytes // expert_bytes)
     if device_experts < 1:

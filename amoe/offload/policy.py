@@ -6,15 +6,13 @@ each block's router (`routed`), that the store ran an expert (`used`), and that 
 answers `victim` (the resident key to drop) and `wanted` (absent keys to fetch, most urgent first).
 
 LRU and LFU are the baselines of MoE-Infinity's evaluation (arXiv 2401.14361, §6); the activation-aware policy of its
-§4–5 lives beside them and is chosen by name through `make_policy`.
+§4–5 lives in amoe/offload/activation.py; amoe/offload/choose.py makes any of them by name.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-
-from amoe.errors import ConfigError
 
 Key = tuple[int, int]  # (block, expert)
 
@@ -79,19 +77,3 @@ class LFU(Policy):
 
     def victim(self, resident: Iterable[Key]) -> Key:
         return min(resident, key=lambda k: (self._count.get(k, 0), self._last.get(k, -1)))
-
-
-POLICIES = ("activation", "lru", "lfu")
-
-
-def make_policy(name: str, num_blocks: int, num_experts: int, eamc_path: str | None = None) -> Policy:
-    """The policy `--offload-policy NAME` names, for a model of `num_blocks` MoE blocks of `num_experts` experts."""
-    if name == "lru":
-        return LRU()
-    if name == "lfu":
-        return LFU()
-    if name == "activation":
-        from amoe.offload.activation import ActivationPolicy  # noqa: PLC0415 - built by the activation-aware work
-
-        return ActivationPolicy(num_blocks, num_experts, eamc_path)
-    raise ConfigError(f"--offload-policy must be one of {', '.join(POLICIES)}; got {name!r}")

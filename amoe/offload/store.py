@@ -179,8 +179,9 @@ class ExpertStore:
                     return key, why
         return None
 
-    def _slot_for(self, why: int) -> int | None:
-        """A free slot, or the policy's victim among the evictable residents (None: none may go now)."""
+    def _slot_for(self, key: Key, why: int) -> int | None:
+        """A free slot, or the policy's victim among the evictable residents (None: none may go now, or the policy
+        rates a copy ahead below what it would evict)."""
         if self._free:
             return self._free.pop()
         # A miss may evict anything not held (what a step expects later is read again); a copy ahead keeps what
@@ -190,6 +191,8 @@ class ExpertStore:
         if not candidates:
             return None
         victim = self.policy.victim(candidates)
+        if why == PREFETCH and not self.policy.admits(key, victim):
+            return None
         self.counters["evictions"] += 1
         self._unused_prefetch.discard(victim)
         return self._slot_of.pop(victim)
@@ -201,7 +204,7 @@ class ExpertStore:
                 while not self._stopping:
                     job = self._next_job()
                     if job is not None:
-                        slot = self._slot_for(job[1])
+                        slot = self._slot_for(*job)
                         if slot is not None:
                             break
                         if job[1] == DEMAND:  # every slot is held: wait for a release, then try again
@@ -320,18 +323,14 @@ def open_store(
 
 
 def make_store_policy(offload, cfg: ModelConfig) -> Policy:
-    """The policy by name; a missing activation-aware module or a bad EAMC file is a one-line start-up error."""
-    from amoe.offload.policy import make_policy
+    """The policy by name; a bad EAMC file is a one-line start-up error naming it."""
+    from amoe.offload.choose import make_policy
 
     try:
         return make_policy(offload.policy, cfg.num_blocks, cfg.num_experts, offload.eamc)
-    except ImportError as exc:
-        raise ConfigError(
-            f"--offload-policy {offload.policy} is not available in this build ({exc})"
-        ) from None
-    except (ConfigError, ModelLoadError):
-        raise
-    except (OSError, ValueError) as exc:
+    except ConfigError as exc:
+        if offload.eamc is None or str(exc).startswith("--offload"):
+            raise
         raise ConfigError(f"--offload-eamc {offload.eamc}: {exc}") from None
 
 

@@ -32,7 +32,20 @@ def emulation(config: AmoeConfig, model_dir: str | Path | None) -> Emulation | N
     ex = config.executor
     if ex.kind != "emulated":
         return None
-    return Emulation(ex, None if ex.profile is not None else load_model_config(model_dir))
+    return Emulation(
+        ex, None if ex.profile is not None else load_model_config(model_dir), offload=emulated_offload(config)
+    )
+
+
+def emulated_offload(config: AmoeConfig):
+    """`--offload-budget` on the emulated executor: each emulated device holds that many bytes of routed experts in
+    its memory, the rest wait in host memory (docs/offload.md "Emulated tiers"); None without a budget."""
+    off = config.offload
+    if off.budget is None:
+        return None
+    from amoe.emulation.offload_tiers import OffloadSpec
+
+    return OffloadSpec(off.budget_bytes, off.policy, off.eamc, prefetch=off.prefetch)
 
 
 def runtime_model_config(em: Emulation | None, model_dir: str | Path | None) -> ModelConfig:
