@@ -9,6 +9,13 @@ Reports per policy its throughput at its maximum (the overload point: what it su
 the load where the paper's Fig. 12 shows first-layer-first falling behind) and its ITL at half load (a rate every
 policy sustains), the median over --repeats runs (each with its own arrival and routing seed) and the runs'
 spread. Prints a table and one final JSON line; writes policies.json to --out.
+
+Each rank holds at most the requests the planner's prediction of this deployment runs at (`amoe.emulation.plan.refine`:
+the least concurrency within 3 % of the most it simulates); arrivals beyond wait in the coordinator's queue and
+replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
+its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
+draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
+arrivals").
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -23,7 +31,15 @@ from pathlib import Path
 
 from amoe.bench import calibrate
 from amoe.bench.compare import load_point
-from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens, serve_flags, upper_bound
+from amoe.bench.compare_setup import (
+    ROUTING,
+    Preset,
+    Setup,
+    mean_output_tokens,
+    profile_name,
+    serve_flags,
+    upper_bound,
+)
 from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
 
@@ -42,10 +58,27 @@ def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale
     )  # fmt: skip
 
 
-async def _policy_points(policy: str, p: Preset, seed: int) -> list[dict]:
+def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
+    """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
+    from amoe.emulation import bounds
+    from amoe.emulation.plan import mean_context, refine
+    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.emulation.variance import StepVariance
+
+    model = model_profile(profile_name(SETUP, p), SETUP.top_k)
+    dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
+    host, ctx = host_overhead("amoe-paper"), mean_context(SETUP.workload)
+    plan = refine(model, dep, ROUTING, ctx, host, variance=StepVariance.parse(step_variance))
+    return math.ceil(plan.prediction.concurrency / SETUP.attn)
+
+
+async def _policy_points(
+    policy: str, p: Preset, seed: int, step_variance: str = "sourced", seqs: int | None = None
+) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
-    server = ServerProcess(serve_flags(setup, p, seed))
+    extra = ["--step-variance", step_variance] + (["--cache-max-num-seqs", str(seqs)] if seqs else [])
+    server = ServerProcess(serve_flags(setup, p, seed) + extra)  # the later flag wins
     with server:
         return [
             await load_point(server, setup, p, seed, load * rate_ub, f"load {load:g}") for load in p.loads
@@ -71,13 +104,15 @@ def main(args) -> int:
         raise ConfigError(f"--loads must include {HALF:g} (the ITL at half load); got {args.loads!r}")
     scale, probe_s = calibrate.scaled(args.time_scale)
     p = _preset(args.blocks, loads, args.duration, scale)
+    seqs = max_seqs(p, args.step_variance) if args.max_num_seqs is None else args.max_num_seqs
+    logger.info("[policies] each rank holds at most %d requests", seqs)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.monotonic()
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
     for i in range(args.repeats):
         seed = args.seed + i
         for policy in policies:  # interleaved, so a change in the host's load falls on every policy alike
-            points = asyncio.run(_policy_points(policy, p, seed))
+            points = asyncio.run(_policy_points(policy, p, seed, args.step_variance, seqs or None))
             runs[policy].append({"seed": seed, **_summary(points, loads), "points": _slim(points)})
             logger.info(
                 "[policies] %s seed %d: %s",
@@ -87,7 +122,8 @@ def main(args) -> int:
             )
     rows = {policy: _median(r) for policy, r in runs.items()}
     summary = {
-        "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed,
+        "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed, "step_variance": args.step_variance,
+        "max_num_seqs_per_rank": seqs, "duration_s": args.duration,
         "time_scale": round(scale, 2), "probe_us": round(probe_s * 1e6, 1), "policies": rows,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
