@@ -115,6 +115,18 @@ PRESETS = {
         ),
         blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
     ),
+    # What step-time variance costs a barrier and a queue (docs/results.md "Step-time variance"): AEP 4 + 4 and EP 8
+    # on A100s, whose bounds without variance are equal at top-1 (same throughput and ITL) and 1.01 apart at top-2,
+    # run once with --step-variance sourced and once with off.
+    "variance": CheckPreset(
+        checks=(
+            _aep("a100-80g", 4, 4, 1),
+            _ep("a100-80g", 8, 1),
+            _aep("a100-80g", 4, 4, 2),
+            _ep("a100-80g", 8, 2),
+        ),
+        blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
+    ),
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, ~35 s here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
