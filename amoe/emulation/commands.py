@@ -29,6 +29,11 @@ def add_bench_plan_check_command(sub: Any) -> None:
         "--fill", default="steady", choices=("steady", "poisson"),
         help="steady: the plan's requests at once, measured over ITLs (default); poisson: arrivals above its rate",
     )  # fmt: skip
+    p.add_argument(
+        "--time-scale", type=float, default=None,
+        help="the preset's time scale on the reference host (stretched by the host probe as usual); a larger one "
+        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays (docs/results.md)",
+    )  # fmt: skip
     _step_variance(p)
     p.set_defaults(run=run_plan_check)
 

@@ -285,6 +285,10 @@ def main(args) -> int:
     else:
         p = PRESETS[args.preset]
     p = dataclasses.replace(p, step_variance=getattr(args, "step_variance", "sourced"))
+    if getattr(args, "time_scale", None) is not None:
+        if args.time_scale <= 0:
+            raise ConfigError(f"--time-scale must be positive; got {args.time_scale:g}")
+        p = dataclasses.replace(p, time_scale=args.time_scale)
     if args.only:
         modes = set(args.only.split(","))
         p = dataclasses.replace(p, checks=tuple(c for c in p.checks if c.deployment.mode in modes))
