@@ -125,3 +125,6 @@ def test_the_wave_hold_guard_is_emulated_time():
     assert core.engine_config(0, place, **shape).max_wave_hold_s == core.MAX_WAVE_HOLD_S
     scaled = core.engine_config(0, place, **shape, time_scale=40.0)
     assert scaled.max_wave_hold_s == pytest.approx(40.0 * core.MAX_WAVE_HOLD_S)
+    scaled.max_wave_hold_s = 0.0
+    with pytest.raises(ValueError, match="scheduling settings"):
+        scaled.validate()
