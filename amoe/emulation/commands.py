@@ -107,6 +107,9 @@ def add_bench_policies_command(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
     p.add_argument("--out", default="docs/results/policies")
+    p.add_argument(
+        "--report", default=None, metavar="JSON", help="summarise a recorded policies.json again; run nothing"
+    )
     _step_variance(p)
     p.set_defaults(run=run_policies)
 
