@@ -211,6 +211,10 @@ def add_plan_command(sub: Any) -> None:
         "--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}", help="skew the plan assumes (skew-exp:λ[,rho=ρ])"
     )
     p.add_argument("--itl-slo-ms", type=float, help="drop deployments whose ITL exceeds this")
+    p.add_argument(
+        "--step-variance", default="sourced", metavar="V",
+        help="GPUs' speed spread and step jitter the plans assume: sourced | off | SPREAD[,jitter=J][,seed=N]",
+    )  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
     p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")

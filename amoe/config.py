@@ -203,6 +203,9 @@ class ExecutorSection:
     decode_only: bool = False
     # emulated: GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
     gpus_per_node: int = 0
+    # emulated: each GPU's fixed speed and each step's jitter (amoe.emulation.variance, docs/emulation.md):
+    # sourced (Sinha et al. SC'22 across GPUs, DeepEP #208 per step) | off | SPREAD[,jitter=J][,seed=N]
+    step_variance: str = "sourced"
 
     def __post_init__(self) -> None:
         _choice("executor.kind", self.kind, ("torch", "emulated"))
@@ -486,6 +489,7 @@ _ALIASES = {
     ("executor", "expert_gpu"): "--expert-gpu",
     ("executor", "time_scale"): "--time-scale",
     ("executor", "routing"): "--routing",
+    ("executor", "step_variance"): "--step-variance",
     ("server", "api_key_file"): "--api-key-file",
     ("dist", "nnodes"): "--nnodes",
     ("dist", "node_rank"): "--node-rank",

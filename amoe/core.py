@@ -28,6 +28,11 @@ ZmqCommunicator = _core.ZmqCommunicator
 group_by_destination = _core.group_by_destination
 
 
+# The longest a wave-policy runtime holds for a returning wave (cpp/engine.cpp): a guard against a part that never
+# returns (a lost row, a failed expert batch), far above a round trip (milliseconds), not a tuning knob.
+MAX_WAVE_HOLD_S = 1.0
+
+
 def engine_config(
     runtime: int,
     placement: Placement,
@@ -38,10 +43,12 @@ def engine_config(
     hidden: int,
     scheduler: SchedulerSection | None = None,
     track_requests: bool = False,
+    time_scale: float = 1.0,
 ) -> EngineConfig:
     """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
     defaults when None); validated here so mistakes raise at build time. `track_requests`: an attention
-    runtime that holds request state drops rows of requests it does not hold (docs/engine.md)."""
+    runtime that holds request state drops rows of requests it does not hold (docs/engine.md). `time_scale`:
+    the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -55,6 +62,9 @@ def engine_config(
     cfg.policy, cfg.lookahead, cfg.decay = sched.policy, sched.lookahead, sched.decay
     cfg.attn_cap, cfg.expert_cap = sched.attn_batch_cap, sched.expert_batch_cap
     cfg.group_experts = int(sched.group_experts)
+    # The guard is emulated time like every step: unscaled, a wave held at time scale 40 would be released after
+    # 25 emulated ms, shorter than one ITL, and the guard would decide what the policy does.
+    cfg.max_wave_hold_s = MAX_WAVE_HOLD_S * time_scale
     cfg.track_requests = track_requests and cfg.is_attention
     cfg.validate()
     return cfg

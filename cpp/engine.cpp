@@ -14,10 +14,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The longest a wave-policy runtime holds for a returning wave. A guard, not a tuning knob: in steady state
-// the wave is back within one round trip (milliseconds); only a lost row (resent after the transport's
-// timeout) or a failed expert batch keeps a part out, and the hold must not wait for those.
-constexpr std::chrono::milliseconds kMaxWaveHold{1000};
 
 at::Tensor index_rows(const at::Tensor& data, const std::vector<int64_t>& rows) {
   const int64_t n = static_cast<int64_t>(rows.size());
@@ -178,14 +174,19 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
     const auto deadline =
         t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
     constexpr auto kNever = Clock::time_point::max();
-    auto hold_until = kNever;  // the wave policy holds for a returning wave, at most kMaxWaveHold
+    // The wave policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob: in
+    // steady state the wave is back within one round trip (milliseconds); only a lost row (resent after the
+    // transport's timeout) or a failed expert batch keeps a part out, and the hold must not wait for those.
+    const auto max_hold = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(cfg_.max_wave_hold_s));
+    auto hold_until = kNever;
     while (!stopping_.load()) {
       const auto now = Clock::now();
       if ((got = queues_.drain(&d, now >= hold_until))) break;
       if (!queues_.holding()) {
         hold_until = kNever;
       } else if (hold_until == kNever) {
-        hold_until = now + kMaxWaveHold;
+        hold_until = now + max_hold;
       }
       const auto wake = forever ? hold_until : std::min(deadline, hold_until);
       if (wake == kNever) {

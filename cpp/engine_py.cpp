@@ -221,6 +221,7 @@ void register_engine(py::module_& m) {
       .def_readwrite("policy", &EngineConfig::policy)
       .def_readwrite("lookahead", &EngineConfig::lookahead)
       .def_readwrite("group_experts", &EngineConfig::group_experts)
+      .def_readwrite("max_wave_hold_s", &EngineConfig::max_wave_hold_s)
       .def_readwrite("decay", &EngineConfig::decay)
       .def_readwrite("attn_cap", &EngineConfig::attn_cap)
       .def_readwrite("expert_cap", &EngineConfig::expert_cap)

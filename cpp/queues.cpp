@@ -18,7 +18,7 @@ void EngineConfig::validate() const {
   AMOE_CHECK_ARG(!attn_runtime.empty(), "attn_runtime must list at least one attention rank");
   AMOE_CHECK_ARG(
       !policy.empty() && lookahead >= 0 && decay >= 0 && attn_cap > 0 && expert_cap > 0 &&
-          (group_experts == 0 || group_experts == 1),
+          (group_experts == 0 || group_experts == 1) && max_wave_hold_s > 0,
       "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),

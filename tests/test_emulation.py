@@ -267,7 +267,8 @@ def test_an_ep_device_runs_its_experts_of_a_block_as_one_grouped_step():
     for less than the experts run one by one would take, and returns each expert's rows."""
     from amoe.runtime.sync.batch import LayerBatch
 
-    em = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g", time_scale=1e-3))
+    # Without step-time variance: the hold is then exactly the cost model's grouped step.
+    em = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g", time_scale=1e-3, step_variance="off"))
     ex = em.expert_executor()
 
     def batch(e, n):
@@ -289,7 +290,15 @@ def test_expert_runtimes_of_a_heterogeneous_deployment_are_timed_on_their_own_gp
     split); attention, KV and links stay on --gpu; an EP device or a torch executor refuses it."""
     from amoe.config import AmoeConfig, ParallelSection
 
-    em = Emulation(emulated(profile="mixtral-8x7b-mqa", gpu="a100-80g", expert_gpu="h100", time_scale=1e-3))
+    em = Emulation(
+        emulated(
+            profile="mixtral-8x7b-mqa",
+            gpu="a100-80g",
+            expert_gpu="h100",
+            time_scale=1e-3,
+            step_variance="off",
+        )
+    )
     assert (em.gpu.name, em.expert_gpu.name) == (gpu_profile("a100-80g").name, gpu_profile("h100").name)
     ex = em.expert_executor()
     rows = torch.zeros(64, dtype=torch.int64)

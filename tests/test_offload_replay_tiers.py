@@ -24,6 +24,7 @@ def _emulation(budget_experts: float, **spec) -> Emulation:
         profile="mixtral-8x7b-mqa",
         time_scale=1e-6,
         routing="uniform",
+        step_variance="off",  # exact times: the copies are what is checked
     )
     offload = OffloadSpec(budget_bytes=budget_experts * EXPERT_BYTES, **spec) if budget_experts else None
     return Emulation(section, offload=offload)

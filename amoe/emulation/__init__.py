@@ -30,6 +30,9 @@ def check_executor(ex: ExecutorSection) -> None:
     host_overhead(ex.host_overhead)
     if ex.profile is not None:
         model_profile(ex.profile, ex.top_k)
+    from amoe.emulation.variance import StepVariance
+
+    StepVariance.parse(ex.step_variance)
     routing = RoutingSpec.parse(ex.routing)
     if ex.kind == "emulated" and not routing.is_override:
         raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")

@@ -21,6 +21,12 @@ the expected load of each expert taken from the exact probability that it is amo
 
 ITL follows from Little's law: concurrency / throughput (each of the C requests decoding at once gets one token per
 C / T seconds).
+
+Step-time variance (amoe.emulation.variance; sourced by default, `variance=OFF` for none): every GPU runs at its own
+fixed speed (GPU i of the deployment: attention GPUs first, then expert GPUs; EP: device i) and each step jitters. A
+barrier pays the slowest: EP's blocks and ping-pong's micro-batch steps wait for `expected_max` over the devices, and
+so does an AEP wave's critical path at the expert GPUs of a block. A queue does not: each AEP GPU works at its own
+speed, the slowest expert GPU sets the expert side's rate, and each attention GPU's requests go at its own.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from amoe.emulation import cost_model as cm
 from amoe.emulation import eps
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec, inclusion_probabilities
+from amoe.emulation.variance import SOURCED, StepVariance, expected_max
 
 # ---- the EP exchange's latency (docs/emulation.md "EP's all-to-all", with sources)
 
@@ -170,15 +177,17 @@ def predict(
     mean_context: float,
     host: HostOverhead,
     itl_slo_s: float | None = None,
+    variance: StepVariance = SOURCED,
 ) -> Prediction:
     """The bound of `dep` (module docstring) for a model at full depth and per-block inclusion probabilities.
     Replicas multiply throughput and concurrency; ITL is one copy's. With `itl_slo_s` AEP's operating point is the
-    best whose ITL meets it (EP's and ping-pong's are set by the batch cap and micro-batches the search varies)."""
+    best whose ITL meets it (EP's and ping-pong's are set by the batch cap and micro-batches the search varies).
+    `variance`: the GPUs' step-time variance (module docstring)."""
     one = replace(dep, replicas=1)
     pred = (
-        _ep(model, one, inclusion, mean_context, host)
+        _ep(model, one, inclusion, mean_context, host, variance)
         if dep.mode == "ep"
-        else _disaggregated(model, one, inclusion, mean_context, host, itl_slo_s)
+        else _disaggregated(model, one, inclusion, mean_context, host, itl_slo_s, variance)
     )
     if dep.replicas == 1 or pred.tokens_per_s <= 0:
         return pred
@@ -203,6 +212,7 @@ def _disaggregated(
     mean_context: float,
     host: HostOverhead,
     itl_slo_s: float | None = None,
+    variance: StepVariance = SOURCED,
 ) -> Prediction:
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     placed = dep.experts_on(model.num_expert_ids)
@@ -212,11 +222,11 @@ def _disaggregated(
         return MEMORY
     ctx = int(round(mean_context))
     if dep.mode == "pingpong":
-        return _pingpong(model, dep, q, ga, ge, placed, b, ctx, host)
+        return _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance)
     kv_requests = int(
         cm.kv_capacity_tokens(ga, model, cm.attention_rank_weight_bytes(model)) // max(mean_context, 1)
     )
-    return _aep(model, dep, q, ga, ge, placed, b, ctx, host, max(b, kv_requests), itl_slo_s)
+    return _aep(model, dep, q, ga, ge, placed, b, ctx, host, max(b, kv_requests), itl_slo_s, variance)
 
 
 def _doublings(start: int, stop: int):
@@ -232,7 +242,9 @@ def _doublings(start: int, stop: int):
 MAX_WAVES = 64
 
 
-def _aep(model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None) -> Prediction:
+def _aep(
+    model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None, variance=SOURCED
+) -> Prediction:
     """AEP's bound with its critical path (as ping-pong's): each attention GPU keeps W waves of w rows in flight
     (w ≤ the attention batch b, W · w ≤ the requests its KV holds). A wave's iteration is at least its critical
     path — per block its attention step, the transfer out, the hottest expert GPU's grouped step over the block's
@@ -241,33 +253,49 @@ def _aep(model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=Non
     the W waves' rows of a block as one grouped step (a busy expert GPU's queues gather them: bigger steps read
     each expert's weights once for more rows). ITL = the slowest of the three; throughput = A · W · w / ITL. The
     operating point is the least concurrency within 3 % of the most any (w, W) reaches (under `itl_slo_s`, of
-    those that meet it): more only lengthens ITL (Little's law)."""
+    those that meet it): more only lengthens ITL (Little's law).
+
+    With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown): rank r's requests
+    see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's W waves of work), the path waiting
+    at each block for the expected slowest of the expert GPUs its wave reached (jitter included); throughput is
+    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean."""
     blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
     link = ga.nvlink if A + dep.num_expert <= dep.gpus_per_node else ga.network
+    s_attn = variance.speeds(0, A)  # [A]
+    s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
+    slowest = float(s_attn.max())
     points = []
     for w in _doublings(1, b):
         t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
         t_head = cm.head_time(model, ga, w, host=host)
         t_move = cm.transfer_time(cm.hidden_bytes(model, w * k), link)
         one = _grouped_steps(model, ge, placed, q, A * w, dep.expert_cap, host)  # [blocks, expert GPUs]
-        path = blocks * (t_attn + 2 * t_move) + float(one.max(axis=1).sum()) + t_head
+        expert_path = float(np.sum(expected_max(one * s_exp, variance.jitter)))
         attn_busy = blocks * t_attn + t_head  # one wave's attention-GPU seconds per iteration
+        paths = blocks * 2 * t_move + expert_path + attn_busy * s_attn  # [A] each rank's wave's critical path
+        path = float(paths.max())
         for W in _doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
             merged = one if W == 1 else _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host)
-            per_gpu = merged.sum(axis=0)  # the W waves' expert seconds per iteration on each expert GPU
-            itl = max(path, W * attn_busy, float(per_gpu.max()))
+            # The W waves' expert seconds per iteration on each expert GPU, at its speed.
+            per_gpu = merged.sum(axis=0) * s_exp
+            experts = float(per_gpu.max())
+            itls = np.maximum(np.maximum(paths, W * attn_busy * s_attn), experts)  # [A]
             concurrency = A * W * w
-            side = {path: "critical path", W * attn_busy: "attention", float(per_gpu.max()): "experts"}[itl]
+            tps = float(np.sum(W * w / itls))
+            itl = concurrency / tps
+            worst = float(itls.max())  # the slowest rank's bottleneck names the point
+            side = {path: "critical path", W * attn_busy * slowest: "attention", experts: "experts"}[worst]
             points.append(
                 Prediction(
-                    tokens_per_s=concurrency / itl, itl_s=itl, concurrency=concurrency, bottleneck=side,
-                    attention_tokens_per_s=A * w / attn_busy, expert_tokens_per_s=concurrency / float(per_gpu.max()),
+                    tokens_per_s=tps, itl_s=itl, concurrency=concurrency, bottleneck=side,
+                    attention_tokens_per_s=float(np.sum(w / (attn_busy * s_attn))),
+                    expert_tokens_per_s=concurrency / experts,
                     expert_skew=float(per_gpu.max() / per_gpu.mean()),
                     extra={"waves": W, "wave_rows": w, "critical_path_s": path},
                 )
             )  # fmt: skip
-            if W * attn_busy >= max(path, float(per_gpu.max())):
-                break  # attention-bound: more waves only lengthen ITL
+            if W * attn_busy * float(s_attn.min()) >= max(path, experts):
+                break  # attention-bound on every rank: more waves only lengthen ITL
     # Under an ITL objective only the points that meet it (none: the best, which the planner then drops).
     points = [p for p in points if itl_slo_s is None or p.itl_s <= itl_slo_s] or points
     most = max(p.tokens_per_s for p in points)
@@ -304,10 +332,14 @@ def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.
     return steps * (gpu_s + fixed + (per_step @ where) * host.expert_row_s)
 
 
-def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
+def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
+    """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
+    micro-batch) and the expected slowest expert GPU."""
     m = max(1, dep.micro_batches)
     micro = max(1, b // m)
-    t_attn = cm.decode_attention_time(model, ga, micro, ctx, host)
+    s_attn = variance.speeds(0, dep.num_attn)
+    s_exp = variance.speeds(dep.num_attn, len(placed))
+    t_attn = expected_max(cm.decode_attention_time(model, ga, micro, ctx, host) * s_attn, variance.jitter)
     rows_in = dep.num_attn * micro  # one micro-batch of every attention GPU reaches the experts together
     link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
     t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
@@ -316,10 +348,10 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
         per_gpu = [
             cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es) for es in placed
         ]
-        t_exp = max(per_gpu)
-        skew.append(t_exp / (sum(per_gpu) / len(per_gpu)))
+        t_exp = expected_max(np.array(per_gpu) * s_exp, variance.jitter)
+        skew.append(max(per_gpu) / (sum(per_gpu) / len(per_gpu)))
         block_s += max(m * t_attn, m * t_exp, t_attn + t_exp) + 2 * t_move
-    iteration = block_s + cm.head_time(model, ga, b, host=host)
+    iteration = block_s + expected_max(cm.head_time(model, ga, b, host=host) * s_attn, variance.jitter)
     concurrency = dep.num_attn * micro * m
     tps = concurrency / iteration
     attn_bound = m * t_attn * model.num_blocks
@@ -331,8 +363,15 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
 
 
 def _ep(
-    model: ModelProfile, dep: Deployment, q: np.ndarray, mean_context: float, host: HostOverhead
+    model: ModelProfile,
+    dep: Deployment,
+    q: np.ndarray,
+    mean_context: float,
+    host: HostOverhead,
+    variance: StepVariance = SOURCED,
 ) -> Prediction:
+    """EP's bound; with step-time variance each block's two barriers (the dispatch after attention, the combine
+    after the experts) wait for the expected slowest device, and each iteration's head for the slowest too."""
     gpu, n = gpu_profile(dep.attn_gpu), dep.num_attn
     local = dep.experts_on(model.num_expert_ids)
     heaviest = max(cm.expert_rank_weight_bytes(model, es) for es in local)
@@ -342,17 +381,22 @@ def _ep(
         return MEMORY
     ctx = int(round(mean_context))
     a2a = 2 * all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
-    attn = cm.decode_attention_time(model, gpu, b, ctx, host)
+    speeds, jitter = variance.speeds(0, n), variance.jitter
+    attn_1 = cm.decode_attention_time(model, gpu, b, ctx, host)
+    attn = expected_max(attn_1 * speeds, jitter)
     tokens = n * b
-    iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
+    head = expected_max(cm.head_time(model, gpu, b, host=host) * speeds, jitter)
+    iteration, stall, skew = head, 0.0, []
+    stall += attn - attn_1 * float(speeds.mean())  # per block: the dispatch waits for the slowest attention
+    stall *= model.num_blocks
     pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
     for blk in range(model.num_blocks):
-        per_device = [
-            cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local
-        ]
-        slowest = max(per_device)
-        stall += slowest - sum(per_device) / len(per_device)
-        skew.append(slowest / (sum(per_device) / len(per_device)))
+        per_device = np.array(
+            [cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local]
+        )
+        slowest = expected_max(per_device * speeds, jitter)
+        stall += slowest - float((per_device * speeds).mean())
+        skew.append(float(per_device.max() / per_device.mean()))
         if dep.pipelined:  # the all-to-alls and experts as PN chunks (the barrier stall as computed above)
             rows = [[tokens * q[blk, e] for e in es] for es in local]
             iteration += attn + eps.ep_block_moe_time(model, gpu, host, rows, local, b, pn, dep.ep_kernel)

@@ -28,10 +28,13 @@ class KindStats:
 class EmulatedClock:
     """One emulated GPU's time: hold(seconds) blocks for seconds × time_scale of wall time."""
 
-    def __init__(self, time_scale: float = 1.0, spin_s: float = 0.0) -> None:
+    def __init__(self, time_scale: float = 1.0, spin_s: float = 0.0, speed: float = 1.0, jitter=None) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.time_scale = time_scale
+        # This GPU's step-time variance (amoe.emulation.variance): its fixed slowdown, and a callable giving each
+        # step's jitter factor (None: none).
+        self.speed, self.jitter = speed, jitter
         self.spin_s = spin_s  # wall seconds to busy-wait at the end of a hold; 0 on shared machines
         self._start = time.perf_counter()
         self._overshoot = 1e-4  # running estimate of time.sleep's lateness, seconds of wall time
@@ -45,10 +48,10 @@ class EmulatedClock:
         return (time.perf_counter() - self._start) / self.time_scale
 
     def hold(self, seconds: float, kind: str = "step", rows: int = 0) -> None:
-        """Block for `seconds` of emulated time (seconds × time_scale of wall time) and account it as busy."""
-        seconds = float(
-            seconds
-        )  # a numpy scalar from the cost model would reach the runtime report's encoder
+        """Block for `seconds` of emulated time (seconds × time_scale of wall time) and account it as busy;
+        `seconds` is the cost model's, which this GPU's speed and the step's jitter stretch or shrink."""
+        # float(): a numpy scalar from the cost model would reach the runtime report's encoder.
+        seconds = float(seconds) * self.speed * (self.jitter() if self.jitter is not None else 1.0)
         with self._lock:
             stats = self._kinds[kind]
             stats.steps += 1

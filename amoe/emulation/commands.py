@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 # amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
-PLAN_CHECK_PRESETS = ("ci", "depth", "full")
+PLAN_CHECK_PRESETS = ("ci", "depth", "full", "variance")
 OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
 
 
@@ -29,6 +29,12 @@ def add_bench_plan_check_command(sub: Any) -> None:
         "--fill", default="steady", choices=("steady", "poisson"),
         help="steady: the plan's requests at once, measured over ITLs (default); poisson: arrivals above its rate",
     )  # fmt: skip
+    p.add_argument(
+        "--time-scale", type=float, default=None,
+        help="the preset's time scale on the reference host (stretched by the host probe as usual); a larger one "
+        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays (docs/results.md)",
+    )  # fmt: skip
+    _step_variance(p)
     p.set_defaults(run=run_plan_check)
 
 
@@ -60,6 +66,7 @@ def add_bench_plan_table_command(sub: Any) -> None:
     p.add_argument(
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
+    _step_variance(p)
     p.set_defaults(run=run_plan_table)
 
 
@@ -86,14 +93,33 @@ def add_bench_policies_command(sub: Any) -> None:
     p.add_argument(
         "--loads", default="0.5,1.3", help="request rates as fractions of the bound's; must include 0.5"
     )
-    p.add_argument("--duration", type=float, default=2.0, help="emulated seconds of arrivals per point")
+    p.add_argument(
+        "--duration", type=float, default=4.0,
+        help="emulated seconds of arrivals per point (default 4: the overload point fills its ranks in ~2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="requests each rank holds (default: the planner's concurrency for the deployment; 0: no cap)",
+    )  # fmt: skip
     p.add_argument(
         "--time-scale", type=float, default=25.0, help="on the reference host; stretched by a probe"
     )
     p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
     p.add_argument("--out", default="docs/results/policies")
+    p.add_argument(
+        "--report", default=None, metavar="JSON", help="summarise a recorded policies.json again; run nothing"
+    )
+    _step_variance(p)
     p.set_defaults(run=run_policies)
+
+
+def _step_variance(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--step-variance", default="sourced", metavar="V",
+        help="the emulated GPUs' speed spread and step jitter, in the runs and the predictions: "
+        "sourced (default) | off | SPREAD[,jitter=J][,seed=N]",
+    )  # fmt: skip
 
 
 def run_policies(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTra
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.shapes import model_config_of, profile_of
+from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
 from amoe.model.logprobs import HeadSample
@@ -64,6 +65,7 @@ class Emulation:
         self.gpu = gpu_profile(executor.gpu)
         self.expert_gpu = gpu_profile(executor.expert_gpu or executor.gpu)  # what expert layers are timed on
         self.host = host_overhead(executor.host_overhead)
+        self.variance = StepVariance.parse(executor.step_variance)
         if executor.profile is not None:
             self.profile = model_profile(executor.profile, executor.top_k)
             runtime_cfg = model_config_of(self.profile)
@@ -86,8 +88,13 @@ class Emulation:
             num_shared=cfg.num_shared_experts,
         )  # fmt: skip
 
-    def clock(self) -> EmulatedClock:
-        return EmulatedClock(self.config.time_scale, self.spin_s)
+    def clock(self, device: int = 0, stream: int = 0) -> EmulatedClock:
+        """The clock of GPU `device` (its runtime id: the key of its speed and jitter draws, so every process
+        and the simulation agree on which GPU is slow); `stream`: one jitter sequence per clock of a device."""
+        v = self.variance
+        rng = v.jitter_rng(device, stream)
+        jitter = (lambda: float(v.draw(rng))) if v.jitter else None
+        return EmulatedClock(self.config.time_scale, self.spin_s, v.speed(device), jitter)
 
     def num_kv_blocks(self, block_size: int, local_experts: Sequence[int] = ()) -> int:
         """KV blocks an attention GPU holds beside the attention rank's weights and, in EP, the experts (ids) that
@@ -100,8 +107,9 @@ class Emulation:
             raise ConfigError(f"{self.profile.name}'s weights leave no room for KV on a {self.gpu.name}")
         return int(blocks)
 
-    def expert_executor(self) -> EmulatedExpertExecutor:
-        return EmulatedExpertExecutor(self, self.clock(), tiers=self.offload_tiers())
+    def expert_executor(self, device: int = 0) -> EmulatedExpertExecutor:
+        """Expert layers on GPU `device` (its runtime id)."""
+        return EmulatedExpertExecutor(self, self.clock(device, stream=1), tiers=self.offload_tiers())
 
     def offload_tiers(self) -> EmulatedTiers | None:
         """Device ← host ← SSD tiers for one expert runtime under the offload budget (None without one)."""
@@ -110,8 +118,9 @@ class Emulation:
         expert_bytes = self.profile.params_of(0) * self.profile.bytes_per_param
         return build_tiers(self.offload, self.profile, expert_bytes)
 
-    def attention(self) -> EmulatedAttention:
-        return EmulatedAttention(self, self.router(), self.clock())
+    def attention(self, device: int = 0) -> EmulatedAttention:
+        """Attention and head on GPU `device` (its runtime id; in EP the device's experts share its speed)."""
+        return EmulatedAttention(self, self.router(), self.clock(device))
 
 
 class EmulatedExpertExecutor:

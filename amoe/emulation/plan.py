@@ -26,6 +26,7 @@ from amoe.emulation import bounds
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GPUS, host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA, RoutingSpec
+from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
 
 ATTN_CAPS = (32, 64, 128, 256, 512, 1024)
@@ -61,6 +62,8 @@ class PlanRequest:
     model_dir: str | None = None  # plan for this checkpoint's config.json instead of a named profile
     # EP deployments with EPS-MoE's expert pipeline, PN and kernel chosen by `auto` (`amoe plan --eps`)
     eps: bool = False
+    # the GPUs' step-time variance the plans assume (amoe.emulation.variance): sourced | off | SPREAD[,...]
+    step_variance: str = "sourced"
 
 
 @dataclass(frozen=True)
@@ -186,10 +189,11 @@ def search(req: PlanRequest) -> list[Plan]:
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
     ctx = mean_context(req.workload)
     host = host_overhead(req.host)
+    variance = StepVariance.parse(req.step_variance)
     plans = []
     slo_s = req.itl_slo_ms / 1e3 if req.itl_slo_ms is not None else None
     for dep in candidates(req, model.num_expert_ids, inclusion):
-        pred = bounds.predict(model, dep, inclusion, ctx, host, slo_s)
+        pred = bounds.predict(model, dep, inclusion, ctx, host, slo_s, variance)
         if pred.tokens_per_s > 0 and _meets_slo(pred, req):
             plans.append(Plan(dep, pred, _cost(dep, pred, req)))
     _rank(plans, req)
@@ -200,7 +204,7 @@ def search(req: PlanRequest) -> list[Plan]:
     refined = []
     for plan in chosen:
         pred = refine(
-            model, plan.deployment, req.routing, ctx, host, plan.prediction, req.itl_slo_ms
+            model, plan.deployment, req.routing, ctx, host, plan.prediction, req.itl_slo_ms, variance=variance
         ).prediction
         if _meets_slo(pred, req):
             refined.append(Plan(plan.deployment, pred, _cost(plan.deployment, pred, req)))
@@ -262,17 +266,23 @@ def refine(
     pred: bounds.Prediction | None = None,
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
+    variance: StepVariance | None = None,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.emulation.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
     the most it simulates under the ITL objective; EP and ping-pong at their concurrency, in lock-step with each
     iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]. With
     `concurrency` (requests of one copy) the simulation runs there and nowhere else (`amoe bench plan-check`'s
-    full-depth points, which cannot afford the AEP plan's own concurrency on this host)."""
+    full-depth points, which cannot afford the AEP plan's own concurrency on this host). `variance`: the GPUs'
+    step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to)."""
     from amoe.emulation.simulate import simulate
+    from amoe.emulation.variance import SOURCED
 
+    variance = variance or SOURCED
     if pred is None:
-        pred = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+        pred = bounds.predict(
+            model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
+        )
     per_copy = concurrency or pred.concurrency // dep.replicas
     if pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
         return Plan(dep, pred, None)
@@ -285,11 +295,14 @@ def refine(
         # small the simulated ITL is several times that (3.4× on the full-depth check's AEP plan), and a window of
         # 8 bound ITLs would be 2 of the simulated ones: then again in rounds of the simulated ITL.
         itl = c / bound_tps
-        sim = simulate(model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl)
+        sim = simulate(
+            model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=variance
+        )
         if sim.itl_s > 1.5 * itl:
             sim = simulate(
-                model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s
-            )
+                model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
+                variance=variance,
+            )  # fmt: skip
         return sim
 
     sims = [run(per_copy)]
@@ -393,6 +406,8 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
             args += ["--executor-gpus-per-node", str(d.gpus_per_node)]
         if req.top_k is not None:
             args += ["--executor-top-k", str(req.top_k)]
+        if req.step_variance != "sourced":  # the emulated executor's default
+            args += ["--step-variance", req.step_variance]
     return " ".join(args)
 
 
@@ -464,6 +479,7 @@ def main(args) -> int:
         top_k=args.top_k, routing=args.routing, itl_slo_ms=args.itl_slo_ms, prices=parse_prices(args.price, gpus),
         gpus_per_node=args.gpus_per_node, modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
         simulate_per_mode=args.simulate_per_mode, model_dir=model_dir, eps=getattr(args, "eps", False),
+        step_variance=getattr(args, "step_variance", "sourced"),
     )  # fmt: skip
     if req.simulate_top < 0 or req.simulate_per_mode < 0:
         raise ConfigError(

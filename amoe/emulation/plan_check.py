@@ -40,6 +40,7 @@ from amoe.emulation import bounds
 from amoe.emulation.plan import Plan, PlanRequest, describe, mean_context, refine, serve_command
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
 
 logger = logging.getLogger("plan_check")
@@ -82,6 +83,8 @@ class CheckPreset:
     overload: float  # offered rate over the predicted one (--fill poisson)
     tolerance: float  # |measured / predicted - 1| allowed
     min_window_s: float = steady.MIN_WINDOW_WALL_S  # wall seconds a steady point is measured over, at least
+    # The emulated GPUs' step-time variance (amoe.emulation.variance), in the runs and in the prediction.
+    step_variance: str = "sourced"
 
 
 PRESETS = {
@@ -111,6 +114,18 @@ PRESETS = {
             _pingpong("h100", 2, 2, 3, 2, cap=64),
         ),
         blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
+    ),
+    # What step-time variance costs a barrier and a queue (docs/results.md "Step-time variance"): AEP 4 + 4 and EP 8
+    # on A100s, whose bounds without variance are equal at top-1 (same throughput and ITL) and 1.01 apart at top-2,
+    # run once with --step-variance sourced and once with off.
+    "variance": CheckPreset(
+        checks=(
+            _aep("a100-80g", 4, 4, 1),
+            _ep("a100-80g", 8, 1),
+            _aep("a100-80g", 4, 4, 2),
+            _ep("a100-80g", 8, 2),
+        ),
+        blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, ~35 s here.
     "ci": CheckPreset(
@@ -150,8 +165,9 @@ def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
     model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
     host = host_overhead("amoe-paper")
     return refine(
-        model, check.deployment, check.routing, mean_context(workload), host, concurrency=check.concurrency
-    )
+        model, check.deployment, check.routing, mean_context(workload), host, concurrency=check.concurrency,
+        variance=StepVariance.parse(p.step_variance),
+    )  # fmt: skip
 
 
 def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[str]:
@@ -161,6 +177,7 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
         {check.deployment.attn_gpu: 8},
         top_k=check.top_k,
         routing=check.routing,
+        step_variance=p.step_variance,
     )
     argv = serve_command(plan, req, emulated=True).split()[2:]
     return argv + [
@@ -267,6 +284,11 @@ def main(args) -> int:
         p = dataclasses.replace(SAMPLE, checks=sample_checks(args.seed))
     else:
         p = PRESETS[args.preset]
+    p = dataclasses.replace(p, step_variance=getattr(args, "step_variance", "sourced"))
+    if getattr(args, "time_scale", None) is not None:
+        if args.time_scale <= 0:
+            raise ConfigError(f"--time-scale must be positive; got {args.time_scale:g}")
+        p = dataclasses.replace(p, time_scale=args.time_scale)
     if args.only:
         modes = set(args.only.split(","))
         p = dataclasses.replace(p, checks=tuple(c for c in p.checks if c.deployment.mode in modes))
@@ -276,7 +298,7 @@ def main(args) -> int:
     rows, host = asyncio.run(run(p, max(1, args.repeats), args.fill))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
-        "preset": args.preset, "seed": args.seed, "fill": args.fill, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip

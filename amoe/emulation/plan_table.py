@@ -39,10 +39,16 @@ ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.
 PROFILE = "mixtral-8x7b-mqa"
 
 
-def cell(gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None) -> dict:
+def cell(
+    gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None,
+    step_variance: str = "sourced",
+) -> dict:  # fmt: skip
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
     planner's pick."""
-    plans = search(PlanRequest(profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms))
+    req = PlanRequest(
+        profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms, step_variance=step_variance
+    )
+    plans = search(req)
     # A mode's best simulated plan where the search simulated one: an unsimulated plan keeps its optimistic bound,
     # and under an ITL objective is what is left of a mode whose simulated plans all missed it (marked "bound only").
     best = best_per_mode(plans) | best_per_mode([p for p in plans if p.prediction.extra.get("simulated")])
@@ -96,6 +102,7 @@ class Measured:
     def __init__(self, path: Path, run: bool = True) -> None:
         self.path = path
         self.run = run  # False: report only what the file holds
+        self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.emulation.variance)
         self.points: dict[str, dict] = {}
         if path.exists():
             for line in path.read_text().splitlines():
@@ -104,8 +111,10 @@ class Measured:
                     self.points[entry["key"]] = entry["result"]
 
     @staticmethod
-    def key(profile: str, top_k: int, routing: str, plan: Plan) -> str:
-        return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}"
+    def key(profile: str, top_k: int, routing: str, plan: Plan, step_variance: str = "off") -> str:
+        # Points recorded before step-time variance existed ran without it: their keys have no suffix.
+        suffix = "" if step_variance == "off" else f" variance {step_variance}"
+        return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
 
     def put(self, key: str, result: dict) -> None:
         self.points[key] = result
@@ -146,10 +155,12 @@ async def measure_plan(
 ) -> dict | None:
     """One copy's plan run on the emulated runtime at full depth (plan_check's steady point), or its
     earlier run from `measured` (None: not measured, and `measured` runs nothing)."""
-    key = Measured.key(profile, top_k, routing, plan)
+    key = Measured.key(profile, top_k, routing, plan, measured.step_variance)
     if key not in measured.points and measured.run:
         blocks = bounds.full_depth(model_profile(profile)).num_blocks
-        preset = dataclasses.replace(plan_check.PRESETS["depth"], checks=(), blocks=blocks)
+        preset = dataclasses.replace(
+            plan_check.PRESETS["depth"], checks=(), blocks=blocks, step_variance=measured.step_variance
+        )
         check = plan_check.Check(profile, top_k, plan.deployment, plan.prediction.concurrency, routing)
         got = await plan_check.run_check(check, preset, base_scale, probe_s, repeats=1, plan=plan)
         measured.put(key, got)
@@ -294,6 +305,7 @@ def main(args) -> int:
         from amoe.bench import calibrate
 
         measured = Measured(out / "measured.jsonl", run=not args.report_measured)
+        measured.step_variance = args.step_variance
         measure = (*(calibrate.scaled(40.0) if measured.run else (40.0, 0.0)), measured)
     if args.figure10:
         for routing in routings:
@@ -304,7 +316,7 @@ def main(args) -> int:
     else:
         grid = itertools.product(
             args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
-            routings, [args.profile], [args.itl_slo_ms],
+            routings, [args.profile], [args.itl_slo_ms], [args.step_variance],
         )  # fmt: skip
         # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
@@ -329,7 +341,8 @@ def main(args) -> int:
         "profile": args.profile, "cells": len(rows), "picks": picks,
         "aep_fraction_of_bound": sorted(r["aep"]["fraction_of_bound"] for r in rows if "aep" in r),
         "aep_over_ep_of_bounds_min_max": [min(ratios), max(ratios)] if ratios else None,
-        "itl_slo_ms": args.itl_slo_ms, "wall_s": round(time.monotonic() - started, 1),
+        "itl_slo_ms": args.itl_slo_ms, "step_variance": args.step_variance,
+        "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
     if args.measure:
         done = [r for r in rows if "measured_pick" in r]

@@ -9,6 +9,13 @@ Reports per policy its throughput at its maximum (the overload point: what it su
 the load where the paper's Fig. 12 shows first-layer-first falling behind) and its ITL at half load (a rate every
 policy sustains), the median over --repeats runs (each with its own arrival and routing seed) and the runs'
 spread. Prints a table and one final JSON line; writes policies.json to --out.
+
+Each rank holds at most the requests the planner's prediction of this deployment runs at (`amoe.emulation.plan.refine`:
+the least concurrency within 3 % of the most it simulates); arrivals beyond wait in the coordinator's queue and
+replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
+its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
+draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
+arrivals").
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -23,7 +31,15 @@ from pathlib import Path
 
 from amoe.bench import calibrate
 from amoe.bench.compare import load_point
-from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens, serve_flags, upper_bound
+from amoe.bench.compare_setup import (
+    ROUTING,
+    Preset,
+    Setup,
+    mean_output_tokens,
+    profile_name,
+    serve_flags,
+    upper_bound,
+)
 from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
 
@@ -42,20 +58,49 @@ def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale
     )  # fmt: skip
 
 
-async def _policy_points(policy: str, p: Preset, seed: int) -> list[dict]:
+def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
+    """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
+    from amoe.emulation import bounds
+    from amoe.emulation.plan import mean_context, refine
+    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.emulation.variance import StepVariance
+
+    model = model_profile(profile_name(SETUP, p), SETUP.top_k)
+    dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
+    host, ctx = host_overhead("amoe-paper"), mean_context(SETUP.workload)
+    plan = refine(model, dep, ROUTING, ctx, host, variance=StepVariance.parse(step_variance))
+    return math.ceil(plan.prediction.concurrency / SETUP.attn)
+
+
+async def _policy_points(
+    policy: str, p: Preset, seed: int, step_variance: str = "sourced", seqs: int | None = None
+) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
-    server = ServerProcess(serve_flags(setup, p, seed))
+    extra = ["--step-variance", step_variance] + (["--cache-max-num-seqs", str(seqs)] if seqs else [])
+    server = ServerProcess(serve_flags(setup, p, seed) + extra)  # the later flag wins
     with server:
         return [
             await load_point(server, setup, p, seed, load * rate_ub, f"load {load:g}") for load in p.loads
         ]
 
 
+def _little(pt: dict) -> float | None:
+    """A point's throughput by Little's law: requests in flight over the mean ITL (tokens per emulated second).
+    The token counter moves in bursts as the coordinator's event loop gets to the runtimes' outputs, and on a busy
+    host a burst inside a short window read 166 k tokens/s where the bound is 86 k; the ITL histogram times every
+    token (as amoe.emulation.plan_table.little_rate reads the planner's points)."""
+    if not pt.get("itl_ms_mean") or not pt.get("running_mean"):
+        return None
+    return pt["running_mean"] / (pt["itl_ms_mean"] / 1e3)
+
+
 def _summary(points: list[dict], loads: tuple[float, ...]) -> dict:
     at = {pt["kind"]: pt for pt in points}
     half = at.get(f"load {HALF:g}")
+    little = [x for x in map(_little, points) if x is not None]
     return {
+        "throughput_little_max": round(max(little)) if little else None,
         "throughput_max": round(max(pt["throughput"] for pt in points)),
         "itl_ms_at_half_load": round(half["itl_ms_mean"], 2) if half and half["itl_ms_mean"] else None,
         "completed_at_max_load": at[f"load {max(loads):g}"]["completed"],
@@ -63,21 +108,38 @@ def _summary(points: list[dict], loads: tuple[float, ...]) -> dict:
     }
 
 
+def report(path: Path) -> dict:
+    """A recorded policies.json summarised again from its points (the summary of a run made before a reading was
+    added, e.g. Little's law): its summary with every policy's row recomputed."""
+    recorded = json.loads(Path(path).read_text())
+    loads = tuple(recorded["summary"]["loads"])
+    runs = {
+        policy: [{"seed": r["seed"], **_summary(r["points"], loads), "points": r["points"]} for r in rs]
+        for policy, rs in recorded["runs"].items()
+    }
+    return {**recorded["summary"], "policies": {policy: _median(r) for policy, r in runs.items()}}
+
+
 def main(args) -> int:
     """`amoe bench policies` (its flags: amoe.emulation.commands)."""
+    if getattr(args, "report", None):
+        print(json.dumps(report(args.report)))
+        return 0
     policies = args.policies.split(",")
     loads = tuple(float(x) for x in args.loads.split(","))
     if HALF not in loads:
         raise ConfigError(f"--loads must include {HALF:g} (the ITL at half load); got {args.loads!r}")
     scale, probe_s = calibrate.scaled(args.time_scale)
     p = _preset(args.blocks, loads, args.duration, scale)
+    seqs = max_seqs(p, args.step_variance) if args.max_num_seqs is None else args.max_num_seqs
+    logger.info("[policies] each rank holds at most %d requests", seqs)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.monotonic()
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
     for i in range(args.repeats):
         seed = args.seed + i
         for policy in policies:  # interleaved, so a change in the host's load falls on every policy alike
-            points = asyncio.run(_policy_points(policy, p, seed))
+            points = asyncio.run(_policy_points(policy, p, seed, args.step_variance, seqs or None))
             runs[policy].append({"seed": seed, **_summary(points, loads), "points": _slim(points)})
             logger.info(
                 "[policies] %s seed %d: %s",
@@ -87,28 +149,35 @@ def main(args) -> int:
             )
     rows = {policy: _median(r) for policy, r in runs.items()}
     summary = {
-        "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed,
+        "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed, "step_variance": args.step_variance,
+        "max_num_seqs_per_rank": seqs, "duration_s": args.duration,
         "time_scale": round(scale, 2), "probe_us": round(probe_s * 1e6, 1), "policies": rows,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "policies.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
-    print(f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'ITL ms at half':>15} {'spread':>7}")
+    print(
+        f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'by Little':>10} {'spread':>7} {'ITL ms at half':>15} {'spread':>7}"
+    )
     for policy, r in rows.items():
         print(
-            f"{policy:<8} {r['throughput_max']:>13} {r['throughput_spread']:>7} {r['itl_ms_at_half_load']!s:>15} "
-            f"{r['itl_spread']!s:>7}"
+            f"{policy:<8} {r['throughput_max']:>13} {r['throughput_spread']:>7} {r['throughput_little_max']!s:>10} "
+            f"{r['throughput_little_spread']!s:>7} {r['itl_ms_at_half_load']!s:>15} {r['itl_spread']!s:>7}"
         )
     print(json.dumps(summary))
     return 0
 
 
 def _median(runs: list[dict]) -> dict:
+    little = [r["throughput_little_max"] for r in runs if r.get("throughput_little_max")]
+    med_little = statistics.median(little) if little else None
     tps = [r["throughput_max"] for r in runs]
     itl = [r["itl_ms_at_half_load"] for r in runs if r["itl_ms_at_half_load"]]
     med_tps, med_itl = statistics.median(tps), statistics.median(itl) if itl else None
     return {
+        "throughput_little_max": round(med_little) if med_little else None, "throughput_little_runs": little,
+        "throughput_little_spread": round((max(little) - min(little)) / med_little, 3) if med_little else None,
         "throughput_max": round(med_tps), "throughput_runs": tps,
         "throughput_spread": round((max(tps) - min(tps)) / med_tps, 3) if med_tps else None,
         "itl_ms_at_half_load": round(med_itl, 2) if med_itl else None, "itl_runs": itl,

@@ -25,6 +25,10 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
   reply is back. The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
   hot expert GPU holding the next micro-batch, m heads) are in.
+
+Step-time variance (amoe.emulation.variance, sourced by default): every step of GPU i (attention GPUs first, then
+expert GPUs; EP: device i) takes the cost model's time × its fixed speed × a jitter drawn per step, as the emulated
+executor holds it; the barriers of EP and ping-pong wait for the slowest device's step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from amoe.emulation import bounds, eps
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
+from amoe.emulation.variance import SOURCED, StepVariance
 
 
 @dataclass(frozen=True)
@@ -68,18 +73,45 @@ def simulate(
     warmup_s: float = 0.1,
     scheduler: SchedulerSection | None = None,
     seed: int = 0,
+    variance: StepVariance = SOURCED,
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
-    for `duration_s` emulated seconds after `warmup_s`."""
+    for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring)."""
+    steps = _Steps(variance, dep.num_attn + dep.num_expert)
     if dep.mode == "ep":
-        return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+        return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps)
     if dep.mode == "pingpong":
-        return _simulate_pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+        return _simulate_pingpong(
+            model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps
+        )
     if dep.mode != "aep":
         raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
     return _Aep(
-        model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed
+        model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps
     ).run(warmup_s, duration_s)
+
+
+class _Steps:
+    """Step-time variance of the simulated GPUs: `time(device, t)` is a step's time on GPU `device` (its runtime
+    id), `times(devices, t)` one step on each of several at once (a barrier's max is then theirs)."""
+
+    def __init__(self, variance: StepVariance, num_devices: int) -> None:
+        self.variance = variance
+        self.speed = variance.speeds(0, num_devices)  # [devices]
+        # One jitter stream for the whole simulation (each runtime has its own): the draws are alike in law.
+        self.rng = variance.jitter_rng(num_devices)
+
+    def time(self, device: int, t: float) -> float:
+        if self.variance.is_off:
+            return t
+        return t * self.speed[device] * float(self.variance.draw(self.rng))
+
+    def times(self, first: int, t) -> np.ndarray:
+        t = np.asarray(t, dtype=float)
+        if self.variance.is_off:
+            return t
+        count = t.shape[-1]
+        return t * self.speed[first : first + count] * self.variance.draw(self.rng, t.shape)
 
 
 def _router(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
@@ -91,11 +123,12 @@ def _router(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
 
 class _Aep:
     def __init__(
-        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int
+        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int, steps: _Steps
     ) -> None:
         from amoe import core
 
         self.model, self.dep, self.host, self.ctx = model, dep, host, int(round(ctx))
+        self.steps = steps
         self.ga, self.ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
         self.router = _router(model, routing, seed)
         self.blocks, self.k = model.num_blocks, model.experts_per_token
@@ -194,6 +227,7 @@ class _Aep:
                 t = cm.head_time(self.model, self.ga, n, n, self.host)
             else:
                 t = cm.decode_attention_time(self.model, self.ga, n, self.ctx, self.host)
+            t = self.steps.time(i, t)
             self._count("attn", n, t)
             self._at(self.now + t, self._attn_done, i, block, rows)
         else:
@@ -207,6 +241,7 @@ class _Aep:
                     sched.add(block, c, -n)
             experts = [self.placed[i][c] for c, _ in taken]
             t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
+            t = self.steps.time(self.dep.num_attn + i, t)
             parts = np.concatenate([p for _, p in taken])
             self._count("exp", len(parts), t)
             self._at(self.now + t, self._exp_done, i, block, parts)
@@ -275,7 +310,7 @@ class _Aep:
 
 def _simulate_ep(
     model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
-    seed: int,
+    seed: int, steps: _Steps,
 ) -> Simulated:  # fmt: skip
     """EP iterations with this iteration's routing: the barrier waits for the slowest device's grouped GEMM."""
     gpu: GpuProfile = gpu_profile(dep.attn_gpu)
@@ -295,18 +330,22 @@ def _simulate_ep(
     pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
     elapsed, iterations, position = 0.0, 0, 0
     while elapsed < duration_s or iterations < 8:
-        iteration = head
+        iteration = float(steps.times(0, np.full(n, head)).max())
         for blk in range(model.num_blocks):
             ids, _ = router.route(
                 blk, tokens, request_ids=rid, positions=np.full(tokens, position), now_s=elapsed
             )
             counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
+            # Two barriers a block (dispatch, combine): each waits for this step's slowest device.
+            attn_wait = float(steps.times(0, np.full(n, attn)).max())
             if dep.pipelined:  # EPS-MoE's chunks (amoe.emulation.eps), the runtime's PN and kernel choice
                 rows = [counts[es].tolist() for es in local]
-                iteration += attn + eps.ep_block_moe_time(model, gpu, host, rows, local, b, pn, dep.ep_kernel)
+                iteration += attn_wait + eps.ep_block_moe_time(
+                    model, gpu, host, rows, local, b, pn, dep.ep_kernel
+                )
                 continue
-            slowest = max(cm.grouped_expert_time(model, gpu, counts[es].tolist(), host, es) for es in local)
-            iteration += attn + a2a + slowest
+            per_device = [cm.grouped_expert_time(model, gpu, counts[es].tolist(), host, es) for es in local]
+            iteration += attn_wait + a2a + float(steps.times(0, per_device).max())
         elapsed += iteration
         iterations += 1
         position += 1
@@ -324,10 +363,11 @@ def _simulate_ep(
 
 def _simulate_pingpong(
     model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
-    seed: int,
+    seed: int, steps: _Steps,
 ) -> Simulated:  # fmt: skip
     """Ping-pong iterations in lock-step (module docstring): the attention GPUs are alike (same batch), so one
-    timeline stands for them; each expert GPU has its own."""
+    timeline stands for them, each step as long as this step's slowest of them (the experts wait for every attention
+    GPU's micro-batch); each expert GPU has its own."""
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
@@ -342,12 +382,16 @@ def _simulate_pingpong(
     rid = np.arange(rows * m).reshape(m, rows)
     now, iterations, position = 0.0, 0, 0
     exp_busy, attn_busy = 0.0, 0.0
+
+    def attn_step(t: float) -> float:  # the slowest attention GPU's this step
+        return float(steps.times(0, np.full(A, t)).max())
+
     while now < duration_s or iterations < 8:
         a_free = now + begin
         e_free = [a_free] * len(placed)
         sent = []  # when micro-batch i's dispatch reaches the expert GPUs
         for _ in range(m):
-            a_free += attn
+            a_free += attn_step(attn)
             sent.append(a_free + move)
         for blk in range(L):
             back = []
@@ -358,14 +402,14 @@ def _simulate_pingpong(
                 counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
                 done = 0.0
                 for g, es in enumerate(placed):
-                    step = cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es)
+                    step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
                     e_free[g] = max(e_free[g], sent[i]) + step
                     exp_busy += step
                     done = max(done, e_free[g])
                 back.append(done + move)
             step = attn if blk < L - 1 else head
             for i in range(m):
-                a_free = max(a_free, back[i]) + step
+                a_free = max(a_free, back[i]) + attn_step(step)
                 sent[i] = a_free + move
         attn_busy += m * (L * attn + head)  # block 0 .. L-1 attention and the heads
         now = a_free

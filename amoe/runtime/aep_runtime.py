@@ -42,6 +42,7 @@ class Runtime:
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
                 top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
                 track_requests=self.role == "attention",
+                time_scale=self.config.executor.time_scale if self.emulation is not None else 1.0,
             ),
             self.comm,
         )  # fmt: skip
@@ -54,7 +55,7 @@ class Runtime:
             self.attention = None
             experts = self.placement.experts_of(self.id)
             executor = build.expert_executor(
-                self.config, spec.model_dir, cfg, experts, self.emulation, self.device
+                self.config, spec.model_dir, cfg, experts, self.emulation, self.device, runtime=self.id
             )
         self.executor = executor
         self.reporter = RuntimeReporter(self.id, self.engine, executor, self.comm)  # times each layer

@@ -167,7 +167,7 @@ def attention_executor(
         computes_logits=em is None,
     )
     if em is not None:
-        return AttentionExecutor(requests, em.attention(), cfg)
+        return AttentionExecutor(requests, em.attention(runtime), cfg)
     from amoe.offload.wiring import Offload
 
     rank = runtime if runtime < config.parallel.attn_ranks else 0
@@ -185,10 +185,12 @@ def expert_executor(
     experts: list[int],
     em: Emulation | None,
     dev: Device = devices.CPU,
+    runtime: int = 0,
 ):
-    """The executor of this runtime's experts (every block of each), their weights on `dev`."""
+    """The executor of this runtime's experts (every block of each), their weights on `dev`; emulated, on the GPU
+    of runtime `runtime`."""
     if em is not None:
-        return em.expert_executor()
+        return em.expert_executor(runtime)
     from amoe.model.layers import build_expert_layers
     from amoe.offload.wiring import Offload
 

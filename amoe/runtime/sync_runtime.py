@@ -54,7 +54,7 @@ class SyncRuntime:
         rank = place.attn_rank_of(self.id)
         attention = experts = None
         if hosted:  # first: in EP the KV cache gets what the experts leave of the device's memory
-            experts = build.expert_executor(self.config, model_dir, cfg, hosted, em, self.gpu)
+            experts = build.expert_executor(self.config, model_dir, cfg, hosted, em, self.gpu, self.id)
         if rank is not None:
             local = hosted if self.mode == "ep" else []  # EP: the experts share the GPU's memory
             attention = build.attention_executor(

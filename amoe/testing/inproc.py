@@ -64,6 +64,7 @@ class InProcessCluster:
             ecfg = core.engine_config(
                 runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
                 top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=scheduler, track_requests=True,
+                time_scale=emulation.config.time_scale if emulation is not None else 1.0,
             )  # fmt: skip
             engine = core.Engine(ecfg, hub.communicator(runtime))
             if ecfg.is_attention:
@@ -73,13 +74,13 @@ class InProcessCluster:
                     grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
                 )  # fmt: skip
                 if emulation is not None:
-                    compute = emulation.attention()
+                    compute = emulation.attention(runtime)
                 else:
                     model = build_attention_rank(model_dir, cfg, dtype)
                     compute = TorchAttention(model, cfg, num_kv_blocks, block_size)
                 executor = AttentionExecutor(requests, compute, cfg)
             elif emulation is not None:
-                executor = emulation.expert_executor()
+                executor = emulation.expert_executor(runtime)
             elif (
                 offload is not None and offload.budget is not None
             ):  # config.OffloadSection: a store per runtime

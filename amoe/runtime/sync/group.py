@@ -82,12 +82,12 @@ class SyncCluster:
         return SyncDevice(
             rank, self.model_config, place.expert_runtime, attn_devices=place.attn_runtime,
             expert_devices=place.hosts,
-            attention=self._attention_executor() if attn_rank is not None else None,
-            experts=self._expert_executor(hosted) if hosted else None,
+            attention=self._attention_executor(rank) if attn_rank is not None else None,
+            experts=self._expert_executor(hosted, rank) if hosted else None,
             attn_rank=attn_rank or 0, max_batch_rows=max_batch_rows,
         )  # fmt: skip
 
-    def _attention_executor(self) -> AttentionExecutor:
+    def _attention_executor(self, rank: int) -> AttentionExecutor:
         cfg = self.model_config
         requests = RankRequests(
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=self.num_kv_blocks,
@@ -96,15 +96,15 @@ class SyncCluster:
             grammars=Grammars.for_model(self.model_dir, cfg.vocab_size, cfg.stop_token_ids),
         )  # fmt: skip
         if self.emulation is not None:
-            return AttentionExecutor(requests, self.emulation.attention(), cfg)
+            return AttentionExecutor(requests, self.emulation.attention(rank), cfg)
         model = build_attention_rank(self.model_dir, cfg, self.dtype)
         return AttentionExecutor(
             requests, TorchAttention(model, cfg, self.num_kv_blocks, self.block_size), cfg
         )
 
-    def _expert_executor(self, hosted: list[int]):
+    def _expert_executor(self, hosted: list[int], rank: int):
         if self.emulation is not None:
-            return self.emulation.expert_executor()
+            return self.emulation.expert_executor(rank)
         return ExpertExecutor(build_expert_layers(self.model_dir, self.model_config, hosted, self.dtype))
 
     @property

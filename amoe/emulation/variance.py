@@ -1,0 +1,140 @@
+"""Step-time variance of emulated GPUs (issue 32): identical GPUs do not run at one speed, and one GPU's steps do not
+all take the same time. Both are drawn, seeded, from public measurements (docs/emulation.md "Step-time variance"):
+
+* **Speed spread across GPUs.** Sinha et al., "Not All GPUs Are Created Equal: Characterizing Variability in
+  Large-Scale, Accelerator-Rich Systems", SC'22 (arXiv 2208.11035v3, abstract): over 18,800 hours on >90 % of the
+  GPUs of five clusters, "8 % (max 22 %) average performance variation" between GPUs of one architecture and SKU,
+  "with outliers up to 1.5X slower than the median GPU". Each emulated GPU gets a fixed slowdown drawn uniformly
+  from [1 − spread / 2, 1 + spread / 2] (the median GPU at 1: the cost model's calibrated one), so the fastest and
+  slowest of many GPUs differ by `spread` = 0.08. The outliers are not drawn: the abstract gives no frequency.
+* **Jitter per step.** DeepEP issue #208 (github.com/deepseek-ai/DeepEP/issues/208: test_low_latency on 8 ranks,
+  dispatch + combine): each rank's mean is 923–925 µs and its extremes over the test's repetitions lie 2.5–8.8 %
+  from that mean (rank 20: 842–981 µs around 923 µs), median 4.05 % over the 8 ranks. Each step's time is
+  multiplied by 1 + U(−jitter, jitter), `jitter` = 0.04, independently per step and GPU.
+
+Both keep the mean (a GPU's busy time over many steps is its speed × the cost model's); what they change is who
+waits. A barrier (EP's all-to-alls, ping-pong's lock-step) waits for the slowest device of every step, a queue (AEP)
+does not: `expected_max` is what the bounds charge a barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from amoe.errors import ConfigError
+
+# Sinha et al., SC'22 (arXiv 2208.11035v3): the range of speeds across identical GPUs, as a fraction of the median.
+SOURCED_SPREAD = 0.08
+# DeepEP issue #208: the median over 8 ranks of a step's largest deviation from its rank's mean, as a fraction.
+SOURCED_JITTER = 0.04
+_SALT = 0x5EED_0032  # keeps these draws apart from the routing override's, which use the same seed
+
+
+@dataclass(frozen=True)
+class StepVariance:
+    """Per-GPU speed spread and per-step jitter (fractions; 0 and 0: none), and the seed of their draws."""
+
+    spread: float = 0.0
+    jitter: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.spread < 2.0:
+            raise ConfigError(f"--step-variance: the speed spread must be in [0, 2); got {self.spread:g}")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ConfigError(f"--step-variance: the jitter must be in [0, 1); got {self.jitter:g}")
+
+    @classmethod
+    def parse(cls, text: str) -> StepVariance:
+        """`sourced` | `off` | `SPREAD`, then optional `,jitter=J` and `,seed=N`: e.g. `sourced`, `0.2`,
+        `0.08,jitter=0,seed=3`. A bare SPREAD keeps the sourced jitter."""
+        head, *options = [part.strip() for part in str(text).split(",")]
+        if head == "sourced":
+            spread, jitter = SOURCED_SPREAD, SOURCED_JITTER
+        elif head == "off":
+            spread, jitter = 0.0, 0.0
+        else:
+            spread, jitter = _fraction(head, text), SOURCED_JITTER
+        seed = 0
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "jitter":
+                jitter = _fraction(value, text)
+            elif key == "seed":
+                try:
+                    seed = int(value)
+                except ValueError:
+                    raise ConfigError(f"--step-variance: seed must be an integer; got {value!r}") from None
+            else:
+                raise ConfigError(
+                    f"--step-variance takes sourced | off | SPREAD[,jitter=J][,seed=N]; got {text!r}"
+                )
+        return cls(spread, jitter, seed)
+
+    @property
+    def is_off(self) -> bool:
+        return self.spread == 0.0 and self.jitter == 0.0
+
+    def speed(self, device: int) -> float:
+        """Device `device`'s fixed slowdown (step time over the cost model's): the same for every process and
+        every model of one deployment (keyed by seed and device id: runtime id, attention GPUs first)."""
+        if self.spread == 0.0:
+            return 1.0
+        rng = np.random.default_rng([_SALT, self.seed, device])
+        return float(rng.uniform(1.0 - self.spread / 2, 1.0 + self.spread / 2))
+
+    def speeds(self, first: int, count: int) -> np.ndarray:
+        """[count] slowdowns of devices first .. first + count − 1."""
+        return np.array([self.speed(first + i) for i in range(count)])
+
+    def jitter_rng(self, device: int, stream: int = 0) -> np.random.Generator:
+        """The generator of one device's step jitter (`stream`: one per clock of the device)."""
+        return np.random.default_rng([_SALT, self.seed, device, 1 + stream])
+
+    def draw(self, rng: np.random.Generator, size: int | None = None):
+        """Jitter factor(s) 1 + U(−jitter, jitter)."""
+        if self.jitter == 0.0:
+            return 1.0 if size is None else np.ones(size)
+        return 1.0 + rng.uniform(-self.jitter, self.jitter, size)
+
+    def describe(self) -> str:
+        return "off" if self.is_off else f"spread {self.spread:g}, jitter ±{self.jitter:g}, seed {self.seed}"
+
+
+OFF = StepVariance()
+SOURCED = StepVariance(SOURCED_SPREAD, SOURCED_JITTER)
+
+
+def _fraction(value: str, text: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            f"--step-variance takes sourced | off | SPREAD[,jitter=J][,seed=N]; got {text!r}"
+        ) from None
+
+
+# Points of the grid `expected_max` integrates over: the error of the trapezoid rule on a piecewise-polynomial CDF is
+# far below the cost model's precision at this size.
+_GRID = 512
+
+
+def expected_max(scales, jitter: float) -> np.ndarray | float:
+    """E[max_i scales_i · (1 + U_i)], U_i ~ U(−jitter, jitter) independent: what a barrier over devices whose
+    steps take `scales` (each already × its device's speed) waits on average. `scales` [..., devices]: the max is
+    over the last axis (one value per leading index)."""
+    a = np.asarray(scales, dtype=float)
+    if jitter == 0.0 or a.shape[-1] == 0:
+        return a.max(axis=-1) if a.shape[-1] else np.zeros(a.shape[:-1])
+    lo = (a * (1 - jitter)).max(axis=-1, keepdims=True)  # the max is never below the largest lower end
+    hi = (a * (1 + jitter)).max(axis=-1, keepdims=True)
+    x = lo + (hi - lo) * np.linspace(0.0, 1.0, _GRID)  # [..., grid]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # P(a_i (1 + U_i) <= x) for every device, over the grid: [..., devices, grid]
+        u = (x[..., None, :] / a[..., :, None] - 1.0 + jitter) / (2 * jitter)
+    cdf = np.where(a[..., :, None] > 0, np.clip(u, 0.0, 1.0), 1.0).prod(axis=-2)  # [..., grid]
+    tail = np.trapezoid(1.0 - cdf, x, axis=-1)
+    out = lo[..., 0] + tail
+    return float(out) if out.ndim == 0 else out

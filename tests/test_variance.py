@@ -1,0 +1,130 @@
+"""Step-time variance of emulated GPUs (amoe.emulation.variance): the flag, the seeded draws every process agrees on,
+the clock that applies them, and what a barrier pays for them in the bounds and the simulation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from amoe import core
+from amoe.config import AmoeConfig, ExecutorSection, config_from_args
+from amoe.emulation import bounds as B
+from amoe.emulation import check_executor
+from amoe.emulation.clock import EmulatedClock
+from amoe.emulation.executor import Emulation
+from amoe.emulation.plan import mean_context
+from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.simulate import simulate
+from amoe.emulation.variance import (
+    OFF,
+    SOURCED,
+    SOURCED_JITTER,
+    SOURCED_SPREAD,
+    StepVariance,
+    expected_max,
+)
+from amoe.errors import ConfigError
+from amoe.placement import Placement
+
+CTX, HOST = mean_context("short"), host_overhead("amoe-paper")
+
+
+def test_the_flag_parses_and_refuses_bad_values_by_name():
+    assert StepVariance.parse("sourced") == SOURCED == StepVariance(SOURCED_SPREAD, SOURCED_JITTER)
+    assert StepVariance.parse("off").is_off
+    assert StepVariance.parse("0.2") == StepVariance(0.2, SOURCED_JITTER)
+    assert StepVariance.parse("0.08,jitter=0,seed=3") == StepVariance(0.08, 0.0, 3)
+    for bad in ("fast", "0.1,speed=2", "-0.1", "0.1,jitter=1.5", "sourced,seed=x"):
+        with pytest.raises(ConfigError, match="step-variance"):
+            StepVariance.parse(bad)
+    # The serving flag reaches the executor section, and a bad value is refused before anything starts.
+    from amoe.cli import build_parser
+
+    argv = ["serve", "--executor", "emulated", "--step-variance", "off"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.executor.step_variance == "off"
+    assert AmoeConfig().executor.step_variance == "sourced"
+    with pytest.raises(ConfigError, match="step-variance"):
+        check_executor(ExecutorSection(kind="emulated", profile="mixtral-8x7b-mqa:2", step_variance="x"))
+
+
+def test_each_gpu_has_a_seeded_speed_within_the_sourced_range():
+    speeds = SOURCED.speeds(0, 4000)
+    assert speeds.min() >= 1 - SOURCED_SPREAD / 2 and speeds.max() <= 1 + SOURCED_SPREAD / 2
+    assert speeds.max() - speeds.min() > 0.95 * SOURCED_SPREAD  # many GPUs span the measured range
+    assert speeds.mean() == pytest.approx(1.0, abs=2e-3)  # the cost model's GPU is the median one
+    # Keyed by (seed, device): the same in every process, different for another seed.
+    np.testing.assert_array_equal(speeds[:8], StepVariance(SOURCED_SPREAD, SOURCED_JITTER).speeds(0, 8))
+    assert not np.array_equal(speeds[:8], StepVariance(SOURCED_SPREAD, SOURCED_JITTER, seed=1).speeds(0, 8))
+    assert OFF.speeds(0, 3).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_expected_max_is_the_mean_of_the_slowest():
+    rng = np.random.default_rng(0)
+    scales = np.array([1.0, 1.02, 0.97, 1.0, 1.01])
+    draws = (scales * (1 + rng.uniform(-0.04, 0.04, (200_000, 5)))).max(axis=1).mean()
+    assert expected_max(scales, 0.04) == pytest.approx(draws, rel=1e-3)
+    # n alike devices: 1 + j (n − 1) / (n + 1), the mean of the largest of n uniforms.
+    assert expected_max(np.ones(8), 0.04) == pytest.approx(1 + 0.04 * 7 / 9, rel=1e-4)
+    assert expected_max(scales, 0.0) == scales.max()
+    np.testing.assert_allclose(expected_max(np.array([[1.0, 0.0], [2.0, 3.0]]), 0.0), [1.0, 3.0])
+
+
+def test_the_emulated_clock_holds_each_gpu_at_its_speed():
+    em = Emulation(
+        ExecutorSection(kind="emulated", profile="mixtral-8x7b-mqa:2", routing="uniform", time_scale=1e-3)
+    )
+    slow = int(np.argmax(SOURCED.speeds(0, 4)))
+    clock = em.clock(slow)
+    for _ in range(200):
+        clock.hold(1e-3, "expert", 1)
+    busy = clock.stats()["busy_s"]
+    # Jitter keeps the mean: 200 steps of ±4 % leave the busy time within ~1 % of the GPU's speed × the cost.
+    assert busy == pytest.approx(0.2 * SOURCED.speed(slow), rel=0.01)
+    assert len({round(em.clock(d).speed, 9) for d in range(4)}) == 4
+    off = Emulation(
+        ExecutorSection(
+            kind="emulated",
+            profile="mixtral-8x7b-mqa:2",
+            routing="uniform",
+            time_scale=1e-3,
+            step_variance="off",
+        )
+    )
+    plain = off.clock(slow)
+    plain.hold(1e-3)
+    assert plain.stats()["busy_s"] == 1e-3
+    assert EmulatedClock(1e-3, speed=1.5).speed == 1.5
+
+
+def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
+    """EP waits at two barriers a block for the slowest device; AEP's attention GPUs each go at their own speed.
+    On an attention-bound AEP plan variance costs AEP nothing, on EP it costs every block."""
+    model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
+    q = B.routing_inclusion(model, "skew-exp:0.08")
+    ep = B.Deployment("ep", "h100", 8, attn_cap=256)
+    aep = B.Deployment("aep", "h100", 4, "h100", 4)
+    loss = {}
+    for dep in (ep, aep):
+        off, on = (B.predict(model, dep, q, CTX, HOST, variance=v).tokens_per_s for v in (OFF, SOURCED))
+        loss[dep.mode] = 1 - on / off
+    assert 0.02 < loss["ep"] < 0.06
+    assert abs(loss["aep"]) < 0.01
+    # The simulation pays it too: EP's iterations wait for this step's slowest device.
+    small = model_profile("mixtral-8x7b-mqa:4", 1)
+    ep2 = B.Deployment("ep", "h100", 4, attn_cap=64)
+    off, on = (
+        simulate(small, ep2, "uniform", CTX, HOST, 256, variance=v).tokens_per_s for v in (OFF, SOURCED)
+    )
+    assert 0.01 < 1 - on / off < 0.08
+
+
+def test_the_wave_hold_guard_is_emulated_time():
+    place = Placement.disaggregated(1, 1, 2)
+    shape = dict(num_blocks=2, num_experts=2, top_k=1, hidden=8)
+    assert core.engine_config(0, place, **shape).max_wave_hold_s == core.MAX_WAVE_HOLD_S
+    scaled = core.engine_config(0, place, **shape, time_scale=40.0)
+    assert scaled.max_wave_hold_s == pytest.approx(40.0 * core.MAX_WAVE_HOLD_S)
+    scaled.max_wave_hold_s = 0.0
+    with pytest.raises(ValueError, match="scheduling settings"):
+        scaled.validate()
