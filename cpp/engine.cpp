@@ -14,7 +14,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-
 at::Tensor index_rows(const at::Tensor& data, const std::vector<int64_t>& rows) {
   const int64_t n = static_cast<int64_t>(rows.size());
   bool identity = n == data.size(0);
@@ -174,11 +173,12 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
     const auto deadline =
         t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
     constexpr auto kNever = Clock::time_point::max();
-    // The wave policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob: in
-    // steady state the wave is back within one round trip (milliseconds); only a lost row (resent after the
-    // transport's timeout) or a failed expert batch keeps a part out, and the hold must not wait for those.
-    const auto max_hold = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(cfg_.max_wave_hold_s));
+    // The wave policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob:
+    // in steady state the wave is back within one round trip (milliseconds); only a lost row (resent after
+    // the transport's timeout) or a failed expert batch keeps a part out, and the hold must not wait for
+    // those.
+    const auto max_hold =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg_.max_wave_hold_s));
     auto hold_until = kNever;
     while (!stopping_.load()) {
       const auto now = Clock::now();

@@ -41,9 +41,9 @@ struct EngineConfig {
   // step (each expert up to expert_cap rows), as EP and ping-pong run a device's experts; 0: the picked queue
   // only. -1: unset.
   int group_experts = -1;
-  // The longest a wave-policy runtime holds for a returning wave, in wall seconds (a guard, not a tuning knob:
-  // engine.cpp). amoe.core.engine_config scales it by an emulated executor's time scale, so the guard is the
-  // same emulated time whatever the scale.
+  // The longest a wave-policy runtime holds for a returning wave, in wall seconds (a guard, not a tuning
+  // knob: engine.cpp). amoe.core.engine_config scales it by an emulated executor's time scale, so the guard
+  // is the same emulated time whatever the scale.
   double max_wave_hold_s = 1.0;
   // An attention runtime that tracks its requests accepts rows only of requests that entered here
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
