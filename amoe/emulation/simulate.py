@@ -71,12 +71,24 @@ def simulate(
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
     for `duration_s` emulated seconds after `warmup_s`."""
+    from amoe.emulation import simulate_scale as scale
+
+    if dep.mode not in ("aep", "ep", "pingpong"):
+        raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
+    # 16-256 GPUs, 100 k requests: counts, not tokens (issue 35).
+    at_scale = not scale.is_exact(dep, concurrency)
     if dep.mode == "ep":
+        if at_scale or dep.redundant_experts or dep.two_batch_overlap:
+            return scale.ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
         return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
     if dep.mode == "pingpong":
+        if at_scale:
+            return scale.pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
         return _simulate_pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
-    if dep.mode != "aep":
-        raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
+    if at_scale:
+        return scale.aep_waves(
+            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed
+        )
     return _Aep(
         model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed
     ).run(warmup_s, duration_s)
@@ -289,7 +301,7 @@ def _simulate_ep(
         where[experts] = d
     c = int(round(ctx))
     attn = cm.decode_attention_time(model, gpu, b, c, host)
-    a2a = 2 * bounds.all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
+    a2a = bounds.ep_exchange_time(model, gpu, b, dep)
     head = cm.head_time(model, gpu, b, b, host)
     rid = np.arange(tokens)
     elapsed, iterations, position = 0.0, 0, 0
