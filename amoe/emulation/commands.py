@@ -77,6 +77,21 @@ def add_bench_plan_scale_command(sub: Any) -> None:
     p.set_defaults(run=run_plan_scale)
 
 
+def add_bench_frontier_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "frontier",
+        help="the model's predictions of published DeepSeek-V3 deployments (EP72-EP144), out of sample",
+    )
+    p.add_argument("--out", default="docs/results/frontier")
+    p.set_defaults(run=run_frontier)
+
+
+def run_frontier(args: argparse.Namespace) -> int:
+    from amoe.emulation import frontier
+
+    return frontier.main(args)
+
+
 def add_bench_policies_command(sub: Any) -> None:
     p = sub.add_parser(
         "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
@@ -125,4 +140,5 @@ PLAN_BENCH_SUBCOMMANDS = (
     add_bench_plan_table_command,
     add_bench_plan_scale_command,
     add_bench_policies_command,
+    add_bench_frontier_command,
 )

@@ -243,8 +243,9 @@ def _rank(plans: list[Plan], req: PlanRequest) -> None:
 # Doublings of concurrency the simulation tries above the bound's operating point (AEP): the bound's point fills
 # every batch at once, the runtimes need more requests in flight to fill theirs.
 SIM_DOUBLINGS = 3
-# Requests of one copy beyond which a plan is not simulated (it keeps its bound, marked): the simulation's time grows
-# with the requests in flight, ~2 s for 6,000 at full depth; an ITL objective keeps plans below this anyway.
+# Requests of one copy up to which AEP's refinement doubles concurrency event by event (~2 s for 6,000 at full depth);
+# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.emulation.simulate_scale, issue 35), which
+# doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
 
 
@@ -269,9 +270,10 @@ def refine(
     if pred is None:
         pred = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
     per_copy = concurrency or pred.concurrency // dep.replicas
-    if pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
+    if pred.tokens_per_s <= 0:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
+    ceiling = _max_requests(model, one, ctx)
     bound_tps = pred.tokens_per_s / dep.replicas
 
     def run(c: int):
@@ -292,7 +294,7 @@ def refine(
     # (no schedule beats the bound, so no concurrency could gain more).
     while (
         dep.mode == "aep" and concurrency is None and len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < 0.97 * bound_tps
-        and 2 * sims[-1].concurrency <= SIM_MAX_REQUESTS
+        and 2 * sims[-1].concurrency <= ceiling
     ):  # fmt: skip
         if itl_slo_ms is not None and 2 * sims[-1].concurrency / bound_tps * 1e3 > itl_slo_ms:
             break  # even at the bound's rate twice the requests would miss the objective
@@ -319,6 +321,18 @@ def refine(
         extra={**pred.extra, "bound": pred.tokens_per_s, "simulated": True},
     )  # fmt: skip
     return Plan(dep, refined, None)
+
+
+def _max_requests(model, dep: bounds.Deployment, ctx: float) -> int:
+    """The most requests refine's doublings take one copy to: SIM_MAX_REQUESTS where the simulation is event-level,
+    else what the attention GPUs' KV cache holds at the mean context."""
+    from amoe.emulation.simulate_scale import is_exact
+
+    if is_exact(dep, SIM_MAX_REQUESTS):
+        return SIM_MAX_REQUESTS
+    gpu = GPUS[dep.attn_gpu]
+    kv = cm.kv_capacity_tokens(gpu, model, cm.attention_rank_weight_bytes(model))
+    return max(SIM_MAX_REQUESTS, dep.num_attn * int(kv // max(ctx, 1.0)))
 
 
 def mean_context(workload: str) -> float:
