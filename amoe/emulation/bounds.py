@@ -276,10 +276,25 @@ def _aep(model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=Non
     return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
 
 
+# _grouped_steps' answers, keyed by everything they depend on: the planner asks the same (placement, rows) for every
+# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates, issue 35).
+_STEPS_CACHE: dict = {}
+_STEPS_CACHE_MAX = 8192
+
+
 def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
     """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
     block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
     once (the planner asks this for every candidate and wave count)."""
+    key = (model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), rows_in, cap, host)
+    if key not in _STEPS_CACHE:
+        if len(_STEPS_CACHE) >= _STEPS_CACHE_MAX:
+            _STEPS_CACHE.clear()
+        _STEPS_CACHE[key] = _grouped_steps_uncached(model, gpu, placed, q, rows_in, cap, host)
+    return _STEPS_CACHE[key]
+
+
+def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
     num_ids = q.shape[1]
     where = np.zeros((num_ids, len(placed)))
     for g, experts in enumerate(placed):
@@ -324,10 +339,17 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host) -> Prediction:
     link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
     t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
     block_s, skew = 0.0, []
+    # Past 16 expert GPUs (frontier pools, issue 35) every block's steps at once, as AEP's bound costs them; up to
+    # 16, one grouped_expert_time per (block, GPU) as before (the same numbers to the last bit).
+    table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host) if len(placed) > 16 else None
     for blk in range(model.num_blocks):
-        per_gpu = [
-            cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es) for es in placed
-        ]
+        if table is None:
+            per_gpu = [
+                cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es)
+                for es in placed
+            ]
+        else:
+            per_gpu = table[blk].tolist()
         t_exp = max(per_gpu)
         skew.append(t_exp / (sum(per_gpu) / len(per_gpu)))
         block_s += max(m * t_attn, m * t_exp, t_attn + t_exp) + 2 * t_move

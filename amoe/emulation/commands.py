@@ -83,6 +83,12 @@ def add_bench_frontier_command(sub: Any) -> None:
         help="the model's predictions of published DeepSeek-V3 deployments (EP72-EP144), out of sample",
     )
     p.add_argument("--out", default="docs/results/frontier")
+    p.add_argument(
+        "--table", action="store_true", help="AEP, ping-pong and EP at 16-256 GPUs under 50/100 ms ITL"
+    )
+    p.add_argument("--profiles", default="deepseek-v3,qwen3-235b-a22b")
+    p.add_argument("--gpu", default="h800")
+    p.add_argument("--sizes", default="16,32,64,128,256")
     p.set_defaults(run=run_frontier)
 
 

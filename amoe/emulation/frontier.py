@@ -8,6 +8,11 @@ datasheet), and host overhead "none": both systems run decode under CUDA graphs.
 published throughputs; a miss is reported with its reason (docs/results.md "Frontier deployments").
 
     amoe bench frontier [--out DIR]
+    amoe bench frontier --table [--profiles deepseek-v3,qwen3-235b-a22b] [--sizes 16,32,64,128,256]
+
+--table: the best plan of each mode (AEP, ping-pong, EP as deployed: EPLB + two-batch overlap) per GPU count and
+ITL objective, each refined by the simulation (`amoe plan`'s search, one mode at a time), at a 2,000-token mean
+context (the SGLang deployment's), the calibration above and the sourced skew rescaled to 128-256 experts.
 
 Prints a table and a final JSON line: per deployment the published output tokens/s per node, the bound's and the
 simulation's, and their ratio.
@@ -128,6 +133,8 @@ def predict(case: Published, seed: int = 0) -> dict:
 
 
 def main(args) -> int:
+    if getattr(args, "table", False):
+        return table_main(args)
     rows = [predict(case) for case in DEPLOYMENTS]
     print(f"calibration (fixed before the predictions): {json.dumps(CALIBRATION)}; routing {ROUTING}")
     print(f"{'deployment':<18} {'GPUs':>5} {'b/GPU':>5} {'KV':>5} {'published':>10} {'bound':>9} {'simulated':>10} "
@@ -145,4 +152,64 @@ def main(args) -> int:
         (out / "frontier.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"frontier": [{k: r[k] for k in ("name", "published_per_node", "bound_per_node",
                                                       "simulated_per_node", "ratio")} for r in rows]}))  # fmt: skip
+    return 0
+
+
+TABLE_SIZES = (16, 32, 64, 128, 256)
+TABLE_SLOS_MS = (50.0, 100.0)
+TABLE_CONTEXT = 2000.0
+
+
+def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float) -> dict:
+    """The best plan of `mode` on n GPUs under the ITL objective, refined by the simulation."""
+    from amoe.emulation.plan import PlanRequest, describe, search
+
+    experts = model_profile(profile).num_experts
+    req = PlanRequest(
+        profile, {gpu: n}, routing=f"skew-exp:{DEFAULT_LAMBDA * 8 / experts:g}", itl_slo_ms=slo_ms, host="none",
+        modes=(mode,), attn_caps=(64, 128, 256, 512), expert_caps=(1024,), simulate_top=1, simulate_per_mode=1,
+        context=TABLE_CONTEXT, ep_redundant_experts=32,
+    )  # fmt: skip
+    t0 = time.time()
+    plans = search(req)
+    cell = {"profile": profile, "gpu": gpu, "gpus": n, "mode": mode, "itl_slo_ms": slo_ms, "wall_s": 0.0}
+    if plans:
+        p = plans[0]
+        cell |= {
+            "plan": describe(p.deployment), "tokens_per_s": round(p.prediction.tokens_per_s),
+            "per_gpu": round(p.prediction.tokens_per_s / n), "itl_ms": round(p.prediction.itl_s * 1e3, 1),
+            "concurrency": p.prediction.concurrency, "simulated": bool(p.prediction.extra.get("simulated")),
+            "bound": round(p.prediction.extra.get("bound", p.prediction.tokens_per_s)),
+        }  # fmt: skip
+    cell["wall_s"] = round(time.time() - t0, 1)
+    return cell
+
+
+def table_main(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    sizes = [int(x) for x in args.sizes.split(",")]
+    for profile in args.profiles.split(","):
+        for slo in TABLE_SLOS_MS:
+            for n in sizes:
+                for mode in ("aep", "pingpong", "ep"):
+                    cell = table_cell(profile, args.gpu, n, mode, slo)
+                    cells.append(cell)
+                    print(json.dumps(cell), flush=True)
+                    (out / "table.jsonl").open("a").write(json.dumps(cell) + "\n")
+    print(f"{'profile':<16} {'ITL':>4} {'GPUs':>5} {'AEP /GPU':>9} {'ping-pong':>9} {'EP /GPU':>9}  best")
+    for profile in args.profiles.split(","):
+        for slo in TABLE_SLOS_MS:
+            for n in sizes:
+                row = {
+                    c["mode"]: c
+                    for c in cells
+                    if (c["profile"], c["itl_slo_ms"], c["gpus"]) == (profile, slo, n)
+                }
+                per = {m: row.get(m, {}).get("per_gpu", 0) for m in ("aep", "pingpong", "ep")}
+                print(f"{profile:<16} {slo:>4.0f} {n:>5} {per['aep']:>9} {per['pingpong']:>9} {per['ep']:>9}  "
+                      f"{max(per, key=per.get) if any(per.values()) else '-'}")  # fmt: skip
+    print(json.dumps({"frontier_table": [{k: c.get(k) for k in ("profile", "itl_slo_ms", "gpus", "mode",
+                                                                "per_gpu", "simulated")} for c in cells]}))  # fmt: skip
     return 0

@@ -59,6 +59,11 @@ class PlanRequest:
     # by the bound can need far more requests in flight to fill its batches than a smaller split (H100 top-1).
     simulate_per_mode: int = 3
     model_dir: str | None = None  # plan for this checkpoint's config.json instead of a named profile
+    # Frontier planning (issue 35): a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
+    # published DeepSeek-V3 deployments ran), and EP also as deployed at scale: EPLB's redundant experts (this
+    # many) and two-batch overlap.
+    context: float | None = None
+    ep_redundant_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,11 @@ def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
                 replicas = req.gpus[gpu] // n if req.replicate else 1
                 for cap in req.attn_caps:
                     yield bounds.Deployment("ep", gpu, n, attn_cap=cap, replicas=replicas, **common)
+                    if req.ep_redundant_experts and n > 1:
+                        yield bounds.Deployment(
+                            "ep", gpu, n, attn_cap=cap, replicas=replicas,
+                            redundant_experts=req.ep_redundant_experts, two_batch_overlap=True, **common,
+                        )  # fmt: skip
     for ta, te in itertools.product(types, types):
         for a in counts(req.gpus[ta]):
             room = req.gpus[te] - (a if ta == te else 0)
@@ -179,7 +189,7 @@ def search(req: PlanRequest) -> list[Plan]:
     model = bounds.full_depth(plan_profile(req))
     RoutingSpec.parse(req.routing)  # a clear error before any work
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
-    ctx = mean_context(req.workload)
+    ctx = req.context or mean_context(req.workload)
     host = host_overhead(req.host)
     plans = []
     slo_s = req.itl_slo_ms / 1e3 if req.itl_slo_ms is not None else None
@@ -405,7 +415,9 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
 def describe(d: bounds.Deployment) -> str:
     copies = f" x{d.replicas} replicas" if d.replicas > 1 else ""
     if d.mode == "ep":
-        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}"
+        scale = f" eplb+{d.redundant_experts}" if d.redundant_experts else ""
+        scale += " tbo" if d.two_batch_overlap else ""
+        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}{scale}"
     roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
     extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"
     placement = " balanced" if d.expert_map is not None else ""
