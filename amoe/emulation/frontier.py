@@ -167,7 +167,7 @@ def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float) -> dict
     experts = model_profile(profile).num_experts
     req = PlanRequest(
         profile, {gpu: n}, routing=f"skew-exp:{DEFAULT_LAMBDA * 8 / experts:g}", itl_slo_ms=slo_ms, host="none",
-        modes=(mode,), attn_caps=(64, 128, 256, 512), expert_caps=(1024,), simulate_top=1, simulate_per_mode=1,
+        modes=(mode,), attn_caps=(128, 512), expert_caps=(1024,), simulate_top=1, simulate_per_mode=1,
         context=TABLE_CONTEXT, ep_redundant_experts=32,
     )  # fmt: skip
     t0 = time.time()

@@ -152,6 +152,8 @@ def inclusion_probabilities(popularity: np.ndarray, top_k: int, seed: int = 0) -
         q = np.zeros(e)
         _accumulate(p / p.sum(), np.ones(e, dtype=bool), 1.0, top_k, q)
         return q
+    if np.all(p == p[0]):  # even routing: every expert is in a row's top-k with probability k / E, exactly
+        return np.full(e, top_k / e)
     rng = np.random.default_rng(seed)
     ids = _gumbel_top_k(np.log(p), rng.gumbel(size=(200_000, e)), top_k)
     return np.bincount(ids.ravel(), minlength=e) / 200_000
