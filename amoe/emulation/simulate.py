@@ -32,7 +32,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,19 +40,7 @@ from amoe.emulation import bounds
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
-
-
-@dataclass(frozen=True)
-class Simulated:
-    """A simulated run's steady state."""
-
-    tokens_per_s: float
-    itl_s: float
-    concurrency: int
-    attention_rows_per_step: float
-    expert_rows_per_step: float
-    attention_busy: float  # mean fraction of the measured window the attention GPUs held
-    expert_busy: float
+from amoe.emulation.simulated import Simulated
 
 
 def simulate(

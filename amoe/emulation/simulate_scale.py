@@ -36,6 +36,7 @@ from amoe.emulation import cost_model as cm
 from amoe.emulation.ep_at_scale import sample_counts
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
+from amoe.emulation.simulated import Simulated
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -121,8 +122,6 @@ def aep_waves(
     duration_s: float, warmup_s: float, seed: int,
 ):  # fmt: skip
     """AEP at scale, in waves (module docstring): returns simulate.Simulated."""
-    from amoe.emulation.simulate import Simulated
-
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, L = dep.num_attn, model.num_blocks
     per_rank = max(1, concurrency // A)
@@ -183,7 +182,6 @@ def ep(
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
     counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated."""
     from amoe.emulation import ep_at_scale as scale
-    from amoe.emulation.simulate import Simulated
 
     gpu = gpu_profile(dep.attn_gpu)
     n, overlap = dep.num_attn, dep.two_batch_overlap
@@ -221,8 +219,6 @@ def pingpong(
 ):  # fmt: skip
     """Ping-pong's lock-step (amoe.emulation.simulate._simulate_pingpong) with counts and every expert GPU's step
     at once; returns Simulated."""
-    from amoe.emulation.simulate import Simulated
-
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
