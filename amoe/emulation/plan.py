@@ -338,7 +338,7 @@ def _max_requests(model, dep: bounds.Deployment, ctx: float) -> int:
     else what the attention GPUs' KV cache holds at the mean context."""
     from amoe.emulation.simulate_scale import is_exact
 
-    if is_exact(dep, SIM_MAX_REQUESTS):
+    if is_exact(dep, SIM_MAX_REQUESTS, model.num_expert_ids):
         return SIM_MAX_REQUESTS
     gpu = GPUS[dep.attn_gpu]
     kv = cm.kv_capacity_tokens(gpu, model, cm.attention_rank_weight_bytes(model))

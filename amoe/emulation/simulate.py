@@ -63,7 +63,7 @@ def simulate(
     if dep.mode not in ("aep", "ep", "pingpong"):
         raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
     # 16-256 GPUs, 100 k requests: counts, not tokens (issue 35).
-    at_scale = not scale.is_exact(dep, concurrency)
+    at_scale = not scale.is_exact(dep, concurrency, model.num_expert_ids)
     if dep.mode == "ep":
         if at_scale or dep.redundant_experts or dep.two_batch_overlap:
             return scale.ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)

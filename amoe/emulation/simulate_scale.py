@@ -20,8 +20,9 @@ ITLs), so at scale the simulation changes its unit, not its language:
   of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
   steps), and request-level affinity.
 
-simulate() takes this path above EXACT_MAX_GPUS GPUs or EXACT_MAX_REQUESTS requests in one copy; every plan of
-16 GPUs or fewer (all of today's plan checks and tests) stays event-level and gives the numbers it gave.
+simulate() takes this path above EXACT_MAX_GPUS GPUs, EXACT_MAX_REQUESTS requests in one copy or EXACT_MAX_EXPERTS
+expert layers; every Mixtral plan of 16 GPUs or fewer (all of today's plan checks and tests) stays event-level and
+gives the numbers it gave.
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ from amoe.emulation.simulated import Simulated
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
+# ... and at most this many expert layers per block: an event-level step fans out to every expert, and keyed
+# routing draws a key per expert per token, so 257 experts (DeepSeek-V3) on 16 GPUs already take hours a plan.
+EXACT_MAX_EXPERTS = 64
 
 
-def is_exact(dep: bounds.Deployment, concurrency: int) -> bool:
+def is_exact(dep: bounds.Deployment, concurrency: int, num_expert_ids: int = 0) -> bool:
     """Whether simulate() runs `dep` event by event (True) or at scale (amoe.emulation.simulate_scale)."""
-    return dep.num_attn + dep.num_expert <= EXACT_MAX_GPUS and concurrency <= EXACT_MAX_REQUESTS
+    return (
+        dep.num_attn + dep.num_expert <= EXACT_MAX_GPUS
+        and concurrency <= EXACT_MAX_REQUESTS
+        and num_expert_ids <= EXACT_MAX_EXPERTS
+    )
 
 
 class Counts:
