@@ -132,7 +132,8 @@ def test_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run(
 
 def test_plans_past_16_gpus_or_16384_requests_are_simulated_at_scale():
     small = bounds.Deployment("aep", "h800", 8, "h800", 8)
-    assert scale.is_exact(small, 16384) and not scale.is_exact(small, 16385)
+    assert scale.is_exact(small, 16384, 9) and not scale.is_exact(small, 16385, 9)
+    assert not scale.is_exact(small, 1024, 257)  # DeepSeek-V3's experts: hours a plan event by event
     assert not scale.is_exact(bounds.Deployment("ep", "h800", 32), 1024)
     model = model_profile("deepseek-v3")
     dep = bounds.Deployment(
