@@ -39,7 +39,7 @@ import numpy as np
 from amoe.emulation import cost_model as cm
 from amoe.emulation import eps
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec, inclusion_probabilities
+from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.variance import SOURCED, StepVariance, expected_max
 
 # ---- the EP exchange's latency (docs/emulation.md "EP's all-to-all", with sources)
@@ -60,14 +60,21 @@ A2A_FIXED_NETWORK_S = 30e-6
 
 
 def all_to_all_time(
-    model: ModelProfile, gpu: GpuProfile, rows: float, devices: int, gpus_per_node: int
+    model: ModelProfile,
+    gpu: GpuProfile,
+    rows: float,
+    devices: int,
+    gpus_per_node: int,
+    bytes_per_element: int | None = None,
 ) -> float:
     """One dispatch (or combine) all-to-all of an EP step: every device sends `rows` × top-k hidden rows spread
     evenly over the `devices` (its own share stays). Peers on its node go over NVLink, the others over the NIC at
-    DeepEP's measured fraction of it; the slower of the two paths sets the time."""
+    DeepEP's measured fraction of it; the slower of the two paths sets the time. `bytes_per_element`: the rows'
+    precision (default the model's activations; an FP8 dispatch passes model.dispatch_bytes)."""
     if devices <= 1 or rows <= 0:
         return 0.0
-    per_peer = rows * model.experts_per_token * model.hidden_size * model.bytes_per_activation / devices
+    width = bytes_per_element or model.bytes_per_activation
+    per_peer = rows * model.experts_per_token * model.hidden_size * width / devices
     node = devices if gpus_per_node <= 0 else min(gpus_per_node, devices)
     local = per_peer * (node - 1) / gpu.nvlink.usable_bandwidth
     if node == devices:
@@ -109,6 +116,11 @@ class Deployment:
     @property
     def pipelined(self) -> bool:
         return self.mode == "ep" and (self.ep_pipelines != 1 or bool(self.ep_kernel))
+
+    # EP as deployed at scale (issue 35, amoe.emulation.ep_at_scale): redundant expert copies placed by EPLB per
+    # layer, and two-batch overlap of the exchange with compute.
+    redundant_experts: int = 0
+    two_batch_overlap: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -166,7 +178,7 @@ def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.nd
     if not spec.is_override:
         spec = RoutingSpec("uniform")
     router = RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed)
-    q = inclusion_probabilities(router.popularity, model.top_k)
+    q = router.inclusion_at(0)
     return np.concatenate([q, np.ones((model.num_blocks, model.num_shared_experts))], axis=1)
 
 
@@ -302,10 +314,25 @@ def _aep(
     return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
 
 
+# _grouped_steps' answers, keyed by everything they depend on: the planner asks the same (placement, rows) for every
+# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates, issue 35).
+_STEPS_CACHE: dict = {}
+_STEPS_CACHE_MAX = 8192
+
+
 def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
     """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
     block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
     once (the planner asks this for every candidate and wave count)."""
+    key = (model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), rows_in, cap, host)
+    if key not in _STEPS_CACHE:
+        if len(_STEPS_CACHE) >= _STEPS_CACHE_MAX:
+            _STEPS_CACHE.clear()
+        _STEPS_CACHE[key] = _grouped_steps_uncached(model, gpu, placed, q, rows_in, cap, host)
+    return _STEPS_CACHE[key]
+
+
+def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
     num_ids = q.shape[1]
     where = np.zeros((num_ids, len(placed)))
     for g, experts in enumerate(placed):
@@ -313,7 +340,15 @@ def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.
     gpu_of = where.argmax(axis=1)
     inter = np.array([model.intermediate_of(e) for e in range(num_ids)], dtype=float)
     rows = rows_in * q  # [blocks, ids]
-    steps = np.maximum(1.0, np.ceil((rows[:, :, None] * where[None]).max(axis=1) / cap))  # [blocks, GPUs]
+    # Each GPU's most loaded expert per block, by a segmented max over the experts sorted by GPU (a [blocks, ids,
+    # GPUs] product was most of the planner's time at 256 GPUs, issue 35); GPUs without experts take 0.
+    order = np.argsort(gpu_of, kind="stable")
+    firsts = np.searchsorted(gpu_of[order], np.arange(len(placed)))
+    hosting = np.bincount(gpu_of, minlength=len(placed)) > 0
+    most = np.zeros((rows.shape[0], len(placed)))
+    if hosting.any():
+        most[:, hosting] = np.maximum.reduceat(rows[:, order], firsts[hosting], axis=1)
+    steps = np.maximum(1.0, np.ceil(most / cap))  # [blocks, GPUs]
     per_step = rows / steps[:, gpu_of]
     busy = per_step > 0
     r = np.where(busy, np.maximum(1.0, np.round(per_step)), 0.0)  # whole rows, as grouped_expert_time rounds
@@ -322,10 +357,12 @@ def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.
     gate_up_f, gate_up_b = (4 * r * h * inter) @ where, (2 * weights + r * (h + 2 * inter) * ba) @ where
     act_b = (r * 3 * inter * ba) @ where
     down_f, down_b = (2 * r * inter * h) @ where, (weights + r * (inter + h) * ba) @ where
+    # FP8 GEMMs (issue 35); a speed-up of 1.0 leaves BF16 profiles as they were.
+    flops = gpu.usable_flops * model.gemm_speedup
     gpu_s = (
-        np.maximum(gate_up_f / gpu.usable_flops, gate_up_b / gpu.usable_bandwidth)
+        np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)
         + act_b / gpu.usable_bandwidth
-        + np.maximum(down_f / gpu.usable_flops, down_b / gpu.usable_bandwidth)
+        + np.maximum(down_f / flops, down_b / gpu.usable_bandwidth)
     )
     any_busy = (busy.astype(float) @ where) > 0
     fixed = np.where(any_busy, cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
@@ -344,10 +381,17 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> 
     link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
     t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
     block_s, skew = 0.0, []
+    # Past 16 expert GPUs (frontier pools, issue 35) every block's steps at once, as AEP's bound costs them; up to
+    # 16, one grouped_expert_time per (block, GPU) as before (the same numbers to the last bit).
+    table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host) if len(placed) > 16 else None
     for blk in range(model.num_blocks):
-        per_gpu = [
-            cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es) for es in placed
-        ]
+        if table is None:
+            per_gpu = [
+                cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es)
+                for es in placed
+            ]
+        else:
+            per_gpu = table[blk].tolist()
         t_exp = expected_max(np.array(per_gpu) * s_exp, variance.jitter)
         skew.append(max(per_gpu) / (sum(per_gpu) / len(per_gpu)))
         block_s += max(m * t_attn, m * t_exp, t_attn + t_exp) + 2 * t_move
@@ -375,12 +419,19 @@ def _ep(
     gpu, n = gpu_profile(dep.attn_gpu), dep.num_attn
     local = dep.experts_on(model.num_expert_ids)
     heaviest = max(cm.expert_rank_weight_bytes(model, es) for es in local)
+    if dep.redundant_experts:
+        slots = math.ceil((model.num_expert_ids + dep.redundant_experts) / n)
+        heaviest = cm.expert_rank_weight_bytes(model, [0] * slots)
     weights = cm.attention_rank_weight_bytes(model) + heaviest
     b = _attention_batch(model, gpu, dep.attn_cap, weights, mean_context)
     if b < 1:
         return MEMORY
+    if dep.redundant_experts or dep.two_batch_overlap:
+        return _ep_at_scale(model, dep, q, gpu, b, mean_context, host)
     ctx = int(round(mean_context))
-    a2a = 2 * all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
+    a2a = all_to_all_time(model, gpu, b, n, dep.gpus_per_node, model.dispatch_bytes) + all_to_all_time(
+        model, gpu, b, n, dep.gpus_per_node
+    )
     speeds, jitter = variance.speeds(0, n), variance.jitter
     attn_1 = cm.decode_attention_time(model, gpu, b, ctx, host)
     attn = expected_max(attn_1 * speeds, jitter)
@@ -407,4 +458,50 @@ def _ep(
         tokens_per_s=tps, itl_s=iteration, concurrency=tokens, bottleneck="barrier",
         expert_skew=float(np.mean(skew)),
         extra={"all_to_all_s_per_block": a2a, "barrier_stall_fraction": stall / iteration, "ep_pipelines": pn},
+    )  # fmt: skip
+
+
+def ep_placements(model: ModelProfile, dep: Deployment, q: np.ndarray) -> list[list[list[tuple[int, float]]]]:
+    """Per block, per device, its (expert id, share) copies: EPLB's per-layer placement with redundant experts,
+    else the deployment's own placement (each expert whole on one device)."""
+    from amoe.emulation.ep_at_scale import eplb_placement
+
+    if dep.redundant_experts:
+        return [
+            eplb_placement(q[blk], dep.num_attn, dep.redundant_experts) for blk in range(model.num_blocks)
+        ]
+    local = [[(e, 1.0) for e in es] for es in dep.experts_on(model.num_expert_ids)]
+    return [local] * model.num_blocks
+
+
+def ep_exchange_time(model: ModelProfile, gpu: GpuProfile, rows: float, dep: Deployment) -> float:
+    """An EP block's dispatch (model.dispatch_bytes per element: FP8 where the model serves it) and combine."""
+    n, per_node = dep.num_attn, dep.gpus_per_node
+    return all_to_all_time(model, gpu, rows, n, per_node, model.dispatch_bytes) + all_to_all_time(
+        model, gpu, rows, n, per_node
+    )
+
+
+def _ep_at_scale(model, dep, q, gpu, b, mean_context, host) -> Prediction:
+    """EP with EPLB and/or two-batch overlap (amoe.emulation.ep_at_scale): per block the slowest device of the
+    expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on."""
+    from amoe.emulation import ep_at_scale as scale
+
+    ctx, n = int(round(mean_context)), dep.num_attn
+    rows = b / 2 if dep.two_batch_overlap else b  # one micro-batch's rows per device
+    attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), ctx, host)
+    exchange = ep_exchange_time(model, gpu, rows, dep)
+    iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
+    for blk, placement in enumerate(ep_placements(model, dep, q)):
+        slowest, mean = scale.slowest_device(
+            model, gpu, scale.device_rows(placement, n * rows * q[blk]), host
+        )
+        stall += slowest - mean
+        skew.append(slowest / mean)
+        iteration += scale.block_time(attn, slowest, exchange, dep.two_batch_overlap)
+    tokens = n * b
+    return Prediction(
+        tokens_per_s=tokens / iteration, itl_s=iteration, concurrency=tokens, bottleneck="barrier",
+        expert_skew=float(np.mean(skew)),
+        extra={"exchange_s_per_block": exchange, "barrier_stall_fraction": stall / iteration},
     )  # fmt: skip

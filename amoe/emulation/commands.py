@@ -84,6 +84,27 @@ def add_bench_plan_scale_command(sub: Any) -> None:
     p.set_defaults(run=run_plan_scale)
 
 
+def add_bench_frontier_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "frontier",
+        help="the model's predictions of published DeepSeek-V3 deployments (EP72-EP144), out of sample",
+    )
+    p.add_argument("--out", default="docs/results/frontier")
+    p.add_argument(
+        "--table", action="store_true", help="AEP, ping-pong and EP at 16-256 GPUs under 50/100 ms ITL"
+    )
+    p.add_argument("--profiles", default="deepseek-v3,qwen3-235b-a22b")
+    p.add_argument("--gpu", default="h800")
+    p.add_argument("--sizes", default="16,32,64,128,256")
+    p.set_defaults(run=run_frontier)
+
+
+def run_frontier(args: argparse.Namespace) -> int:
+    from amoe.emulation import frontier
+
+    return frontier.main(args)
+
+
 def add_bench_policies_command(sub: Any) -> None:
     p = sub.add_parser(
         "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
@@ -169,4 +190,5 @@ PLAN_BENCH_SUBCOMMANDS = (
     add_bench_plan_scale_command,
     add_bench_policies_command,
     add_bench_eps_command,
+    add_bench_frontier_command,
 )

@@ -84,7 +84,9 @@ def attention_layer_time(
     ba = model.bytes_per_activation
     h = model.hidden_size
     proj = roofline(
-        gpu, 2 * rows * model.attn_params, model.attn_params * model.bytes_per_param + 4 * rows * h * ba
+        gpu,
+        2 * rows * model.attn_params / model.gemm_speedup,
+        model.attn_params * model.bytes_per_param + 4 * rows * h * ba,
     )
     kv_bytes = float(ctx.sum()) * model.kv_bytes_per_token + rows * model.kv_bytes_per_token  # read + write
     attended = float((chunk * (ctx - (chunk - 1) / 2)).sum())  # context tokens summed over query rows
@@ -118,7 +120,7 @@ def head_time(
     rows = num_chunks if rows is None else rows
     h, v = model.hidden_size, model.vocab_size
     merge = (model.experts_per_token + 2) * rows * h * model.bytes_per_activation / gpu.usable_bandwidth
-    lm_head = roofline(gpu, 2 * num_chunks * h * v, h * v * model.bytes_per_param + 2 * num_chunks * v * 4)
+    lm_head = roofline(gpu, 2 * num_chunks * h * v, h * v * model.head_bytes + 2 * num_chunks * v * 4)
     full = merge + lm_head + HEAD_KERNELS * gpu.launch_s + host.head_step_s + num_chunks * host.head_row_s
     return full * model.head_share
 
@@ -139,7 +141,7 @@ def attention_rank_weight_bytes(model: ModelProfile) -> int:
     """Weights an attention rank holds: every block's attention and router, embedding, lm_head."""
     per_block = model.attn_params + 2 * model.hidden_size  # + two RMSNorm weights
     embed_and_head = 2 * model.vocab_size * model.hidden_size + model.hidden_size
-    return (model.num_blocks * per_block + embed_and_head) * model.bytes_per_param
+    return model.num_blocks * per_block * model.bytes_per_param + embed_and_head * model.head_bytes
 
 
 def expert_rank_weight_bytes(model: ModelProfile, experts: int | Sequence[int]) -> int:
@@ -179,11 +181,11 @@ def mean_decode_context(input_range: tuple[int, int], output_range: tuple[int, i
 
 def _swiglu_phases(model: ModelProfile, gpu: GpuProfile, rows: int, inter: int) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of gate_up GEMM, SiLU·mul and down GEMM for one SwiGLU of width `inter`."""
-    h, bp, ba = model.hidden_size, model.bytes_per_param, model.bytes_per_activation
+    h, bp, ba, fast = model.hidden_size, model.bytes_per_param, model.bytes_per_activation, model.gemm_speedup
     return [
-        (2 * rows * h * 2 * inter, 2 * h * inter * bp + rows * (h + 2 * inter) * ba),
+        (2 * rows * h * 2 * inter / fast, 2 * h * inter * bp + rows * (h + 2 * inter) * ba),
         (0.0, rows * 3 * inter * ba),
-        (2 * rows * inter * h, inter * h * bp + rows * (inter + h) * ba),
+        (2 * rows * inter * h / fast, inter * h * bp + rows * (inter + h) * ba),
     ]
 
 

@@ -64,6 +64,11 @@ class PlanRequest:
     eps: bool = False
     # the GPUs' step-time variance the plans assume (amoe.emulation.variance): sourced | off | SPREAD[,...]
     step_variance: str = "sourced"
+    # Frontier planning (issue 35): a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
+    # published DeepSeek-V3 deployments ran), and EP also as deployed at scale: EPLB's redundant experts (this
+    # many) and two-batch overlap.
+    context: float | None = None
+    ep_redundant_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,11 @@ def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
                     yield bounds.Deployment(
                         "ep", gpu, n, attn_cap=cap, replicas=replicas, **common, **pipeline
                     )
+                    if req.ep_redundant_experts and n > 1:
+                        yield bounds.Deployment(
+                            "ep", gpu, n, attn_cap=cap, replicas=replicas,
+                            redundant_experts=req.ep_redundant_experts, two_batch_overlap=True, **common,
+                        )  # fmt: skip
     for ta, te in itertools.product(types, types):
         for a in counts(req.gpus[ta]):
             room = req.gpus[te] - (a if ta == te else 0)
@@ -187,7 +197,7 @@ def search(req: PlanRequest) -> list[Plan]:
     model = bounds.full_depth(plan_profile(req))
     RoutingSpec.parse(req.routing)  # a clear error before any work
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
-    ctx = mean_context(req.workload)
+    ctx = req.context or mean_context(req.workload)
     host = host_overhead(req.host)
     variance = StepVariance.parse(req.step_variance)
     plans = []
@@ -252,8 +262,9 @@ def _rank(plans: list[Plan], req: PlanRequest) -> None:
 # Doublings of concurrency the simulation tries above the bound's operating point (AEP): the bound's point fills
 # every batch at once, the runtimes need more requests in flight to fill theirs.
 SIM_DOUBLINGS = 3
-# Requests of one copy beyond which a plan is not simulated (it keeps its bound, marked): the simulation's time grows
-# with the requests in flight, ~2 s for 6,000 at full depth; an ITL objective keeps plans below this anyway.
+# Requests of one copy up to which AEP's refinement doubles concurrency event by event (~2 s for 6,000 at full depth);
+# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.emulation.simulate_scale, issue 35), which
+# doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
 
 
@@ -284,9 +295,10 @@ def refine(
             model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
         )
     per_copy = concurrency or pred.concurrency // dep.replicas
-    if pred.tokens_per_s <= 0 or per_copy > SIM_MAX_REQUESTS:
+    if pred.tokens_per_s <= 0:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
+    ceiling = _max_requests(model, one, ctx)
     bound_tps = pred.tokens_per_s / dep.replicas
 
     def run(c: int):
@@ -310,7 +322,7 @@ def refine(
     # (no schedule beats the bound, so no concurrency could gain more).
     while (
         dep.mode == "aep" and concurrency is None and len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < 0.97 * bound_tps
-        and 2 * sims[-1].concurrency <= SIM_MAX_REQUESTS
+        and 2 * sims[-1].concurrency <= ceiling
     ):  # fmt: skip
         if itl_slo_ms is not None and 2 * sims[-1].concurrency / bound_tps * 1e3 > itl_slo_ms:
             break  # even at the bound's rate twice the requests would miss the objective
@@ -337,6 +349,18 @@ def refine(
         extra={**pred.extra, "bound": pred.tokens_per_s, "simulated": True},
     )  # fmt: skip
     return Plan(dep, refined, None)
+
+
+def _max_requests(model, dep: bounds.Deployment, ctx: float) -> int:
+    """The most requests refine's doublings take one copy to: SIM_MAX_REQUESTS where the simulation is event-level,
+    else what the attention GPUs' KV cache holds at the mean context."""
+    from amoe.emulation.simulate_scale import is_exact
+
+    if is_exact(dep, SIM_MAX_REQUESTS, model.num_expert_ids):
+        return SIM_MAX_REQUESTS
+    gpu = GPUS[dep.attn_gpu]
+    kv = cm.kv_capacity_tokens(gpu, model, cm.attention_rank_weight_bytes(model))
+    return max(SIM_MAX_REQUESTS, dep.num_attn * int(kv // max(ctx, 1.0)))
 
 
 def mean_context(workload: str) -> float:
@@ -415,7 +439,9 @@ def describe(d: bounds.Deployment) -> str:
     copies = f" x{d.replicas} replicas" if d.replicas > 1 else ""
     if d.mode == "ep":
         pipeline = f" eps pn {d.ep_pipelines or 'auto'} {d.ep_kernel or 'grouped'}" if d.pipelined else ""
-        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}{pipeline}"
+        scale = f" eplb+{d.redundant_experts}" if d.redundant_experts else ""
+        scale += " tbo" if d.two_batch_overlap else ""
+        return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}{pipeline}{scale}"
     roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
     extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"
     placement = " balanced" if d.expert_map is not None else ""

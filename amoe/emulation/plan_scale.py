@@ -6,10 +6,8 @@ plan of each mode (`amoe plan`'s search) on 8 to 256 GPUs across hosts of 8.
 Prints a table and a final JSON line; writes scale.png (throughput per GPU vs GPUs) and scale.json to --out. These
 are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/emulation.md "Bounds");
 with --simulate each mode's best shapes are refined by the discrete-event simulation and ranked by it, as `amoe plan`
-does (one copy of each, so a plan of many small copies costs what one copy does). A plan whose copy needs more
-requests in flight than the simulation takes (amoe.emulation.plan.SIM_MAX_REQUESTS) keeps its bound and ranks after every
-simulated one; a row is such a plan, marked "simulated": false, only where nothing smaller was simulated (one EP
-group or one AEP deployment over 64+ GPUs).
+does (one copy of each, so a plan of many small copies costs what one copy does). A copy of more than 16 GPUs or
+16,384 requests is simulated at scale (amoe.emulation.simulate_scale, issue 35) rather than keeping its bound.
 """
 
 from __future__ import annotations

@@ -162,6 +162,12 @@ class ModelProfile:
     eos_token_id: int | None = 2
     source: str = ""
     full_blocks: int | None = None  # a `NAME:N` profile: the model's own depth (None: num_blocks)
+    # FP8 serving (issue 35): GEMMs with FP8 weights run at this multiple of the BF16 peak (2.0 on Hopper: H100/H800
+    # SXM datasheet, 1,979 dense FP8 vs 989 BF16 TFLOPS); 1.0 for BF16 weights. The attention core (FlashMLA) and
+    # the lm_head stay BF16.
+    gemm_speedup: float = 1.0
+    head_bytes_per_param: int | None = None  # embedding and lm_head (None: bytes_per_param)
+    dispatch_bytes_per_activation: int | None = None  # rows sent to the experts (None: bytes_per_activation)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -175,6 +181,16 @@ class ModelProfile:
         the depth, so a profile keeping 4 of 32 blocks would otherwise spend 8x the model's share of an
         iteration in it (18 % instead of ~3 %), and ratios between deployments would move with the truncation."""
         return self.num_blocks / (self.full_blocks or self.num_blocks)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes per parameter of the embedding and lm_head."""
+        return self.head_bytes_per_param or self.bytes_per_param
+
+    @property
+    def dispatch_bytes(self) -> int:
+        """Bytes per element of a hidden row on its way to the experts (FP8 dispatch: 1; the combine stays BF16)."""
+        return self.dispatch_bytes_per_activation or self.bytes_per_activation
 
     @property
     def expert_params(self) -> int:
@@ -296,6 +312,86 @@ def _deepseek_v2() -> ModelProfile:
     )
 
 
+def _mla_layer(
+    h: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int
+) -> tuple[int, int, int]:
+    """(params, KV bytes per token (BF16 latent + rope key), FLOPs per query row per context token) of one MLA
+    layer, decoded in its absorbed form as FlashMLA runs it: every head scores (kv_lora + rope)-wide latent keys
+    and sums kv_lora-wide values."""
+    params = h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope) + kv_lora * heads * (nope + v)
+    params += heads * v * h
+    return params, (kv_lora + rope) * 2, 2 * heads * (kv_lora + rope) + 2 * heads * kv_lora
+
+
+def _deepseek_v3() -> ModelProfile:
+    # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers of which the first 3 dense (first_k_dense_replace
+    # 3, intermediate 18432), vocab 129280, 256 routed experts (moe_intermediate 2048) top-8 with group-limited
+    # routing (n_group 8, topk_group 4: a token's experts lie on at most 4 nodes when a group is a node), 1 shared
+    # expert; MLA: 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v_head_dim 128;
+    # max_position_embeddings 163840; bos 0, eos 1. FP8 weights (quantization_config fp8 e4m3, 128x128 blocks)
+    # except the embedding, lm_head and router; DeepEP dispatches FP8 and combines BF16.
+    # A profile prices uniform blocks, so each of the 58 MoE blocks carries 61/58 of a layer's attention and KV
+    # and 1/58 of the three dense MLPs. The shared expert runs beside attention, data-parallel on every GPU, as
+    # DeepSeek (decode: "MLA/Shared Expert DP144", Open-Infra Day 6) and SGLang deploy it: folded into the
+    # attention step (3 x 7168 x 2048 more GEMM weights per block), so dispatches carry the 8 routed rows only.
+    h, layers, blocks, dense = 7168, 61, 58, 3
+    attn, kv, flops = _mla_layer(h, 128, 1536, 512, 128, 64, 128)
+    shared = 3 * h * 2048
+    router = h * 256
+    return ModelProfile(
+        name="deepseek-v3",
+        vocab_size=129280,
+        hidden_size=h,
+        num_blocks=blocks,
+        num_experts=256,
+        top_k=8,
+        expert_intermediate=2048,
+        attn_params=round((layers * attn + dense * 3 * h * 18432) / blocks) + router + shared,
+        kv_bytes_per_token=round(layers * kv / blocks),
+        attn_flops_per_context_token=round(layers * flops / blocks),
+        num_heads=128,
+        num_kv_heads=1,
+        head_dim=128,
+        max_position_embeddings=163840,
+        bytes_per_param=1,
+        bos_token_id=0,
+        eos_token_id=1,
+        source="DeepSeek-V3 config.json (61 layers, 3 dense, MLA absorbed, 256 routed top-8, shared expert on the "
+        "attention side), FP8 GEMMs",
+        gemm_speedup=2.0,
+        head_bytes_per_param=2,
+        dispatch_bytes_per_activation=1,
+    )
+
+
+def _qwen3_moe(
+    name: str, hidden: int, layers: int, heads: int, expert_inter: int, source: str
+) -> ModelProfile:
+    # Qwen/Qwen3-235B-A22B and Qwen/Qwen3-30B-A3B config.json: every layer MoE (decoder_sparse_step 1, no
+    # mlp_only_layers), 128 experts top-8 without a shared expert, GQA with 4 KV heads of head_dim 128, vocab
+    # 151936, max_position_embeddings 40960, bos 151643, eos 151645. BF16 weights (the released checkpoints).
+    attn, kv, flops = gqa_attention(hidden, heads, 4, 128, 128)
+    return ModelProfile(
+        name=name,
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_blocks=layers,
+        num_experts=128,
+        top_k=8,
+        expert_intermediate=expert_inter,
+        attn_params=attn,
+        kv_bytes_per_token=kv,
+        attn_flops_per_context_token=flops,
+        num_heads=heads,
+        num_kv_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        source=source,
+    )
+
+
 MODELS: dict[str, ModelProfile] = {
     # AMoE §5: Mixtral 8x7B with MQA; Figure 9 runs it with top-1 and top-2 routing (pass top_k to override).
     "mixtral-8x7b-mqa": _mixtral_8x7b(
@@ -307,6 +403,24 @@ MODELS: dict[str, ModelProfile] = {
     ),
     "deepseek-v3-like": _deepseek_v3_like(),
     "deepseek-v2": _deepseek_v2(),
+    # Frontier profiles (issue 35), from their config.json shapes.
+    "deepseek-v3": _deepseek_v3(),
+    "qwen3-235b-a22b": _qwen3_moe(
+        "qwen3-235b-a22b",
+        4096,
+        94,
+        64,
+        1536,
+        "Qwen3-235B-A22B config.json (94 layers, 128 experts top-8, GQA 64/4), BF16",
+    ),
+    "qwen3-30b-a3b": _qwen3_moe(
+        "qwen3-30b-a3b",
+        2048,
+        48,
+        32,
+        768,
+        "Qwen3-30B-A3B config.json (48 layers, 128 experts top-8, GQA 32/4), BF16",
+    ),
 }
 
 

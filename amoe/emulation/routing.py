@@ -152,6 +152,8 @@ def inclusion_probabilities(popularity: np.ndarray, top_k: int, seed: int = 0) -
         q = np.zeros(e)
         _accumulate(p / p.sum(), np.ones(e, dtype=bool), 1.0, top_k, q)
         return q
+    if np.all(p == p[0]):  # even routing: every expert is in a row's top-k with probability k / E, exactly
+        return np.full(e, top_k / e)
     rng = np.random.default_rng(seed)
     ids = _gumbel_top_k(np.log(p), rng.gumbel(size=(200_000, e)), top_k)
     return np.bincount(ids.ravel(), minlength=e) / 200_000
@@ -214,6 +216,20 @@ class RouterOverride:
                 table[b, perm_rng.permutation(self.num_experts)] = self._by_rank
             self._epochs = {epoch: table, **dict(list(self._epochs.items())[-3:])}  # a few epochs stay cached
         return self._epochs[epoch]
+
+    def inclusion_at(self, epoch: int = 0) -> np.ndarray:
+        """[B, E] inclusion probabilities (`inclusion_probabilities`) in skew epoch `epoch`. Every block's
+        popularity is a permutation of one by-rank vector, so where the probabilities are sampled (DeepSeek-V3's
+        256 experts: 51 M Gumbel keys a row) they are sampled once by rank and permuted to each block, not once per
+        block (58x the work: most of a minute for the planner's bounds, issue 35). Exact ones keep their per-block
+        computation."""
+        table = self.popularity_at(epoch)
+        e, k = self.num_experts, self.top_k
+        if k >= e or np.prod(np.arange(e, e - k + 1, -1, dtype=np.float64)) <= _EXACT_LIMIT:
+            return inclusion_probabilities(table, k)
+        by_rank = inclusion_probabilities(self._by_rank, k, seed=epoch)
+        rank_of = np.argsort(np.argsort(-table, axis=1, kind="stable"), axis=1, kind="stable")
+        return by_rank[rank_of]
 
     def epoch(self, now_s: float) -> int:
         """The skew epoch at emulated time `now_s`."""

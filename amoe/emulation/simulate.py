@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,20 +44,8 @@ from amoe.emulation import bounds, eps
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
+from amoe.emulation.simulated import Simulated
 from amoe.emulation.variance import SOURCED, StepVariance
-
-
-@dataclass(frozen=True)
-class Simulated:
-    """A simulated run's steady state."""
-
-    tokens_per_s: float
-    itl_s: float
-    concurrency: int
-    attention_rows_per_step: float
-    expert_rows_per_step: float
-    attention_busy: float  # mean fraction of the measured window the attention GPUs held
-    expert_busy: float
 
 
 def simulate(
@@ -76,16 +63,30 @@ def simulate(
     variance: StepVariance = SOURCED,
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
-    for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring)."""
+    for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). Plans past
+    16 GPUs, 16,384 requests or 64 experts a block run in counts (amoe.emulation.simulate_scale), without the
+    variance and without EPS-MoE's pipeline (which stays event-level)."""
+    from amoe.emulation import simulate_scale as scale
+
+    if dep.mode not in ("aep", "ep", "pingpong"):
+        raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
     steps = _Steps(variance, dep.num_attn + dep.num_expert)
+    # 16-256 GPUs, 100 k requests: counts, not tokens (issue 35).
+    at_scale = not scale.is_exact(dep, concurrency, model.num_expert_ids)
     if dep.mode == "ep":
+        if (at_scale or dep.redundant_experts or dep.two_batch_overlap) and not dep.pipelined:
+            return scale.ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
         return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps)
     if dep.mode == "pingpong":
+        if at_scale:
+            return scale.pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
         return _simulate_pingpong(
             model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps
         )
-    if dep.mode != "aep":
-        raise ValueError(f"simulate: no simulation of mode {dep.mode!r}")
+    if at_scale:
+        return scale.aep_waves(
+            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed
+        )
     return _Aep(
         model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps
     ).run(warmup_s, duration_s)
@@ -324,7 +325,7 @@ def _simulate_ep(
         where[experts] = d
     c = int(round(ctx))
     attn = cm.decode_attention_time(model, gpu, b, c, host)
-    a2a = 2 * bounds.all_to_all_time(model, gpu, b, n, dep.gpus_per_node)
+    a2a = bounds.ep_exchange_time(model, gpu, b, dep)
     head = cm.head_time(model, gpu, b, b, host)
     rid = np.arange(tokens)
     pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1

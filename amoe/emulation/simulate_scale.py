@@ -1,0 +1,269 @@
+"""The simulation at frontier scale (issue 35): deployments of 16–256 GPUs and 100,000+ requests in flight, in
+seconds on a 2-core host, where the event-level simulation (amoe.emulation.simulate) would take hours.
+
+Measured first (docs/results.md "Simulation at scale"): the event-level AEP simulation spends its time in one
+Python event per (attention step, expert) message and per (expert step, attention rank) reply, and in keyed
+routing draws of every token over every expert (256 Gumbel keys per token and block for DeepSeek-V3). At 64 GPUs
+and 4,096 requests it simulates 0.07 emulated seconds in 6.8 s; a plan needs 12 ITLs of ~0.3 s. Neither
+vectorising the events nor a C++ port removes the per-token routing cost (19 G keys for 100 k requests over 12
+ITLs), so at scale the simulation changes its unit, not its language:
+
+* **Counts, not tokens**: a block's rows per expert are drawn from the inclusion probabilities
+  (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
+* **Attention GPUs alike**: every attention GPU holds the same share of requests, so one timeline stands for
+  them (as the ping-pong simulation already does); each expert GPU keeps its own.
+* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (the bound's operating point, or the
+  requests given split so); a wave's block is its attention step, the transfer out, each expert GPU's grouped step
+  over the A attention GPUs' rows of that wave (drawn this iteration), the transfer back. Attention runs waves in
+  the order they become ready; an expert GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays
+  every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
+  of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
+  steps), and request-level affinity.
+
+simulate() takes this path above EXACT_MAX_GPUS GPUs, EXACT_MAX_REQUESTS requests in one copy or EXACT_MAX_EXPERTS
+expert layers; every Mixtral plan of 16 GPUs or fewer (all of today's plan checks and tests) stays event-level and
+gives the numbers it gave.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from amoe.emulation import bounds
+from amoe.emulation import cost_model as cm
+from amoe.emulation.ep_at_scale import sample_counts
+from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
+from amoe.emulation.routing import RouterOverride, RoutingSpec
+from amoe.emulation.simulated import Simulated
+
+EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
+EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
+# ... and at most this many expert layers per block: an event-level step fans out to every expert, and keyed
+# routing draws a key per expert per token, so 257 experts (DeepSeek-V3) on 16 GPUs already take hours a plan.
+EXACT_MAX_EXPERTS = 64
+
+
+def is_exact(dep: bounds.Deployment, concurrency: int, num_expert_ids: int = 0) -> bool:
+    """Whether simulate() runs `dep` event by event (True) or at scale (amoe.emulation.simulate_scale)."""
+    return (
+        dep.num_attn + dep.num_expert <= EXACT_MAX_GPUS
+        and concurrency <= EXACT_MAX_REQUESTS
+        and num_expert_ids <= EXACT_MAX_EXPERTS
+    )
+
+
+class Counts:
+    """Rows per expert id of n tokens of a block, drawn from the routing's inclusion probabilities (by skew epoch
+    when the skew shifts); the shared expert, if any, gets every token."""
+
+    def __init__(self, model: ModelProfile, routing: str, seed: int) -> None:
+        spec = RoutingSpec.parse(routing)
+        if not spec.is_override:
+            spec = RoutingSpec("uniform")
+        self.model, self.rng = model, np.random.default_rng([seed, 35])
+        self.router = RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed)
+        self._q: dict[int, np.ndarray] = {}
+
+    def inclusion(self, now_s: float) -> np.ndarray:
+        """[blocks, expert ids] inclusion probabilities in the skew epoch at `now_s`."""
+        epoch = self.router.epoch(now_s)
+        if epoch not in self._q:
+            q = self.router.inclusion_at(epoch)
+            shared = np.ones((self.model.num_blocks, self.model.num_shared_experts))
+            self._q = {epoch: np.concatenate([q, shared], axis=1)}  # one epoch at a time: time only moves on
+        return self._q[epoch]
+
+    def draw(self, block: int, tokens: int, now_s: float) -> np.ndarray:
+        return sample_counts(self.rng, tokens, self.inclusion(now_s)[block])
+
+
+class GroupedSteps:
+    """Every expert GPU's grouped step (cost_model.grouped_expert_time) for one vector of rows per expert id, at
+    once: [expert ids] -> [expert GPUs] seconds. `placed`: each GPU's experts, or a [expert ids, GPUs] matrix of
+    the share of an expert's rows each copy serves (EPLB's redundant copies; each copy reads its own weights)."""
+
+    def __init__(self, model: ModelProfile, gpu: GpuProfile, placed, host: HostOverhead) -> None:
+        num_ids = model.num_expert_ids
+        if isinstance(placed, np.ndarray):
+            self.where = placed
+        else:
+            self.where = np.zeros((num_ids, len(placed)))
+            for g, experts in enumerate(placed):
+                self.where[experts, g] = 1.0
+        self.inter = np.array([model.intermediate_of(e) for e in range(num_ids)], dtype=float)[:, None]
+        self.model, self.gpu, self.host = model, gpu, host
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        m, gpu, inter = self.model, self.gpu, self.inter
+        h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
+        copy = rows[:, None] * self.where  # [ids, GPUs] rows each copy serves
+        busy = copy > 0
+        r = np.where(busy, np.maximum(1.0, np.round(copy)), 0.0)
+        weights = np.where(busy, h * inter * bp, 0.0)
+        flops = gpu.usable_flops * m.gemm_speedup
+        gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
+        act_b = (r * 3 * inter * ba).sum(0)
+        down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
+        gpu_s = (
+            np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)
+            + act_b / gpu.usable_bandwidth
+            + np.maximum(down_f / flops, down_b / gpu.usable_bandwidth)
+        )
+        fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + self.host.expert_step_s, 0.0)
+        return gpu_s + fixed + copy.sum(0) * self.host.expert_row_s
+
+
+def share_matrix(num_ids: int, placement: list[list[tuple[int, float]]]) -> np.ndarray:
+    """[expert ids, devices]: the share of each expert's rows each device's copy serves."""
+    out = np.zeros((num_ids, len(placement)))
+    for d, copies in enumerate(placement):
+        for e, share in copies:
+            out[e, d] += share
+    return out
+
+
+def aep_waves(
+    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    duration_s: float, warmup_s: float, seed: int,
+):  # fmt: skip
+    """AEP at scale, in waves (module docstring): returns simulate.Simulated."""
+    ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+    A, L = dep.num_attn, model.num_blocks
+    per_rank = max(1, concurrency // A)
+    w = max(1, min(dep.attn_cap, per_rank))
+    waves = max(1, math.ceil(per_rank / w))
+    w = math.ceil(per_rank / waves)  # even waves
+    steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
+    counts = Counts(model, routing, seed)
+    link = ga.nvlink if A + dep.num_expert <= dep.gpus_per_node else ga.network
+    out = cm.transfer_time(w * model.experts_per_token * model.hidden_size * model.dispatch_bytes, link)
+    back = cm.transfer_time(cm.hidden_bytes(model, w * model.experts_per_token), link)
+    attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
+    head = cm.head_time(model, ga, w, host=host)
+    # Waves start spread over the layers, as requests that arrived at different times.
+    start = np.random.default_rng([seed, 36]).integers(0, L + 1, waves)
+    # (ready time, wave, layer: 0..L-1 its blocks, L its head)
+    ready = [(0.0, i, int(start[i])) for i in range(waves)]
+    heapq.heapify(ready)
+    a_free, e_free = 0.0, np.zeros(len(steps.where[0]))
+    end = warmup_s + duration_s
+    done_rows, attn_busy, exp_busy, exp_steps, exp_rows = 0, 0.0, 0.0, 0, 0.0
+    while ready and ready[0][0] < end:
+        t, i, layer = heapq.heappop(ready)
+        begin = max(a_free, t)
+        if layer == L:  # the head: the wave's next token starts
+            a_free = begin + head
+            if warmup_s <= begin < end:
+                attn_busy += head
+            heapq.heappush(ready, (a_free, i, 0))
+            continue
+        a_free = begin + attn
+        rows = counts.draw(layer, A * w, begin)
+        per_gpu = steps(rows)
+        arrive = a_free + out
+        busy = per_gpu > 0
+        e_free = np.where(busy, np.maximum(e_free, arrive) + per_gpu, e_free)
+        finished = float(e_free[busy].max()) if busy.any() else arrive
+        if warmup_s <= begin < end:
+            done_rows += w  # progress: one wave's block (as the event level counts attention-step rows)
+            attn_busy += attn
+            exp_busy += float(per_gpu.sum())
+            exp_steps += int(busy.sum())
+            exp_rows += float(rows.sum())
+        heapq.heappush(ready, (finished + back, i, layer + 1))
+    tps = A * done_rows / L / duration_s  # every token takes L blocks (the head counted in time, not rows)
+    conc = A * waves * w
+    return Simulated(
+        tokens_per_s=tps, itl_s=conc / tps if tps else float("inf"), concurrency=conc,
+        attention_rows_per_step=float(w), expert_rows_per_step=exp_rows / max(1, exp_steps),
+        attention_busy=min(1.0, attn_busy / duration_s), expert_busy=min(1.0, exp_busy / (len(e_free) * duration_s)),
+    )  # fmt: skip
+
+
+def ep(
+    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    duration_s: float, seed: int,
+):  # fmt: skip
+    """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
+    counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated."""
+    from amoe.emulation import ep_at_scale as scale
+
+    gpu = gpu_profile(dep.attn_gpu)
+    n, overlap = dep.num_attn, dep.two_batch_overlap
+    b = max(1, min(dep.attn_cap, -(-concurrency // n)))
+    tokens = n * b
+    rows = b / 2 if overlap else b  # one micro-batch's rows per device
+    counts = Counts(model, routing, seed)
+    placements = bounds.ep_placements(model, dep, counts.inclusion(0.0))
+    unique = {
+        id(p): GroupedSteps(model, gpu, share_matrix(model.num_expert_ids, p), host) for p in placements
+    }
+    steps = [unique[id(p)] for p in placements]
+    attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), int(round(ctx)), host)
+    exchange = bounds.ep_exchange_time(model, gpu, rows, dep)
+    head = cm.head_time(model, gpu, b, b, host)
+    elapsed, iterations, busy = 0.0, 0, 0.0
+    while elapsed < duration_s or iterations < 8:
+        iteration = head
+        for blk in range(model.num_blocks):
+            per_device = steps[blk](counts.draw(blk, int(round(n * rows)), elapsed))
+            iteration += scale.block_time(attn, float(per_device.max()), exchange, overlap)
+            busy += float(per_device.mean())
+        elapsed += iteration
+        iterations += 1
+    tps = tokens * iterations / elapsed
+    return Simulated(
+        tps, tokens / tps, tokens, float(b), float(tokens * model.experts_per_token / model.num_expert_ids),
+        1.0, min(1.0, busy * (2 if overlap else 1) / elapsed),
+    )  # fmt: skip
+
+
+def pingpong(
+    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    duration_s: float, seed: int,
+):  # fmt: skip
+    """Ping-pong's lock-step (amoe.emulation.simulate._simulate_pingpong) with counts and every expert GPU's step
+    at once; returns Simulated."""
+    ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+    A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
+    micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
+    rows = A * micro
+    steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
+    counts = Counts(model, routing, seed)
+    link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
+    out = cm.transfer_time(micro * model.experts_per_token * model.hidden_size * model.dispatch_bytes, link)
+    back = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
+    begin = cm.transfer_time(64, link)
+    attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
+    head = cm.head_time(model, ga, micro, host=host)
+    now, iterations, exp_busy, attn_busy = 0.0, 0, 0.0, 0.0
+    while now < duration_s or iterations < 8:
+        a_free = now + begin
+        e_free = np.full(steps.where.shape[1], a_free)
+        sent = []
+        for _ in range(m):
+            a_free += attn
+            sent.append(a_free + out)
+        for blk in range(L):
+            returned = []
+            for i in range(m):
+                per_gpu = steps(counts.draw(blk, rows, now))
+                e_free = np.maximum(e_free, sent[i]) + per_gpu
+                exp_busy += float(per_gpu.sum())
+                returned.append(float(e_free.max()) + back)
+            step = attn if blk < L - 1 else head
+            for i in range(m):
+                a_free = max(a_free, returned[i]) + step
+                sent[i] = a_free + out
+        attn_busy += m * (L * attn + head)
+        now = a_free
+        iterations += 1
+    tokens = rows * m
+    tps = tokens * iterations / now
+    return Simulated(
+        tps, now / iterations, tokens, float(micro), float(rows * model.experts_per_token / model.num_expert_ids),
+        min(1.0, attn_busy / now), min(1.0, exp_busy / (steps.where.shape[1] * now)),
+    )  # fmt: skip
