@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -125,3 +131,38 @@ class AliveProcess:
 
     def kill(self) -> None:
         self.returncode = -9
+
+
+class Server:
+    """`amoe serve --port 0 FLAGS` as a child process; the URL is parsed from its log."""
+
+    def __init__(self, *flags: str) -> None:
+        env = {**os.environ, "AMOE_LOG_LEVEL": "INFO"}
+        cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *flags]
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def __enter__(self) -> str:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if match := re.search(r"amoe serve: listening on (http://\S+)$", line):
+                    return match.group(1)
+            assert self.proc.poll() is None, "server exited early:\n" + "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError("no listening line:\n" + "\n".join(self.lines))
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(2)
+        try:
+            assert self.proc.wait(30) == 0, "\n".join(self.lines)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
