@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 
 import httpx
 import pytest
@@ -142,9 +143,17 @@ def test_aep_server_offloads_records_and_reports(ckpt, sizes, reference_texts, t
     )  # fmt: skip
     with Server(*flags) as url:
         choices = asyncio.run(_complete_all(url))
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        # The expert runtimes' counters come with their periodic reports: wait for both (a report, not a fixed time).
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+            misses = re.findall(
+                r'^amoe_offload_misses_total\{role="expert",runtime="(\d)"\} (\S+)$', metrics, re.M
+            )
+            if (len(misses) == 2 and all(float(v) > 0 for _, v in misses)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     assert [c["text"] for c in choices] == reference_texts
-    misses = re.findall(r'^amoe_offload_misses_total\{role="expert",runtime="(\d)"\} (\S+)$', metrics, re.M)
     assert len(misses) == 2 and all(float(v) > 0 for _, v in misses), metrics
     assert re.search(r'^amoe_offload_slots\{role="expert",runtime="\d"\} 1\.0$', metrics, re.M)
     lines = [json.loads(line) for line in record.read_text().splitlines()]
