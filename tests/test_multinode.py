@@ -223,7 +223,15 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
             assert asyncio.run(_complete_all(url)) == reference
 
             results: list[str] = []
-            worker = threading.Thread(target=lambda: results.extend(asyncio.run(_complete_all(url))))
+            errors: list[BaseException] = []
+
+            def complete() -> None:
+                try:
+                    results.extend(asyncio.run(_complete_all(url)))
+                except BaseException as exc:  # noqa: BLE001 - named by the assertion below
+                    errors.append(exc)
+
+            worker = threading.Thread(target=complete)
             worker.start()
             time.sleep(0.5)
             # A runtime on the worker node (an expert if Ray put one there: SPREAD is best effort with 3 bundles
@@ -232,6 +240,7 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
             expert = next((r for r in off_head if r["role"] == "expert"), off_head[0])
             psutil.Process(expert["pid"]).kill()
             worker.join(180)
+            assert not errors, f"a request in flight while the runtime died failed: {errors[0]!r}"
             assert not worker.is_alive() and results == reference
             deadline = time.monotonic() + 60  # replaced (a new actor on its bundle) and serving again
             while True:
