@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -166,3 +167,23 @@ class Server:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+@contextlib.contextmanager
+def server_in_thread(config, start_timeout_s: float = 90.0):
+    """`amoe serve` of `config` on a thread of this process (its own event loop), until the block ends."""
+    import asyncio
+
+    from amoe.serve import AmoeServer
+
+    srv = AmoeServer(config)
+    thread = threading.Thread(target=asyncio.run, args=(srv.run(),), name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not srv.started.wait(0.1):
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+    try:
+        yield srv
+    finally:
+        srv.request_exit()
+        thread.join(30)

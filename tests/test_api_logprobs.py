@@ -3,22 +3,18 @@ completions `logprobs` with `echo` and vLLM's `prompt_logprobs`, chat `logprobs`
 values, streamed alike), a list of prompts in one request, vLLM's /tokenize and /detokenize, and 400s naming the
 parameter for what is out of range."""
 
-import asyncio
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 import transformers
-from factories import LOGPROB_TOL, check_echo_choice, hf_greedy
+from factories import LOGPROB_TOL, check_echo_choice, hf_greedy, server_in_thread
 
 from amoe.config import AmoeConfig
 from amoe.logprobs import MAX_LOGPROBS
 from amoe.model.make import make_model
-from amoe.serve import AmoeServer
 from amoe.tokenizer import Tokenizer
 from coordinator.validation import MAX_PROMPTS
 
@@ -40,15 +36,8 @@ def server(model_dir):
         server={"port": 0, "drain_timeout_s": 2.0},
         cache={"num_kv_blocks": KV_BLOCKS},  # small: a list of prompts may need more than it holds at once
     )
-    srv = AmoeServer(config)
-    thread = threading.Thread(target=asyncio.run, args=(srv.run(),), name="test-logprobs-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started.wait(0.1):
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-    yield srv
-    srv.request_exit()
-    thread.join(30)
+    with server_in_thread(config) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

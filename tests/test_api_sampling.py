@@ -5,21 +5,18 @@ choices. The reference is the single-process engine on the same checkpoint and s
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
+from factories import server_in_thread
 
 from amoe.config import AmoeConfig
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
-from amoe.serve import AmoeServer
 from amoe.structured import compile_grammar
 from amoe.tokenizer import Tokenizer
 
@@ -43,15 +40,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     config = AmoeConfig().replace(model={"path": str(model_dir)}, server={"port": 0, "drain_timeout_s": 2.0})
-    srv = AmoeServer(config)
-    thread = threading.Thread(target=asyncio.run, args=(srv.run(),), name="test-sampling-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 90
-    while not srv.started.wait(0.1):
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-    yield srv
-    srv.request_exit()
-    thread.join(30)
+    with server_in_thread(config) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
