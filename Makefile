@@ -39,7 +39,7 @@ serve: install
 # The suite runs with an explicit --device cpu (AMOE_DEVICE stands in for the flag): CI has no GPU. The tests in
 # tests/gpu are collected and skipped, with the reason; `make test-gpu` runs them on a GPU host.
 test: install lint
-	AMOE_DEVICE=cpu $(PY) -m pytest -q tests
+	AMOE_DEVICE=cpu $(PY) -m pytest -q --durations=25 tests
 
 # The same suite with a busy loop on each core beside it: CI runs on a shared machine, and a test that only passes
 # on an idle one is a test of the machine. BUSY_CORES=N sets how many loops (default: one per core).
@@ -47,7 +47,7 @@ BUSY_CORES ?= $(shell nproc)
 test-busy: install lint
 	@pids=""; for i in $$(seq $(BUSY_CORES)); do sh -c 'while :; do :; done' & pids="$$pids $$!"; done; \
 	echo "[test-busy] $(BUSY_CORES) busy loops:$$pids"; \
-	AMOE_DEVICE=cpu $(PY) -m pytest -q tests; rc=$$?; kill $$pids; exit $$rc
+	AMOE_DEVICE=cpu $(PY) -m pytest -q --durations=25 tests; rc=$$?; kill $$pids; exit $$rc
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/gpu

@@ -77,7 +77,7 @@ PRESETS: dict[str, Preset] = {
     "ci": Preset(
         sweeps=_group("main", Setup("aep", 2, 2), Setup("ep", 4)),
         loads=(0.1, 0.2), policy_load=None, policy_base=None,
-        duration_s=0.4, time_scale=20.0, attn_cap=32, expert_cap=256, blocks=4,
+        duration_s=0.2, time_scale=20.0, attn_cap=32, expert_cap=256, blocks=4,
     ),
     # 4 of Mixtral's 32 blocks: a short request lives ~1 s emulated, so the window [60 %, 100 %] of a 2 s point is
     # near steady state. Time scale 25 keeps the host (2 cores) at about one core at AEP's top load; the loads
