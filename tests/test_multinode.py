@@ -214,6 +214,9 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
             "--model", str(model_dir), "--distributed-backend", "ray", "--dist-init-addr", ray_nodes.address,
             "--cluster-secret-file", secret, "--attn-ranks", "1", "--expert-ranks", "2",
             "--host", hosts.addrs[0], "--port", "0", "--dist-timeout-s", "120",
+            # A replacement actor loads the model again; on a busy host that took over a minute (a 504 from the
+            # stall watchdog, 60 s by default, which is not what this test is about), as in test_chaos.
+            "--server-stall-timeout-s", "300",
         ]  # fmt: skip
         head = Node(hosts, 0, flags)
         try:
