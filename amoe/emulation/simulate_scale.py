@@ -125,7 +125,7 @@ def share_matrix(num_ids: int, placement: list[list[tuple[int, float]]]) -> np.n
     return out
 
 
-class _Nics:
+class Nics:
     """Transfers between the pools on both ends' links (issue 35, incast), each link direction carrying one
     message set at a time (full duplex: in and out apart): the alike attention GPUs' one NIC (their timeline) and
     each expert GPU's. A dispatch of `rows` rows per attention GPU (their row copies, rows · top-k) leaves the
@@ -173,7 +173,7 @@ def aep_waves(
     w = math.ceil(per_rank / waves)  # even waves
     steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
-    nics = _Nics(model, dep, w, len(steps.where[0]))
+    nics = Nics(model, dep, w, len(steps.where[0]))
     attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
     head = cm.head_time(model, ga, w, host=host)
     # Waves start spread over the layers, as requests that arrived at different times.
@@ -268,7 +268,7 @@ def pingpong(
     rows = A * micro
     steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
-    nics = _Nics(model, dep, micro, steps.where.shape[1])
+    nics = Nics(model, dep, micro, steps.where.shape[1])
     begin = cm.transfer_time(64, bounds.pool_link(ga, dep))
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
