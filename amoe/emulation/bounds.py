@@ -19,6 +19,12 @@ the expected load of each expert taken from the exact probability that it is amo
   micro-batches that alternate between the pools block by block; a block takes the slower pool's m steps plus the
   two transfers that the alternation cannot hide.
 
+Transfers between AEP's and ping-pong's pools (issue 35, the incast; `PoolLinks`) take the slower of the sender's
+and the receiver's link: an expert GPU receives the rows of every attention GPU whose wave or micro-batch reached
+it (A / E times what one attention GPU sends when A > E, more on a hot one), and the busiest such GPU sets each
+block's transfers. Each GPU's NIC (full duplex) is also a throughput limit, bottleneck "link": per iteration it
+moves its rows in and out, whatever the waves or micro-batches.
+
 ITL follows from Little's law: concurrency / throughput (each of the C requests decoding at once gets one token per
 C / T seconds).
 
@@ -200,7 +206,7 @@ class Prediction:
     tokens_per_s: float
     itl_s: float
     concurrency: int  # requests decoding at once
-    bottleneck: str  # attention | experts | barrier | memory
+    bottleneck: str  # attention | experts | critical path | link | barrier | memory
     attention_tokens_per_s: float = 0.0
     expert_tokens_per_s: float = 0.0
     expert_skew: float = (
@@ -323,7 +329,12 @@ def _aep(
     With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown): rank r's requests
     see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's W waves of work), the path waiting
     at each block for the expected slowest of the expert GPUs its wave reached (jitter included); throughput is
-    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean."""
+    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean.
+
+    Links (issue 35): each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
+    times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
+    iteration ("link": the expert GPU with the most rows over the blocks, or an attention GPU's own w · k per
+    block), extra["link_s"]."""
     blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
     links = pool_links(model, dep)
     share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
@@ -441,7 +452,9 @@ def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, hos
 
 def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
-    micro-batch) and the expected slowest expert GPU."""
+    micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
+    (`PoolLinks`), and the iteration is at least the busiest NIC's time for its m micro-batches' rows of every
+    block ("link", extra["link_s"]; issue 35)."""
     m = max(1, dep.micro_batches)
     micro = max(1, b // m)
     s_attn = variance.speeds(0, dep.num_attn)

@@ -16,14 +16,16 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   experts); a step takes up to the expert cap from every hosted expert's queue of the picked block (one grouped
   step, cost_model.grouped_expert_time, as the runtime's engine drains it; `scheduler.group_experts = False`:
   the picked queue alone) and sends each part back. A token enters its
-  rank's next queue when the last of its k parts is back.
+  rank's next queue when the last of its k parts is back. A message takes its time on the sender's link, and each
+  GPU's link in takes one message at a time, so messages into one GPU queue (issue 35: many attention GPUs into
+  few expert GPUs).
 * **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
 * **Ping-pong**: the lock-step of amoe/runtime/sync/pingpong.py step by step: a BEGIN barrier per iteration, then
   every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
   (block, micro-batch) in that order, each once the micro-batch of every attention GPU has arrived, over this
   iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
-  reply is back. The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
+  reply is back; both ends' links as the simulation at scale prices them (simulate_scale.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
   hot expert GPU holding the next micro-batch, m heads) are in.
 
 Step-time variance (amoe.emulation.variance, sourced by default): every step of GPU i (attention GPUs first, then
