@@ -12,11 +12,12 @@ ITLs), so at scale the simulation changes its unit, not its language:
   (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
 * **Attention GPUs alike**: every attention GPU holds the same share of requests, so one timeline stands for
   them (as the ping-pong simulation already does); each expert GPU keeps its own.
-* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (the bound's operating point, or the
-  requests given split so); a wave's block is its attention step, the transfer out, each expert GPU's grouped step
-  over the A attention GPUs' rows of that wave (drawn this iteration), the transfer back. Attention runs waves in
-  the order they become ready; an expert GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays
-  every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
+* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (w: the attention cap, or fewer when
+  its requests are fewer; not the bound's wave size, which can be smaller); a wave's block is its attention step,
+  the transfer out, each expert GPU's grouped step over the A attention GPUs' rows of that wave (drawn this
+  iteration), the transfer back, each transfer through both ends' NICs, one message set at a time each way (Nics:
+  the incast into few expert GPUs queues there). Attention runs waves in the order they become ready; an expert
+  GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
   of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
   steps), and request-level affinity.
 
