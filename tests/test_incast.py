@@ -82,3 +82,18 @@ def test_with_no_more_attention_than_expert_gpus_the_receiver_never_binds(ds, mo
     assert [(p.tokens_per_s, p.itl_s, p.bottleneck) for p in priced] == [
         (p.tokens_per_s, p.itl_s, p.bottleneck) for p in free
     ]
+
+
+def test_the_frontier_table_names_a_bad_mode(tmp_path):
+    """`amoe bench frontier --table --modes` runs some of the three modes (a change to AEP's and ping-pong's links
+    leaves EP's cells as they were); an unknown one is a one-line error before any cell runs."""
+    import argparse
+
+    from amoe.emulation import frontier
+
+    args = argparse.Namespace(
+        out=str(tmp_path), sizes="16", profiles="deepseek-v3", gpu="h800", modes="aep,foo"
+    )
+    with pytest.raises(SystemExit, match="--modes takes aep, pingpong, ep"):
+        frontier.table_main(args)
+    assert not (tmp_path / "table.jsonl").exists()
