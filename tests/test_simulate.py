@@ -141,7 +141,7 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
     plan that misses it."""
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
-    slo_ms = 7.0
+    slo_ms = 6.5  # the knee simulates at 6.9-7.3 ms over seeds (7.0 sat inside that spread)
     pred = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, slo_ms / 1e3)
     assert pred.itl_s * 1e3 <= slo_ms
     knee = simulate(

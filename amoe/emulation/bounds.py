@@ -19,6 +19,12 @@ the expected load of each expert taken from the exact probability that it is amo
   micro-batches that alternate between the pools block by block; a block takes the slower pool's m steps plus the
   two transfers that the alternation cannot hide.
 
+Transfers between AEP's and ping-pong's pools (issue 35, the incast; `PoolLinks`) take the slower of the sender's
+and the receiver's link: an expert GPU receives the rows of every attention GPU whose wave or micro-batch reached
+it (A / E times what one attention GPU sends when A > E, more on a hot one), and the busiest such GPU sets each
+block's transfers. Each GPU's NIC (full duplex) is also a throughput limit, bottleneck "link": per iteration it
+moves its rows in and out, whatever the waves or micro-batches.
+
 ITL follows from Little's law: concurrency / throughput (each of the C requests decoding at once gets one token per
 C / T seconds).
 
@@ -84,6 +90,59 @@ def all_to_all_time(
     return A2A_FIXED_NETWORK_S + max(local, remote)
 
 
+# ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links (issue 35, incast)
+
+
+def pool_link(gpu: GpuProfile, dep: Deployment):
+    """The link a transfer between the pools takes on `gpu`'s end: NVLink when both pools fit in one node, else
+    its NIC (one 400 Gb/s NIC per H800)."""
+    return gpu.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else gpu.network
+
+
+@dataclass(frozen=True)
+class PoolLinks:
+    """Seconds per hidden row on each end of a transfer between the pools. A message set's time is its latency
+    plus the slower of its ends: the sender's link out and the receiver's link in, full duplex (a NIC's in and
+    out directions are separate). Out (dispatch, model.dispatch_bytes: FP8 where served so) an attention GPU
+    sends its rows' top-k copies and an expert GPU receives the rows of every attention GPU whose wave or
+    micro-batch reached it: with A attention GPUs feeding E < A expert GPUs that is about A / E times as much
+    (the incast), and more on the expert GPU that hosts the hottest experts or the shared one. Back (combine,
+    activation bytes) the expert GPU sends those rows and each attention GPU receives its own."""
+
+    latency: float
+    attn_out: float
+    attn_in: float
+    expert_in: float
+    expert_out: float
+
+    def out_s(self, attn_rows, expert_rows):
+        """The dispatch: `attn_rows` leave each attention GPU, `expert_rows` reach the busiest expert GPU."""
+        return self.latency + np.maximum(attn_rows * self.attn_out, expert_rows * self.expert_in)
+
+    def back_s(self, attn_rows, expert_rows):
+        """The combine: `expert_rows` leave the busiest expert GPU, `attn_rows` reach each attention GPU."""
+        return self.latency + np.maximum(attn_rows * self.attn_in, expert_rows * self.expert_out)
+
+
+def pool_links(model: ModelProfile, dep: Deployment) -> PoolLinks:
+    la = pool_link(gpu_profile(dep.attn_gpu), dep)
+    le = pool_link(gpu_profile(dep.expert_gpu), dep)
+    out, back = model.hidden_size * model.dispatch_bytes, model.hidden_size * model.bytes_per_activation
+    return PoolLinks(
+        latency=la.latency, attn_out=out / la.usable_bandwidth, attn_in=back / la.usable_bandwidth,
+        expert_in=out / le.usable_bandwidth, expert_out=back / le.usable_bandwidth,
+    )  # fmt: skip
+
+
+def expert_shares(placed: list[list[int]], q: np.ndarray) -> np.ndarray:
+    """[blocks, expert GPUs]: the rows each expert GPU receives per token of a block (Σ of its experts' inclusion
+    probabilities; the GPU hosting the shared expert gets every token)."""
+    where = np.zeros((q.shape[1], len(placed)))
+    for g, experts in enumerate(placed):
+        where[experts, g] = 1.0
+    return q @ where
+
+
 def _deepep_fraction(devices: int) -> float:
     sizes = sorted(DEEPEP_RDMA_GBPS)
     size = next((s for s in sizes if s >= devices), sizes[-1])
@@ -147,7 +206,7 @@ class Prediction:
     tokens_per_s: float
     itl_s: float
     concurrency: int  # requests decoding at once
-    bottleneck: str  # attention | experts | barrier | memory
+    bottleneck: str  # attention | experts | critical path | link | barrier | memory
     attention_tokens_per_s: float = 0.0
     expert_tokens_per_s: float = 0.0
     expert_skew: float = (
@@ -270,9 +329,17 @@ def _aep(
     With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown): rank r's requests
     see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's W waves of work), the path waiting
     at each block for the expected slowest of the expert GPUs its wave reached (jitter included); throughput is
-    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean."""
+    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean.
+
+    Links (issue 35): each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
+    times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
+    iteration ("link": the expert GPU with the most rows over the blocks, or an attention GPU's own w · k per
+    block), extra["link_s"]."""
     blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
-    link = ga.nvlink if A + dep.num_expert <= dep.gpus_per_node else ga.network
+    links = pool_links(model, dep)
+    share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
+    hottest = share.max(axis=1)  # [blocks] the busiest receiver of each block sets its transfers
+    per_iteration = float(share.sum(axis=0).max())  # the busiest expert GPU's rows per token and iteration
     s_attn = variance.speeds(0, A)  # [A]
     s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
     slowest = float(s_attn.max())
@@ -280,33 +347,47 @@ def _aep(
     for w in _doublings(1, b):
         t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
         t_head = cm.head_time(model, ga, w, host=host)
-        t_move = cm.transfer_time(cm.hidden_bytes(model, w * k), link)
+        # Each block's dispatch and combine: a wave's w · k row copies on the attention GPU's link, the A waves'
+        # rows the hottest expert GPU gets on its own (issue 35: with A > E that end is the slower).
+        moves = float(np.sum(links.out_s(w * k, A * w * hottest) + links.back_s(w * k, A * w * hottest)))
         one = _grouped_steps(model, ge, placed, q, A * w, dep.expert_cap, host)  # [blocks, expert GPUs]
         expert_path = float(np.sum(expected_max(one * s_exp, variance.jitter)))
         attn_busy = blocks * t_attn + t_head  # one wave's attention-GPU seconds per iteration
-        paths = blocks * 2 * t_move + expert_path + attn_busy * s_attn  # [A] each rank's wave's critical path
+        paths = moves + expert_path + attn_busy * s_attn  # [A] each rank's wave's critical path
         path = float(paths.max())
+        # A wave's seconds per iteration on the busiest NIC in its busier direction (bytes only: latencies
+        # overlap): the expert GPU receiving and returning the most rows, or an attention GPU's own rows.
+        link_1 = max(
+            A * w * per_iteration * max(links.expert_in, links.expert_out),
+            blocks * w * k * max(links.attn_out, links.attn_in),
+        )
         for W in _doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
             merged = one if W == 1 else _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host)
             # The W waves' expert seconds per iteration on each expert GPU, at its speed.
             per_gpu = merged.sum(axis=0) * s_exp
             experts = float(per_gpu.max())
-            itls = np.maximum(np.maximum(paths, W * attn_busy * s_attn), experts)  # [A]
+            link = W * link_1
+            itls = np.maximum(np.maximum(paths, W * attn_busy * s_attn), max(experts, link))  # [A]
             concurrency = A * W * w
             tps = float(np.sum(W * w / itls))
             itl = concurrency / tps
             worst = float(itls.max())  # the slowest rank's bottleneck names the point
-            side = {path: "critical path", W * attn_busy * slowest: "attention", experts: "experts"}[worst]
+            side = {
+                path: "critical path",
+                W * attn_busy * slowest: "attention",
+                experts: "experts",
+                link: "link",
+            }[worst]
             points.append(
                 Prediction(
                     tokens_per_s=tps, itl_s=itl, concurrency=concurrency, bottleneck=side,
                     attention_tokens_per_s=float(np.sum(w / (attn_busy * s_attn))),
                     expert_tokens_per_s=concurrency / experts,
                     expert_skew=float(per_gpu.max() / per_gpu.mean()),
-                    extra={"waves": W, "wave_rows": w, "critical_path_s": path},
+                    extra={"waves": W, "wave_rows": w, "critical_path_s": path, "link_s": link},
                 )
             )  # fmt: skip
-            if W * attn_busy * float(s_attn.min()) >= max(path, experts):
+            if W * attn_busy * float(s_attn.min()) >= max(path, experts, link):
                 break  # attention-bound on every rank: more waves only lengthen ITL
     # Under an ITL objective only the points that meet it (none: the best, which the planner then drops).
     points = [p for p in points if itl_slo_s is None or p.itl_s <= itl_slo_s] or points
@@ -371,16 +452,28 @@ def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, hos
 
 def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
-    micro-batch) and the expected slowest expert GPU."""
+    micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
+    (`PoolLinks`), and the iteration is at least the busiest NIC's time for its m micro-batches' rows of every
+    block ("link", extra["link_s"]; issue 35)."""
     m = max(1, dep.micro_batches)
     micro = max(1, b // m)
     s_attn = variance.speeds(0, dep.num_attn)
     s_exp = variance.speeds(dep.num_attn, len(placed))
     t_attn = expected_max(cm.decode_attention_time(model, ga, micro, ctx, host) * s_attn, variance.jitter)
     rows_in = dep.num_attn * micro  # one micro-batch of every attention GPU reaches the experts together
-    link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
-    t_move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
-    block_s, skew = 0.0, []
+    # Each block's two transfers on both ends' links: a micro-batch's row copies leave (and come back to) each
+    # attention GPU, the busiest expert GPU receives (and returns) its share of every attention GPU's (issue 35).
+    links, k = pool_links(model, dep), model.experts_per_token
+    share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
+    hottest = share.max(axis=1) * rows_in  # [blocks] rows into the busiest expert GPU
+    moves = links.out_s(micro * k, hottest) + links.back_s(micro * k, hottest)  # [blocks]
+    # The busiest NIC's seconds per iteration in its busier direction (bytes only: latencies overlap, and one
+    # block's hot expert GPU returns while the next block's dispatch enters another): m micro-batches a block.
+    link_s = m * max(
+        model.num_blocks * micro * k * max(links.attn_out, links.attn_in),
+        float(share.sum(axis=0).max()) * rows_in * max(links.expert_in, links.expert_out),
+    )
+    block_s, skew, shape_s = 0.0, [], 0.0
     # Past 16 expert GPUs (frontier pools, issue 35) every block's steps at once, as AEP's bound costs them; up to
     # 16, one grouped_expert_time per (block, GPU) as before (the same numbers to the last bit).
     table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host) if len(placed) > 16 else None
@@ -394,15 +487,22 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> 
             per_gpu = table[blk].tolist()
         t_exp = expected_max(np.array(per_gpu) * s_exp, variance.jitter)
         skew.append(max(per_gpu) / (sum(per_gpu) / len(per_gpu)))
-        block_s += max(m * t_attn, m * t_exp, t_attn + t_exp) + 2 * t_move
-    iteration = block_s + expected_max(cm.head_time(model, ga, b, host=host) * s_attn, variance.jitter)
+        shape = max(m * t_attn, m * t_exp, t_attn + t_exp)
+        shape_s += shape
+        block_s += shape + moves[blk]  # Eq. 5's shape plus the two transfers
+    shaped = block_s + expected_max(cm.head_time(model, ga, b, host=host) * s_attn, variance.jitter)
+    # ... unless the busiest NIC cannot carry the iteration's transfers in that time.
+    iteration = max(shaped, link_s)
     concurrency = dep.num_attn * micro * m
     tps = concurrency / iteration
     attn_bound = m * t_attn * model.num_blocks
+    if link_s > shaped:
+        side = "link"
+    else:
+        side = "attention" if attn_bound >= shape_s - 1e-12 else "experts"
     return Prediction(
-        tokens_per_s=tps, itl_s=iteration, concurrency=concurrency,
-        bottleneck="attention" if attn_bound >= block_s - 2 * t_move * model.num_blocks - 1e-12 else "experts",
-        expert_skew=float(np.mean(skew)),
+        tokens_per_s=tps, itl_s=iteration, concurrency=concurrency, bottleneck=side,
+        expert_skew=float(np.mean(skew)), extra={"link_s": link_s},
     )  # fmt: skip
 
 

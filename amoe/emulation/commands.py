@@ -96,6 +96,9 @@ def add_bench_frontier_command(sub: Any) -> None:
     p.add_argument("--profiles", default="deepseek-v3,qwen3-235b-a22b")
     p.add_argument("--gpu", default="h800")
     p.add_argument("--sizes", default="16,32,64,128,256")
+    p.add_argument(
+        "--modes", default="aep,pingpong,ep", help="the table's modes (default: all three; comma-separated)"
+    )
     p.set_defaults(run=run_frontier)
 
 

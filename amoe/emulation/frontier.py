@@ -190,10 +190,13 @@ def table_main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cells = []
     sizes = [int(x) for x in args.sizes.split(",")]
+    modes = [m for m in getattr(args, "modes", "aep,pingpong,ep").split(",") if m]
+    if not modes or set(modes) - {"aep", "pingpong", "ep"}:
+        raise SystemExit(f"amoe bench frontier: --modes takes aep, pingpong, ep (got {args.modes!r})")
     for profile in args.profiles.split(","):
         for slo in TABLE_SLOS_MS:
             for n in sizes:
-                for mode in ("aep", "pingpong", "ep"):
+                for mode in modes:
                     cell = table_cell(profile, args.gpu, n, mode, slo)
                     cells.append(cell)
                     print(json.dumps(cell), flush=True)

@@ -16,14 +16,16 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   experts); a step takes up to the expert cap from every hosted expert's queue of the picked block (one grouped
   step, cost_model.grouped_expert_time, as the runtime's engine drains it; `scheduler.group_experts = False`:
   the picked queue alone) and sends each part back. A token enters its
-  rank's next queue when the last of its k parts is back.
+  rank's next queue when the last of its k parts is back. A message takes its time on the sender's link, and each
+  GPU's link in takes one message at a time, so messages into one GPU queue (issue 35: many attention GPUs into
+  few expert GPUs).
 * **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
 * **Ping-pong**: the lock-step of amoe/runtime/sync/pingpong.py step by step: a BEGIN barrier per iteration, then
   every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
   (block, micro-batch) in that order, each once the micro-batch of every attention GPU has arrived, over this
   iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
-  reply is back. The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
+  reply is back; both ends' links as the simulation at scale prices them (simulate_scale.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
   hot expert GPU holding the next micro-batch, m heads) are in.
 
 Step-time variance (amoe.emulation.variance, sourced by default): every step of GPU i (attention GPUs first, then
@@ -160,8 +162,11 @@ class _Aep:
         self.events: list = []
         self.seq = itertools.count()
         self.now = 0.0
-        self.link = self.ga.nvlink if dep.gpus_per_node >= A + E else self.ga.network
+        self.link = bounds.pool_link(self.ga, dep)
+        self.link_e = bounds.pool_link(self.ge, dep)
         self.row_bytes = model.hidden_size * model.bytes_per_activation
+        # When each GPU's link in is next free: it takes one message at a time (issue 35, the incast).
+        self.in_free_a, self.in_free_e = np.zeros(A), np.zeros(E)
         # Each request starts at a random layer of its iteration (block 0..B-1 or the head), as in a deployment
         # whose requests arrived at different times. All at block 0 would move in waves that small batches never
         # break up, and the planner's short window would count a wave's crest: 17 % over the runtime's measured
@@ -257,6 +262,13 @@ class _Aep:
     def _move(self, rows: int) -> float:
         return self.link.latency + rows * self.row_bytes / self.link.usable_bandwidth
 
+    def _arrival(self, free: np.ndarray, dev: int, rows: int, link) -> float:
+        """When a message of `rows` rows sent now is in GPU `dev`: its time on the sender's link, as each message
+        was priced alone, unless the receiver's link (`free`: when each is next idle) is still taking earlier
+        messages, one at a time. Many attention GPUs sending to one expert GPU queue there (issue 35)."""
+        free[dev] = max(self.now, free[dev]) + rows * self.row_bytes / link.usable_bandwidth
+        return max(self.now + self._move(rows), free[dev] + link.latency)
+
     def _attn_done(self, r: int, block: int, tokens: np.ndarray) -> None:
         self._at(self.now, self._start, ("a", r))
         if block == self.blocks:  # the head: the request's next token starts
@@ -277,13 +289,20 @@ class _Aep:
             for col in np.unique(self.col_of[flat[mask]]):
                 sel = mask & (self.col_of[flat] == col)
                 parts = owner[sel]
-                self._at(self.now + self._move(len(parts)), self._enqueue_exp, int(g), block, int(col), parts)
+                t = self._arrival(self.in_free_e, int(g), len(parts), self.link_e)
+                self._at(t, self._enqueue_exp, int(g), block, int(col), parts)
 
     def _exp_done(self, g: int, block: int, parts: np.ndarray) -> None:
         self._at(self.now, self._start, ("e", g))
         for r in np.unique(self.rank_of[parts]):
             back = parts[self.rank_of[parts] == r]
-            self._at(self.now + self._move(len(back)), self._returned, int(r), block, back)
+            self._at(
+                self._arrival(self.in_free_a, int(r), len(back), self.link),
+                self._returned,
+                int(r),
+                block,
+                back,
+            )
 
     def _returned(self, r: int, block: int, parts: np.ndarray) -> None:
         self.attn_sched[r].add_pending(block + 1, -len(parts))
@@ -374,9 +393,12 @@ def _simulate_pingpong(
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
     rows = A * micro  # one micro-batch of every attention GPU: what an expert GPU's step gathers
     placed = dep.experts_on(model.num_expert_ids)
-    link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
-    move = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
-    begin = cm.transfer_time(64, link)  # the BEGIN barrier: a row count and a stop flag from every device
+    from amoe.emulation.simulate_scale import Nics
+
+    # Both ends' links, one message set at a time each way (the dispatch leaves each attention GPU and enters each
+    # expert GPU with every attention GPU's rows for it: issue 35, the incast).
+    nics = Nics(model, dep, micro, len(placed))
+    begin = cm.transfer_time(64, bounds.pool_link(ga, dep))  # the BEGIN barrier: a row count and a stop flag
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
     router = _router(model, routing, seed)
@@ -389,11 +411,11 @@ def _simulate_pingpong(
 
     while now < duration_s or iterations < 8:
         a_free = now + begin
-        e_free = [a_free] * len(placed)
-        sent = []  # when micro-batch i's dispatch reaches the expert GPUs
+        e_free = np.full(len(placed), a_free)
+        sent = []  # when micro-batch i's attention step ends (its dispatch leaves)
         for _ in range(m):
             a_free += attn_step(attn)
-            sent.append(a_free + move)
+            sent.append(a_free)
         for blk in range(L):
             back = []
             for i in range(m):
@@ -401,17 +423,17 @@ def _simulate_pingpong(
                     blk, rows, request_ids=rid[i], positions=np.full(rows, position), now_s=now
                 )
                 counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
-                done = 0.0
+                into = np.array([float(counts[es].sum()) for es in placed])
+                arrive = nics.dispatch(sent[i], into)
                 for g, es in enumerate(placed):
                     step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
-                    e_free[g] = max(e_free[g], sent[i]) + step
+                    e_free[g] = max(e_free[g], arrive[g]) + step
                     exp_busy += step
-                    done = max(done, e_free[g])
-                back.append(done + move)
+                back.append(nics.combine(e_free, into, float(e_free.max())))
             step = attn if blk < L - 1 else head
             for i in range(m):
                 a_free = max(a_free, back[i]) + attn_step(step)
-                sent[i] = a_free + move
+                sent[i] = a_free
         attn_busy += m * (L * attn + head)  # block 0 .. L-1 attention and the heads
         now = a_free
         iterations += 1

@@ -12,11 +12,12 @@ ITLs), so at scale the simulation changes its unit, not its language:
   (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
 * **Attention GPUs alike**: every attention GPU holds the same share of requests, so one timeline stands for
   them (as the ping-pong simulation already does); each expert GPU keeps its own.
-* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (the bound's operating point, or the
-  requests given split so); a wave's block is its attention step, the transfer out, each expert GPU's grouped step
-  over the A attention GPUs' rows of that wave (drawn this iteration), the transfer back. Attention runs waves in
-  the order they become ready; an expert GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays
-  every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
+* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (w: the attention cap, or fewer when
+  its requests are fewer; not the bound's wave size, which can be smaller); a wave's block is its attention step,
+  the transfer out, each expert GPU's grouped step over the A attention GPUs' rows of that wave (drawn this
+  iteration), the transfer back, each transfer through both ends' NICs, one message set at a time each way (Nics:
+  the incast into few expert GPUs queues there). Attention runs waves in the order they become ready; an expert
+  GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
   of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
   steps), and request-level affinity.
 
@@ -125,6 +126,41 @@ def share_matrix(num_ids: int, placement: list[list[tuple[int, float]]]) -> np.n
     return out
 
 
+class Nics:
+    """Transfers between the pools on both ends' links (issue 35, incast), each link direction carrying one
+    message set at a time (full duplex: in and out apart): the alike attention GPUs' one NIC (their timeline) and
+    each expert GPU's. A dispatch of `rows` rows per attention GPU (their row copies, rows · top-k) leaves the
+    attention GPU's link out and enters each expert GPU's link in with the rows it gets from all A attention GPUs;
+    it arrives when both ends are through, plus the latency. The combine leaves each expert GPU's link out once
+    that GPU is done and enters the attention GPU's link in once the last one is (every part must be back before
+    the block goes on), as the transfer back was priced before. While no link is busy when a message set comes, this is latency + the slower end's bytes, which is
+    the sender's whenever each expert GPU receives no more than one attention GPU sends (A ≤ E and no hot GPU):
+    those plans keep the times they had."""
+
+    def __init__(self, model: ModelProfile, dep: bounds.Deployment, rows: int, num_expert: int) -> None:
+        self.links = bounds.pool_links(model, dep)
+        self.copies = rows * model.experts_per_token
+        self.a_out = self.a_in = 0.0
+        self.e_in, self.e_out = np.zeros(num_expert), np.zeros(num_expert)
+
+    def dispatch(self, t: float, into: np.ndarray) -> np.ndarray:
+        """[expert GPUs] when a dispatch that leaves at `t` is in each expert GPU (`into`: its rows)."""
+        lk = self.links
+        self.a_out = max(t, self.a_out) + self.copies * lk.attn_out
+        got = into > 0
+        self.e_in = np.where(got, np.maximum(t, self.e_in) + into * lk.expert_in, self.e_in)
+        return np.maximum(self.a_out, np.where(got, self.e_in, 0.0)) + lk.latency
+
+    def combine(self, done: np.ndarray, into: np.ndarray, last: float) -> float:
+        """When every part of a block is back at the attention GPU: each expert GPU `done` with its `into` rows
+        at that time, the last of them at `last`."""
+        lk = self.links
+        got = into > 0
+        self.e_out = np.where(got, np.maximum(done, self.e_out) + into * lk.expert_out, self.e_out)
+        self.a_in = max(last, self.a_in) + self.copies * lk.attn_in
+        return max(self.a_in, float(self.e_out[got].max()) if got.any() else 0.0) + lk.latency
+
+
 def aep_waves(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, warmup_s: float, seed: int,
@@ -138,9 +174,7 @@ def aep_waves(
     w = math.ceil(per_rank / waves)  # even waves
     steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
-    link = ga.nvlink if A + dep.num_expert <= dep.gpus_per_node else ga.network
-    out = cm.transfer_time(w * model.experts_per_token * model.hidden_size * model.dispatch_bytes, link)
-    back = cm.transfer_time(cm.hidden_bytes(model, w * model.experts_per_token), link)
+    nics = Nics(model, dep, w, len(steps.where[0]))
     attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
     head = cm.head_time(model, ga, w, host=host)
     # Waves start spread over the layers, as requests that arrived at different times.
@@ -163,17 +197,19 @@ def aep_waves(
         a_free = begin + attn
         rows = counts.draw(layer, A * w, begin)
         per_gpu = steps(rows)
-        arrive = a_free + out
+        into = rows @ steps.where  # [expert GPUs] rows each receives: the A attention GPUs' wave
+        arrive = nics.dispatch(a_free, into)
         busy = per_gpu > 0
         e_free = np.where(busy, np.maximum(e_free, arrive) + per_gpu, e_free)
-        finished = float(e_free[busy].max()) if busy.any() else arrive
+        finished = float(e_free[busy].max()) if busy.any() else float(arrive.max())
+        returned = nics.combine(e_free, into, finished)
         if warmup_s <= begin < end:
             done_rows += w  # progress: one wave's block (as the event level counts attention-step rows)
             attn_busy += attn
             exp_busy += float(per_gpu.sum())
             exp_steps += int(busy.sum())
             exp_rows += float(rows.sum())
-        heapq.heappush(ready, (finished + back, i, layer + 1))
+        heapq.heappush(ready, (returned, i, layer + 1))
     tps = A * done_rows / L / duration_s  # every token takes L blocks (the head counted in time, not rows)
     conc = A * waves * w
     return Simulated(
@@ -233,31 +269,31 @@ def pingpong(
     rows = A * micro
     steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
-    link = ga.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else ga.network
-    out = cm.transfer_time(micro * model.experts_per_token * model.hidden_size * model.dispatch_bytes, link)
-    back = cm.transfer_time(cm.hidden_bytes(model, micro * model.experts_per_token), link)
-    begin = cm.transfer_time(64, link)
+    nics = Nics(model, dep, micro, steps.where.shape[1])
+    begin = cm.transfer_time(64, bounds.pool_link(ga, dep))
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
     now, iterations, exp_busy, attn_busy = 0.0, 0, 0.0, 0.0
     while now < duration_s or iterations < 8:
         a_free = now + begin
         e_free = np.full(steps.where.shape[1], a_free)
-        sent = []
+        sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
         for _ in range(m):
             a_free += attn
-            sent.append(a_free + out)
+            sent.append(a_free)
         for blk in range(L):
             returned = []
             for i in range(m):
-                per_gpu = steps(counts.draw(blk, rows, now))
-                e_free = np.maximum(e_free, sent[i]) + per_gpu
+                drawn = counts.draw(blk, rows, now)
+                per_gpu = steps(drawn)
+                into = drawn @ steps.where
+                e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
                 exp_busy += float(per_gpu.sum())
-                returned.append(float(e_free.max()) + back)
+                returned.append(nics.combine(e_free, into, float(e_free.max())))
             step = attn if blk < L - 1 else head
             for i in range(m):
                 a_free = max(a_free, returned[i]) + step
-                sent[i] = a_free + out
+                sent[i] = a_free
         attn_busy += m * (L * attn + head)
         now = a_free
         iterations += 1
