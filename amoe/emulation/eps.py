@@ -71,9 +71,14 @@ class EpsCurves:
     dense: KernelCurve
     a2a_fixed_s: float
     a2a_bandwidth: float  # bytes/s a device's all-to-all moves
-    layer_fixed_s: float = 0.0  # b: per layer whatever PN (routing, permutation, reduction, synchronisation)
+    # b: the layer's fixed communication overhead (the paper's §V-A "fixed overhead in communication", R(N) =
+    # kN + b of §IV-D). It rides the communication stream, half with the dispatch and half with the combine,
+    # each chunk's collectives carrying their share of the bytes; Table II's PN 1 rows pay it whole and serially.
+    layer_fixed_s: float = 0.0
     fp8_bytes: float = FP8_BYTES
     source: str = ""
+    # Two-sided slowdown while a collective overlaps a GEMM on every SM (pipeline_time); `fit_interference`.
+    interference: float = INTERFERENCE
 
     def curve(self, kernel: str) -> KernelCurve:
         return self.grouped if kernel == "grouped" else self.dense
@@ -113,6 +118,16 @@ TABLE2 = (
     Table2Row(9, 20, "dense", True, False, None, (4.855, 20.599, 2.133, 7.043, 1.016, 2.655)),
     Table2Row(10, 20, "dense", True, True, None, (3.465, 20.012, 1.715, 6.893, 0.977, 2.619)),
 )
+
+
+# The paper's Table IV (4 x H800, EPS applied, the communication kernel on 16 SMs; ms): one layer at m tokens per
+# expert with the GEMM on 132 SMs (uncapped: it and the collective contend) and on 116 (capped). The paper gives
+# neither shape nor PN; read here as Table II's DeepSeek-V2 shape [5120, 1536], PN 5, grouped, BF16 (ID 3 / ID 4,
+# whose m = 3072 cells, 4.837 / 4.248, are close to its 4.597 / 3.894). Its 132 / 116 ratio is the one measurement
+# of the interference the paper gives; `fit_interference` identifies the constant from it alone.
+TABLE4_M = (3072, 1536, 768, 384, 192)
+TABLE4_MS = {132: (4.597, 2.385, 1.306, 0.894, 0.591), 116: (3.894, 2.079, 1.170, 0.787, 0.540)}
+TABLE4_SHAPE, TABLE4_PIPELINES = (5120, 1536), 5
 
 
 # ---- expert GEMMs
@@ -189,71 +204,58 @@ def pipeline_time(
     after_s: float = 0.0,
 ) -> float:
     """The layer's time from its first dispatch to its last combine. Without overlap the chunks run one after
-    another. With it: the communication stream runs dispatch(0), then per p = 1..PN dispatch(p), combine(p − 2),
-    then the last combines (Algorithm 1's issue order); compute(p) starts when dispatch(p) and compute(p − 1) are
-    done and is slowed by `interference` for the time a collective runs beside it. `before_s` runs on the compute
-    stream beside dispatch(0) (the shared experts), `after_s` after the last compute (the local reduction, beside
-    the last combine)."""
+    another. With it, two streams: the communication stream runs dispatch(0), then per p = 1..PN dispatch(p),
+    combine(p − 2), then the last combines (Algorithm 1's issue order), a combine waiting for its chunk's compute;
+    the compute stream runs `before_s` (the shared experts, beside dispatch(0)), compute(p) once dispatch(p) is in,
+    then `after_s` (the local reduction, beside the last combine). While both streams are busy each runs
+    1 / (1 + `interference`) as fast: the paper's §IV-E — a GEMM holding every SM delays the collective's
+    scheduling, and the collective's SMs slow the GEMM."""
     if not overlap:
         return before_s + sum(c.dispatch_s + c.compute_s + c.combine_s for c in chunks) + after_s
     n = len(chunks)
-    order = [("d", 0)]
+    comm: list[tuple[float, int]] = [(chunks[0].dispatch_s, -1)]  # (work, the compute op it waits for; -1 none)
     for p in range(1, n + 1):
         if p < n:
-            order.append(("d", p))
+            comm.append((chunks[p].dispatch_s, -1))
         if p >= 2:
-            order.append(("c", p - 2))
-    order.append(("c", n - 1))
-    comm_free = 0.0
-    busy: list[tuple[float, float]] = []  # communication intervals
-    dispatched = [0.0] * n
-    computed = [0.0] * n
-    compute_free = before_s
-    # The streams depend on each other only through (dispatch p → compute p) and (compute p → combine p): run the
-    # communication stream op by op, computing each chunk the first time its combine needs it.
-    next_compute = 0
-
-    def compute_until(p: int) -> None:
-        nonlocal compute_free, next_compute
-        while next_compute <= p:
-            q = next_compute
-            start = max(compute_free, dispatched[q])
-            computed[q] = _stretched(start, chunks[q].compute_s, busy, interference)
-            compute_free = computed[q]
-            next_compute += 1
-
-    for kind, p in order:
-        if kind == "d":
-            start = comm_free
-            comm_free = start + chunks[p].dispatch_s
-            dispatched[p] = comm_free
-        else:
-            compute_until(p)
-            start = max(comm_free, computed[p])
-            comm_free = start + chunks[p].combine_s
-        busy.append((start, comm_free))
-    compute_until(n - 1)
-    return max(comm_free, computed[-1] + after_s)
+            comm.append((chunks[p - 2].combine_s, p - 2 + 1))  # compute op index: 0 is before_s
+    comm.append((chunks[n - 1].combine_s, n))
+    dispatch_op = [i for i, (_, dep) in enumerate(comm) if dep == -1]  # comm op of dispatch(p)
+    compute: list[tuple[float, int]] = [(before_s, -1)]  # (work, the comm op it waits for)
+    compute += [(c.compute_s, dispatch_op[p]) for p, c in enumerate(chunks)]
+    compute.append((after_s, -1))
+    return _two_streams(comm, compute, interference)
 
 
-def _stretched(start: float, work: float, busy: list[tuple[float, float]], interference: float) -> float:
-    """When `work` seconds of compute started at `start` end, running 1 / (1 + interference) as fast while a
-    collective of `busy` runs beside it (intervals known when it starts: issued before it, or not beside it)."""
-    t, left = start, work
-    for lo, hi in sorted(busy):
-        if hi <= t or left <= 0:
-            continue
-        if lo > t:
-            gap = min(lo - t, left)
-            t, left = t + gap, left - gap
-            if left <= 0:
-                break
-        span = hi - max(lo, t)
-        done = span / (1.0 + interference)
-        if done >= left:
-            return t + left * (1.0 + interference)
-        t, left = hi, left - done
-    return t + left
+def _two_streams(comm: list[tuple[float, int]], compute: list[tuple[float, int]], interference: float) -> float:
+    """When the last op of two in-order streams ends: op (work, dep) starts when the stream's previous op and op
+    `dep` of the other stream (-1: none) are done, and runs at rate 1 / (1 + interference) while the other stream
+    runs an op too (1 otherwise)."""
+    streams = (comm, compute)
+    done: tuple[list[float], list[float]] = ([], [])  # end time of each finished op, per stream
+    left = [comm[0][0] if comm else 0.0, compute[0][0] if compute else 0.0]
+    t = 0.0
+    while len(done[0]) < len(comm) or len(done[1]) < len(compute):
+        active = []
+        for s in (0, 1):
+            i = len(done[s])
+            if i == len(streams[s]):
+                continue
+            dep = streams[s][i][1]
+            if dep < 0 or len(done[1 - s]) > dep:
+                active.append(s)
+        if not active:
+            raise RuntimeError("pipeline schedule deadlocked")  # a combine waiting on a compute that waits on it
+        rate = 1.0 / (1.0 + interference) if len(active) == 2 else 1.0
+        step = min(left[s] / rate for s in active)
+        t += step
+        for s in active:
+            left[s] -= step * rate
+            if left[s] <= 1e-15:
+                done[s].append(t)
+                i = len(done[s])
+                left[s] = streams[s][i][0] if i < len(streams[s]) else 0.0
+    return max(done[0][-1] if done[0] else 0.0, done[1][-1] if done[1] else 0.0)
 
 
 # ---- an EP MoE layer: all-to-all sizes and the chunks of a pipeline
@@ -298,7 +300,10 @@ def layer_chunks(
         rows = [layer.rows_per_expert] * size
         k = best_kernel(gpu, curves, rows, layer.hidden, layer.inter) if kernel == "auto" else kernel
         compute = experts_time(gpu, curves.curve(k), k, rows, layer.hidden, layer.inter)
-        chunks.append(Chunk(a2a_time(curves, layer, frac, fp8), compute, a2a_time(curves, layer, frac)))
+        fixed = curves.layer_fixed_s * frac / 2
+        chunks.append(
+            Chunk(a2a_time(curves, layer, frac, fp8) + fixed, compute, a2a_time(curves, layer, frac) + fixed)
+        )
     return chunks
 
 
@@ -314,10 +319,11 @@ def layer_time(
     before_s: float = 0.0,
     after_s: float = 0.0,
 ) -> float:
-    """An EP MoE layer with PN chunks; `sms` < 132: the GEMM capped, so no interference from the collectives."""
+    """An EP MoE layer with PN chunks; `sms` <= 116: the GEMM capped, so no interference from the collectives (the
+    paper's "perfect overlap"; Conclusion 3: a GEMM keeps its speed on fewer SMs)."""
     chunks = layer_chunks(gpu, curves, layer, min(pipelines, layer.local_experts), kernel, fp8)
-    interference = 0.0 if sms is not None and sms <= GPU_SMS - COMM_SMS else INTERFERENCE
-    return curves.layer_fixed_s + pipeline_time(chunks, overlap, interference, before_s, after_s)
+    interference = 0.0 if sms is not None and sms <= GPU_SMS - COMM_SMS else curves.interference
+    return pipeline_time(chunks, overlap, interference, before_s, after_s)
 
 
 def table2_prediction(curves: EpsCurves, gpu: GpuProfile, row: Table2Row) -> list[float]:
@@ -399,6 +405,38 @@ def fit_table2(gpu: GpuProfile, rows: Sequence[Table2Row] | None = None, iterati
     return curves_from(np.exp(best), gpu.name, "fitted to Table II's PN 1 rows (amoe bench eps --fit)")
 
 
+def table4_ratios(curves: EpsCurves, gpu: GpuProfile) -> list[float]:
+    """The model's 132-SM over 116-SM layer time at Table IV's m (its reading: see TABLE4_SHAPE)."""
+    out = []
+    for m in TABLE4_M:
+        layer = table2_layer(TABLE4_SHAPE, m)
+        free, capped = (
+            layer_time(gpu, curves, layer, TABLE4_PIPELINES, "grouped", True, sms=sms) for sms in (GPU_SMS, 116)
+        )
+        out.append(free / capped)
+    return out
+
+
+def fit_interference(curves: EpsCurves, gpu: GpuProfile) -> float:
+    """The interference whose 132 / 116 ratios best match Table IV's (least squares of log ratios; golden-section
+    search on [0, 2], deterministic). Table IV only: Tables II and III stay predictions."""
+    paper = [a / b for a, b in zip(TABLE4_MS[132], TABLE4_MS[116])]
+
+    def loss(x: float) -> float:
+        got = table4_ratios(replace(curves, interference=x), gpu)
+        return sum(math.log(g / p) ** 2 for g, p in zip(got, paper))
+
+    lo, hi = 0.0, 2.0
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if loss(a) <= loss(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
 def _nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.3) -> np.ndarray:
     """Minimise f from x0 (the textbook simplex: reflect, expand, contract, shrink)."""
     n = len(x0)
@@ -438,7 +476,8 @@ CURVES: dict[str, EpsCurves] = {
         a2a_fixed_s=A2A_FIXED_S,
         a2a_bandwidth=153e9,
         layer_fixed_s=678e-6,
-        source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit",
+        source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit; interference to Table IV",
+        interference=0.276,  # fit_interference: Table IV's 132 / 116 SM ratios, nothing else
     ),
 }
 
@@ -615,7 +654,7 @@ def ep_block_moe_time(
             sent += len(group) / len(es) / devices
         a2a = a2a_time(curves, layer, sent)
         chunks.append(Chunk(a2a, slowest, a2a))
-    return pipeline_time(chunks, overlap=pn > 1)
+    return pipeline_time(chunks, overlap=pn > 1, interference=curves.interference)
 
 
 def ep_pipelines_for(
