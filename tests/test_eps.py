@@ -3,6 +3,7 @@
 in one line, the pipeline's schedule and the closed-form PN."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,6 +126,33 @@ def test_pipeline_schedule_overlaps_and_pays_per_chunk():
     piped = eps.pipeline_time(chunks, overlap=True, interference=0.0)
     assert piped < 4.0 and piped >= 2.0 + 0.25 + 0.25  # compute-bound: one dispatch and one combine show
     assert eps.pipeline_time(chunks, overlap=True, interference=0.5) > piped  # SMs shared with the collective
+
+
+def test_interference_slows_both_streams_and_b_rides_the_communication():
+    # Communication-bound: 1 s of collectives per chunk beside 0.5 s of compute. Slowing only the GEMM would keep
+    # the communication stream's 2 s; the paper's §IV-E slows the collective too while the GEMM holds the SMs.
+    chunks = [eps.Chunk(0.5, 0.5, 0.5)] * 2
+    free = eps.pipeline_time(chunks, overlap=True, interference=0.0)
+    assert free == 2.0  # d0, d1, c0, c1 back to back, each compute beside a collective
+    # both at half speed while together
+    assert eps.pipeline_time(chunks, overlap=True, interference=1.0) == 3.0
+    # b: paid whole without a pipeline, shared by the chunks' collectives with one
+    gpu, curves = gpu_profile("h800"), eps.CURVES["h800"]
+    layer = eps.table2_layer((5120, 15360), 1024)
+    no_b = replace(curves, layer_fixed_s=0.0)
+    for pn in (1, 4):
+        serial = eps.layer_time(gpu, curves, layer, pn, "dense", overlap=False)
+        assert math.isclose(serial - eps.layer_time(gpu, no_b, layer, pn, "dense", overlap=False), 678e-6)
+    piped = [eps.layer_time(gpu, c, layer, 4, "dense", True) for c in (curves, no_b)]
+    hidden = piped[0] - piped[1]
+    assert 0 <= hidden < 678e-6 / 2  # compute-bound: the middle chunks' share hides behind the GEMMs
+
+
+def test_the_h800_interference_is_table4s_fit():
+    gpu, stored = gpu_profile("h800"), eps.CURVES["h800"]
+    assert math.isclose(eps.fit_interference(stored, gpu), stored.interference, rel_tol=0.01)
+    # capped at 116 SMs the overlap is free; uncapped it costs, as in every row of Table IV
+    assert all(r > 1 for r in eps.table4_ratios(stored, gpu))
 
 
 def test_closed_form_pipeline_number_agrees_with_the_search():

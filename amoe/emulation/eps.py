@@ -13,8 +13,10 @@ layer whose experts run as PN chunks (Algorithm 1) with communication overlappin
   combine all-to-all move 1/PN of the bytes and each pays the collective's fixed cost (the per-chunk overhead
   k N + b of the paper's §IV-D, k = 2 · the fixed cost + the chunk's kernel launches); the compute stream runs
   chunk p's experts once its dispatch is in; the communication stream runs the all-to-alls in Algorithm 1's issue
-  order. While an all-to-all runs beside a GEMM that holds every SM, the GEMM is slowed by the SMs the collective
-  takes (`INTERFERENCE`); capping the GEMM's SMs (the paper's 116 of 132) removes that.
+  order. While an all-to-all runs beside a GEMM that holds every SM, both run 1 / (1 + I) as fast (§IV-E: the
+  collective is scheduled late, the GEMM loses SMs); I is fitted to Table IV's 132 / 116 SM ratios alone
+  (`fit_interference`); capping the GEMM's SMs (the paper's 116 of 132) removes it. The per-layer b fitted to the
+  PN 1 rows is communication's fixed overhead (§V-A) and rides the collectives, so a pipeline hides part of it.
 
 Times in seconds of GPU time; pure functions.
 """
@@ -42,7 +44,8 @@ A2A_FIXED_S = 20e-6
 # The paper's §IV-E: a communication kernel is given 16 of the H800's 132 SMs (GEMMs capped at 116). When the
 # GEMM is not capped the collective takes its SMs anyway: the GEMM runs on 116 of 132 while the two overlap.
 COMM_SMS, GPU_SMS = 16, 132
-INTERFERENCE = COMM_SMS / (GPU_SMS - COMM_SMS)  # extra GEMM time per second of overlap (13.8 %)
+# Without a fit (GPUs other than the h800): the SMs the collective takes, as a slowdown of both streams (13.8 %).
+INTERFERENCE = COMM_SMS / (GPU_SMS - COMM_SMS)
 
 
 @dataclass(frozen=True)
@@ -213,12 +216,13 @@ def pipeline_time(
     if not overlap:
         return before_s + sum(c.dispatch_s + c.compute_s + c.combine_s for c in chunks) + after_s
     n = len(chunks)
-    comm: list[tuple[float, int]] = [(chunks[0].dispatch_s, -1)]  # (work, the compute op it waits for; -1 none)
+    # (work, the op of the other stream it waits for; -1: none). Compute op 0 is before_s, op p + 1 chunk p's.
+    comm: list[tuple[float, int]] = [(chunks[0].dispatch_s, -1)]
     for p in range(1, n + 1):
         if p < n:
             comm.append((chunks[p].dispatch_s, -1))
         if p >= 2:
-            comm.append((chunks[p - 2].combine_s, p - 2 + 1))  # compute op index: 0 is before_s
+            comm.append((chunks[p - 2].combine_s, p - 1))
     comm.append((chunks[n - 1].combine_s, n))
     dispatch_op = [i for i, (_, dep) in enumerate(comm) if dep == -1]  # comm op of dispatch(p)
     compute: list[tuple[float, int]] = [(before_s, -1)]  # (work, the comm op it waits for)
@@ -227,7 +231,7 @@ def pipeline_time(
     return _two_streams(comm, compute, interference)
 
 
-def _two_streams(comm: list[tuple[float, int]], compute: list[tuple[float, int]], interference: float) -> float:
+def _two_streams(comm: list[tuple[float, int]], compute: list[tuple[float, int]], interference: float):
     """When the last op of two in-order streams ends: op (work, dep) starts when the stream's previous op and op
     `dep` of the other stream (-1: none) are done, and runs at rate 1 / (1 + interference) while the other stream
     runs an op too (1 otherwise)."""
@@ -245,7 +249,8 @@ def _two_streams(comm: list[tuple[float, int]], compute: list[tuple[float, int]]
             if dep < 0 or len(done[1 - s]) > dep:
                 active.append(s)
         if not active:
-            raise RuntimeError("pipeline schedule deadlocked")  # a combine waiting on a compute that waits on it
+            # a combine waiting on a compute that waits on it: a bug in the issue order, not an input
+            raise RuntimeError("pipeline schedule deadlocked")
         rate = 1.0 / (1.0 + interference) if len(active) == 2 else 1.0
         step = min(left[s] / rate for s in active)
         t += step
@@ -411,7 +416,7 @@ def table4_ratios(curves: EpsCurves, gpu: GpuProfile) -> list[float]:
     for m in TABLE4_M:
         layer = table2_layer(TABLE4_SHAPE, m)
         free, capped = (
-            layer_time(gpu, curves, layer, TABLE4_PIPELINES, "grouped", True, sms=sms) for sms in (GPU_SMS, 116)
+            layer_time(gpu, curves, layer, TABLE4_PIPELINES, "grouped", True, sms=n) for n in (GPU_SMS, 116)
         )
         out.append(free / capped)
     return out
