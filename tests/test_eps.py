@@ -12,7 +12,7 @@ from factories import hf_greedy, reference_tokens, transformers_checkpoint
 from amoe.cli import main
 from amoe.config import ParallelSection
 from amoe.emulation import eps
-from amoe.emulation.profiles import gpu_profile, model_profile
+from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.errors import ConfigError
 from amoe.model.config import load_model_config
 from amoe.placement import Placement
@@ -148,6 +148,30 @@ def test_interference_slows_both_streams_and_b_rides_the_communication():
     assert 0 <= hidden < 678e-6 / 2  # compute-bound: the middle chunks' share hides behind the GEMMs
 
 
+def test_auto_pays_the_hosts_time_per_chunk():
+    """`auto` in the runtime adds the host's seconds per chunk (eps.chunk_host_s) to each PN's block: the more a
+    chunk costs the host, the fewer chunks, down to PN 1; with none it is the bounds' choice."""
+    gpu, model, host = gpu_profile("h800"), model_profile("deepseek-v2:2"), host_overhead("amoe-paper")
+    rows = 8 * 8192  # one prefill iteration of 8 devices
+    picks = []
+    for scale in (None, 150.0, 25.0, 5.0, 1.0):  # the emulated clock's time scale (None: no host cost)
+        cost = None if scale is None else (lambda tokens, s=scale: eps.chunk_host_s(tokens, 4.0, s))
+        picks.append(eps.pipeline_chooser(model, gpu, 8, 20, host, cost)(rows))
+    assert picks[0] == eps.ep_pipelines_for(0, model, gpu, 8, rows, host) > 1
+    assert picks == sorted(picks, reverse=True) and picks[-1] < picks[0], picks
+    # the choice is the argmin of block + PN × the chunk's cost
+    per_chunk = eps.chunk_host_s(8192, 4.0, 5.0)
+    experts = [[e for e in range(model.num_experts) if e % 8 == d] for d in range(8)]
+    per_expert = rows * model.top_k / model.num_experts
+    block = {
+        n: eps.ep_block_moe_time(model, gpu, host, [[per_expert] * 20] * 8, experts, 8192, n, "auto")
+        + n * per_chunk
+        for n in range(1, 21)
+    }
+    assert picks[3] == min(block, key=block.get)
+    assert math.isclose(eps.chunk_host_s(1024), eps.CHUNK_HOST_CPU_S + 1024 * eps.CHUNK_HOST_CPU_PER_TOKEN_S)
+
+
 def test_the_h800_interference_is_table4s_fit():
     gpu, stored = gpu_profile("h800"), eps.CURVES["h800"]
     assert math.isclose(eps.fit_interference(stored, gpu), stored.interference, rel_tol=0.01)
@@ -223,8 +247,8 @@ def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
     )
     em = Emulation(executor)
 
-    def pipeline(pn: str):
-        config = AmoeConfig(executor=executor).replace(
+    def pipeline(pn: str, ex=executor):
+        config = AmoeConfig(executor=ex).replace(
             parallel={"mode": "ep", "attn_ranks": 2, "ep_pipelines": pn, "ep_kernel": "auto"}
         )
         return build.ep_pipeline(
@@ -233,7 +257,10 @@ def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
 
     auto = pipeline("auto")
     assert auto.max_pipelines == 80  # 161 expert ids (160 routed + the shared one) on 2 devices
-    assert auto.pipelines_for(2) == 1 < auto.pipelines_for(2 * 8192)
+    # At time scale 0.001 the host's real time per chunk is 1,000 times its emulated worth: never split.
+    assert auto.pipelines_for(2) == auto.pipelines_for(2 * 8192) == 1
+    slow = pipeline("auto", replace(executor, time_scale=150.0))
+    assert slow.pipelines_for(2) == 1 < slow.pipelines_for(2 * 8192)
     prompt = list(range(3, 3 + 1024))
     with SyncCluster(
         mode="ep", num_devices=2, emulation=em, pipeline=pipeline("4"), num_kv_blocks=512

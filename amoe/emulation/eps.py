@@ -577,11 +577,30 @@ def prefill_gain(block: PrefillBlock, pipelines: int) -> float:
 
 # ---- the runtime's `auto` (amoe.runtime.sync.eps.ExpertPipeline)
 
+# The CPU one device of amoe's EP runtime spends on one more pipeline chunk of a block: the split of its copies,
+# one message per peer each way, the expert step's bookkeeping, the gather — a fixed part and a part per token the
+# device brings (the split scans every copy once per chunk). Measured with bench/eps_chunk_cost.py (8 devices in one
+# process, CPU time; 2026-11-26 on this project's 2-core host): 146 µs per chunk at 1,024 tokens per device, 326 µs
+# at 4,096. Unlike the GPU's holds it is real time, which the emulated runtime's clock divides by the time scale.
+CHUNK_HOST_CPU_S = 86e-6
+CHUNK_HOST_CPU_PER_TOKEN_S = 59e-9
 
-def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None):
+
+def chunk_host_s(tokens_per_device: float, contention: float = 1.0, time_scale: float = 1.0) -> float:
+    """Seconds (of the runtime's clock) one more chunk costs a device's host: CHUNK_HOST_CPU_S and its per-token part,
+    times `contention` (how many devices' host work shares one core: devices over cores, at least 1), over the
+    emulated clock's `time_scale` (1 for real GPUs)."""
+    cpu = CHUNK_HOST_CPU_S + CHUNK_HOST_CPU_PER_TOKEN_S * tokens_per_device
+    return cpu * max(1.0, contention) / time_scale
+
+
+def pipeline_chooser(
+    model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None, chunk_host=None
+):
     """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
     and the simulation's model, with the host's step per chunk) is fastest under uniform routing; memoised, an
-    iteration's rows repeat."""
+    iteration's rows repeat. `chunk_host(tokens per device)`: the runtime's own host seconds per chunk
+    (`chunk_host_s`), paid in series with the block; None: none (the bounds' choice)."""
     from amoe.emulation.cost_model import NO_HOST
 
     host = host or NO_HOST
@@ -592,8 +611,9 @@ def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pip
         per_expert = max(1, total_rows) * model.top_k / model.num_experts
         rows = [[per_expert] * len(es) for es in experts]
         tokens = max(1, total_rows) / devices
+        per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
         times = {
-            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto")
+            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto") + n * per_chunk
             for n in range(1, max_pipelines + 1)
         }
         return min(times, key=lambda n: (times[n], n))
