@@ -594,26 +594,52 @@ def chunk_host_s(tokens_per_device: float, contention: float = 1.0, time_scale: 
     return cpu * max(1.0, contention) / time_scale
 
 
+# Blocks of a routing's inclusion `auto` prices (evenly spaced, first and last included): the hot experts differ
+# from block to block, and the choice must not cost what the bound of every fixed PN costs.
+CHOOSER_BLOCKS = 8
+
+
 def pipeline_chooser(
-    model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None, chunk_host=None
+    model: ModelProfile,
+    gpu: GpuProfile,
+    devices: int,
+    max_pipelines: int,
+    host=None,
+    chunk_host=None,
+    inclusion=None,
 ):
     """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
-    and the simulation's model, with the host's step per chunk) is fastest under uniform routing; memoised, an
-    iteration's rows repeat. `chunk_host(tokens per device)`: the runtime's own host seconds per chunk
-    (`chunk_host_s`), paid in series with the block; None: none (the bounds' choice)."""
+    and the simulation's model, with the host's step per chunk) is fastest; memoised, an iteration's rows repeat.
+    `inclusion` (q [blocks, expert ids], bounds.routing_inclusion): the routing's rows per expert, summed over
+    CHOOSER_BLOCKS of its blocks, experts placed e mod devices as EP places them — a skewed routing makes each
+    chunk wait for its own slowest device, which uniform rows hide; None: uniform routing over the routed experts.
+    `chunk_host(tokens per device)`: the runtime's own host seconds per chunk (`chunk_host_s`), paid in series
+    with the block; None: none (the bounds' choice)."""
     from amoe.emulation.cost_model import NO_HOST
 
     host = host or NO_HOST
-    experts = [[e for e in range(model.num_experts) if e % devices == d] for d in range(devices)]
+    if inclusion is None:
+        ids = model.num_experts
+        shares = [np.full(ids, model.top_k / model.num_experts)]
+    else:
+        q = np.asarray(inclusion, dtype=float)
+        ids = q.shape[1]
+        picked = np.unique(
+            np.linspace(0, q.shape[0] - 1, min(q.shape[0], CHOOSER_BLOCKS)).round().astype(int)
+        )
+        shares = [q[b] for b in picked]
+    experts = [[e for e in range(ids) if e % devices == d] for d in range(devices)]
 
     @functools.lru_cache(maxsize=4096)
     def choose(total_rows: int) -> int:
-        per_expert = max(1, total_rows) * model.top_k / model.num_experts
-        rows = [[per_expert] * len(es) for es in experts]
-        tokens = max(1, total_rows) / devices
+        total = max(1, total_rows)
+        tokens = total / devices
         per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
+        blocks = [[[total * share[e] for e in es] for es in experts] for share in shares]
         times = {
-            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto") + n * per_chunk
+            n: sum(ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto") for rows in blocks)
+            / len(blocks)
+            + n * per_chunk
             for n in range(1, max_pipelines + 1)
         }
         return min(times, key=lambda n: (times[n], n))
@@ -647,8 +673,17 @@ def ep_block_moe_time(
     """Dispatch, experts and combine of one EP block, pipelined: device d's local experts experts[d] have rows[d]
     tokens each; each of the PN chunks (the p-th group of every device's experts, as amoe.runtime.sync.eps splits
     them) waits at its combine for the slowest device's compute, and pays one host step per device. kernel
-    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the paper's
-    routing and permutation kernels) is left out: amoe's host overhead prices its own."""
+    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the fixed
+    overhead of the paper's collectives) is left out: the all-to-all's fixed cost per collective prices amoe's.
+    Memoised: the bounds ask for the same block at every layer under uniform routing and for every PN searched."""
+    return _ep_block_moe_time(
+        model, gpu, host, tuple(tuple(float(r) for r in rs) for rs in rows), tuple(tuple(es) for es in experts),
+        float(tokens_per_device), int(pipelines), kernel,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipelines, kernel) -> float:
     curves = curves_for(gpu)
     devices = len(experts)
     pn = max(1, min(pipelines, min((len(es) for es in experts if es), default=1)))
@@ -683,10 +718,17 @@ def ep_block_moe_time(
 
 
 def ep_pipelines_for(
-    dep_pipelines: int, model: ModelProfile, gpu: GpuProfile, devices: int, tokens: int, host=None
+    dep_pipelines: int,
+    model: ModelProfile,
+    gpu: GpuProfile,
+    devices: int,
+    tokens: int,
+    host=None,
+    inclusion=None,
 ) -> int:
-    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all."""
+    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all under the
+    routing's `inclusion` (None: uniform)."""
     if dep_pipelines:
         return dep_pipelines
     most = model.num_expert_ids // devices
-    return pipeline_chooser(model, gpu, devices, max(1, most), host)(int(tokens))
+    return pipeline_chooser(model, gpu, devices, max(1, most), host, inclusion=inclusion)(int(tokens))

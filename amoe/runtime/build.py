@@ -236,8 +236,14 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
         profile = em.profile if em is not None else profile_of(cfg)
         gpu = gpu_profile(config.executor.gpu)
         host = host_overhead(config.executor.host_overhead)
+        # The emulated router is seeded alike in every process: `auto` can price its skew (tokens are uniform).
+        q = None
+        if em is not None:
+            from amoe.emulation.bounds import routing_inclusion
+
+            q = routing_inclusion(profile, config.executor.routing, config.executor.seed)
         choose_pn = eps.pipeline_chooser(
-            profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em)
+            profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em), q
         )
         choose_kernel = eps.kernel_chooser(profile, gpu)
     return ExpertPipeline(par.pipelines, par.ep_kernel, most, choose_pn, choose_kernel)
