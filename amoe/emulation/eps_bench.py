@@ -111,7 +111,7 @@ def decode(gpus: list[str], sizes: list[int], top_ks: list[int]) -> list[dict]:
                     best = max(fixed.values())
                     out.append({
                         "gpu": gpu, "gpus": n, "top_k": k, "routing": routing, "ep": dep.num_attn,
-                        "local_experts": top, "auto_pn": d_auto_pn(dep, model, host), "auto_tps": round(auto), "best_fixed_pn": max(fixed, key=fixed.get),
+                        "local_experts": top, "auto_pn": d_auto_pn(dep, model, host, q), "auto_tps": round(auto), "best_fixed_pn": max(fixed, key=fixed.get),
                         "best_fixed_tps": round(best), "auto_loss_pct": round(float(100 * (1 - auto / best)), 3),
                     })  # fmt: skip
     return out
@@ -160,10 +160,10 @@ def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
     return out
 
 
-def d_auto_pn(dep: bounds.Deployment, model, host) -> int:
+def d_auto_pn(dep: bounds.Deployment, model, host, q) -> int:
     """The PN `auto` picks at the deployment's operating point (its batch cap on every device)."""
     gpu = gpu_profile(dep.attn_gpu)
-    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host)
+    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host, q)
 
 
 def main(args) -> int:
