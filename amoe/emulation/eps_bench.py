@@ -170,6 +170,8 @@ def main(args) -> int:
     curves = eps.CURVES["h800"]
     if args.fit:
         curves = eps.fit_table2(gpu_profile("h800"))
+        # then the interference, from Table IV alone, on the refitted curves (it does not enter the PN 1 rows)
+        curves = replace(curves, interference=eps.fit_interference(curves, gpu_profile("h800")))
         print("fitted h800 curves:", json.dumps(asdict(curves)))
     t2 = table2(curves)
     print("Table II (ms): id col paper model err")
