@@ -540,7 +540,7 @@ def _ep(
     iteration, stall, skew = head, 0.0, []
     stall += attn - attn_1 * float(speeds.mean())  # per block: the dispatch waits for the slowest attention
     stall *= model.num_blocks
-    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
+    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
     for blk in range(model.num_blocks):
         per_device = np.array(
             [cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local]

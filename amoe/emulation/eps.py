@@ -13,8 +13,10 @@ layer whose experts run as PN chunks (Algorithm 1) with communication overlappin
   combine all-to-all move 1/PN of the bytes and each pays the collective's fixed cost (the per-chunk overhead
   k N + b of the paper's §IV-D, k = 2 · the fixed cost + the chunk's kernel launches); the compute stream runs
   chunk p's experts once its dispatch is in; the communication stream runs the all-to-alls in Algorithm 1's issue
-  order. While an all-to-all runs beside a GEMM that holds every SM, the GEMM is slowed by the SMs the collective
-  takes (`INTERFERENCE`); capping the GEMM's SMs (the paper's 116 of 132) removes that.
+  order. While an all-to-all runs beside a GEMM that holds every SM, both run 1 / (1 + I) as fast (§IV-E: the
+  collective is scheduled late, the GEMM loses SMs); I is fitted to Table IV's 132 / 116 SM ratios alone
+  (`fit_interference`); capping the GEMM's SMs (the paper's 116 of 132) removes it. The per-layer b fitted to the
+  PN 1 rows is communication's fixed overhead (§V-A) and rides the collectives, so a pipeline hides part of it.
 
 Times in seconds of GPU time; pure functions.
 """
@@ -42,7 +44,8 @@ A2A_FIXED_S = 20e-6
 # The paper's §IV-E: a communication kernel is given 16 of the H800's 132 SMs (GEMMs capped at 116). When the
 # GEMM is not capped the collective takes its SMs anyway: the GEMM runs on 116 of 132 while the two overlap.
 COMM_SMS, GPU_SMS = 16, 132
-INTERFERENCE = COMM_SMS / (GPU_SMS - COMM_SMS)  # extra GEMM time per second of overlap (13.8 %)
+# Without a fit (GPUs other than the h800): the SMs the collective takes, as a slowdown of both streams (13.8 %).
+INTERFERENCE = COMM_SMS / (GPU_SMS - COMM_SMS)
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,14 @@ class EpsCurves:
     dense: KernelCurve
     a2a_fixed_s: float
     a2a_bandwidth: float  # bytes/s a device's all-to-all moves
-    layer_fixed_s: float = 0.0  # b: per layer whatever PN (routing, permutation, reduction, synchronisation)
+    # b: the layer's fixed communication overhead (the paper's §V-A "fixed overhead in communication", R(N) =
+    # kN + b of §IV-D). It rides the communication stream, half with the dispatch and half with the combine,
+    # each chunk's collectives carrying their share of the bytes; Table II's PN 1 rows pay it whole and serially.
+    layer_fixed_s: float = 0.0
     fp8_bytes: float = FP8_BYTES
     source: str = ""
+    # Two-sided slowdown while a collective overlaps a GEMM on every SM (pipeline_time); `fit_interference`.
+    interference: float = INTERFERENCE
 
     def curve(self, kernel: str) -> KernelCurve:
         return self.grouped if kernel == "grouped" else self.dense
@@ -113,6 +121,16 @@ TABLE2 = (
     Table2Row(9, 20, "dense", True, False, None, (4.855, 20.599, 2.133, 7.043, 1.016, 2.655)),
     Table2Row(10, 20, "dense", True, True, None, (3.465, 20.012, 1.715, 6.893, 0.977, 2.619)),
 )
+
+
+# The paper's Table IV (4 x H800, EPS applied, the communication kernel on 16 SMs; ms): one layer at m tokens per
+# expert with the GEMM on 132 SMs (uncapped: it and the collective contend) and on 116 (capped). The paper gives
+# neither shape nor PN; read here as Table II's DeepSeek-V2 shape [5120, 1536], PN 5, grouped, BF16 (ID 3 / ID 4,
+# whose m = 3072 cells, 4.837 / 4.248, are close to its 4.597 / 3.894). Its 132 / 116 ratio is the one measurement
+# of the interference the paper gives; `fit_interference` identifies the constant from it alone.
+TABLE4_M = (3072, 1536, 768, 384, 192)
+TABLE4_MS = {132: (4.597, 2.385, 1.306, 0.894, 0.591), 116: (3.894, 2.079, 1.170, 0.787, 0.540)}
+TABLE4_SHAPE, TABLE4_PIPELINES = (5120, 1536), 5
 
 
 # ---- expert GEMMs
@@ -189,71 +207,60 @@ def pipeline_time(
     after_s: float = 0.0,
 ) -> float:
     """The layer's time from its first dispatch to its last combine. Without overlap the chunks run one after
-    another. With it: the communication stream runs dispatch(0), then per p = 1..PN dispatch(p), combine(p − 2),
-    then the last combines (Algorithm 1's issue order); compute(p) starts when dispatch(p) and compute(p − 1) are
-    done and is slowed by `interference` for the time a collective runs beside it. `before_s` runs on the compute
-    stream beside dispatch(0) (the shared experts), `after_s` after the last compute (the local reduction, beside
-    the last combine)."""
+    another. With it, two streams: the communication stream runs dispatch(0), then per p = 1..PN dispatch(p),
+    combine(p − 2), then the last combines (Algorithm 1's issue order), a combine waiting for its chunk's compute;
+    the compute stream runs `before_s` (the shared experts, beside dispatch(0)), compute(p) once dispatch(p) is in,
+    then `after_s` (the local reduction, beside the last combine). While both streams are busy each runs
+    1 / (1 + `interference`) as fast: the paper's §IV-E — a GEMM holding every SM delays the collective's
+    scheduling, and the collective's SMs slow the GEMM."""
     if not overlap:
         return before_s + sum(c.dispatch_s + c.compute_s + c.combine_s for c in chunks) + after_s
     n = len(chunks)
-    order = [("d", 0)]
+    # (work, the op of the other stream it waits for; -1: none). Compute op 0 is before_s, op p + 1 chunk p's.
+    comm: list[tuple[float, int]] = [(chunks[0].dispatch_s, -1)]
     for p in range(1, n + 1):
         if p < n:
-            order.append(("d", p))
+            comm.append((chunks[p].dispatch_s, -1))
         if p >= 2:
-            order.append(("c", p - 2))
-    order.append(("c", n - 1))
-    comm_free = 0.0
-    busy: list[tuple[float, float]] = []  # communication intervals
-    dispatched = [0.0] * n
-    computed = [0.0] * n
-    compute_free = before_s
-    # The streams depend on each other only through (dispatch p → compute p) and (compute p → combine p): run the
-    # communication stream op by op, computing each chunk the first time its combine needs it.
-    next_compute = 0
-
-    def compute_until(p: int) -> None:
-        nonlocal compute_free, next_compute
-        while next_compute <= p:
-            q = next_compute
-            start = max(compute_free, dispatched[q])
-            computed[q] = _stretched(start, chunks[q].compute_s, busy, interference)
-            compute_free = computed[q]
-            next_compute += 1
-
-    for kind, p in order:
-        if kind == "d":
-            start = comm_free
-            comm_free = start + chunks[p].dispatch_s
-            dispatched[p] = comm_free
-        else:
-            compute_until(p)
-            start = max(comm_free, computed[p])
-            comm_free = start + chunks[p].combine_s
-        busy.append((start, comm_free))
-    compute_until(n - 1)
-    return max(comm_free, computed[-1] + after_s)
+            comm.append((chunks[p - 2].combine_s, p - 1))
+    comm.append((chunks[n - 1].combine_s, n))
+    dispatch_op = [i for i, (_, dep) in enumerate(comm) if dep == -1]  # comm op of dispatch(p)
+    compute: list[tuple[float, int]] = [(before_s, -1)]  # (work, the comm op it waits for)
+    compute += [(c.compute_s, dispatch_op[p]) for p, c in enumerate(chunks)]
+    compute.append((after_s, -1))
+    return _two_streams(comm, compute, interference)
 
 
-def _stretched(start: float, work: float, busy: list[tuple[float, float]], interference: float) -> float:
-    """When `work` seconds of compute started at `start` end, running 1 / (1 + interference) as fast while a
-    collective of `busy` runs beside it (intervals known when it starts: issued before it, or not beside it)."""
-    t, left = start, work
-    for lo, hi in sorted(busy):
-        if hi <= t or left <= 0:
-            continue
-        if lo > t:
-            gap = min(lo - t, left)
-            t, left = t + gap, left - gap
-            if left <= 0:
-                break
-        span = hi - max(lo, t)
-        done = span / (1.0 + interference)
-        if done >= left:
-            return t + left * (1.0 + interference)
-        t, left = hi, left - done
-    return t + left
+def _two_streams(comm: list[tuple[float, int]], compute: list[tuple[float, int]], interference: float):
+    """When the last op of two in-order streams ends: op (work, dep) starts when the stream's previous op and op
+    `dep` of the other stream (-1: none) are done, and runs at rate 1 / (1 + interference) while the other stream
+    runs an op too (1 otherwise)."""
+    streams = (comm, compute)
+    done: tuple[list[float], list[float]] = ([], [])  # end time of each finished op, per stream
+    left = [comm[0][0] if comm else 0.0, compute[0][0] if compute else 0.0]
+    t = 0.0
+    while len(done[0]) < len(comm) or len(done[1]) < len(compute):
+        active = []
+        for s in (0, 1):
+            i = len(done[s])
+            if i == len(streams[s]):
+                continue
+            dep = streams[s][i][1]
+            if dep < 0 or len(done[1 - s]) > dep:
+                active.append(s)
+        if not active:
+            # a combine waiting on a compute that waits on it: a bug in the issue order, not an input
+            raise RuntimeError("pipeline schedule deadlocked")
+        rate = 1.0 / (1.0 + interference) if len(active) == 2 else 1.0
+        step = min(left[s] / rate for s in active)
+        t += step
+        for s in active:
+            left[s] -= step * rate
+            if left[s] <= 1e-15:
+                done[s].append(t)
+                i = len(done[s])
+                left[s] = streams[s][i][0] if i < len(streams[s]) else 0.0
+    return max(done[0][-1] if done[0] else 0.0, done[1][-1] if done[1] else 0.0)
 
 
 # ---- an EP MoE layer: all-to-all sizes and the chunks of a pipeline
@@ -298,7 +305,10 @@ def layer_chunks(
         rows = [layer.rows_per_expert] * size
         k = best_kernel(gpu, curves, rows, layer.hidden, layer.inter) if kernel == "auto" else kernel
         compute = experts_time(gpu, curves.curve(k), k, rows, layer.hidden, layer.inter)
-        chunks.append(Chunk(a2a_time(curves, layer, frac, fp8), compute, a2a_time(curves, layer, frac)))
+        fixed = curves.layer_fixed_s * frac / 2
+        chunks.append(
+            Chunk(a2a_time(curves, layer, frac, fp8) + fixed, compute, a2a_time(curves, layer, frac) + fixed)
+        )
     return chunks
 
 
@@ -314,10 +324,11 @@ def layer_time(
     before_s: float = 0.0,
     after_s: float = 0.0,
 ) -> float:
-    """An EP MoE layer with PN chunks; `sms` < 132: the GEMM capped, so no interference from the collectives."""
+    """An EP MoE layer with PN chunks; `sms` <= 116: the GEMM capped, so no interference from the collectives (the
+    paper's "perfect overlap"; Conclusion 3: a GEMM keeps its speed on fewer SMs)."""
     chunks = layer_chunks(gpu, curves, layer, min(pipelines, layer.local_experts), kernel, fp8)
-    interference = 0.0 if sms is not None and sms <= GPU_SMS - COMM_SMS else INTERFERENCE
-    return curves.layer_fixed_s + pipeline_time(chunks, overlap, interference, before_s, after_s)
+    interference = 0.0 if sms is not None and sms <= GPU_SMS - COMM_SMS else curves.interference
+    return pipeline_time(chunks, overlap, interference, before_s, after_s)
 
 
 def table2_prediction(curves: EpsCurves, gpu: GpuProfile, row: Table2Row) -> list[float]:
@@ -399,6 +410,38 @@ def fit_table2(gpu: GpuProfile, rows: Sequence[Table2Row] | None = None, iterati
     return curves_from(np.exp(best), gpu.name, "fitted to Table II's PN 1 rows (amoe bench eps --fit)")
 
 
+def table4_ratios(curves: EpsCurves, gpu: GpuProfile) -> list[float]:
+    """The model's 132-SM over 116-SM layer time at Table IV's m (its reading: see TABLE4_SHAPE)."""
+    out = []
+    for m in TABLE4_M:
+        layer = table2_layer(TABLE4_SHAPE, m)
+        free, capped = (
+            layer_time(gpu, curves, layer, TABLE4_PIPELINES, "grouped", True, sms=n) for n in (GPU_SMS, 116)
+        )
+        out.append(free / capped)
+    return out
+
+
+def fit_interference(curves: EpsCurves, gpu: GpuProfile) -> float:
+    """The interference whose 132 / 116 ratios best match Table IV's (least squares of log ratios; golden-section
+    search on [0, 2], deterministic). Table IV only: Tables II and III stay predictions."""
+    paper = [a / b for a, b in zip(TABLE4_MS[132], TABLE4_MS[116])]
+
+    def loss(x: float) -> float:
+        got = table4_ratios(replace(curves, interference=x), gpu)
+        return sum(math.log(g / p) ** 2 for g, p in zip(got, paper))
+
+    lo, hi = 0.0, 2.0
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if loss(a) <= loss(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
 def _nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.3) -> np.ndarray:
     """Minimise f from x0 (the textbook simplex: reflect, expand, contract, shrink)."""
     n = len(x0)
@@ -438,7 +481,8 @@ CURVES: dict[str, EpsCurves] = {
         a2a_fixed_s=A2A_FIXED_S,
         a2a_bandwidth=153e9,
         layer_fixed_s=678e-6,
-        source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit",
+        source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit; interference to Table IV",
+        interference=0.276,  # fit_interference: Table IV's 132 / 116 SM ratios, nothing else
     ),
 }
 
@@ -533,23 +577,69 @@ def prefill_gain(block: PrefillBlock, pipelines: int) -> float:
 
 # ---- the runtime's `auto` (amoe.runtime.sync.eps.ExpertPipeline)
 
+# The CPU one device of amoe's EP runtime spends on one more pipeline chunk of a block: the split of its copies,
+# one message per peer each way, the expert step's bookkeeping, the gather — a fixed part and a part per token the
+# device brings (the split scans every copy once per chunk). Measured with bench/eps_chunk_cost.py (8 devices in one
+# process, CPU time; 2026-11-26 on this project's 2-core host): 146 µs per chunk at 1,024 tokens per device, 326 µs
+# at 4,096. Unlike the GPU's holds it is real time, which the emulated runtime's clock divides by the time scale.
+CHUNK_HOST_CPU_S = 86e-6
+CHUNK_HOST_CPU_PER_TOKEN_S = 59e-9
 
-def pipeline_chooser(model: ModelProfile, gpu: GpuProfile, devices: int, max_pipelines: int, host=None):
+
+def chunk_host_s(tokens_per_device: float, contention: float = 1.0, time_scale: float = 1.0) -> float:
+    """Seconds (of the runtime's clock) one more chunk costs a device's host: CHUNK_HOST_CPU_S and its per-token part,
+    times `contention` (how many devices' host work shares one core: devices over cores, at least 1), over the
+    emulated clock's `time_scale` (1 for real GPUs)."""
+    cpu = CHUNK_HOST_CPU_S + CHUNK_HOST_CPU_PER_TOKEN_S * tokens_per_device
+    return cpu * max(1.0, contention) / time_scale
+
+
+# Blocks of a routing's inclusion `auto` prices (evenly spaced, first and last included): the hot experts differ
+# from block to block, and the choice must not cost what the bound of every fixed PN costs.
+CHOOSER_BLOCKS = 8
+
+
+def pipeline_chooser(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    devices: int,
+    max_pipelines: int,
+    host=None,
+    chunk_host=None,
+    inclusion=None,
+):
     """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
-    and the simulation's model, with the host's step per chunk) is fastest under uniform routing; memoised, an
-    iteration's rows repeat."""
+    and the simulation's model, with the host's step per chunk) is fastest; memoised, an iteration's rows repeat.
+    `inclusion` (q [blocks, expert ids], bounds.routing_inclusion): the routing's rows per expert, summed over
+    CHOOSER_BLOCKS of its blocks, experts placed e mod devices as EP places them — a skewed routing makes each
+    chunk wait for its own slowest device, which uniform rows hide; None: uniform routing over the routed experts.
+    `chunk_host(tokens per device)`: the runtime's own host seconds per chunk (`chunk_host_s`), paid in series
+    with the block; None: none (the bounds' choice)."""
     from amoe.emulation.cost_model import NO_HOST
 
     host = host or NO_HOST
-    experts = [[e for e in range(model.num_experts) if e % devices == d] for d in range(devices)]
+    if inclusion is None:
+        ids = model.num_experts
+        shares = [np.full(ids, model.top_k / model.num_experts)]
+    else:
+        q = np.asarray(inclusion, dtype=float)
+        ids = q.shape[1]
+        picked = np.unique(
+            np.linspace(0, q.shape[0] - 1, min(q.shape[0], CHOOSER_BLOCKS)).round().astype(int)
+        )
+        shares = [q[b] for b in picked]
+    experts = [[e for e in range(ids) if e % devices == d] for d in range(devices)]
 
     @functools.lru_cache(maxsize=4096)
     def choose(total_rows: int) -> int:
-        per_expert = max(1, total_rows) * model.top_k / model.num_experts
-        rows = [[per_expert] * len(es) for es in experts]
-        tokens = max(1, total_rows) / devices
+        total = max(1, total_rows)
+        tokens = total / devices
+        per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
+        blocks = [[[total * share[e] for e in es] for es in experts] for share in shares]
         times = {
-            n: ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto")
+            n: sum(ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto") for rows in blocks)
+            / len(blocks)
+            + n * per_chunk
             for n in range(1, max_pipelines + 1)
         }
         return min(times, key=lambda n: (times[n], n))
@@ -583,8 +673,17 @@ def ep_block_moe_time(
     """Dispatch, experts and combine of one EP block, pipelined: device d's local experts experts[d] have rows[d]
     tokens each; each of the PN chunks (the p-th group of every device's experts, as amoe.runtime.sync.eps splits
     them) waits at its combine for the slowest device's compute, and pays one host step per device. kernel
-    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the paper's
-    routing and permutation kernels) is left out: amoe's host overhead prices its own."""
+    "auto": per chunk and device, by load; "": the grouped step. The fitted per-layer b of Table II (the fixed
+    overhead of the paper's collectives) is left out: the all-to-all's fixed cost per collective prices amoe's.
+    Memoised: the bounds ask for the same block at every layer under uniform routing and for every PN searched."""
+    return _ep_block_moe_time(
+        model, gpu, host, tuple(tuple(float(r) for r in rs) for rs in rows), tuple(tuple(es) for es in experts),
+        float(tokens_per_device), int(pipelines), kernel,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipelines, kernel) -> float:
     curves = curves_for(gpu)
     devices = len(experts)
     pn = max(1, min(pipelines, min((len(es) for es in experts if es), default=1)))
@@ -615,14 +714,21 @@ def ep_block_moe_time(
             sent += len(group) / len(es) / devices
         a2a = a2a_time(curves, layer, sent)
         chunks.append(Chunk(a2a, slowest, a2a))
-    return pipeline_time(chunks, overlap=pn > 1)
+    return pipeline_time(chunks, overlap=pn > 1, interference=curves.interference)
 
 
 def ep_pipelines_for(
-    dep_pipelines: int, model: ModelProfile, gpu: GpuProfile, devices: int, tokens: int, host=None
+    dep_pipelines: int,
+    model: ModelProfile,
+    gpu: GpuProfile,
+    devices: int,
+    tokens: int,
+    host=None,
+    inclusion=None,
 ) -> int:
-    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all."""
+    """A deployment's PN: its own, or (0, auto) what the runtime's `auto` picks for `tokens` rows in all under the
+    routing's `inclusion` (None: uniform)."""
     if dep_pipelines:
         return dep_pipelines
     most = model.num_expert_ids // devices
-    return pipeline_chooser(model, gpu, devices, max(1, most), host)(int(tokens))
+    return pipeline_chooser(model, gpu, devices, max(1, most), host, inclusion=inclusion)(int(tokens))

@@ -6,7 +6,8 @@ final JSON line.
 2. Table III: DeepSeek-V2 prefill on 8 H800s, the gain of PN 1 / 5 / 20 over EP without the pipeline.
 3. The closed-form N* = √(C/k) against the search, per load.
 4. Decode: on the planner's table (its GPUs, pool sizes, top-k and routings; the best EP deployment of each cell),
-   the bound with `auto` PN against the best fixed PN.
+   the bound with `auto` PN against the best fixed PN; then the same on cells where a pipeline can win
+   (`decode_wide`: the h800, DeepSeek-V2 and the frontier profiles, many experts a device, an ideal host too).
 """
 
 from __future__ import annotations
@@ -110,22 +111,67 @@ def decode(gpus: list[str], sizes: list[int], top_ks: list[int]) -> list[dict]:
                     best = max(fixed.values())
                     out.append({
                         "gpu": gpu, "gpus": n, "top_k": k, "routing": routing, "ep": dep.num_attn,
-                        "local_experts": top, "auto_pn": d_auto_pn(dep, model, host), "auto_tps": round(auto), "best_fixed_pn": max(fixed, key=fixed.get),
+                        "local_experts": top, "auto_pn": d_auto_pn(dep, model, host, q), "auto_tps": round(auto), "best_fixed_pn": max(fixed, key=fixed.get),
                         "best_fixed_tps": round(best), "auto_loss_pct": round(float(100 * (1 - auto / best)), 3),
                     })  # fmt: skip
     return out
 
 
-def d_auto_pn(dep: bounds.Deployment, model, host) -> int:
+# Decode cells where a pipeline can matter (docs/results.md "EPS-MoE"): the h800 with its Table II curves, the
+# fine-grained profiles (DeepSeek-V2 and the frontier ones of issue 35) in EP groups of 8 to 20 experts a device, the
+# amoe-paper host and an ideal one (no host step per chunk), three batch caps, uniform and skewed routing.
+WIDE_MODELS = (("deepseek-v2", 16), ("deepseek-v3", 32), ("qwen3-235b-a22b", 16), ("qwen3-30b-a3b", 8))
+WIDE_HOSTS = ("amoe-paper", "none")
+WIDE_CAPS = (64, 256, 1024)
+WIDE_ROUTINGS = ("uniform", "skew-exp:0.4")
+
+
+def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
+    """Per cell: the EP bound with `auto` PN against every fixed PN (1 .. the experts a device holds), kernel auto."""
+    out = []
+    ctx = mean_context(workload)
+    for name, n in WIDE_MODELS:
+        model = bounds.full_depth(model_profile(name))
+        for routing in WIDE_ROUTINGS:
+            q = bounds.routing_inclusion(model, routing)
+            for host_name in WIDE_HOSTS:
+                host = host_overhead(host_name)
+                for cap in WIDE_CAPS:
+                    dep = bounds.Deployment("ep", gpu, n, attn_cap=cap)
+                    top = max(1, min(len(es) for es in dep.experts_on(model.num_expert_ids)))
+
+                    def run(pn: int, model=model, dep=dep, q=q, host=host):
+                        return bounds.predict(
+                            model, replace(dep, ep_pipelines=pn, ep_kernel="auto"), q, ctx, host
+                        )
+
+                    fixed = {pn: run(pn).tokens_per_s for pn in range(1, top + 1)}
+                    auto = run(0)
+                    best_pn = max(fixed, key=fixed.get)
+                    if fixed[best_pn] <= 0:  # does not fit in memory
+                        continue
+                    out.append({
+                        "model": name, "gpu": gpu, "ep": n, "local_experts": top, "host": host_name, "cap": cap,
+                        "routing": routing, "auto_pn": auto.extra.get("ep_pipelines"), "auto_tps": round(auto.tokens_per_s),
+                        "best_fixed_pn": best_pn, "best_fixed_tps": round(fixed[best_pn]),
+                        "pn1_tps": round(fixed[1]),
+                        "auto_loss_pct": round(float(100 * (1 - auto.tokens_per_s / fixed[best_pn])), 3),
+                    })  # fmt: skip
+    return out
+
+
+def d_auto_pn(dep: bounds.Deployment, model, host, q) -> int:
     """The PN `auto` picks at the deployment's operating point (its batch cap on every device)."""
     gpu = gpu_profile(dep.attn_gpu)
-    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host)
+    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host, q)
 
 
 def main(args) -> int:
     curves = eps.CURVES["h800"]
     if args.fit:
         curves = eps.fit_table2(gpu_profile("h800"))
+        # then the interference, from Table IV alone, on the refitted curves (it does not enter the PN 1 rows)
+        curves = replace(curves, interference=eps.fit_interference(curves, gpu_profile("h800")))
         print("fitted h800 curves:", json.dumps(asdict(curves)))
     t2 = table2(curves)
     print("Table II (ms): id col paper model err")
@@ -155,6 +201,14 @@ def main(args) -> int:
     )
     for r in dec:
         print(f"  {r}")
+    wide = decode_wide()
+    wide_worst = max((r["auto_loss_pct"] for r in wide), default=math.nan)
+    print(
+        f"decode, h800 and fine-grained MoE: auto PN against the best fixed PN on {len(wide)} cells "
+        f"({sum(r['best_fixed_pn'] > 1 for r in wide)} where a pipeline wins); worst loss {wide_worst} %"
+    )
+    for r in wide:
+        print(f"  {r}")
     summary = {
         "bench": "eps",
         "table2": {k: v for k, v in t2.items() if k != "cells"},
@@ -162,6 +216,9 @@ def main(args) -> int:
         "closed_form": cf,
         "decode_cells": len(dec),
         "decode_worst_auto_loss_pct": worst,
+        "decode_wide_cells": len(wide),
+        "decode_wide_pipeline_wins": sum(r["best_fixed_pn"] > 1 for r in wide),
+        "decode_wide_worst_auto_loss_pct": wide_worst,
     }
     print(json.dumps(summary))
     return 0

@@ -347,7 +347,8 @@ def _simulate_ep(
     a2a = bounds.ep_exchange_time(model, gpu, b, dep)
     head = cm.head_time(model, gpu, b, b, host)
     rid = np.arange(tokens)
-    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host) if dep.pipelined else 1
+    q = bounds.routing_inclusion(model, routing, seed) if dep.pipelined and not dep.ep_pipelines else None
+    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
     elapsed, iterations, position = 0.0, 0, 0
     while elapsed < duration_s or iterations < 8:
         iteration = float(steps.times(0, np.full(n, head)).max())

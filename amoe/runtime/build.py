@@ -204,6 +204,19 @@ def expert_executor(
     return ExpertExecutor(layers, dev, offload=offload)
 
 
+def chunk_cost(config: AmoeConfig, devices: int, em: Emulation | None):
+    """tokens per device → the runtime's host seconds per EP pipeline chunk as its clock counts them
+    (eps.chunk_host_s): the devices' host work shares this machine's cores, and the emulated clock divides real
+    time by the time scale. (An in-process group shares one core through the GIL: this is its lower bound.)"""
+    import os
+
+    from amoe.emulation import eps
+
+    contention = devices / (os.cpu_count() or 1)
+    scale = config.executor.time_scale if em is not None else 1.0
+    return lambda tokens: eps.chunk_host_s(tokens, contention, scale)
+
+
 def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emulation | None):
     """EP's expert pipeline (`--ep-pipelines`, `--ep-kernel`), or None when neither is given; ConfigError for a PN
     above the experts a device hosts. `auto` asks the cost model, on the emulated GPU's profile (torch: the
@@ -223,6 +236,14 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
         profile = em.profile if em is not None else profile_of(cfg)
         gpu = gpu_profile(config.executor.gpu)
         host = host_overhead(config.executor.host_overhead)
-        choose_pn = eps.pipeline_chooser(profile, gpu, len(place.hosts), most, host)
+        # The emulated router is seeded alike in every process: `auto` can price its skew (tokens are uniform).
+        q = None
+        if em is not None:
+            from amoe.emulation.bounds import routing_inclusion
+
+            q = routing_inclusion(profile, config.executor.routing, config.executor.seed)
+        choose_pn = eps.pipeline_chooser(
+            profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em), q
+        )
         choose_kernel = eps.kernel_chooser(profile, gpu)
     return ExpertPipeline(par.pipelines, par.ep_kernel, most, choose_pn, choose_kernel)
