@@ -10,7 +10,8 @@
 3. Prefetch recall against link bandwidth 8–128 GB/s (§8.3, the paper's Figure 10 in the arXiv text we have):
    activation-aware (both variants) beside the paper's baselines TOPK and TRACED-TOPK (amoe.offload.baselines,
    best K of 1, 4, 16 per bandwidth), with blocks as long as the A5000 cost model's; then activation-aware again
-   with blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S).
+   with blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S), and with an oracle EAMC (the
+   replayed sequences' own EAMs) at both block times: which of prediction and block time limits recall.
 4. Emulated per-token latency on an A5000 over PCIe 4.0: activation-aware offloading against on-demand fetching with
    LRU (the paper's PyTorch-UM baseline), at batch sizes 1–16 (the paper's batcher: up to 16 requests).
 5. Mixtral-8x7B with every expert missed against the PCIe bound (64 expert loads of ~352 MB per token), through
@@ -152,6 +153,26 @@ def recall_by_bandwidth(name, m, train, test, batch, block_s=None, baselines=Tru
     return rows
 
 
+def recall_oracle_eamc(name, m, test, gbps: int = 128) -> list[dict]:
+    """What limits recall: the prediction or the time a block gives the link. The activation-aware policy with an
+    oracle EAMC (the replayed sequences' own EAMs, not refined) at the cost model's and at the paper's block times."""
+    evs = rp.events(test, 1)
+    eamc = EAMC(test.eams(), m.blocks, m.experts)
+    rows = []
+    for source, block_s in (("a5000 cost model", block_seconds(m, mean_experts_per_block(evs), 1)),
+                            ("paper latency", PAPER_BLOCK_S[name])):  # fmt: skip
+        policy = ActivationPolicy(m.blocks, m.experts, eamc=eamc, refine=False)
+        r = rp.replay_timed(
+            evs, policy, m.capacity, bandwidth=gbps * GB, expert_bytes=m.expert_bytes, block_s=block_s
+        )
+        row = {"model": name, "eamc": "oracle (own EAMs)", "gbps": gbps, "blocks_from": source,
+               "block_ms": round(block_s * 1e3, 3), "recall": round(r.recall, 4), "hit_ratio": round(r.hit_ratio, 4),
+               "prefetched": r.prefetched, "misses": r.misses, "late": r.late}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def run_tiers(evs: list[rp.Event], tiers: EmulatedTiers, m, batch: int) -> dict:
     """The trace on emulated tiers: per block, the router's output reaches the policy, the block's experts are
     acquired one after another, then the block computes (block_seconds)."""
@@ -251,7 +272,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     out["origin"] = {}
-    for key in ("statistics", "hit_ratio", "recall", "recall_paper_blocks", "latency"):
+    for key in ("statistics", "hit_ratio", "recall", "recall_paper_blocks", "recall_oracle_eamc", "latency"):
         out[key] = []
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(PARTS))
@@ -286,6 +307,7 @@ def main() -> None:
                 name, m, *traces[name], 1, block_s=PAPER_BLOCK_S[name], baselines=False
             )
             out["recall_paper_blocks"] += rows
+            out["recall_oracle_eamc"] += recall_oracle_eamc(name, m, traces[name][1])
     for name, m in MODELS.items():
         if "latency" in parts:
             out["latency"] += tier_latency(name, m, *traces[name], (1, 4, 16))
