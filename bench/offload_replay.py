@@ -94,7 +94,8 @@ def hit_ratios(name, m, train, test, batch, capacities) -> list[dict]:
     evs = rp.events(test, batch)
     rows = []
     for cap in capacities:
-        row = {"model": name, "batch": batch, "capacity": cap}
+        # How many experts the whole replay touches: against `cap`, how much room a policy has to be wrong.
+        row = {"model": name, "batch": batch, "capacity": cap, "distinct_experts": len(set(rp.accesses(evs)))}
         for policy in (
             LRU(),
             LFU(),
