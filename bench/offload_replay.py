@@ -9,8 +9,8 @@
    optimum, demand paging.
 3. Prefetch recall against link bandwidth 8–128 GB/s (§8.3, the paper's Figure 10 in the arXiv text we have):
    activation-aware (both variants) beside the paper's baselines TOPK and TRACED-TOPK (amoe.offload.baselines,
-   best K of 1, 4, 16 per bandwidth), with blocks as long as the A5000 cost model's; then activation-aware again
-   with blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S), and with an oracle EAMC (the
+   best K of 1, 4, 16, 64 per bandwidth), with blocks as long as the A5000 cost model's; then activation-aware again
+   with blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S; baselines too), and with an oracle EAMC (the
    replayed sequences' own EAMs) at both block times: which of prediction and block time limits recall.
 4. Emulated per-token latency on an A5000 over PCIe 4.0: activation-aware offloading against on-demand fetching with
    LRU (the paper's PyTorch-UM baseline), at batch sizes 1–16 (the paper's batcher: up to 16 requests).
@@ -114,12 +114,12 @@ def hit_ratios(name, m, train, test, batch, capacities) -> list[dict]:
     return rows
 
 
-def recall_by_bandwidth(name, m, train, test, batch, block_s=None, baselines=True) -> list[dict]:
-    """Timed replay at the paper's cache size per bandwidth; blocks take `block_s` (default: the A5000 cost
-    model's time for the trace's mean experts per block)."""
+def recall_by_bandwidth(name, m, train, test, batch, paper_blocks=None) -> list[dict]:
+    """Timed replay at the paper's cache size per bandwidth; blocks take `paper_blocks` seconds, or by default the
+    A5000 cost model's time for the trace's mean experts per block."""
     eamc = EAMC.build(train.eams(), EAMC_SIZE, seed=0)
     evs = rp.events(test, batch)
-    block_s = block_seconds(m, mean_experts_per_block(evs), batch) if block_s is None else block_s
+    block_s = block_seconds(m, mean_experts_per_block(evs), batch) if paper_blocks is None else paper_blocks
     rows = []
     for gbps in BANDWIDTHS_GBPS:
         policy = ActivationPolicy(m.blocks, m.experts, eamc=eamc)
@@ -134,10 +134,10 @@ def recall_by_bandwidth(name, m, train, test, batch, block_s=None, baselines=Tru
             "model": name, "batch": batch, "gbps": gbps, "recall": round(r.recall, 4),
             "recall_history": round(hist.recall, 4), "hit_ratio_history": round(hist.hit_ratio, 4),
             "hit_ratio": round(r.hit_ratio, 4), "prefetched": r.prefetched, "misses": r.misses, "late": r.late,
-            "blocks_from": "a5000 cost model" if baselines else "paper latency",
+            "blocks_from": "a5000 cost model" if paper_blocks is None else "paper latency",
             "block_ms": round(block_s * 1e3, 3), "ms_per_step": round(r.time_s / max(r.steps, 1) * 1e3, 2),
         }  # fmt: skip
-        for traced in (False, True) if baselines else ():
+        for traced in (False, True):
             # The paper's baselines inside its system: its cache (Algorithm 2), their prefetching; best K reported.
             tried = {}
             for k in BASELINE_KS:
@@ -304,9 +304,7 @@ def main() -> None:
             out["recall"] += recall_by_bandwidth(name, m, *traces[name], 1)
     for name, m in MODELS.items():
         if "blocks" in parts:
-            rows = recall_by_bandwidth(
-                name, m, *traces[name], 1, block_s=PAPER_BLOCK_S[name], baselines=False
-            )
+            rows = recall_by_bandwidth(name, m, *traces[name], 1, paper_blocks=PAPER_BLOCK_S[name])
             out["recall_paper_blocks"] += rows
             out["recall_oracle_eamc"] += recall_oracle_eamc(name, m, traces[name][1])
     for name, m in MODELS.items():
