@@ -9,9 +9,9 @@
    optimum, demand paging.
 3. Prefetch recall against link bandwidth 8–128 GB/s (§8.3, the paper's Figure 10 in the arXiv text we have):
    activation-aware (both variants) beside the paper's baselines TOPK and TRACED-TOPK (amoe.offload.baselines,
-   best K of 1, 4, 16, 64 per bandwidth), with blocks as long as the A5000 cost model's; then activation-aware again
-   with blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S; baselines too), and with an oracle EAMC (the
-   replayed sequences' own EAMs) at both block times: which of prediction and block time limits recall.
+   best K of BASELINE_KS per bandwidth), with blocks as long as the A5000 cost model's; then all of them again with
+   blocks as long as the paper's own per-token latencies imply (PAPER_BLOCK_S), and activation-aware with an oracle
+   EAMC (the replayed sequences' own EAMs) at both block times: which of prediction and block time limits recall.
 4. Emulated per-token latency on an A5000 over PCIe 4.0: activation-aware offloading against on-demand fetching with
    LRU (the paper's PyTorch-UM baseline), at batch sizes 1–16 (the paper's batcher: up to 16 requests).
 5. Mixtral-8x7B with every expert missed against the PCIe bound (64 expert loads of ~352 MB per token), through
@@ -62,11 +62,8 @@ MODELS = {
     ),
 }  # fmt: skip
 BANDWIDTHS_GBPS = (8, 16, 32, 64, 128)
-BASELINE_KS = (
-    1,
-    4,
-    16,
-)  # K tried for TOPK and TRACED-TOPK at every bandwidth; the best recall is reported (§8.3)
+# K tried for TOPK and TRACED-TOPK at every bandwidth; the best recall is reported (§8.3: the paper's best K).
+BASELINE_KS = (1, 4, 16, 64)
 # A block's time as the paper's own per-token latencies imply: per-token latency / MoE blocks of the shape.
 # Switch-large-128: 255 ms at RPS 1.6 (§8.2, Figure 4); NLLB-MoE-128: 326 ms at batch 1 (§8.2, batch-size sweep).
 # These include the paper's stalls and dense layers, so they bound its blocks from above.
