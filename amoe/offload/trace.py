@@ -132,8 +132,9 @@ def _parse_sequence(record: dict, num_blocks: int, num_experts: int) -> Sequence
 
 @dataclass(frozen=True)
 class TaskRouting:
-    """The task-clustered routing model (module docstring). Defaults were set from the §3 statistics alone
-    (docs/offload.md "Routing traces"), before any policy was replayed on them."""
+    """The task-clustered routing model (module docstring). Defaults were set from the paper's workload (the task
+    count) and its §3 statistics (everything else) alone (docs/offload.md "Routing traces"), before any policy was
+    replayed on them."""
 
     num_blocks: int = 24
     num_experts: int = 128
