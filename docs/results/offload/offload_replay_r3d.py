@@ -1,12 +1,16 @@
 # Round 3's cut-down remainder of bench/offload_replay.py (the full parts did not fit the 20-minute window).
-import json, sys
+import json
+import sys
+
 sys.path.insert(0, "bench")
 import offload_replay as B
+
+from amoe.emulation.profiles import GB
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
 from amoe.offload.eam import EAMC
 from amoe.offload.trace import TaskRouting
-from amoe.emulation.profiles import GB
+
 tr = {}
 for name, m in B.MODELS.items():
     model = TaskRouting(num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing)
@@ -22,9 +26,29 @@ train, test = tr["switch-large-128"]
 eamc = EAMC.build(train.eams(), B.EAMC_SIZE, seed=0)
 evs = rp.events(test, 1)
 for gbps in (8, 128):
-    r = rp.replay_timed(evs, ActivationPolicy(m.blocks, m.experts, eamc=eamc), m.capacity, bandwidth=gbps * GB,
-                        expert_bytes=m.expert_bytes, block_s=B.PAPER_BLOCK_S["switch-large-128"])
-    print(json.dumps({"model": "switch-large-128", "batch": 1, "gbps": gbps, "recall": round(r.recall, 4),
-                      "hit_ratio": round(r.hit_ratio, 4), "prefetched": r.prefetched, "misses": r.misses, "late": r.late,
-                      "blocks_from": "paper latency", "block_ms": round(B.PAPER_BLOCK_S["switch-large-128"] * 1e3, 3),
-                      "ms_per_step": round(r.time_s / max(r.steps, 1) * 1e3, 2)}), flush=True)
+    r = rp.replay_timed(
+        evs,
+        ActivationPolicy(m.blocks, m.experts, eamc=eamc),
+        m.capacity,
+        bandwidth=gbps * GB,
+        expert_bytes=m.expert_bytes,
+        block_s=B.PAPER_BLOCK_S["switch-large-128"],
+    )
+    print(
+        json.dumps(
+            {
+                "model": "switch-large-128",
+                "batch": 1,
+                "gbps": gbps,
+                "recall": round(r.recall, 4),
+                "hit_ratio": round(r.hit_ratio, 4),
+                "prefetched": r.prefetched,
+                "misses": r.misses,
+                "late": r.late,
+                "blocks_from": "paper latency",
+                "block_ms": round(B.PAPER_BLOCK_S["switch-large-128"] * 1e3, 3),
+                "ms_per_step": round(r.time_s / max(r.steps, 1) * 1e3, 2),
+            }
+        ),
+        flush=True,
+    )
