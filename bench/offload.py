@@ -74,6 +74,9 @@ def child(args: argparse.Namespace) -> None:
     from amoe import LLM, SamplingParams
 
     options = json.loads(args.child)
+    # Intra-op threads pinned for every configuration: with the cores shared, two spinning OpenMP threads made the
+    # fully resident run cost up to 20x the CPU of a one-thread run (bench/offload_threads.py, docs/offload.md).
+    torch.set_num_threads(args.threads)
     batch = prompts(args.num_prompts, args.prompt_len)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     # The runtime is not the model: the interpreter, torch, and the engine's own code exercised once (imports,
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace, label: str, options: dict) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps(options)]
     cmd += ["--dir", str(args.dir), "--new-tokens", str(args.new_tokens)]
     cmd += ["--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len)]
+    cmd += ["--threads", str(args.threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
@@ -126,6 +130,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (default 1)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
@@ -181,7 +186,7 @@ def main() -> None:
     summary = {
         "bench": "offload", "dense_bytes": dense, "expert_bytes": expert, "experts": num_keys, "budget_bytes": budget,
         "slots": args.budget_experts, "policies": policies, "new_tokens": args.new_tokens,
-        "num_prompts": args.num_prompts,
+        "num_prompts": args.num_prompts, "threads": args.threads,
         "runs": {
             r["label"]: {k: v for k, v in r.items() if k not in ("tokens", "label")} for r in results
         },

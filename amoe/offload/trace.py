@@ -16,6 +16,18 @@ per block `core` of them that most of its tokens go to (temporal locality: the s
 rest of its tokens (a share `spread`) to the task's support at large (experts a sequence touches once or twice, but
 that sequences of one task share). `stats()` measures the §3 statistics of any trace; tests/test_offload_replay.py
 checks the defaults fall in the §3 ranges, and docs/offload.md records the values.
+
+**The workload the constants come from.** MoE-Infinity replays requests drawn from BIGBench, FLAN and MMLU mixed
+together (§8.1 "Datasets": "If the dataset is not specified, we mix all three datasets"; §8.5 replays 3000 requests
+"from the mixed dataset" against both Switch-large-128 and NLLB-MoE-128). The mix therefore holds the tasks of all
+three: MMLU's 57 (Hendrycks et al., arXiv 2009.03300, "57 tasks"), BIG-bench's 204 (Srivastava et al., arXiv
+2206.04615, "204 tasks") and FLAN's 62 datasets (Wei et al., arXiv 2109.01652 §2.1): `num_tasks`
+= 323, drawn uniformly (the paper gives no mixing proportions). Independent task supports with that many tasks
+break §3 (batch 32 would activate 63 % of the experts), so per block the experts have a global popularity (Zipf
+exponent `popularity`) that tasks draw their supports by; its value is the smallest on a 0.25 grid that brings
+batches of 1–32 back into §3's ranges (2.25 for top-1; bench/offload_replay.py's top-2 shape needs 2.75), chosen
+from §3 alone before any policy was replayed. The paper states no sequence lengths; prompts and outputs stay 8–32
+tokens.
 """
 
 from __future__ import annotations
@@ -120,13 +132,15 @@ def _parse_sequence(record: dict, num_blocks: int, num_experts: int) -> Sequence
 
 @dataclass(frozen=True)
 class TaskRouting:
-    """The task-clustered routing model (module docstring). Defaults were set from the §3 statistics alone
-    (docs/offload.md "Routing traces"), before any policy was replayed on them."""
+    """The task-clustered routing model (module docstring). Defaults were set from the paper's workload (the task
+    count) and its §3 statistics (everything else) alone (docs/offload.md "Routing traces"), before any policy was
+    replayed on them."""
 
     num_blocks: int = 24
     num_experts: int = 128
     top_k: int = 1
-    num_tasks: int = 2
+    num_tasks: int = 323  # MMLU 57 + BIG-bench 204 + FLAN 62 (module docstring)
+    popularity: float = 2.25  # exponent of the experts' global popularity tasks draw supports by (0: uniform)
     support: int = 20  # experts a task favours per block
     zipf: float = 2.5  # weight of a task's r-th favoured expert ∝ 1 / (r + 1)^zipf
     core: int = 1  # experts per block a sequence sends most tokens to
@@ -139,6 +153,10 @@ class TaskRouting:
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.core <= self.support <= self.num_experts:
             raise ConfigError("need 1 <= top_k <= core <= support <= num_experts")
+        if self.num_tasks < 1 or self.popularity < 0:
+            raise ConfigError(
+                f"need num_tasks >= 1 and popularity >= 0; got {self.num_tasks}, {self.popularity}"
+            )
         if not (0.0 <= self.spread <= 1.0 and 0.0 <= self.noise <= 1.0):
             raise ConfigError(f"spread and noise must be in [0, 1]; got {self.spread}, {self.noise}")
 
@@ -147,9 +165,19 @@ class TaskRouting:
         rng = np.random.default_rng([self.seed, 0])
         weights = 1.0 / (np.arange(self.support) + 1.0) ** self.zipf
         tables = np.zeros((self.num_tasks, self.num_blocks, self.num_experts))
+        # Per block a global popularity over the experts (a seeded order, weight ∝ 1 / (rank + 1)^popularity); a
+        # task's support is drawn ∝ it, so with many tasks the supports overlap on the popular experts.
+        popular = np.zeros((self.num_blocks, self.num_experts))
+        for b in range(self.num_blocks):
+            popular[b, rng.permutation(self.num_experts)] = (
+                1.0 / (np.arange(self.num_experts) + 1.0) ** self.popularity
+            )
+        popular /= popular.sum(axis=1, keepdims=True)
         for t in range(self.num_tasks):
             for b in range(self.num_blocks):
-                tables[t, b, rng.choice(self.num_experts, self.support, replace=False)] = weights
+                tables[t, b, rng.choice(self.num_experts, self.support, replace=False, p=popular[b])] = (
+                    weights
+                )
         tables /= tables.sum(axis=-1, keepdims=True)
         return (1.0 - self.noise) * tables + self.noise / self.num_experts
 
