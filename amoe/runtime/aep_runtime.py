@@ -20,11 +20,11 @@ from amoe.runtime import build
 from amoe.runtime.comm import communicator
 from amoe.runtime.loop import run_loop
 from amoe.runtime.report import RuntimeReporter
-from amoe.runtime.requests import HeadOutput, RankRequest
+from amoe.runtime.requests import HeadOutput, RankCapacity, RankRequest
 from amoe.sampling_params import SamplingParams
 
 
-class Runtime:
+class Runtime(RankCapacity):
     """One AEP runtime: attention rank r (requests enter here) or a set of experts."""
 
     def __init__(self, spec: wire.WorkerSpec) -> None:
@@ -64,20 +64,6 @@ class Runtime:
         self.error: BaseException | None = None
 
     # ---- what the control plane asks of a runtime (the synchronous runtime offers the same)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.attention.requests.blocks.num_total_blocks if self.attention is not None else 0
-
-    @property
-    def kv_free_blocks(self) -> int:
-        return self.attention.requests.kv_free_blocks if self.attention is not None else 0
-
-    @property
-    def max_model_len(self) -> int:
-        if self.attention is not None:
-            return self.attention.requests.max_model_len
-        return self.model_config.max_position_embeddings
 
     def add_request(
         self,

@@ -124,6 +124,29 @@ class HeadOutput:
         return [rid for rid, _, reason in self.tokens if reason is not None]
 
 
+class RankCapacity:
+    """What the control plane reads of any runtime's attention rank (AEP or synchronous alike): KV blocks and the
+    longest context. An expert-only runtime has no rank: no blocks, and the model's own limit. Mixed into both
+    runtimes, which set `attention` (None without a rank) and `model_config`."""
+
+    attention: Any
+    model_config: Any
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.attention.requests.blocks.num_total_blocks if self.attention is not None else 0
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.attention.requests.kv_free_blocks if self.attention is not None else 0
+
+    @property
+    def max_model_len(self) -> int:
+        if self.attention is not None:
+            return self.attention.requests.max_model_len
+        return self.model_config.max_position_embeddings
+
+
 class RankRequests:
     """The state of the requests bound to one attention DP rank."""
 

@@ -20,14 +20,14 @@ from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
 from amoe.runtime import build
 from amoe.runtime.comm import communicator
-from amoe.runtime.requests import HeadOutput, RankRequest
+from amoe.runtime.requests import HeadOutput, RankCapacity, RankRequest
 from amoe.runtime.sync import SyncDevice, run_sync_loop
 from amoe.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class SyncRuntime:
+class SyncRuntime(RankCapacity):
     """One device of ep (attention rank + its experts) or pingpong (attention rank, or expert device)."""
 
     def __init__(self, spec: wire.WorkerSpec) -> None:
@@ -67,20 +67,6 @@ class SyncRuntime:
         )  # fmt: skip
 
     # ---- what the control plane asks of a runtime (the AEP runtime offers the same)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.attention.requests.blocks.num_total_blocks if self.attention is not None else 0
-
-    @property
-    def kv_free_blocks(self) -> int:
-        return self.attention.requests.kv_free_blocks if self.attention is not None else 0
-
-    @property
-    def max_model_len(self) -> int:
-        if self.attention is not None:
-            return self.attention.requests.max_model_len
-        return self.model_config.max_position_embeddings
 
     def add_request(
         self,
