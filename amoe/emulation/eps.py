@@ -594,9 +594,13 @@ def chunk_host_s(tokens_per_device: float, contention: float = 1.0, time_scale: 
     return cpu * max(1.0, contention) / time_scale
 
 
-# Blocks of a routing's inclusion `auto` prices (evenly spaced, first and last included): the hot experts differ
-# from block to block, and the choice must not cost what the bound of every fixed PN costs.
+# Blocks of a routing's inclusion `auto` prices for every PN (evenly spaced, first and last included): the hot
+# experts differ from block to block, and the choice must not cost what the bound of every fixed PN costs.
 CHOOSER_BLOCKS = 8
+# The PNs whose price on those blocks is within this fraction of the best are priced again on every distinct block
+# and the choice made there: 8 of 48 skewed blocks misjudge a close call by a few % (Qwen3-30B-A3B on 8 h800s,
+# skew-exp:0.4, cap 1,024: PN 1 picked, PN 2 best by 2.5 %), and a close call is cheap to settle (a few PNs).
+CHOOSER_REFINE = 0.05
 
 
 def pipeline_chooser(
@@ -610,9 +614,10 @@ def pipeline_chooser(
 ):
     """total rows of an iteration over all devices → the PN with which an EP block (ep_block_moe_time, the bounds'
     and the simulation's model, with the host's step per chunk) is fastest; memoised, an iteration's rows repeat.
-    `inclusion` (q [blocks, expert ids], bounds.routing_inclusion): the routing's rows per expert, summed over
-    CHOOSER_BLOCKS of its blocks, experts placed e mod devices as EP places them — a skewed routing makes each
-    chunk wait for its own slowest device, which uniform rows hide; None: uniform routing over the routed experts.
+    `inclusion` (q [blocks, expert ids], bounds.routing_inclusion): the routing's rows per expert, priced on
+    CHOOSER_BLOCKS of its distinct blocks for every PN, then on all of them for the PNs within CHOOSER_REFINE of
+    the best, experts placed e mod devices as EP places them — a skewed routing makes each chunk wait for its own
+    slowest device, which uniform rows hide; None: uniform routing over the routed experts.
     `chunk_host(tokens per device)`: the runtime's own host seconds per chunk (`chunk_host_s`), paid in series
     with the block; None: none (the bounds' choice)."""
     from amoe.emulation.cost_model import NO_HOST
@@ -620,14 +625,12 @@ def pipeline_chooser(
     host = host or NO_HOST
     if inclusion is None:
         ids = model.num_experts
-        shares = [np.full(ids, model.top_k / model.num_experts)]
+        q = np.full((1, ids), model.top_k / model.num_experts)
     else:
         q = np.asarray(inclusion, dtype=float)
         ids = q.shape[1]
-        picked = np.unique(
-            np.linspace(0, q.shape[0] - 1, min(q.shape[0], CHOOSER_BLOCKS)).round().astype(int)
-        )
-        shares = [q[b] for b in picked]
+    sampled = q[np.unique(np.linspace(0, len(q) - 1, min(len(q), CHOOSER_BLOCKS)).round().astype(int))]
+    distinct, counts = np.unique(q, axis=0, return_counts=True)  # uniform routing: one block
     experts = [[e for e in range(ids) if e % devices == d] for d in range(devices)]
 
     @functools.lru_cache(maxsize=4096)
@@ -635,13 +638,20 @@ def pipeline_chooser(
         total = max(1, total_rows)
         tokens = total / devices
         per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
-        blocks = [[[total * share[e] for e in es] for es in experts] for share in shares]
-        times = {
-            n: sum(ep_block_moe_time(model, gpu, host, rows, experts, tokens, n, "auto") for rows in blocks)
-            / len(blocks)
-            + n * per_chunk
-            for n in range(1, max_pipelines + 1)
-        }
+
+        def mean_block(n: int, shares: np.ndarray, weights) -> float:
+            t = sum(
+                w * ep_block_moe_time(model, gpu, host, [[total * s[e] for e in es] for es in experts], experts,
+                                      tokens, n, "auto")
+                for s, w in zip(shares, weights)
+            )  # fmt: skip
+            return t / sum(weights) + n * per_chunk
+
+        times = {n: mean_block(n, sampled, [1] * len(sampled)) for n in range(1, max_pipelines + 1)}
+        best = min(times.values())
+        close = [n for n in times if times[n] <= best * (1 + CHOOSER_REFINE)]
+        if len(close) > 1 and len(distinct) > len(sampled):  # a close call: settle it on every distinct block
+            times = {n: mean_block(n, distinct, counts) for n in close}
         return min(times, key=lambda n: (times[n], n))
 
     return choose
