@@ -11,7 +11,7 @@ from factories import hf_greedy, reference_tokens, transformers_checkpoint
 
 from amoe.cli import main
 from amoe.config import ParallelSection
-from amoe.emulation import eps
+from amoe.emulation import eps, eps_paper
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.errors import ConfigError
 from amoe.model.config import load_model_config
@@ -138,7 +138,7 @@ def test_interference_slows_both_streams_and_b_rides_the_communication():
     assert eps.pipeline_time(chunks, overlap=True, interference=1.0) == 3.0
     # b: paid whole without a pipeline, shared by the chunks' collectives with one
     gpu, curves = gpu_profile("h800"), eps.CURVES["h800"]
-    layer = eps.table2_layer((5120, 15360), 1024)
+    layer = eps_paper.table2_layer((5120, 15360), 1024)
     no_b = replace(curves, layer_fixed_s=0.0)
     for pn in (1, 4):
         serial = eps.layer_time(gpu, curves, layer, pn, "dense", overlap=False)
@@ -225,9 +225,9 @@ def test_decode_auto_settles_a_close_call_on_every_block(monkeypatch):
 
 def test_the_h800_interference_is_table4s_fit():
     gpu, stored = gpu_profile("h800"), eps.CURVES["h800"]
-    assert math.isclose(eps.fit_interference(stored, gpu), stored.interference, rel_tol=0.01)
+    assert math.isclose(eps_paper.fit_interference(stored, gpu), stored.interference, rel_tol=0.01)
     # capped at 116 SMs the overlap is free; uncapped it costs, as in every row of Table IV
-    assert all(r > 1 for r in eps.table4_ratios(stored, gpu))
+    assert all(r > 1 for r in eps_paper.table4_ratios(stored, gpu))
 
 
 def test_closed_form_pipeline_number_agrees_with_the_search():
@@ -273,7 +273,7 @@ def test_generate_with_the_pipeline_prints_the_local_engines_text(deepseek_v2, c
 
 def test_the_h800_curves_are_table2s_pn1_fit():
     """The constants in eps.CURVES are what fitting Table II's PN 1 rows gives (rounded), not tuned by hand."""
-    fitted, stored = eps.fit_table2(gpu_profile("h800")), eps.CURVES["h800"]
+    fitted, stored = eps_paper.fit_table2(gpu_profile("h800")), eps.CURVES["h800"]
     pairs = [
         (fitted.grouped.peak_fraction, stored.grouped.peak_fraction),
         (fitted.grouped.fall_m, stored.grouped.fall_m),
