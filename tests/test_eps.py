@@ -241,6 +241,23 @@ def test_closed_form_pipeline_number_agrees_with_the_search():
         assert at_star <= t_best * 1.05, (tokens, n_star, best)
 
 
+def test_grouped_gemm_waves_and_fp8_on_both_all_to_alls():
+    """Round 3's structure: the grouped GEMM's 128 x 128 tiles run in whole waves over its SMs (cuBLAS's dense GEMMs
+    pick their tile: none), and Table II's FP8 is both collectives' datatype."""
+    assert eps.wave_utilisation(160, 132) == 160 / 264 and eps.wave_utilisation(264, 132) == 1.0
+    assert eps.wave_utilisation(7, 0) == 1.0  # no SM count: not modelled
+    gpu, curves = gpu_profile("h800"), eps.CURVES["h800"]
+    grouped = curves.curve("grouped")
+    # m = 256 [5120, 15360]: two experts fill 160 down-GEMM tiles (two waves, the second mostly idle), eight 640
+    two, eight = (eps.experts_time(gpu, grouped, "grouped", [256] * n, 5120, 15360) for n in (2, 8))
+    assert two / 2 > 1.05 * eight / 8
+    flat = replace(grouped, sms=0)
+    assert eps.experts_time(gpu, flat, "grouped", [256] * 2, 5120, 15360) < two
+    layer = eps_paper.table2_layer((5120, 1536), 1024)
+    (bf16,), (fp8,) = (eps.layer_chunks(gpu, curves, layer, 1, "grouped", fp8=f) for f in (False, True))
+    assert fp8.dispatch_s == fp8.combine_s < bf16.combine_s
+
+
 def test_kernel_choice_follows_load_on_h800():
     gpu = gpu_profile("h800")
     choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu)
