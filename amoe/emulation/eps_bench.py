@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from amoe.emulation import bounds, eps
+from amoe.emulation import bounds, eps, eps_paper
 from amoe.emulation.plan import PlanRequest, mean_context, plan_profile, search
 from amoe.emulation.plan_table import PROFILE, ROUTINGS
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
@@ -25,14 +25,14 @@ from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 def table2(curves: eps.EpsCurves) -> dict:
     gpu = gpu_profile("h800")
     cells, best = [], {}
-    for row in eps.TABLE2:
-        pred = eps.table2_prediction(curves, gpu, row)
+    for row in eps_paper.TABLE2:
+        pred = eps_paper.table2_prediction(curves, gpu, row)
         for i, (got, paper) in enumerate(zip(pred, row.ms)):
             err = got / paper - 1
             cells.append({"id": row.id, "col": i, "paper_ms": paper, "model_ms": round(got, 3), "err": err})
             best.setdefault(i, []).append((row.id, paper, got))
-    in_sample = [c for c in cells if eps.TABLE2[c["id"]].pipelines == 1]
-    out_sample = [c for c in cells if eps.TABLE2[c["id"]].pipelines != 1]
+    in_sample = [c for c in cells if eps_paper.TABLE2[c["id"]].pipelines == 1]
+    out_sample = [c for c in cells if eps_paper.TABLE2[c["id"]].pipelines != 1]
     columns = []
     for i, entries in sorted(best.items()):
         paper_best = min(entries, key=lambda e: e[1])[0]
@@ -52,10 +52,12 @@ def table2(curves: eps.EpsCurves) -> dict:
 def table3() -> dict:
     gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
     rows = []
-    for i, seq in enumerate(eps.TABLE3_SEQ_LENS):
-        block = eps.prefill_block(model, gpu, 8, seq, eps.PREFILL_TOKENS_PER_GPU, eps.TABLE3_PIPELINES)
-        gains = {pn: 100 * eps.prefill_gain(block, pn) for pn in eps.TABLE3_PIPELINES}
-        paper = {pn: eps.TABLE3_GAIN[pn][i] for pn in eps.TABLE3_PIPELINES}
+    for i, seq in enumerate(eps_paper.TABLE3_SEQ_LENS):
+        block = eps_paper.prefill_block(
+            model, gpu, 8, seq, eps_paper.PREFILL_TOKENS_PER_GPU, eps_paper.TABLE3_PIPELINES
+        )
+        gains = {pn: 100 * eps_paper.prefill_gain(block, pn) for pn in eps_paper.TABLE3_PIPELINES}
+        paper = {pn: eps_paper.TABLE3_GAIN[pn][i] for pn in eps_paper.TABLE3_PIPELINES}
         order = sorted(gains, key=gains.get, reverse=True)
         rows.append({
             "seq_len": seq, "model_gain_pct": {pn: round(g, 2) for pn, g in gains.items()}, "paper_gain_pct": paper,
@@ -169,14 +171,14 @@ def d_auto_pn(dep: bounds.Deployment, model, host, q) -> int:
 def main(args) -> int:
     curves = eps.CURVES["h800"]
     if args.fit:
-        curves = eps.fit_table2(gpu_profile("h800"))
+        curves = eps_paper.fit_table2(gpu_profile("h800"))
         # then the interference, from Table IV alone, on the refitted curves (it does not enter the PN 1 rows)
-        curves = replace(curves, interference=eps.fit_interference(curves, gpu_profile("h800")))
+        curves = replace(curves, interference=eps_paper.fit_interference(curves, gpu_profile("h800")))
         print("fitted h800 curves:", json.dumps(asdict(curves)))
     t2 = table2(curves)
     print("Table II (ms): id col paper model err")
     for c in t2["cells"]:
-        tag = "in " if eps.TABLE2[c["id"]].pipelines == 1 else "out"
+        tag = "in " if eps_paper.TABLE2[c["id"]].pipelines == 1 else "out"
         print(
             f"  {tag} {c['id']:2d} {c['col']} {c['paper_ms']:8.3f} {c['model_ms']:8.3f} {100 * c['err']:+6.1f} %"
         )
