@@ -213,6 +213,17 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
     ]  # fmt: skip
 
 
+# Wall seconds a runtime's start-up may take on a busy host: each imports torch and the runtime (2.3 CPU-s measured
+# here), so 32 runtimes need ~75 CPU-s of a 2-core host's, past the harness's default 180 s when other work shares
+# it. The coordinator's own limit (300 s, coordinator.cluster) names a runtime that never came up.
+STARTUP_S_PER_RUNTIME = 10.0
+
+
+def startup_timeout_s(d: bounds.Deployment) -> float:
+    """How long the harness waits for the plan's server to listen: ServerProcess's default, or 10 s a runtime."""
+    return max(180.0, STARTUP_S_PER_RUNTIME * (d.num_attn + d.num_expert))
+
+
 async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int, fill: str) -> dict:
     """One run of the plan at its concurrency (one copy's share of the prediction's). `steady` (the default): that
     many steady-state requests, measured over ITLs (amoe.bench.steady); `poisson`: arrivals at `overload` × the
@@ -229,7 +240,7 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
         duration_s=max(p.duration_s, 2.5 * fill_s),
         time_scale=time_scale, attn_cap=d.attn_cap, expert_cap=d.expert_cap, blocks=p.blocks,
     )  # fmt: skip
-    server = ServerProcess(flags(check, plan, p, time_scale))
+    server = ServerProcess(flags(check, plan, p, time_scale), startup_timeout_s=startup_timeout_s(d))
     with server:
         try:
             if fill == "steady":
