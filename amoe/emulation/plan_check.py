@@ -282,6 +282,12 @@ async def run_check(
                          # The host's 1-minute load average as the point ended: other work on the cores, which
                          # host_cores (this server's processes) does not count.
                          "load_average": round(os.getloadavg()[0], 2)})  # fmt: skip
+            logger.info(
+                "[plan_check] %s run %d: %.0f tokens/s measured against %.0f predicted (%.3f) at time scale %g, "
+                "%s host cores, load average %.2f", describe(check.deployment), i + 1, point["throughput"],
+                plan.prediction.tokens_per_s, point["throughput"] / plan.prediction.tokens_per_s, scale,
+                point["host_cores"], runs[-1]["load_average"],
+            )  # fmt: skip
             if not hot:
                 break
             logger.warning("[plan_check] %s saturated the host (%.2f cores): rerun at time scale %g",
