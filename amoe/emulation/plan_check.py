@@ -285,7 +285,7 @@ async def run_check(
             logger.info(
                 "[plan_check] %s run %d: %.0f tokens/s measured against %.0f predicted (%.3f) at time scale %g, "
                 "%s host cores, load average %.2f", describe(check.deployment), i + 1, point["throughput"],
-                plan.prediction.tokens_per_s, point["throughput"] / plan.prediction.tokens_per_s, scale,
+                plan.prediction.tokens_per_s, point["throughput"] / max(plan.prediction.tokens_per_s, 1e-9), scale,
                 point["host_cores"], runs[-1]["load_average"],
             )  # fmt: skip
             if not hot:
