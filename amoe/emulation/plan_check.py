@@ -346,7 +346,9 @@ def main(args) -> int:
     rows, host = asyncio.run(run(p, max(1, args.repeats), args.fill))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
-        "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance,
+        "routing": ",".join(sorted({c.routing for c in p.checks})) or ROUTING,  # the checks' own (scale32: λ 0.0025)
+        "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
