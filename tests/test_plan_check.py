@@ -116,6 +116,9 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     for r in rows:  # started in its steady state, each plan ran at its concurrency throughout the window
         assert r["runs"][0]["running_mean"] >= 0.97 * r["concurrency"], r
         assert r["runs"][0]["load_average"] >= 0, r  # the host's load, beside this server's own host_cores
+        # The batches the AEP runtime ran (the synchronous runtimes export none).
+        if r["plan"].startswith("aep"):
+            assert {"attn", "expert"} <= set(r["runs"][0]["rows_per_step"]), r
 
 
 def test_the_out_of_sample_plans_are_drawn_from_the_seed():

@@ -277,6 +277,7 @@ async def run_check(
             runs.append({"time_scale": scale, "throughput": point["throughput"],
                          "throughput_fit": point.get("throughput_fit"), "host_cores": point["host_cores"],
                          "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"],
+                         "rows_per_step": point.get("rows_per_step"),
                          "running_mean": point.get("running_mean"), "ttft_ms": point.get("ttft_ms_mean"),
                          "tokens_series": point.get("tokens_series"),
                          # The host's 1-minute load average as the point ended: other work on the cores, which
