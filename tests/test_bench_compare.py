@@ -12,7 +12,7 @@ import pytest
 
 from amoe.bench.compare_report import busy_summary, throughput_at_itl
 from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
-from amoe.bench.point import busy_fractions
+from amoe.bench.point import busy_fractions, rows_per_step
 from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
 
@@ -33,9 +33,19 @@ def test_parse_metrics_sums_series_and_quantiles():
             'amoe_runtime_busy_seconds_total{runtime="0",role="attention"} 2.5',
             'amoe_runtime_busy_seconds_total{runtime="3",role="expert"} 1.5',
             'amoe_runtime_uptime_seconds_total{runtime="0",role="attention"} 4.0',
+            'amoe_runtime_batch_size_rows_sum{kind="attn",runtime="0"} 90.0',
+            'amoe_runtime_batch_size_rows_count{kind="attn",runtime="0"} 2.0',
+            'amoe_runtime_batch_size_rows_sum{kind="attn",runtime="1"} 30.0',
+            'amoe_runtime_batch_size_rows_count{kind="attn",runtime="1"} 1.0',
+            'amoe_runtime_batch_size_rows_sum{kind="expert",runtime="3"} 512.0',
+            'amoe_runtime_batch_size_rows_count{kind="expert",runtime="3"} 1.0',
         ]
     )
     s = parse_metrics(text, t=1.0)
+    # The batches the runtime ran, by step kind over every runtime: rows per step over a window (Issue 35's check).
+    assert s.batch_rows == {"attn": [120.0, 3.0], "expert": [512.0, 1.0]}
+    later = parse_metrics(text.replace("} 90.0", "} 190.0").replace('"0"} 2.0', '"0"} 4.0'), t=2.0)
+    assert rows_per_step(s, later) == {"attn": 50.0}  # 100 more rows in 2 more steps; no new expert step
     assert (s.tokens, s.queue_tokens, s.itl_count) == (120.0, 12.0, 10.0)
     assert (s.ttft_sum, s.ttft_count) == (0.5, 4.0)
     assert s.busy == {"attention 0": 2.5, "expert 3": 1.5}

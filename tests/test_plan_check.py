@@ -3,6 +3,7 @@ EP, and compares their measured maxima with what the planner predicts. The suite
 and is reported; how close the measurements come is a benchmark's finding (the full preset, 7 plans, 10 %, is
 recorded in docs/results.md), since an emulated run on a busy host is as much slower as the host is busy."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import sys
 import pytest
 
 from amoe.bench import calibrate
-from amoe.emulation import plan_check
+from amoe.emulation import bounds, plan_check
+from amoe.emulation.plan import Plan, mean_context
+from amoe.emulation.profiles import host_overhead, model_profile
 
 
 def test_the_commands_preset_names_are_plan_checks():
@@ -54,6 +57,32 @@ def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_command():
     assert argv[argv.index("--executor-profile") + 1] == f"{aep.profile}:32"
 
 
+def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
+    """scale32 (issue 35): 16 + 16 DeepSeek-V3 runtimes at 4 blocks, top-8 over 256 experts, at the fixed 4,096
+    requests its prediction is made at and the routing it assumed (not Mixtral's default skew). Flags only: the run
+    itself is a benchmark (32 processes)."""
+    p = plan_check.PRESETS["scale32"]
+    (check,) = p.checks
+    d = check.deployment
+    assert (d.mode, d.num_attn + d.num_expert, d.num_attn) == ("aep", 32, 16) and check.top_k == 8
+    model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
+    assert model.num_experts == 256 and model.top_k == 8
+    # The bound alone (the prediction's simulation at scale is the benchmark's), at the check's concurrency.
+    pred = bounds.predict(model, d, bounds.routing_inclusion(model, check.routing), mean_context("short"),
+                          host_overhead("amoe-paper"))  # fmt: skip
+    plan = Plan(d, dataclasses.replace(pred, concurrency=check.concurrency), None)
+    argv = plan_check.flags(check, plan, p, time_scale=400.0)
+    value = {flag: argv[argv.index(flag) + 1] for flag in argv if flag.startswith("--")}
+    assert (value["--attn-ranks"], value["--expert-ranks"]) == ("16", "16")
+    assert int(value["--cache-max-num-seqs"]) * d.num_attn == check.concurrency == 4096
+    assert value["--routing"] == check.routing == "skew-exp:0.0025" and value["--executor-top-k"] == "8"
+    assert value["--executor-profile"] == "deepseek-v3:4" and value["--time-scale"] == "400"
+    # 32 runtimes each import torch: the harness waits longer for them than for an 8-GPU plan.
+    assert plan_check.startup_timeout_s(d) > plan_check.startup_timeout_s(
+        plan_check.PRESETS["ci"].checks[0].deployment
+    )
+
+
 def test_the_time_scale_follows_the_host_probe():
     """A host whose Python runs 2x slower gets twice the time scale: host work stays the same share of a step."""
     slow, probe = calibrate.scaled(25.0, probe_s=2 * calibrate.REFERENCE_PROBE_S)
@@ -86,6 +115,10 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     assert all(ratio > 0 for ratio in summary["ratios"].values()), result.stdout
     for r in rows:  # started in its steady state, each plan ran at its concurrency throughout the window
         assert r["runs"][0]["running_mean"] >= 0.97 * r["concurrency"], r
+        assert r["runs"][0]["load_average"] >= 0, r  # the host's load, beside this server's own host_cores
+        # The batches the AEP runtime ran (the synchronous runtimes export none).
+        if r["plan"].startswith("aep"):
+            assert {"attn", "expert"} <= set(r["runs"][0]["rows_per_step"]), r
 
 
 def test_the_out_of_sample_plans_are_drawn_from_the_seed():

@@ -43,6 +43,7 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
         itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
         ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
         busy=busy_fractions(first, last),
+        rows_per_step=rows_per_step(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
         # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
         host_cores=host,
@@ -75,6 +76,17 @@ def token_rate_fit(series: list[tuple[float, float]], scale: float) -> float | N
         return None
     slope = sum((t - mean_t) * (y - mean_y) for t, y in series) / var  # tokens per wall second
     return slope * scale
+
+
+def rows_per_step(first, last) -> dict[str, float]:
+    """Mean rows per step of each kind (attn, head, expert) over the window, all runtimes together: the batches the
+    runtime actually ran, to set beside the ones a prediction assumed (docs/results.md, Issue 35)."""
+    out = {}
+    for kind, (rows, steps) in sorted(last.batch_rows.items()):
+        rows0, steps0 = first.batch_rows.get(kind, (0.0, 0.0))
+        if steps > steps0:
+            out[kind] = round((rows - rows0) / (steps - steps0), 1)
+    return out
 
 
 def busy_fractions(first, last) -> dict[str, float]:

@@ -29,6 +29,7 @@ BUSY = "amoe_runtime_busy_seconds_total"
 UPTIME = "amoe_runtime_uptime_seconds_total"
 QUEUE = "amoe_runtime_queue_depth_tokens"
 RUNNING = "amoe_requests_running"
+BATCH_ROWS = "amoe_runtime_batch_size_rows"
 
 
 @dataclass
@@ -47,6 +48,8 @@ class Scrape:
     busy: dict[str, float] = field(default_factory=dict)  # "role runtime" → seconds the runtime ran layers
     uptime: dict[str, float] = field(default_factory=dict)  # "role runtime" → its age when it reported busy
     cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
+    # step kind (attn, head, expert) → [rows, steps] summed over the runtimes: the batch sizes the runtime ran
+    batch_rows: dict[str, list[float]] = field(default_factory=dict)
 
 
 def parse_metrics(text: str, t: float) -> Scrape:
@@ -78,6 +81,10 @@ def parse_metrics(text: str, t: float) -> Scrape:
             s.busy[key] = value
         elif name == UPTIME and (key := _runtime_key(labels)):
             s.uptime[key] = value
+        elif name in (f"{BATCH_ROWS}_sum", f"{BATCH_ROWS}_count") and (
+            kind := dict(_LABEL.findall(labels)).get("kind")
+        ):
+            s.batch_rows.setdefault(kind, [0.0, 0.0])[name.endswith("_count")] += value
     return s
 
 

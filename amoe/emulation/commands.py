@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 # amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
-PLAN_CHECK_PRESETS = ("ci", "depth", "full", "variance")
+PLAN_CHECK_PRESETS = ("ci", "depth", "full", "scale32", "variance")
 OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
 
 

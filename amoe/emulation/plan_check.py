@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -46,6 +47,13 @@ from amoe.errors import ConfigError
 logger = logging.getLogger("plan_check")
 
 ROUTING = f"skew-exp:{DEFAULT_LAMBDA:g}"
+# The scale32 preset's time scale on the reference host (stretched by the host probe, as every preset's is). Its
+# plan runs ~81 k runtime steps per emulated second (16 attention GPUs × 4 waves × 5 steps, 16 expert GPUs × ~16
+# grouped steps, per 7.07 ms ITL) and each attention step fans out to 16 expert GPUs: at ~1 ms of host CPU per step
+# with its messages that is ~80 CPU-s per emulated second, against ~10 for the 8-GPU presets' plans at their
+# scale of 40. 400 keeps the runtimes at ~0.2 of a core and leaves the coordinator and the 4,096-request load
+# generator the rest (docs/results.md, Issue 35, "The emulated runtime at 32 GPUs": the measured host cores).
+SCALE32_TIME_SCALE = 400.0
 
 
 @dataclass(frozen=True)
@@ -61,9 +69,12 @@ class Check:
     routing: str = ROUTING
 
 
-def _aep(gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None, expert_gpu=None):
+def _aep(
+    gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None, expert_gpu=None,
+    routing=ROUTING,
+):  # fmt: skip
     dep = bounds.Deployment("aep", gpu, a, expert_gpu or gpu, e, attn_cap=cap, expert_cap=ecap)
-    return Check(profile, top_k, dep, concurrency)
+    return Check(profile, top_k, dep, concurrency, routing)
 
 
 def _ep(gpu, n, top_k, profile="mixtral-8x7b-mqa", cap=256):
@@ -127,6 +138,23 @@ PRESETS = {
         ),
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
+    # Issue 35: one frontier-class plan at 32 emulated runtimes, where the simulation runs at scale
+    # (amoe.emulation.simulate_scale: counts per expert, the attention GPUs on one timeline, AEP in waves) and the
+    # runtime's queues, batching and 16-way fan-out are the real ones. Chosen before any run (docs/results.md
+    # "Issue 35", "The emulated runtime at 32 GPUs"): DeepSeek-V3 (256 experts top-8, FP8) at 4 of its 58 MoE
+    # blocks on H800s; AEP, the mode the simulation is least sure of; A = E = 16, so no expert GPU receives more
+    # than an attention GPU sends; attention cap 64 and 256 requests per attention GPU (4 waves), where the bound
+    # and the simulation are attention-bound with the links idle a third of the time or more: the runtime prices a
+    # message on its (sender, receiver) pair, the simulation on both ends' shared NICs, and the simulation predicts
+    # the same figure over NVLink as over the NICs (so the difference does not bind). λ scaled to 256 experts as
+    # amoe bench frontier does (0.08 · 8 / 256).
+    "scale32": CheckPreset(
+        checks=(
+            _aep("h800", 16, 16, 8, profile="deepseek-v3", cap=64, ecap=1024, concurrency=4096,
+                 routing="skew-exp:0.0025"),
+        ),
+        blocks=4, duration_s=1.0, time_scale=SCALE32_TIME_SCALE, overload=2.0, tolerance=0.10,
+    ),
     # `make test` runs this one (tests/test_plan_check.py): two small plans, one AEP and one EP, ~35 s here.
     "ci": CheckPreset(
         checks=(_aep("a100-80g", 2, 2, 1, cap=64), _ep("a100-80g", 2, 2, cap=64)),
@@ -185,6 +213,17 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
     ]  # fmt: skip
 
 
+# Wall seconds a runtime's start-up may take on a busy host: each imports torch and the runtime (2.3 CPU-s measured
+# here), so 32 runtimes need ~75 CPU-s of a 2-core host's, past the harness's default 180 s when other work shares
+# it. The coordinator's own limit (300 s, coordinator.cluster) names a runtime that never came up.
+STARTUP_S_PER_RUNTIME = 10.0
+
+
+def startup_timeout_s(d: bounds.Deployment) -> float:
+    """How long the harness waits for the plan's server to listen: ServerProcess's default, or 10 s a runtime."""
+    return max(180.0, STARTUP_S_PER_RUNTIME * (d.num_attn + d.num_expert))
+
+
 async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int, fill: str) -> dict:
     """One run of the plan at its concurrency (one copy's share of the prediction's). `steady` (the default): that
     many steady-state requests, measured over ITLs (amoe.bench.steady); `poisson`: arrivals at `overload` × the
@@ -201,7 +240,7 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
         duration_s=max(p.duration_s, 2.5 * fill_s),
         time_scale=time_scale, attn_cap=d.attn_cap, expert_cap=d.expert_cap, blocks=p.blocks,
     )  # fmt: skip
-    server = ServerProcess(flags(check, plan, p, time_scale))
+    server = ServerProcess(flags(check, plan, p, time_scale), startup_timeout_s=startup_timeout_s(d))
     with server:
         try:
             if fill == "steady":
@@ -238,8 +277,18 @@ async def run_check(
             runs.append({"time_scale": scale, "throughput": point["throughput"],
                          "throughput_fit": point.get("throughput_fit"), "host_cores": point["host_cores"],
                          "saturated": hot, "itl_ms": point["itl_ms_mean"], "rerun": attempt > 0, "busy": point["busy"],
+                         "rows_per_step": point.get("rows_per_step"),
                          "running_mean": point.get("running_mean"), "ttft_ms": point.get("ttft_ms_mean"),
-                         "tokens_series": point.get("tokens_series")})  # fmt: skip
+                         "tokens_series": point.get("tokens_series"),
+                         # The host's 1-minute load average as the point ended: other work on the cores, which
+                         # host_cores (this server's processes) does not count.
+                         "load_average": round(os.getloadavg()[0], 2)})  # fmt: skip
+            logger.info(
+                "[plan_check] %s run %d: %.0f tokens/s measured against %.0f predicted (%.3f) at time scale %g, "
+                "%s host cores, load average %.2f", describe(check.deployment), i + 1, point["throughput"],
+                plan.prediction.tokens_per_s, point["throughput"] / max(plan.prediction.tokens_per_s, 1e-9), scale,
+                point["host_cores"], runs[-1]["load_average"],
+            )  # fmt: skip
             if not hot:
                 break
             logger.warning("[plan_check] %s saturated the host (%.2f cores): rerun at time scale %g",
@@ -298,7 +347,9 @@ def main(args) -> int:
     rows, host = asyncio.run(run(p, max(1, args.repeats), args.fill))
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
-        "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance, "routing": ROUTING, "tolerance": p.tolerance, "plans": len(rows),
+        "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance,
+        "routing": ",".join(sorted({c.routing for c in p.checks})) or ROUTING,  # the checks' own (scale32: λ 0.0025)
+        "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
