@@ -55,3 +55,42 @@ def test_a_recorded_run_is_summarised_again_with_littles_law(tmp_path):
     assert (
         wave["itl_ms_at_half_load"] is None
     )  # no ITL measured at half load: none reported, not a made-up one
+
+
+def test_an_overload_point_whose_every_arrival_was_served_is_not_taken_as_the_maximum(tmp_path):
+    # The 2026-11-26 16:39 run's defrag seed 0: at 1.3x the bound's rate all 4,456 arrivals were served within the
+    # grace (154 in flight instead of 2,048, an ITL under 1 ms): not an overload, yet it read 166 k tokens/s.
+    def point(kind, rate, throughput, running, itl_ms, completed):
+        return {**_point(kind, throughput, running, itl_ms), "rate": rate, "completed": completed}
+
+    runs = {
+        "defrag": [
+            {
+                "seed": 0,
+                "points": [
+                    point("load 0.5", 428.49, 37e3, 507, 13.5, 0),
+                    point("load 1.3", 1114.07, 166e3, 154, 0.93, 4456),
+                ],
+            },
+            {
+                "seed": 1,
+                "points": [
+                    point("load 0.5", 428.49, 43e3, 430, 10.1, 0),
+                    point("load 1.3", 1114.07, 73e3, 2047, 28.0, 0),
+                ],
+            },
+        ]
+    }
+    path = tmp_path / "policies.json"
+    path.write_text(json.dumps({"summary": {"loads": [0.5, 1.3], "duration_s": 4.0}, "runs": runs}))
+    defrag = policy_bench.report(path)["policies"]["defrag"]
+    # Run 0 has no maximum to report (its half-load point is not one); the median is run 1's alone.
+    assert defrag["throughput_runs"] == [73000] and defrag["throughput_max"] == 73000
+    assert defrag["throughput_little_runs"] == [round(2047 / 0.028)]
+    assert defrag["itl_ms_at_half_load"] == pytest.approx(
+        (13.5 + 10.1) / 2
+    )  # the half-load points still count
+    # A point that served every arrival below the bound's rate is an ordinary point.
+    assert not policy_bench.not_overloaded({"rate_of_bound": 0.5, "sent": 10, "completed": 10})
+    assert policy_bench.not_overloaded({"rate_of_bound": 1.3, "sent": 10, "completed": 10})
+    assert not policy_bench.not_overloaded({"rate_of_bound": 1.3, "sent": 10, "completed": 0})

@@ -257,6 +257,7 @@ async def load_point(
     async with httpx.AsyncClient(base_url=url, timeout=30) as http, client:
         client.model = profile_name(setup, p)
         probe = MetricsProbe(http, period_s=span / _SCRAPES_PER_POINT, cpu_pid=server.proc.pid)
+        warnings_mark = server.num_warnings
         start = time.perf_counter()
         probe.start()
         load = asyncio.ensure_future(run_requests(client, requests, arrivals))
@@ -265,7 +266,12 @@ async def load_point(
         done = await _finish(load, p.duration_s * scale * 0.1)
         await _drain(http)
     window = (start + _WARMUP_FRACTION * span, start + span)
-    return measure(setup, kind, rate, probe, start, window, done, scale)
+    point = measure(setup, kind, rate, probe, start, window, done, scale)
+    # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
+    # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
+    point["sent"] = num
+    point["server_warnings"] = server.warnings_since(warnings_mark)
+    return point
 
 
 async def _finish(load: asyncio.Future, grace_s: float) -> list:

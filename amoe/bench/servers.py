@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _URL_LINE = re.compile(r"amoe serve: listening on (http://\S+)$")
 _KEEP_LINES = 200  # of the server's log, for the error message when it dies
+_WARNING = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")
 
 
 class ServerProcess:
@@ -32,6 +33,10 @@ class ServerProcess:
         self.env = env or {}  # extra environment variables
         self.proc: subprocess.Popen | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=_KEEP_LINES)
+        # Every warning or error the server logged, numbered: a benchmark point records the ones logged while it
+        # ran (warnings_since), so a point read from a deployment that lost or replaced a runtime says so.
+        self.warnings: collections.deque[tuple[int, str]] = collections.deque(maxlen=_KEEP_LINES)
+        self.num_warnings = 0
         self.url: str | None = None
 
     def __enter__(self) -> str:
@@ -59,9 +64,16 @@ class ServerProcess:
         for line in self.proc.stderr:
             line = line.rstrip("\n")
             self.lines.append(line)
+            if _WARNING.search(line):
+                self.warnings.append((self.num_warnings, line))
+                self.num_warnings += 1
             if not found.is_set() and (match := _URL_LINE.search(line)):
                 self.url = match.group(1)
                 found.set()
+
+    def warnings_since(self, mark: int) -> list[str]:
+        """The warning and error lines logged since `num_warnings` was `mark` (those still kept)."""
+        return [line for n, line in list(self.warnings) if n >= mark]
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is None or self.proc.poll() is not None:
