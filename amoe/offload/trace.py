@@ -209,15 +209,13 @@ class TaskRouting:
 
     def _step(self, dist: np.ndarray, tokens: int, rng: np.random.Generator) -> Step:
         """`tokens` tokens through every block, each to top_k distinct experts drawn ∝ dist (Gumbel-top-k)."""
-        step = []
         with np.errstate(divide="ignore"):
             log_p = np.log(dist)  # [L, E]
-        for b in range(self.num_blocks):
-            keys = log_p[b] + rng.gumbel(size=(tokens, self.num_experts))
-            picks = np.argpartition(-keys, self.top_k - 1, axis=1)[:, : self.top_k]
-            experts, counts = np.unique(picks, return_counts=True)
-            step.append((experts, counts))
-        return step
+        # One draw for all blocks: the generator fills it in the order the per-block draws used to take, so the
+        # traces are unchanged, at a fraction of the calls (generation dominated the benchmark's set-up).
+        keys = log_p[:, None, :] + rng.gumbel(size=(self.num_blocks, tokens, self.num_experts))
+        picks = np.argpartition(-keys, self.top_k - 1, axis=2)[:, :, : self.top_k]
+        return [np.unique(picks[b], return_counts=True) for b in range(self.num_blocks)]
 
 
 def batches(trace: Trace, batch_size: int) -> list[list[int]]:

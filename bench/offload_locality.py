@@ -1,0 +1,116 @@
+"""Round 4 of issue 36: set the routing model's access locality from the paper's ORACLE, Bélády only.
+
+    PYTHONPATH=. .venv/bin/python bench/offload_locality.py [--models switch-large-128,nllb-moe-128]
+
+The rule (docs/offload.md "Round 4", written before this ran): per shape, Bélády's hit ratio at the paper's cache
+size and batch 16 must equal the paper's ORACLE (Figure 11) within ±2 pt. First `spread` alone, upward from the
+round-3 value on a 0.05 grid to 1.0 (a 0.01 grid inside the last step if it jumps past the band); only if
+spread 1.0 does not reach it, `zipf` downward on a 0.25 grid at spread 1.0. A value that reaches the target must
+keep §3's ranges at batches 1-32 on the training sample, or it is rejected. No other policy is replayed here: the
+search sees only the optimum, a property of the trace. One JSON line per candidate, then a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from offload_replay import MODELS
+
+from amoe.offload import replay as rp
+from amoe.offload.trace import TaskRouting, stats
+
+TOLERANCE = 0.02  # ±2 pt around the paper's ORACLE
+TARGET_BATCH = 16  # the paper's batcher's largest batch (§8.2); batch 1 is reported beside
+SECTION3_BATCHES = (1, 4, 16, 32)
+N_TRAIN, N_TEST = 300, 160  # bench/offload_replay.py's samples (seeds 1 and 2)
+
+
+def section3_ok(model: TaskRouting) -> tuple[bool, list[dict]]:
+    train = model.generate(N_TRAIN, seed=1)
+    rows = []
+    for b in SECTION3_BATCHES:
+        s = stats(train, b)
+        rows.append({"batch": b, "activated": round(s["activated"], 4), "reused": round(s["reused"], 4)})
+    ok = all(0.03 <= r["activated"] <= 0.20 and 0.30 <= r["reused"] <= 0.46 for r in rows)
+    return ok, rows
+
+
+def evaluate(name: str, params: dict) -> dict:
+    """Bélády at the paper's cache size (batch 16, the target, and batch 1) for one candidate; §3 only if it is in
+    the band (the rule rejects it otherwise anyway)."""
+    m = MODELS[name]
+    model = TaskRouting(num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **params)
+    test = model.generate(N_TEST, seed=2)
+    row = {"model": name, **{k: params[k] for k in ("spread", "zipf") if k in params}}
+    for batch in (TARGET_BATCH, 1):
+        keys = rp.accesses(rp.events(test, batch))
+        row[f"belady_b{batch}"] = round(rp.belady(keys, m.capacity).hit_ratio, 4)
+    oracle = m.paper["oracle"]
+    row["oracle"] = oracle
+    row["in_band"] = abs(row[f"belady_b{TARGET_BATCH}"] - oracle) <= TOLERANCE
+    row["section3_ok"] = None  # measured only in the band (outside it the rule rejects the value anyway)
+    if row["in_band"]:
+        row["section3_ok"], row["section3"] = section3_ok(model)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def search(name: str) -> dict:
+    m = MODELS[name]
+    base = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **m.routing}
+    oracle = m.paper["oracle"]
+    tried: list[dict] = []
+
+    def accept(params: dict) -> dict | None:
+        """Evaluate; the candidate if it is in the band and keeps §3's ranges."""
+        tried.append(evaluate(name, params))
+        return tried[-1] if tried[-1]["in_band"] and tried[-1]["section3_ok"] else None
+
+    def sweep(knob: str, values, fixed: dict, step: float) -> dict | None:
+        prev = fixed[knob]
+        for v in values:
+            found = accept({**fixed, knob: round(float(v), 4)})
+            if found:
+                return found
+            if tried[-1][f"belady_b{TARGET_BATCH}"] < oracle - TOLERANCE:
+                # Jumped past the band: the finer grid strictly between the last two values, from the old side.
+                inner = np.arange(min(prev, v) + step, max(prev, v) - step / 2, step)
+                for w in inner if v > prev else inner[::-1]:
+                    found = accept({**fixed, knob: round(float(w), 4)})
+                    if found:
+                        return found
+                return None
+            prev = v
+        return None
+
+    spreads = np.round(np.arange(base["spread"] + 0.05, 1.0 + 1e-9, 0.05), 2)
+    found = sweep("spread", spreads, base, 0.01)
+    last = tried[-1] if tried else {}
+    if found is None and last.get("spread") == 1.0 and last[f"belady_b{TARGET_BATCH}"] > oracle + TOLERANCE:
+        zipfs = np.round(np.arange(base["zipf"] - 0.25, -1e-9, -0.25), 2)
+        found = sweep("zipf", zipfs, {**base, "spread": 1.0}, 0.05)
+    return {"model": name, "oracle": oracle, "round3": base, "found": found, "candidates": len(tried)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated shapes")
+    args = ap.parse_args()
+    start = time.time()
+    out = {"bench": "offload_locality", "tolerance": TOLERANCE, "target_batch": TARGET_BATCH, "results": []}
+    for name in args.models.split(","):
+        if name not in MODELS:
+            ap.error(f"--models: unknown {name}; choose from {', '.join(MODELS)}")
+        base = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **MODELS[name].routing}
+        evaluate(name, base)  # the round-3 constants, for the record
+        out["results"].append(search(name))
+        print(json.dumps(out["results"][-1]), flush=True)
+    out["wall_s"] = round(time.time() - start, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
