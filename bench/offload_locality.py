@@ -13,6 +13,9 @@ search sees only the optimum, a property of the trace. One JSON line per candida
 Bélády that needs no search: a policy that empties the cache at each batch's start misses at most the batch's
 distinct experts when they fit, so Bélády >= 1 - sum(distinct per batch) / accesses (when every batch fits) — and
 §3's statistics at the corner.
+
+`--lengths` prints Bélády for the round-3 constants with generated lengths 1-20 beside 8-32: the authors' example
+script caps generation at 20 new tokens (a cap, not a mean). Exploratory, outside the rule; it sets nothing.
 """
 
 from __future__ import annotations
@@ -123,16 +126,36 @@ def batch_bound(name: str, extra: dict) -> dict:
     return row
 
 
+def lengths(name: str) -> None:
+    m = MODELS[name]
+    for output in ((8, 32), (1, 20)):
+        model = TaskRouting(
+            num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, output=output, **m.routing
+        )
+        test = model.generate(N_TEST, seed=2)
+        row = {"model": name, "output": output, "note": "exploratory, outside the round-4 rule; sets nothing"}
+        for batch in (TARGET_BATCH, 1):
+            row[f"belady_b{batch}"] = round(
+                rp.belady(rp.accesses(rp.events(test, batch)), m.capacity).hit_ratio, 4
+            )
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated shapes")
     ap.add_argument(
         "--bound", action="store_true", help="the per-batch floor under Bélády instead of the search"
     )
+    ap.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
     args = ap.parse_args()
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if args.lengths:
+        for name in args.models.split(","):
+            lengths(name)
+        return
     if args.bound:
         for name in args.models.split(","):
             batch_bound(name, {})
