@@ -27,7 +27,8 @@ break §3 (batch 32 would activate 63 % of the experts), so per block the expert
 exponent `popularity`) that tasks draw their supports by; its value is the smallest on a 0.25 grid that brings
 batches of 1–32 back into §3's ranges (2.25 for top-1; bench/offload_replay.py's top-2 shape needs 2.75), chosen
 from §3 alone before any policy was replayed. The paper states no sequence lengths; prompts and outputs stay 8–32
-tokens.
+tokens. Round 4 searched `spread` and `zipf` for the access locality the paper's ORACLE implies (Figure 11) and
+found none that keeps §3's ranges (docs/offload.md "Round 4"), so these defaults are round 3's.
 """
 
 from __future__ import annotations
