@@ -16,6 +16,12 @@ distinct experts when they fit, so Bélády >= 1 - sum(distinct per batch) / acc
 
 `--lengths` prints Bélády for the round-3 constants with generated lengths 1-20 beside 8-32: the authors' example
 script caps generation at 20 new tokens (a cap, not a mean). Exploratory, outside the rule; it sets nothing.
+
+`--enc-dec` is round 5 (docs/offload.md "Round 5", written before it ran): the round-3 constants unchanged, the
+shapes as the encoder-decoder models they are (Switch-large-128 12 + 12 MoE blocks, NLLB-MoE-128 6 + 6; encoder
+blocks routed once per sequence, at prefill). Per shape one line: Bélády at the paper's cache size (batch 16, the
+target, and batch 1), the per-batch floor, §3's statistics on the whole model (the check) and on the decoder part
+(for reading), and whether the rule lets the hit part run.
 """
 
 from __future__ import annotations
@@ -36,11 +42,11 @@ SECTION3_BATCHES = (1, 4, 16, 32)
 N_TRAIN, N_TEST = 300, 160  # bench/offload_replay.py's samples (seeds 1 and 2)
 
 
-def section3_ok(model: TaskRouting) -> tuple[bool, list[dict]]:
+def section3_ok(model: TaskRouting, first_block: int = 0) -> tuple[bool, list[dict]]:
     train = model.generate(N_TRAIN, seed=1)
     rows = []
     for b in SECTION3_BATCHES:
-        s = stats(train, b)
+        s = stats(train, b, first_block)
         rows.append({"batch": b, "activated": round(s["activated"], 4), "reused": round(s["reused"], 4)})
     ok = all(0.03 <= r["activated"] <= 0.20 and 0.30 <= r["reused"] <= 0.46 for r in rows)
     return ok, rows
@@ -103,6 +109,42 @@ def search(name: str) -> dict:
     return {"model": name, "oracle": oracle, "round3": base, "found": found, "candidates": len(tried)}
 
 
+def floor(test, batch: int, capacity: int) -> dict:
+    """The per-batch floor under Bélády (module docstring), with what it rests on."""
+    distinct, accesses, largest, seen = 0, 0, 0, set()
+    for ev in rp.events(test, batch):
+        if ev.block == rp.END:
+            distinct, largest, seen = distinct + len(seen), max(largest, len(seen)), set()
+        else:
+            seen.update(ev.keys)
+            accesses += len(ev.keys)
+    return {"accesses": accesses, "distinct_summed_over_batches": distinct, "largest_batch_distinct": largest,
+            "every_batch_fits": largest <= capacity, "floor": round(1 - distinct / accesses, 4)}  # fmt: skip
+
+
+def enc_dec(name: str) -> dict:
+    """Round 5: the round-3 constants on the encoder-decoder structure; Bélády, the floor and §3 only."""
+    m = MODELS[name]
+    params = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **m.routing}
+    model = TaskRouting(
+        num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, encoder_blocks=m.encoder_blocks, **params
+    )
+    test = model.generate(N_TEST, seed=2)
+    row = {"model": name, "encoder_blocks": m.encoder_blocks, "decoder_blocks": m.blocks - m.encoder_blocks,
+           **params, "capacity": m.capacity, "oracle": m.paper["oracle"]}  # fmt: skip
+    for batch in (TARGET_BATCH, 1):
+        evs = rp.events(test, batch)
+        row[f"belady_b{batch}"] = round(rp.belady(rp.accesses(evs), m.capacity).hit_ratio, 4)
+    row[f"floor_b{TARGET_BATCH}"] = floor(test, TARGET_BATCH, m.capacity)
+    row["in_band"] = abs(row[f"belady_b{TARGET_BATCH}"] - row["oracle"]) <= TOLERANCE
+    row["above_band_pt"] = round(100 * (row[f"belady_b{TARGET_BATCH}"] - row["oracle"] - TOLERANCE), 1)
+    row["section3_ok"], row["section3"] = section3_ok(model)
+    row["section3_decoder_part"] = section3_ok(model, m.encoder_blocks)[1]  # for reading, not the check
+    row["run_hit_part"] = row["in_band"] and row["section3_ok"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def batch_bound(name: str, extra: dict) -> dict:
     m = MODELS[name]
     params = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **m.routing, **extra}
@@ -110,16 +152,7 @@ def batch_bound(name: str, extra: dict) -> dict:
     test = model.generate(N_TEST, seed=2)
     row = {"model": name, **params, "capacity": m.capacity}
     for batch in (1, TARGET_BATCH):
-        distinct, accesses, largest, seen = 0, 0, 0, set()
-        for ev in rp.events(test, batch):
-            if ev.block == rp.END:
-                distinct, largest, seen = distinct + len(seen), max(largest, len(seen)), set()
-            else:
-                seen.update(ev.keys)
-                accesses += len(ev.keys)
-        row[f"b{batch}"] = {"accesses": accesses, "distinct_summed_over_batches": distinct,
-                            "largest_batch_distinct": largest, "every_batch_fits": largest <= m.capacity,
-                            "floor": round(1 - distinct / accesses, 4)}  # fmt: skip
+        row[f"b{batch}"] = floor(test, batch, m.capacity)
     if extra:
         row["section3_ok"], row["section3"] = section3_ok(model)
     print(json.dumps(row), flush=True)
@@ -148,10 +181,17 @@ def main() -> None:
         "--bound", action="store_true", help="the per-batch floor under Bélády instead of the search"
     )
     ap.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
+    ap.add_argument(
+        "--enc-dec", action="store_true", help="round 5: the round-3 constants on the encoder-decoder shapes"
+    )
     args = ap.parse_args()
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if args.enc_dec:
+        for name in args.models.split(","):
+            enc_dec(name)
+        return
     if args.lengths:
         for name in args.models.split(","):
             lengths(name)
