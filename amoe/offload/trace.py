@@ -28,7 +28,10 @@ exponent `popularity`) that tasks draw their supports by; its value is the small
 batches of 1–32 back into §3's ranges (2.25 for top-1; bench/offload_replay.py's top-2 shape needs 2.75), chosen
 from §3 alone before any policy was replayed. The paper states no sequence lengths; prompts and outputs stay 8–32
 tokens. Round 4 searched `spread` and `zipf` for the access locality the paper's ORACLE implies (Figure 11) and
-found none that keeps §3's ranges (docs/offload.md "Round 4"), so these defaults are round 3's.
+found none that keeps §3's ranges (docs/offload.md "Round 4"), so these defaults are round 3's. Round 5 gave the
+model the paper checkpoints' encoder–decoder structure (`encoder_blocks`: the encoder's blocks routed once, at
+prefill) with these constants unchanged: Bélády moved further from the ORACLE and §3's reuse fell below 30 %
+(docs/offload.md "Round 5"), so `encoder_blocks` defaults to 0, the decoder-only structure.
 """
 
 from __future__ import annotations
