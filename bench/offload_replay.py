@@ -1,7 +1,7 @@
 """Expert offloading by trace replay (MoE-Infinity, arXiv 2401.14361 §8.3–8.4) and on emulated A5000 tiers.
 
     PYTHONPATH=. .venv/bin/python bench/offload_replay.py [--quick] [--parts statistics,hit,recall,blocks,latency,mixtral]
-        [--routing FILE --capacity N --expert-bytes B]
+        [--routing FILE --capacity N --expert-bytes B] [--enc-dec]
 
 1. The routing model's statistics beside §3's (3–20 % of experts active per batch of 1–32, 30–46 % reused).
 2. Cache hit ratio at the paper's cache sizes (Switch-large-128: 535 of 3072 experts; NLLB-MoE-128: 60 of 1536),
@@ -18,7 +18,8 @@
    the emulated expert executor.
 
 The traces come from the task-clustered routing model (amoe.offload.trace.TaskRouting, parameters set from §3
-alone) unless --routing gives a file the server recorded. Prints tables and a final JSON line.
+alone) unless --routing gives a file the server recorded; --enc-dec gives them the paper checkpoints' encoder-decoder
+structure (encoder blocks routed once, at prefill; docs/offload.md "Round 5"). Prints tables and a final JSON line.
 """
 
 from __future__ import annotations
