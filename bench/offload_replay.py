@@ -1,7 +1,7 @@
 """Expert offloading by trace replay (MoE-Infinity, arXiv 2401.14361 §8.3–8.4) and on emulated A5000 tiers.
 
     PYTHONPATH=. .venv/bin/python bench/offload_replay.py [--quick] [--parts statistics,hit,recall,blocks,latency,mixtral]
-        [--routing FILE --capacity N --expert-bytes B]
+        [--routing FILE --capacity N --expert-bytes B] [--enc-dec]
 
 1. The routing model's statistics beside §3's (3–20 % of experts active per batch of 1–32, 30–46 % reused).
 2. Cache hit ratio at the paper's cache sizes (Switch-large-128: 535 of 3072 experts; NLLB-MoE-128: 60 of 1536),
@@ -18,7 +18,8 @@
    the emulated expert executor.
 
 The traces come from the task-clustered routing model (amoe.offload.trace.TaskRouting, parameters set from §3
-alone) unless --routing gives a file the server recorded. Prints tables and a final JSON line.
+alone) unless --routing gives a file the server recorded; --enc-dec gives them the paper checkpoints' encoder-decoder
+structure (encoder blocks routed once, at prefill; docs/offload.md "Round 5"). Prints tables and a final JSON line.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ MODELS = {
     "switch-large-128": SimpleNamespace(
         blocks=24, experts=128, top_k=1, expert_bytes=2 * 1024 * 4096 * 4, dense_bytes=4 * 1024**2 * 4,
         capacity=535, paper={"activation": 0.46, "best_baseline": 0.32, "oracle": 0.56}, routing={},
+        encoder_blocks=12,  # with --enc-dec: 12 encoder + 12 decoder MoE blocks (docs/offload.md "Round 5")
         paper_recall={"8": None, "128": 0.98, "baseline_128": 0.38},
     ),
     "nllb-moe-128": SimpleNamespace(
         blocks=12, experts=128, top_k=2, expert_bytes=2 * 2048 * 8192 * 4, dense_bytes=4 * 2048**2 * 4,
         capacity=60, paper={"activation": 0.34, "best_baseline": 0.21, "oracle": 0.43},
+        encoder_blocks=6,  # with --enc-dec: 6 encoder + 6 decoder MoE blocks (nllb-moe-54b config.json)
         # top-2 doubles the experts a token touches: these were set to bring the §3 statistics back into range
         # (docs/offload.md), before any replay of this shape; popularity likewise (2.5 leaves batch 32 at 20.4 %).
         routing={"core": 2, "spread": 0.05, "zipf": 3.25, "popularity": 2.75},
@@ -187,7 +190,7 @@ def run_tiers(evs: list[rp.Event], tiers: EmulatedTiers, m, batch: int) -> dict:
         for key in ev.keys:
             ready = tiers.acquire(key, ready)
         now = ready + block_seconds(m, len(ev.keys), len(ev.routing))
-        steps += ev.block == 0
+        steps += ev.first
     s = tiers.stats
     return {
         "ms_per_token": round(now / steps * 1e3, 2),
@@ -269,10 +272,14 @@ def main() -> None:
     ap.add_argument("--routing", help="replay a routing file the server recorded instead of the model")
     ap.add_argument("--capacity", type=int, help="with --routing: experts the cache holds")
     ap.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
+    ap.add_argument(
+        "--enc-dec", action="store_true",
+        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload.md Round 5)",
+    )  # fmt: skip
     args = ap.parse_args()
     start = time.time()
     n_train, n_test = (120, 48) if args.quick else (300, 160)
-    out: dict = {"bench": "offload_replay", "eamc_size": EAMC_SIZE}
+    out: dict = {"bench": "offload_replay", "eamc_size": EAMC_SIZE, "enc_dec": args.enc_dec}
     if args.routing:
         trace = read_routing(args.routing)
         train, test = trace.split(len(trace.sequences) // 2)
@@ -291,7 +298,10 @@ def main() -> None:
         ap.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     traces = {}
     for name, m in MODELS.items():
-        model = TaskRouting(num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing)
+        model = TaskRouting(
+            num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing,
+            encoder_blocks=m.encoder_blocks if args.enc_dec else 0,
+        )  # fmt: skip
         traces[name] = model.generate(n_train, seed=1), model.generate(n_test, seed=2)
         out["origin"][name] = traces[name][1].origin
     # Part by part over both shapes, the cheap and the issue's first questions first: a run cut short keeps them.

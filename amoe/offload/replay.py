@@ -38,6 +38,7 @@ class Event:
     routing: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
     keys: list[Key] = field(default_factory=list)
     ended: list[int] = field(default_factory=list)
+    first: bool = False  # the step's first block (0, or the first decoder block after the encoder's step)
 
 
 def events(trace: Trace, batch_size: int) -> list[Event]:
@@ -48,9 +49,16 @@ def events(trace: Trace, batch_size: int) -> list[Event]:
         for i in range(longest):
             running = [s for s in batch if i < len(trace.sequences[s])]
             for b in range(trace.num_blocks):
-                routing = [(s, *trace.sequences[s][i][b]) for s in running]
+                # A block no running sequence routed to this step (an encoder block after prefill) did not run:
+                # no event, so no access, no policy call and, in the timed replay, no block time.
+                routing = [
+                    (s, *trace.sequences[s][i][b]) for s in running if len(trace.sequences[s][i][b][0])
+                ]
+                if not routing:
+                    continue
                 experts = np.unique(np.concatenate([r[1] for r in routing]))
-                out.append(Event(b, routing, [(b, int(e)) for e in experts]))
+                first = not out or out[-1].block == END or out[-1].block >= b
+                out.append(Event(b, routing, [(b, int(e)) for e in experts], first=first))
         out.append(Event(END, ended=list(batch)))
     return out
 
@@ -243,6 +251,6 @@ def replay_timed(
             policy.used(key)
         result.stall_s += ready - now
         now = ready + block_s
-        result.steps += ev.block == 0
+        result.steps += ev.first
     result.time_s = now
     return result
