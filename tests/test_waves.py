@@ -223,3 +223,28 @@ def test_no_livelock_under_poisson_arrivals_with_request_replacement():
     for seed in range(3):
         finished, _ = run_with_arrivals(seed)
         assert finished == 120
+
+
+def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
+    """In the simulation (which runs this scheduler) at the bound's concurrency, W = 4 waves of the cap's 64 rows a
+    rank: every attention step is a whole wave, and keeping the waves apart beats merging them (`wave`)."""
+    from amoe.config import SchedulerSection
+    from amoe.emulation import bounds
+    from amoe.emulation.plan import mean_context
+    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.emulation.simulate import simulate
+
+    host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
+    model = model_profile("mixtral-8x7b-mqa:8", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, 64, 256)
+    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+    assert (bound.extra["waves"], bound.extra["wave_rows"], bound.concurrency) == (4, 64, 512)
+    got = {
+        policy: simulate(
+            model, dep, routing, ctx, host, bound.concurrency, warmup_s=4 * bound.itl_s,
+            duration_s=8 * bound.itl_s, scheduler=SchedulerSection(policy=policy, attn_batch_cap=64, expert_batch_cap=256),
+        )
+        for policy in ("wave", "waves")
+    }  # fmt: skip
+    assert got["waves"].attention_rows_per_step == 64
+    assert got["waves"].tokens_per_s > 1.5 * got["wave"].tokens_per_s
