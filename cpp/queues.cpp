@@ -179,7 +179,10 @@ void LayerQueues::admit(uint64_t request_id) {
 
 void LayerQueues::expect(const RowMeta& sent, const TensorRef& input, int dest,
                          std::chrono::steady_clock::time_point at) {
-  if (!cfg_.track_requests) return;
+  // A request forgotten since its rows were drained (cancelled): its outputs will be dropped on arrival
+  // (unknown_request), so nothing waits for them — counted as out, they would hold its wave (and a block
+  // under wave) until the deadline guard, each time round.
+  if (!cfg_.track_requests || live_.count(sent.request_id) == 0) return;
   const bool inserted =
       expected_
           .insert_or_assign(ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot},

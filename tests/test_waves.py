@@ -5,10 +5,13 @@ run with Poisson arrivals and request replacement finishes every request without
 import heapq
 import random
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amoe import core
+from amoe.config import SchedulerSection
+from amoe.placement import Placement
 from amoe.testing import policies
 
 OPS = st.lists(
@@ -228,7 +231,6 @@ def test_no_livelock_under_poisson_arrivals_with_request_replacement():
 def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
     """In the simulation (which runs this scheduler) at the bound's concurrency, W = 4 waves of the cap's 64 rows a
     rank: every attention step is a whole wave, and keeping the waves apart beats merging them (`wave`)."""
-    from amoe.config import SchedulerSection
     from amoe.emulation import bounds
     from amoe.emulation.plan import mean_context
     from amoe.emulation.profiles import host_overhead, model_profile
@@ -248,3 +250,35 @@ def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
     }  # fmt: skip
     assert got["waves"].attention_rows_per_step == 64
     assert got["waves"].tokens_per_s > 1.5 * got["wave"].tokens_per_s
+
+
+def test_a_request_cancelled_while_its_rows_are_out_does_not_hold_its_wave():
+    """The engine under waves (waves of 1): request 9's block-0 batch is drained, then 9 is forgotten before its
+    expert rows go out. Its outputs would be dropped on arrival, so nothing is expected of them; a request that
+    joins 9's wave next is served at once instead of being held for parts that never return."""
+    placement = Placement.disaggregated(1, 2, 4)
+    hub = core.LoopbackHub(3)
+    sched = SchedulerSection(policy="waves", attn_batch_cap=1)
+    cfg = core.engine_config(
+        0, placement, num_blocks=2, num_experts=4, top_k=2, hidden=4, scheduler=sched, track_requests=True,
+        max_requests=2,
+    )  # fmt: skip
+    assert cfg.num_waves == 2
+    attn = core.Engine(cfg, hub.communicator(0))
+
+    def add(rid):
+        one = torch.tensor([rid])
+        attn.add_tokens(one, torch.tensor([5]), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
+
+    add(9)
+    add(10)
+    first = attn.next_batch(0)
+    assert first.request_ids.tolist() == [9]
+    attn.forget(torch.tensor([9]))
+    attn.submit_attention(
+        first, torch.zeros(1, 4), torch.ones(1, 4), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
+    )
+    assert attn.stats()["expected_parts"] == 0
+    assert attn.next_batch(0).request_ids.tolist() == [10]  # wave 1
+    add(11)  # joins wave 0, which 9 left
+    assert attn.next_batch(0).request_ids.tolist() == [11]
