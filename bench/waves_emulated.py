@@ -43,13 +43,14 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
     preset = dataclass_preset()
     scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
     argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale) + ["--scheduler", policy]
-    setup = Setup("aep", a, e, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
+    setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
     run = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,
         time_scale=scale, attn_cap=cap, expert_cap=ecap, blocks=BLOCKS,
     )  # fmt: skip
     start = time.monotonic()
-    with ServerProcess(argv, startup_timeout_s=plan_check.startup_timeout_s(dep)) as server:
+    server = ServerProcess(argv, startup_timeout_s=plan_check.startup_timeout_s(dep))
+    with server:
         point = await steady.steady_point(
             server, setup, run, seed, bound.concurrency, bound.itl_s, "plan", preset.min_window_s
         )
