@@ -13,7 +13,7 @@ from pathlib import Path
 from amoe.errors import ConfigError
 
 # The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
-POLICIES = ("defrag", "mtfs", "flfs", "wave")
+POLICIES = ("defrag", "mtfs", "flfs", "wave", "waves")
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_SYNONYMS = {"half": "float16", "float": "float32"}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from amoe import _core
-from amoe.config import SchedulerSection
+from amoe.config import CacheSection, SchedulerSection
 from amoe.placement import Placement
 
 ATTN, EXPERT = 0, 1
@@ -44,11 +44,15 @@ def engine_config(
     scheduler: SchedulerSection | None = None,
     track_requests: bool = False,
     time_scale: float = 1.0,
+    max_requests: int | None = None,
 ) -> EngineConfig:
     """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
     defaults when None); validated here so mistakes raise at build time. `track_requests`: an attention
     runtime that holds request state drops rows of requests it does not hold (docs/engine.md). `time_scale`:
-    the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard."""
+    the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard.
+    `max_requests`: the most requests an attention runtime holds at once (the cache's max_num_seqs, its default
+    when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/engine.md "The
+    waves rule")."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -66,6 +70,9 @@ def engine_config(
     # 25 emulated ms, shorter than one ITL, and the guard would decide what the policy does.
     cfg.max_wave_hold_s = MAX_WAVE_HOLD_S * time_scale
     cfg.track_requests = track_requests and cfg.is_attention
+    if sched.policy == "waves" and cfg.is_attention:
+        requests = CacheSection().max_num_seqs if max_requests is None else max_requests
+        cfg.num_waves = max(1, -(-requests // sched.attn_batch_cap))
     cfg.validate()
     return cfg
 

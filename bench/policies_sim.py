@@ -1,18 +1,23 @@
-"""The four scheduling policies in the simulation at full depth (32 blocks), at the corrected AEP bound's concurrency
-and twice it, on three of the planner's AEP plans (issue 32). One JSON line per run.
+"""The scheduling policies in the simulation at full depth (32 blocks), at the corrected AEP bound's concurrency and
+twice it, on three of the planner's AEP plans (issue 32). One JSON line per run.
 
     PYTHONPATH=. .venv/bin/python bench/policies_sim.py > docs/results/policies_sim/policies_sim.jsonl
+    PYTHONPATH=. .venv/bin/python bench/policies_sim.py waves     # only the policies named
 """
 
 import json
+import sys
 
-from amoe.config import SchedulerSection
+from amoe.config import POLICIES, SchedulerSection
 from amoe.emulation import bounds as B
 from amoe.emulation.plan import mean_context
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
 
 host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
+chosen = sys.argv[1:] or list(POLICIES)
+if unknown := set(chosen) - set(POLICIES):
+    sys.exit(f"policies_sim: unknown policies {sorted(unknown)} (expected some of {', '.join(POLICIES)})")
 for gpu, k, a, e, cap, ecap in (
     ("a100-80g", 1, 5, 3, 128, 1024),
     ("h100", 2, 4, 3, 256, 1024),
@@ -23,7 +28,7 @@ for gpu, k, a, e, cap, ecap in (
     bound = B.predict(m, d, B.routing_inclusion(m, routing), ctx, host)
     for mult in (1, 2):
         c = mult * bound.concurrency
-        for policy in ("defrag", "mtfs", "flfs", "wave"):
+        for policy in chosen:
             s = simulate(
                 m,
                 d,

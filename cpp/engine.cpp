@@ -44,6 +44,7 @@ Engine::Engine(const EngineConfig& cfg, std::shared_ptr<Communicator> comm)
   for (int r : cfg.expert_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
   for (int r : cfg.attn_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
   num_runtimes_ = std::max(num_runtimes_, cfg.runtime_id + 1);
+  hold_unfiled_ = cfg.is_attention && cfg.policy == "waves";
 }
 
 Engine::~Engine() { stop(); }
@@ -182,6 +183,14 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
     auto hold_until = kNever;
     while (!stopping_.load()) {
       const auto now = Clock::now();
+      if (hold_unfiled_ && attn_unfiled_ > 0) {  // waves: the last step's outputs first (engine.h)
+        if (!forever && now >= deadline) break;
+        if (forever)
+          ready_cv_.wait(lock);
+        else
+          ready_cv_.wait_until(lock, deadline);
+        continue;
+      }
       if ((got = queues_.drain(&d, now >= hold_until))) break;
       if (!queues_.holding()) {
         hold_until = kNever;
@@ -245,6 +254,10 @@ void Engine::submit_attention(std::shared_ptr<Batch> batch, at::Tensor residual,
     AMOE_CHECK_ARG(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cfg_.num_experts,
                    "topk_ids must be in [0, " << cfg_.num_experts << ")");
   }
+  if (hold_unfiled_) {
+    std::lock_guard<std::mutex> lock(mu_);  // next_batch reads it under the same lock
+    ++attn_unfiled_;
+  }
   push_job(Job{std::move(batch), std::move(moe_input), std::move(residual), std::move(topk_ids),
                std::move(topk_weights)});
 }
@@ -306,6 +319,22 @@ void Engine::dispatch_expert(const Job& job) {
 // ATTN (b, r) -> K copies to EXPERT (b, topk_ids) on their runtimes; the residual stays here as slot 0 of
 // ATTN (b + 1, r).
 void Engine::dispatch_attention(const Job& job) {
+  // waves: however this job ends (filed, or an exception), its batch no longer holds the next pick
+  // (engine.h).
+  struct Filed {
+    Engine* e;
+    bool done = false;
+    void operator()() {
+      if (done || !e->hold_unfiled_) return;
+      done = true;
+      {
+        std::lock_guard<std::mutex> lock(e->mu_);
+        --e->attn_unfiled_;
+      }
+      e->ready_cv_.notify_all();
+    }
+    ~Filed() { (*this)(); }
+  } filed{this};
   const Batch& b = *job.batch;
   const int64_t n = b.num_rows();
   const int k = cfg_.top_k;
@@ -342,6 +371,7 @@ void Engine::dispatch_attention(const Job& job) {
       for (int64_t j = 0; j < n * k; ++j) queues_.expect(rows[j], TensorRef{job.out, src[j]}, dest[j], now);
     }
   }
+  filed();  // before the sends: the next pick need not wait for the network
   ready_cv_.notify_all();
   send_grouped(std::move(rows), src, dest, job.out);
 }

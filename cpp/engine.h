@@ -101,6 +101,12 @@ class Engine {
   std::condition_variable ready_cv_;  // signalled when rows enter a μ-queue or on stop
   LayerQueues queues_;
   int64_t idle_ns_ = 0;
+  // waves, attention runtime: attention batches submitted whose outputs the dispatcher has not yet filed (as
+  // the next block's residuals and expected expert outputs). Until it has, the batch's wave is in none of the
+  // queues' counts, and the scheduler would serve the wave's other rows (new requests at block 0) as a
+  // fragment.
+  int64_t attn_unfiled_ = 0;  // guarded by mu_
+  bool hold_unfiled_ = false;
 
   std::mutex jobs_mu_;  // guards jobs_: submit (Python thread) produces, the dispatcher consumes
   std::condition_variable jobs_cv_;

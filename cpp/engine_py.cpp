@@ -122,9 +122,11 @@ py::dict stats_dict(const EngineStats& s) {
   py::dict depth, batches, rows;
   for (size_t i = 0; i < s.layers.size(); ++i) {
     auto key = layer_tuple(s.layers[i]);
-    depth[key] = s.depth[i];
-    batches[key] = s.batches[i];
-    rows[key] = s.rows[i];
+    // waves: an attention layer has one queue per wave; the layer's numbers are their sums.
+    auto add = [&key](py::dict& d, int64_t v) { d[key] = d.contains(key) ? d[key].cast<int64_t>() + v : v; };
+    add(depth, s.depth[i]);
+    add(batches, s.batches[i]);
+    add(rows, s.rows[i]);
   }
   py::dict drops;
   drops["bad_message"] = s.drops.bad_message;
@@ -226,6 +228,7 @@ void register_engine(py::module_& m) {
       .def_readwrite("attn_cap", &EngineConfig::attn_cap)
       .def_readwrite("expert_cap", &EngineConfig::expert_cap)
       .def_readwrite("track_requests", &EngineConfig::track_requests)
+      .def_readwrite("num_waves", &EngineConfig::num_waves)
       .def("validate", &EngineConfig::validate);
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch",

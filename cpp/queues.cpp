@@ -20,6 +20,7 @@ void EngineConfig::validate() const {
       !policy.empty() && lookahead >= 0 && decay >= 0 && attn_cap > 0 && expert_cap > 0 &&
           (group_experts == 0 || group_experts == 1) && max_wave_hold_s > 0,
       "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
+  AMOE_CHECK_ARG(num_waves >= 1, "num_waves must be >= 1, got " << num_waves);
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
                    "attn_rank " << attn_rank << " has no entry in attn_runtime");
@@ -31,11 +32,14 @@ void EngineConfig::validate() const {
 
 LayerQueues::LayerQueues(const EngineConfig& cfg)
     : cfg_(cfg),
-      num_cols_(cfg.is_attention ? 1 : static_cast<int>(cfg.experts.size())),
+      num_cols_(cfg.is_attention ? (cfg.policy == "waves" ? std::max(1, cfg.num_waves) : 1)
+                                 : static_cast<int>(cfg.experts.size())),
       expert_col_(cfg.num_experts, -1),
       scheduler_(cfg.is_attention ? cfg.num_blocks + 1 : cfg.num_blocks, num_cols_, parse_policy(cfg.policy),
                  cfg.lookahead, cfg.decay) {
   cfg_.validate();
+  waves_ = cfg.is_attention && cfg.policy == "waves";
+  scheduler_.set_wave_cols(waves_);
   for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
     AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
     expert_col_[cfg.experts[c]] = c;
@@ -60,6 +64,13 @@ int LayerQueues::queue_index(const LayerId& l) const {
     return -1;
   const int c = expert_col_[l.index];
   return c < 0 ? -1 : l.block * num_cols_ + c;
+}
+
+int LayerQueues::wave_of(uint64_t request_id) {
+  if (!waves_) return 0;
+  auto [it, inserted] = wave_.try_emplace(request_id, 0);
+  if (inserted) it->second = scheduler_.admit(cfg_.attn_cap);
+  return it->second;
 }
 
 void LayerQueues::ingest(Message&& msg) {
@@ -97,7 +108,7 @@ void LayerQueues::ingest(Message&& msg) {
       ++mq.depth;
       scheduler_.add(q / num_cols_, q % num_cols_, 1);
     } else {
-      ingest_attention_row(q, m, msg.data, i);
+      ingest_attention_row(waves_ ? q * num_cols_ + wave_of(m.request_id) : q, m, msg.data, i);
     }
   }
 }
@@ -124,7 +135,7 @@ void LayerQueues::ingest_attention_row(int q, const RowMeta& m, const at::Tensor
       ++drops_.duplicate;  // an expert output nobody waits for: the second answer to a resent row, or garbage
       return;
     }
-    scheduler_.add_pending(m.layer.block, -1);
+    scheduler_.add_pending(m.layer.block, -1, q % num_cols_);
   }
   auto [it, inserted] = pool_.try_emplace(PoolKey{m.request_id, m.layer, m.chunk_start});
   Chunk& c = it->second;
@@ -163,17 +174,22 @@ void LayerQueues::enqueue_chunk(int q, Chunk&& c) {
 
 void LayerQueues::admit(uint64_t request_id) {
   if (cfg_.track_requests) live_.insert(request_id);
+  wave_of(request_id);  // waves: a new request joins its wave as it enters
 }
 
 void LayerQueues::expect(const RowMeta& sent, const TensorRef& input, int dest,
                          std::chrono::steady_clock::time_point at) {
-  if (!cfg_.track_requests) return;
+  // A request forgotten since its rows were drained (cancelled): its outputs will be dropped on arrival
+  // (unknown_request), so nothing waits for them — counted as out, they would hold its wave (and a block
+  // under wave) until the deadline guard, each time round.
+  if (!cfg_.track_requests || live_.count(sent.request_id) == 0) return;
   const bool inserted =
       expected_
           .insert_or_assign(ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot},
                             Expected{sent, input, dest, at})
           .second;
-  if (inserted) scheduler_.add_pending(sent.layer.block + 1, 1);  // a resent row is still one part out
+  if (inserted)  // a resent row is still one part out
+    scheduler_.add_pending(sent.layer.block + 1, 1, wave_of(sent.request_id));
 }
 
 std::vector<Expected> LayerQueues::due(int dest, std::chrono::steady_clock::time_point cutoff) {
@@ -190,11 +206,22 @@ std::vector<Expected> LayerQueues::due(int dest, std::chrono::steady_clock::time
 
 void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
   for (uint64_t id : request_ids) live_.erase(id);
+  // A finished or forgotten request leaves its wave; with purge its parts out are dropped below (their wave
+  // looked up first).
+  std::unordered_map<uint64_t, int> left;
+  for (uint64_t id : request_ids) {
+    auto it = wave_.find(id);
+    if (it == wave_.end()) continue;
+    scheduler_.leave(it->second);
+    left.emplace(id, it->second);
+    wave_.erase(it);
+  }
   if (!purge || request_ids.empty()) return;
   const std::unordered_set<uint64_t> gone(request_ids.begin(), request_ids.end());
   for (auto it = expected_.begin(); it != expected_.end();) {
     if (gone.count(it->first.request_id)) {
-      scheduler_.add_pending(it->first.block, -1);
+      const auto w = left.find(it->first.request_id);
+      scheduler_.add_pending(it->first.block, -1, w == left.end() ? 0 : w->second);
       it = expected_.erase(it);
     } else {
       ++it;

@@ -32,7 +32,7 @@ struct EngineConfig {
   std::vector<int> attn_runtime;    // [num_attn_ranks] runtime serving attention rank r
   // Scheduling: no defaults here. amoe.core.engine_config fills them from the config's scheduler section (the
   // one home of policy names and defaults); validate() refuses a config that left them unset.
-  std::string policy;      // defrag | mtfs | flfs | wave
+  std::string policy;      // defrag | mtfs | flfs | wave | waves
   int lookahead = -1;      // K of Algorithm 1
   double decay = -1.0;     // δ of Algorithm 1
   int64_t attn_cap = 0;    // rows per attention batch (a chunk is never split, so one chunk may exceed it)
@@ -49,6 +49,9 @@ struct EngineConfig {
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
+  // waves (docs/engine.md "The waves rule"): an attention runtime's W waves, ceil(its most requests /
+  // attn_cap) (amoe.core.engine_config); its grid is (block, wave). 1 otherwise.
+  int num_waves = 1;
 
   void validate() const;
 };
@@ -223,7 +226,9 @@ class LayerQueues {
   const Scheduler& scheduler() const { return scheduler_; }
 
  private:
-  int queue_index(const LayerId& l) const;  // -1 when not hosted
+  int queue_index(const LayerId& l) const;  // -1 when not hosted; an attention queue's block (wave 0)
+  // waves on an attention runtime: the request's wave (joining one, counted by the scheduler, if new).
+  int wave_of(uint64_t request_id);
   void enqueue_chunk(int q, Chunk&& c);
   int64_t take_expert_rows(int b, int col, Drained* out);  // up to expert_cap rows of queue (b, col); taken
   void ingest_attention_row(int q, const RowMeta& m, const at::Tensor& data, int64_t row);
@@ -237,7 +242,9 @@ class LayerQueues {
   Scheduler scheduler_;
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
-  std::unordered_set<uint64_t> live_;  // requests held, when cfg_.track_requests
+  std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests
+  bool waves_ = false;                      // the columns are waves (policy waves, attention runtime)
+  std::unordered_map<uint64_t, int> wave_;  // request -> its wave, when waves_
   std::unordered_map<ExpectKey, Expected, ExpectKeyHash> expected_;  // outstanding expert outputs, ditto
   int64_t pool_parts_ = 0;
   int64_t rows_in_ = 0;

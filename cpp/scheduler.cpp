@@ -14,7 +14,9 @@ Policy parse_policy(const std::string& name) {
   if (name == "mtfs") return Policy::kMtfs;
   if (name == "flfs") return Policy::kFlfs;
   if (name == "wave") return Policy::kWave;
-  AMOE_CHECK_ARG(false, "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs or wave)");
+  if (name == "waves") return Policy::kWaves;
+  AMOE_CHECK_ARG(false,
+                 "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs, wave or waves)");
   return Policy::kDefrag;
 }
 
@@ -28,6 +30,8 @@ const char* policy_name(Policy p) {
       return "flfs";
     case Policy::kWave:
       return "wave";
+    case Policy::kWaves:
+      return "waves";
   }
   return "?";
 }
@@ -43,7 +47,11 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
       block_max_(num_blocks, 0),
       block_argmax_(num_blocks, 0),
       block_dirty_(num_blocks, 0),
-      pending_(num_blocks, 0) {
+      pending_(static_cast<size_t>(num_blocks) * num_cols, 0),
+      pos_(num_cols, 0),
+      members_(num_cols, 0),
+      wave_stamp_(num_cols, -1),
+      block_stamp_(num_blocks, -1) {
   AMOE_CHECK_ARG(num_blocks > 0 && num_cols > 0,
                  "scheduler grid must be non-empty, got " << num_blocks << " x " << num_cols);
   AMOE_CHECK_ARG(lookahead >= 0, "lookahead must be >= 0, got " << lookahead);
@@ -53,10 +61,32 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
 
 void Scheduler::add(int block, int col, int64_t delta) { set(block, col, depth(block, col) + delta); }
 
-void Scheduler::add_pending(int block, int64_t delta) {
-  AMOE_CHECK_ARG(block >= 0 && block < num_blocks_, "block " << block << " is outside the grid");
-  AMOE_CHECK_ARG(pending_[block] + delta >= 0, "pending rows would become negative at block " << block);
-  pending_[block] += delta;
+void Scheduler::add_pending(int block, int64_t delta, int col) {
+  AMOE_CHECK_ARG(block >= 0 && block < num_blocks_ && col >= 0 && col < num_cols_,
+                 "(" << block << ", " << col << ") is outside the grid");
+  int64_t& p = pending_[static_cast<size_t>(block) * num_cols_ + col];
+  AMOE_CHECK_ARG(p + delta >= 0, "pending rows would become negative at (" << block << ", " << col << ")");
+  p += delta;
+}
+
+int Scheduler::admit(int64_t wave_rows) {
+  AMOE_CHECK_ARG(wave_rows > 0, "wave_rows must be > 0, got " << wave_rows);
+  int best = 0;
+  for (int w = 0; w < num_cols_; ++w) {
+    if (members_[w] < wave_rows) {
+      best = w;
+      break;
+    }
+    if (members_[w] < members_[best]) best = w;
+  }
+  ++members_[best];
+  return best;
+}
+
+void Scheduler::leave(int wave) {
+  AMOE_CHECK_ARG(wave >= 0 && wave < num_cols_ && members_[wave] > 0,
+                 "wave " << wave << " has no member to leave");
+  --members_[wave];
 }
 
 void Scheduler::set(int block, int col, int64_t d) {
@@ -69,6 +99,10 @@ void Scheduler::set(int block, int col, int64_t d) {
   cell = d;
   block_total_[block] += d - old;
   total_ += d - old;
+  // waves: a wave whose cell at its position is drained empty has left that block (it is out to the next
+  // one): rows arriving there later (new requests at block 0) are behind it and wait for its next pass.
+  if (policy_ == Policy::kWaves && wave_cols_ && d == 0 && old > 0 && pos_[col] == block)
+    pos_[col] = (block + 1) % num_blocks_;
   if (block_dirty_[block]) return;
   // A queue that grows can only take over the block maximum; one that shrinks may lose it, so recompute.
   if (d > block_max_[block] || (d == block_max_[block] && col < block_argmax_[block])) {
@@ -106,6 +140,8 @@ bool Scheduler::pick(int* block, int* col, bool force) {
       return pick_mtfs(block, col);
     case Policy::kFlfs:
       return pick_flfs(block, col);
+    case Policy::kWaves:
+      return wave_cols_ ? pick_waves(block, col, force) : pick_oldest_block(block, col);
   }
   return false;
 }
@@ -172,7 +208,9 @@ bool Scheduler::pick_wave(int* block, int* col, bool force) {
   for (int b = 0; b < num_blocks_; ++b) {
     const int64_t rows = block_total_[b];
     if (rows == 0) continue;
-    if (pending_[b] == 0) {
+    int64_t out = 0;  // the block's parts out, over its columns (wave counts them in column 0)
+    for (int c = 0; c < num_cols_; ++c) out += pending_[static_cast<size_t>(b) * num_cols_ + c];
+    if (out == 0) {
       if (rows > ready) ready = rows, ready_b = b;
     } else if (rows > waiting) {
       waiting = rows, waiting_b = b;
@@ -188,6 +226,70 @@ bool Scheduler::pick_wave(int* block, int* col, bool force) {
   if (block_dirty_[ready_b]) refresh_block(ready_b);
   *block = ready_b;
   *col = block_argmax_[ready_b];
+  return true;
+}
+
+// Waves (docs/engine.md "The waves rule"), attention side: the columns are waves. A wave's position is the
+// block it was last picked at (the next one once that cell is drained: set()); its front is the first block,
+// in ring order from its position, with rows or parts out of it; it is ready when it has rows there and none
+// are out. Rows of the wave elsewhere (fragments ahead, new requests at block 0 behind it) wait for the
+// front. Of the ready waves the one ready longest (stamped in the first pick that sees it ready, in column
+// order); with none ready hold, or when forced take the fullest non-empty cell. The picked wave's position
+// becomes the block.
+bool Scheduler::pick_waves(int* block, int* col, bool force) {
+  int best_w = -1, best_b = -1;
+  for (int w = 0; w < num_cols_; ++w) {
+    int front = -1;
+    for (int i = 0; i < num_blocks_; ++i) {
+      const int b = (pos_[w] + i) % num_blocks_;
+      const size_t cell = static_cast<size_t>(b) * num_cols_ + w;
+      if (depth_[cell] > 0 || pending_[cell] > 0) {
+        front = b;
+        break;
+      }
+    }
+    const bool ready = front >= 0 && pending_[static_cast<size_t>(front) * num_cols_ + w] == 0 &&
+                       depth_[static_cast<size_t>(front) * num_cols_ + w] > 0;
+    if (!ready) {
+      wave_stamp_[w] = -1;
+      continue;
+    }
+    if (wave_stamp_[w] < 0) wave_stamp_[w] = next_stamp_++;
+    if (best_w < 0 || wave_stamp_[w] < wave_stamp_[best_w]) best_w = w, best_b = front;
+  }
+  if (best_w < 0) {
+    if (!force) {
+      holding_ = true;
+      return false;
+    }
+    int64_t most = 0;
+    for (int b = 0; b < num_blocks_; ++b)
+      for (int w = 0; w < num_cols_; ++w)
+        if (depth(b, w) > most) most = depth(b, w), best_b = b, best_w = w;
+  }
+  pos_[best_w] = best_b;
+  *block = best_b;
+  *col = best_w;
+  return true;
+}
+
+// Waves, expert side: the block whose rows have waited longest (stamped in the first pick that sees it
+// non-empty, in block order), its deepest queue (a grouped step takes every hosted expert's queue of it
+// anyway).
+bool Scheduler::pick_oldest_block(int* block, int* col) {
+  int best = -1;
+  for (int b = 0; b < num_blocks_; ++b) {
+    if (block_total_[b] == 0) {
+      block_stamp_[b] = -1;
+      continue;
+    }
+    if (block_stamp_[b] < 0) block_stamp_[b] = next_stamp_++;
+    if (best < 0 || block_stamp_[b] < block_stamp_[best]) best = b;
+  }
+  if (best < 0) return false;
+  if (block_dirty_[best]) refresh_block(best);
+  *block = best;
+  *col = block_argmax_[best];
   return true;
 }
 
@@ -227,9 +329,18 @@ void register_scheduler(py::module_& m) {
           py::arg("force") = false,
           "The (block, col) to drain next, or None when every queue is empty or (wave) the runtime holds for "
           "a returning wave (holding).")
-      .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"),
-           "Changes the rows out that will return to a block (the wave policy holds it while any are out).")
-      .def("pending", &Scheduler::pending, py::arg("block"))
+      .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"), py::arg("col") = 0,
+           "Changes the rows out that will return to a block (the wave policy holds it while any are out; "
+           "waves: per (block, wave column)).")
+      .def("pending", &Scheduler::pending, py::arg("block"), py::arg("col") = 0)
+      .def_property("wave_cols", &Scheduler::wave_cols, &Scheduler::set_wave_cols,
+                    "waves: the columns are an attention runtime's waves (else an expert runtime's experts).")
+      .def("admit", &Scheduler::admit, py::arg("wave_rows"),
+           "waves: the wave a new request joins (the lowest with fewer than wave_rows members, else the "
+           "fewest); counts it.")
+      .def("leave", &Scheduler::leave, py::arg("wave"), "waves: a finished request leaves its wave.")
+      .def("members", &Scheduler::members, py::arg("wave"))
+      .def("wave_position", &Scheduler::wave_position, py::arg("wave"))
       .def_property_readonly("holding", &Scheduler::holding)
       .def_property_readonly("total", &Scheduler::total)
       .def_property_readonly("num_blocks", &Scheduler::num_blocks)

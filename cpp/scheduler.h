@@ -8,7 +8,7 @@
 
 namespace amoe {
 
-enum class Policy { kDefrag, kMtfs, kFlfs, kWave };
+enum class Policy { kDefrag, kMtfs, kFlfs, kWave, kWaves };
 
 Policy parse_policy(const std::string& name);
 const char* policy_name(Policy p);
@@ -27,8 +27,21 @@ class Scheduler {
 
   // Rows that left this runtime and will come back to `block` (an attention runtime's outstanding expert
   // outputs, in parts): the wave policy holds a block while part of its wave is still out.
-  void add_pending(int block, int64_t delta);
-  int64_t pending(int block) const { return pending_[block]; }
+  // Under `waves` on an attention runtime (wave_cols), per (block, wave column); otherwise column 0.
+  void add_pending(int block, int64_t delta, int col = 0);
+  int64_t pending(int block, int col = 0) const {
+    return pending_[static_cast<size_t>(block) * num_cols_ + col];
+  }
+
+  // `waves` (docs/engine.md "The waves rule"): on an attention runtime the columns are its waves. The
+  // scheduler counts each wave's members; the runtime keeps request -> wave and calls admit/leave.
+  void set_wave_cols(bool on) { wave_cols_ = on; }
+  bool wave_cols() const { return wave_cols_; }
+  // The wave a new request joins: the lowest with fewer than `wave_rows` members, else the one with fewest.
+  int admit(int64_t wave_rows);
+  void leave(int wave);
+  int64_t members(int wave) const { return members_[wave]; }
+  int wave_position(int wave) const { return pos_[wave]; }
 
   // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
   // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
@@ -47,6 +60,8 @@ class Scheduler {
   bool pick_mtfs(int* block, int* col);
   bool pick_flfs(int* block, int* col);
   bool pick_wave(int* block, int* col, bool force);
+  bool pick_waves(int* block, int* col, bool force);
+  bool pick_oldest_block(int* block, int* col);
 
   int num_blocks_, num_cols_;
   Policy policy_;
@@ -59,7 +74,15 @@ class Scheduler {
   std::vector<int> block_argmax_;     // its lowest column
   std::vector<char> block_dirty_;
   int64_t total_ = 0;
-  std::vector<int64_t> pending_;  // [num_blocks] rows out that return to each block
+  std::vector<int64_t> pending_;  // [num_blocks * num_cols] parts out that return to each (block, column)
+  // waves: the columns are waves (attention runtime); each wave's position (block last served) and member
+  // count; readiness stamps (per wave, or per block on an expert runtime: -1 = not ready / empty) and the
+  // next.
+  bool wave_cols_ = false;
+  std::vector<int> pos_;
+  std::vector<int64_t> members_;
+  std::vector<int64_t> wave_stamp_, block_stamp_;
+  int64_t next_stamp_ = 0;
   bool holding_ = false;
 };
 

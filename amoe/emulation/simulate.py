@@ -149,14 +149,27 @@ class _Aep:
         self.position = np.zeros(self.concurrency, dtype=np.int64)
         self.pending = np.zeros(self.concurrency, dtype=np.int64)  # expert parts of a token still out
         new = core.Scheduler
+        # waves (docs/engine.md "The waves rule"): rank r keeps W = ceil(its requests / attention cap) waves, one
+        # column each; a request's wave is its rank's state (`wave`), joined densely as the runtime admits them.
+        waves = sched.policy == "waves"
+        cols = [-(-n // dep.attn_cap) if waves else 1 for n in per_rank]
         self.attn_sched = [
-            new(self.blocks + 1, 1, sched.policy, sched.lookahead, sched.decay) for _ in range(A)
+            new(self.blocks + 1, max(1, cols[r]), sched.policy, sched.lookahead, sched.decay)
+            for r in range(A)
         ]
+        self.wave = np.zeros(self.concurrency, dtype=np.int64)  # token id -> its column on its rank's grid
+        if waves:
+            for r in range(A):
+                self.attn_sched[r].wave_cols = True
+                for t in np.flatnonzero(self.rank_of == r):
+                    self.wave[t] = self.attn_sched[r].admit(dep.attn_cap)
         self.exp_sched = [
             new(self.blocks, max(1, len(p)), sched.policy, sched.lookahead, sched.decay) for p in placed
         ]
         # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
-        self.attn_q = [[deque() for _ in range(self.blocks + 1)] for _ in range(A)]
+        self.attn_q = [
+            [[deque() for _ in range(max(1, cols[r]))] for _ in range(self.blocks + 1)] for r in range(A)
+        ]
         self.exp_q = [[[deque() for _ in p] for _ in range(self.blocks)] for p in placed]
         self.busy = {("a", r): False for r in range(A)} | {("e", g): False for g in range(E)}
         self.events: list = []
@@ -183,10 +196,14 @@ class _Aep:
     # ---- queues
 
     def _enqueue_attn(self, r: int, layer: int, tokens: np.ndarray) -> None:
-        if len(tokens):
-            self.attn_q[r][layer].append(tokens)
-            self.attn_sched[r].add(layer, 0, len(tokens))
-            self._wake(("a", r))
+        if not len(tokens):
+            return
+        waves = self.wave[tokens]
+        for col in np.unique(waves):
+            mine = tokens[waves == col]
+            self.attn_q[r][layer][col].append(mine)
+            self.attn_sched[r].add(layer, int(col), len(mine))
+        self._wake(("a", r))
 
     def _enqueue_exp(self, g: int, block: int, col: int, parts: np.ndarray) -> None:
         self.exp_q[g][block][col].append(parts)
@@ -226,8 +243,8 @@ class _Aep:
             return
         block, col = picked
         if kind == "a":
-            rows = self._take(self.attn_q[i][block], min(self.dep.attn_cap, sched.depth(block, 0)))
-            sched.add(block, 0, -len(rows))
+            rows = self._take(self.attn_q[i][block][col], min(self.dep.attn_cap, sched.depth(block, col)))
+            sched.add(block, col, -len(rows))
             n = len(rows)
             if block == self.blocks:
                 t = cm.head_time(self.model, self.ga, n, n, self.host)
@@ -280,8 +297,8 @@ class _Aep:
         )
         self.pending[tokens] = self.k
         # The parts out that return to block + 1, as the engine counts its expected expert outputs (the wave
-        # policy holds a block while any are out).
-        self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k)
+        # policy holds a block while any are out; waves: per wave, and a step's tokens are of one wave).
+        self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k, int(self.wave[tokens[0]]))
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)
         for g in np.unique(self.gpu_of[flat]):
@@ -305,7 +322,9 @@ class _Aep:
             )
 
     def _returned(self, r: int, block: int, parts: np.ndarray) -> None:
-        self.attn_sched[r].add_pending(block + 1, -len(parts))
+        cols, counts = np.unique(self.wave[parts], return_counts=True)
+        for col, n in zip(cols, counts):
+            self.attn_sched[r].add_pending(block + 1, -int(n), int(col))
         np.subtract.at(self.pending, parts, 1)
         done = np.unique(parts[self.pending[parts] == 0])
         self._enqueue_attn(r, block + 1, done)

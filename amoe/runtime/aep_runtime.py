@@ -43,6 +43,7 @@ class Runtime(RankCapacity):
                 top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
                 track_requests=self.role == "attention",
                 time_scale=self.config.executor.time_scale if self.emulation is not None else 1.0,
+                max_requests=self.config.cache.max_num_seqs,
             ),
             self.comm,
         )  # fmt: skip

@@ -48,6 +48,72 @@ def wave(depths: list[list[int]], pending: list[int] | None = None) -> tuple[int
     return b, max(range(len(row)), key=lambda c: (row[c], -c))
 
 
+class Waves:
+    """The `waves` rule (docs/engine.md "The waves rule") as the C++ scheduler keeps it, with its state: the grid's
+    rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
+    cell is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
+    otherwise (an expert runtime) the oldest non-empty block is run."""
+
+    def __init__(self, num_blocks: int, num_cols: int, wave_cols: bool) -> None:
+        self.num_blocks, self.num_cols, self.wave_cols = num_blocks, num_cols, wave_cols
+        self.depths = [[0] * num_cols for _ in range(num_blocks)]
+        self.pending = [[0] * num_cols for _ in range(num_blocks)]
+        self.position = [0] * num_cols
+        self.wave_stamp = [None] * num_cols
+        self.block_stamp = [None] * num_blocks
+        self.next_stamp = 0
+        self.holding = False
+
+    def add(self, b: int, c: int, delta: int) -> None:
+        old = self.depths[b][c]
+        self.depths[b][c] = old + delta
+        if self.wave_cols and old > 0 and old + delta == 0 and self.position[c] == b:
+            self.position[c] = (b + 1) % self.num_blocks  # the wave left this block
+
+    def add_pending(self, b: int, delta: int, c: int = 0) -> None:
+        self.pending[b][c] += delta
+
+    def _stamp(self, stamps: list, i: int, ready: bool) -> None:
+        if not ready:
+            stamps[i] = None
+        elif stamps[i] is None:
+            stamps[i] = self.next_stamp
+            self.next_stamp += 1
+
+    def pick(self, force: bool = False) -> tuple[int, int] | None:
+        self.holding = False
+        depths, pending = self.depths, self.pending
+        if not any(map(any, depths)):
+            return None
+        if not self.wave_cols:
+            for b, row in enumerate(depths):
+                self._stamp(self.block_stamp, b, any(row))
+            live = [b for b in range(self.num_blocks) if self.block_stamp[b] is not None]
+            b = min(live, key=lambda b: self.block_stamp[b])
+            row = depths[b]
+            return b, max(range(len(row)), key=lambda c: (row[c], -c))
+        fronts = {}
+        for w in range(self.num_cols):
+            ring = [(self.position[w] + i) % self.num_blocks for i in range(self.num_blocks)]
+            front = next((b for b in ring if depths[b][w] or pending[b][w]), None)
+            ready = front is not None and depths[front][w] > 0 and pending[front][w] == 0
+            self._stamp(self.wave_stamp, w, ready)
+            if ready:
+                fronts[w] = front
+        if fronts:
+            w = min(fronts, key=lambda w: self.wave_stamp[w])
+            b = fronts[w]
+        elif not force:
+            self.holding = True
+            return None
+        else:
+            cells = [(depths[b][c], -b, -c) for b in range(self.num_blocks) for c in range(self.num_cols)]
+            _, nb, nc = max(cells)
+            b, w = -nb, -nc
+        self.position[w] = b
+        return b, w
+
+
 def pick(
     policy: str, depths: list[list[int]], lookahead: int, decay: float, pending: list[int] | None = None
 ) -> tuple[int, int] | None:

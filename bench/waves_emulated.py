@@ -1,0 +1,88 @@
+"""AEP at 32 blocks on the emulated runtime at its corrected bound's concurrency, under a scheduling policy (issue 32):
+the plans of bench/policies_sim.py, each served as `amoe plan --emulated` would serve it (amoe.emulation.plan_check
+flags: the bound's requests per rank as --cache-max-num-seqs, so `waves` keeps the bound's W waves) with
+`--scheduler POLICY`, loaded with the bound's concurrency of steady-state requests (amoe.bench.steady) and measured
+against the bound. One JSON line per plan. Timing-sensitive: run it under `flock /tmp/amoe-heavy.lock`.
+
+    PYTHONPATH=. .venv/bin/python bench/waves_emulated.py --policy waves --plans 2 > out.jsonl
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+
+from amoe.bench import calibrate, steady
+from amoe.bench.compare_setup import Preset, Setup
+from amoe.bench.servers import ServerProcess
+from amoe.config import POLICIES
+from amoe.emulation import bounds as B
+from amoe.emulation import plan_check
+from amoe.emulation.plan import Plan, describe, mean_context
+from amoe.emulation.profiles import host_overhead, model_profile
+
+ROUTING = "skew-exp:0.08"
+# bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order.
+PLANS = (
+    ("a100-80g", 1, 5, 3, 128, 1024),
+    ("h100", 2, 4, 3, 256, 1024),
+    ("h100", 1, 4, 4, 256, 512),
+)
+BLOCKS = 32
+
+
+async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, seed: int) -> dict:
+    gpu, k, a, e, cap, ecap = PLANS[plan_index]
+    model = model_profile(f"mixtral-8x7b-mqa:{BLOCKS}", k)
+    dep = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
+    bound = B.predict(model, dep, B.routing_inclusion(model, ROUTING), mean_context("short"),
+                      host_overhead("amoe-paper"))  # fmt: skip
+    check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
+    preset = dataclass_preset()
+    scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
+    argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale) + ["--scheduler", policy]
+    setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
+    run = Preset(
+        sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,
+        time_scale=scale, attn_cap=cap, expert_cap=ecap, blocks=BLOCKS,
+    )  # fmt: skip
+    start = time.monotonic()
+    server = ServerProcess(argv, startup_timeout_s=plan_check.startup_timeout_s(dep))
+    with server:
+        point = await steady.steady_point(
+            server, setup, run, seed, bound.concurrency, bound.itl_s, "plan", preset.min_window_s
+        )
+    return {
+        "plan": f"aep {a}+{e} {gpu} top{k} cap {cap}/{ecap}", "policy": policy, "blocks": BLOCKS,
+        "deployment": describe(dep), "bound": round(bound.tokens_per_s), "concurrency": bound.concurrency,
+        "waves": bound.extra["waves"], "wave_rows": bound.extra["wave_rows"],
+        "measured": round(point["throughput"]), "of_bound": round(point["throughput"] / bound.tokens_per_s, 3),
+        "itl_ms": point["itl_ms_mean"], "bound_itl_ms": round(bound.itl_s * 1e3, 1),
+        "rows_per_step": point.get("rows_per_step"), "busy": point.get("busy"),
+        "running_mean": point.get("running_mean"), "host_cores": point.get("host_cores"),
+        "load_average": round(os.getloadavg()[0], 2), "time_scale": round(scale, 2),
+        "probe_us": round(probe_s * 1e6, 1), "wall_s": round(time.monotonic() - start, 1),
+    }  # fmt: skip
+
+
+def dataclass_preset() -> plan_check.CheckPreset:
+    """plan-check's full-depth settings (time scale 40 on the reference host, sourced step-time variance)."""
+    return plan_check.PRESETS["depth"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", default="waves", choices=POLICIES)
+    ap.add_argument("--plans", default="0,1,2", help="indices into PLANS, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    base_scale, probe_s = calibrate.scaled(dataclass_preset().time_scale)
+    for i in (int(x) for x in args.plans.split(",")):
+        print(json.dumps(asyncio.run(one(i, args.policy, base_scale, probe_s, args.seed))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
