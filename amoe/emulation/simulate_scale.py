@@ -10,16 +10,25 @@ ITLs), so at scale the simulation changes its unit, not its language:
 
 * **Counts, not tokens**: a block's rows per expert are drawn from the inclusion probabilities
   (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
-* **Attention GPUs alike**: every attention GPU holds the same share of requests, so one timeline stands for
-  them (as the ping-pong simulation already does); each expert GPU keeps its own.
-* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (w: the attention cap, or fewer when
-  its requests are fewer; not the bound's wave size, which can be smaller); a wave's block is its attention step,
-  the transfer out, each expert GPU's grouped step over the A attention GPUs' rows of that wave (drawn this
-  iteration), the transfer back, each transfer through both ends' NICs, one message set at a time each way (Nics:
-  the incast into few expert GPUs queues there). Attention runs waves in the order they become ready; an expert
-  GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
-  of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
-  steps), and request-level affinity.
+* **Attention GPUs alike** (EP, ping-pong): every attention GPU holds the same share of requests, so one
+  timeline stands for them (ping-pong's lock-step keeps them together anyway); each expert GPU keeps its own.
+* **AEP: each attention GPU on its own phase** (issue 35; docs/emulation.md "AEP at scale: each attention GPU on
+  its own phase", written down before its numbers were looked at). Each attention GPU keeps W waves of w rows (w:
+  the attention cap, or fewer when its requests are fewer), each starting at a block drawn from the seed, and runs
+  its waves in the order they become ready; a wave's block is its attention step, its dispatch (its own w rows'
+  counts) through its link out and each expert GPU's link in, the expert steps that take its rows, and the combine
+  back; the wave goes on when every part is back (attention waves never split or merge). An expert GPU, when free,
+  runs the rows queued at it as the runtime's default policy picks them (defrag with grouped expert steps: the
+  block maximising LScore(b) + max_e Q[b][e] over its hosted experts' queues, ties to the lowest block; every
+  hosted expert's queue of that block, each up to the expert cap, first arrived first), computed exactly from the
+  queued counts; rows of one block from different attention GPUs share a step only if they are in when it starts.
+  Links: one message set at a time each way, first sent first through; a set is what one GPU sends at one instant
+  (a wave's dispatch, an expert step's outputs); sets that leave different GPUs at the same instant share the
+  receiving link and arrive together, so with every attention GPU on one phase (`same_phase`) this is the old one
+  timeline but for the pick among queued blocks. Left out: the step-time variance, request-level affinity, the
+  attention runtime's fragmented steps.
+* **Speed**: conservative time windows vectorised over GPUs (`_AepAtScale.run`): the cost grows with the
+  simulated time over the shortest step, not with the number of attention GPUs.
 
 simulate() takes this path above EXACT_MAX_GPUS GPUs, EXACT_MAX_REQUESTS requests in one copy or EXACT_MAX_EXPERTS
 expert layers; every Mixtral plan of 16 GPUs or fewer (all of today's plan checks and tests) stays event-level and
