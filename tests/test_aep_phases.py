@@ -65,10 +65,10 @@ def test_an_expert_step_never_holds_more_than_the_cap_and_every_row_is_served_on
         drawn[0] += out.sum()
         return out
 
-    def counting_steps(take):
+    def counting_steps(take, *args):
         taken[0] += take.sum()
         most[0] = max(most[0], float(take.max()))
-        return step_times(take)
+        return step_times(take, *args)
 
     sim.counts.draw_many, sim.step_times = counting_draw, counting_steps
     sim.run(0.0, 0.002)

@@ -97,10 +97,11 @@ class AepAtScale:
         self.arr = np.full((S, E), np.inf)
         self.step_end, self.out_end = np.zeros(S), np.zeros(S)
 
-    def step_times(self, take: np.ndarray) -> np.ndarray:
-        """[E] each GPU's grouped step over [nh, E] rows: simulate_scale.GroupedSteps' formula on the hosted
-        experts only (one copy an id), [nh, E] terms instead of [ids, GPUs] (most of a round's time before)."""
-        st, inter = self.steps, self.inter
+    def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
+        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: simulate_scale.GroupedSteps'
+        formula on the hosted experts only (one copy an id), not over the [ids, GPUs] matrix (most of a round's
+        time before)."""
+        st, inter = self.steps, self.inter if gpus is None else self.inter[:, gpus]
         m, gpu, host = st.model, st.gpu, st.host
         h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
         busy = take > 0
@@ -161,9 +162,8 @@ class AepAtScale:
         s, g, b = slot[att], gpus[att], begin[att]
         sent = b + self.attn
         self.a_free[g] = sent
-        self.done_rows += self.w * int(
-            counted[att].sum()
-        )  # progress: one wave's block (as the event level counts)
+        # progress: one wave's block (as the event level counts attention-step rows)
+        self.done_rows += self.w * int(counted[att].sum())
         self.attn_busy += self.attn * int(counted[att].sum())
         order = np.argsort(sent, kind="stable")
         s, g, t = s[order], g[order], sent[order]
@@ -187,58 +187,52 @@ class AepAtScale:
         self.step_end[s] = self.out_end[s] = -np.inf
 
     def _expert_steps(self, gpus: np.ndarray, start: np.ndarray) -> None:
-        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows."""
-        E, L = self.E, self.L
-        at = np.full(E, -np.inf)
-        at[gpus] = start
-        inflight = np.flatnonzero(self.pend.any(1))
+        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows. Only
+        the deciding GPUs' columns are read: [waves, hosted, G] (with their phases apart, a few GPUs a round)."""
+        L, G = self.L, len(gpus)
+        inflight = np.flatnonzero(self.pend[:, gpus].any(1))
         inflight = inflight[np.argsort(self.layer[inflight], kind="stable")]  # by block
         layer = self.layer[inflight]
-        first = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])  # each block's first wave
-        blocks, which = layer[first], np.cumsum(np.r_[True, layer[1:] != layer[:-1]]) - 1
-        queued = self.pend[inflight] & (
-            self.arr[inflight] <= at
-        )  # [n, E] queued at a deciding GPU by its start
-        mine = self.rows[inflight]  # [n, nh, E]
+        new_block = np.r_[True, layer[1:] != layer[:-1]]
+        first, blocks, which = np.flatnonzero(new_block), layer[new_block], np.cumsum(new_block) - 1
+        cells = np.ix_(inflight, np.arange(self.rows.shape[1]), gpus)
+        pairs = np.ix_(inflight, gpus)
+        # [n, G] queued at each deciding GPU by its start
+        queued = self.pend[pairs] & (self.arr[pairs] <= start)
+        mine = self.rows[cells]  # [n, nh, G]
         rows = mine * queued[:, None, :]
-        q = np.add.reduceat(rows, first, axis=0)  # [blocks, nh, E]: Q[b][e]
+        q = np.add.reduceat(rows, first, axis=0)  # [blocks, nh, G]: Q[b][e]
         # defrag (cpp/scheduler.cpp pick_defrag): LScore(b) + the block's deepest queue, non-empty blocks only,
         # ties to the lowest block.
-        total = q.sum(1)  # [blocks, E]
-        spread = np.zeros((L, E))
-        spread[blocks] = total / self.num_hosted
+        total = q.sum(1)  # [blocks, G]
+        spread = np.zeros((L, G))
+        spread[blocks] = total / self.num_hosted[gpus]
         lscore = sum(d * spread[(blocks + k + 1) % L] for k, d in enumerate(self.decay))
-        score = np.where(total > 0, lscore + q.max(1), -np.inf)
-        pick = np.full(E, -1)
-        pick[gpus] = score[:, gpus].argmax(0)
-        taken = queued & (which[:, None] == pick[None, :])  # [n, E]
-        took = rows * taken[:, None, :]  # [n, nh, E] rows each wave gives this step
-        take = took.sum(0)  # [nh, E]
-        for k, g in zip(
-            *np.nonzero(take > self.cap)
-        ):  # the expert cap: up to cap rows a queue, first arrived first
+        pick = np.where(total > 0, lscore + q.max(1), -np.inf).argmax(0)  # [G]
+        taken = queued & (which[:, None] == pick[None, :])  # [n, G]
+        took = rows * taken[:, None, :]  # [n, nh, G] rows each wave gives this step
+        take = took.sum(0)  # [nh, G]
+        # The expert cap: up to cap rows a queue, the first arrived first.
+        for k, g in zip(*np.nonzero(take > self.cap)):
             who = np.flatnonzero(took[:, k, g])
-            who = who[np.argsort(self.arr[inflight[who], g], kind="stable")]
+            who = who[np.argsort(self.arr[inflight[who], gpus[g]], kind="stable")]
             r = took[who, k, g]
             took[who, k, g] = np.clip(self.cap - (np.cumsum(r) - r), 0.0, r)
             take[k, g] = self.cap
         left = mine - took
-        self.rows[inflight] = left
-        self.pend[inflight] &= ~taken | (left.max(1) > 0)
-        dur = self.step_times(take)[gpus]
+        self.rows[cells] = left
+        self.pend[pairs] &= ~taken | (left.max(1) > 0)
+        dur = self.step_times(take, gpus)
         done = start + dur
         self.e_free[gpus] = done
-        sent = take.sum(0)[gpus]
-        out = (
-            np.maximum(done, self.e_out[gpus]) + sent * self.lk.expert_out
-        )  # a step's outputs: one message set
+        sent = take.sum(0)
+        # a step's outputs go back as one message set
+        out = np.maximum(done, self.e_out[gpus]) + sent * self.lk.expert_out
         self.e_out[gpus] = out
-        done_at, out_at = np.full(E, -np.inf), np.full(E, -np.inf)
-        done_at[gpus], out_at[gpus] = done, out
         part = taken.any(1)
         waves, taken = inflight[part], taken[part]
-        self.step_end[waves] = np.maximum(self.step_end[waves], np.where(taken, done_at, -np.inf).max(1))
-        self.out_end[waves] = np.maximum(self.out_end[waves], np.where(taken, out_at, -np.inf).max(1))
+        self.step_end[waves] = np.maximum(self.step_end[waves], np.where(taken, done, -np.inf).max(1))
+        self.out_end[waves] = np.maximum(self.out_end[waves], np.where(taken, out, -np.inf).max(1))
         lo, hi = self.window
         counted = (start >= lo) & (start < hi)
         self.exp_busy += float(dur[counted].sum())
