@@ -6,7 +6,9 @@ messages still to be decided: an attention GPU's by a reply (no reply still to b
 expert step still to be decided ends), an expert GPU's by a dispatch (none comes before the earliest attention step
 still to be decided ends). Each round commits, together, every attention GPU whose wave to run cannot change and
 every expert GPU whose queue at its next start cannot change; the GPU with the earliest event always can, so the
-rounds progress, and each round's numpy work is over arrays of GPUs and waves, not a Python event each.
+rounds progress, and each round's numpy work is over arrays of GPUs and waves, not a Python event each. There are
+about as many rounds as one expert GPU runs steps (~1 ms each): where steps split that is many more than the one
+timeline's events (docs/emulation.md, "Speed").
 """
 
 from __future__ import annotations
