@@ -60,7 +60,9 @@ def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_g
 def test_with_no_more_attention_than_expert_gpus_the_receiver_never_binds(ds, monkeypatch):
     """A ≤ E under uniform routing: each expert GPU receives at most what one attention GPU sends, so pricing
     the receiver's end changes nothing: the bound equals itself with the receiving links made free, and the
-    simulation at scale gives the figures it gave before issue 35's incast pricing (pinned from that code)."""
+    simulation at scale gives the figures it gave before issue 35's incast pricing (pinned from that code; AEP
+    with every attention GPU on one phase, as that code ran it: on their own phases the expert steps split, a
+    change of the model, not of the links — tests/test_aep_phases.py)."""
     model, q = ds
     deps = [
         bounds.Deployment("pingpong", "h800", 16, "h800", 32, attn_cap=128, micro_batches=2),
@@ -68,7 +70,9 @@ def test_with_no_more_attention_than_expert_gpus_the_receiver_never_binds(ds, mo
     ]
     sims = [
         scale.pingpong(model, deps[0], "uniform", CTX, NONE, 4096, 0.05, seed=0).tokens_per_s,
-        scale.aep_waves(model, deps[1], "uniform", CTX, NONE, 4096, 0.05, 0.05, seed=0).tokens_per_s,
+        scale.aep_waves(
+            model, deps[1], "uniform", CTX, NONE, 4096, 0.05, 0.05, 0, same_phase=True
+        ).tokens_per_s,
     ]
     assert sims == pytest.approx([53144.72345968983, 69208.27586206896], rel=1e-9)
     priced = [bounds.predict(model, d, q, CTX, NONE, variance=OFF) for d in deps]

@@ -10,16 +10,25 @@ ITLs), so at scale the simulation changes its unit, not its language:
 
 * **Counts, not tokens**: a block's rows per expert are drawn from the inclusion probabilities
   (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
-* **Attention GPUs alike**: every attention GPU holds the same share of requests, so one timeline stands for
-  them (as the ping-pong simulation already does); each expert GPU keeps its own.
-* **AEP in waves**: each attention GPU keeps W waves of w rows in flight (w: the attention cap, or fewer when
-  its requests are fewer; not the bound's wave size, which can be smaller); a wave's block is its attention step,
-  the transfer out, each expert GPU's grouped step over the A attention GPUs' rows of that wave (drawn this
-  iteration), the transfer back, each transfer through both ends' NICs, one message set at a time each way (Nics:
-  the incast into few expert GPUs queues there). Attention runs waves in the order they become ready; an expert
-  GPU runs the (block, wave) jobs in arrival order, so a hot GPU delays every wave behind it. What it leaves out against the event level: the C++ scheduler's own picks and the merging
-  of several waves' rows in one expert step (each wave is its own step: never better than the bound's merged
-  steps), and request-level affinity.
+* **Attention GPUs alike** (EP, ping-pong): every attention GPU holds the same share of requests, so one
+  timeline stands for them (ping-pong's lock-step keeps them together anyway); each expert GPU keeps its own.
+* **AEP: each attention GPU on its own phase** (issue 35; docs/emulation.md "AEP at scale: each attention GPU on
+  its own phase", written down before its numbers were looked at). Each attention GPU keeps W waves of w rows (w:
+  the attention cap, or fewer when its requests are fewer), each starting at a block drawn from the seed, and runs
+  its waves in the order they become ready; a wave's block is its attention step, its dispatch (its own w rows'
+  counts) through its link out and each expert GPU's link in, the expert steps that take its rows, and the combine
+  back; the wave goes on when every part is back (attention waves never split or merge). An expert GPU, when free,
+  runs the rows queued at it as the runtime's default policy picks them (defrag with grouped expert steps: the
+  block maximising LScore(b) + max_e Q[b][e] over its hosted experts' queues, ties to the lowest block; every
+  hosted expert's queue of that block, each up to the expert cap, first arrived first), computed exactly from the
+  queued counts; rows of one block from different attention GPUs share a step only if they are in when it starts.
+  Links: one message set at a time each way, first sent first through; a set is what one GPU sends at one instant
+  (a wave's dispatch, an expert step's outputs); sets that leave different GPUs at the same instant share the
+  receiving link and arrive together, so with every attention GPU on one phase (`same_phase`) this is the old one
+  timeline but for the pick among queued blocks. Left out: the step-time variance, request-level affinity, the
+  attention runtime's fragmented steps.
+* **Speed**: conservative rounds vectorised over GPUs (aep_at_scale.AepAtScale.run): about as many rounds as one
+  expert GPU runs steps, each ~0.3–3 ms of numpy — up to A times the one timeline's events where steps split.
 
 simulate() takes this path above EXACT_MAX_GPUS GPUs, EXACT_MAX_REQUESTS requests in one copy or EXACT_MAX_EXPERTS
 expert layers; every Mixtral plan of 16 GPUs or fewer (all of today's plan checks and tests) stays event-level and
@@ -27,9 +36,6 @@ gives the numbers it gave.
 """
 
 from __future__ import annotations
-
-import heapq
-import math
 
 import numpy as np
 
@@ -56,6 +62,32 @@ def is_exact(dep: bounds.Deployment, concurrency: int, num_expert_ids: int = 0) 
     )
 
 
+# Inclusion probabilities by (router, shared experts, epoch): sampled for DeepSeek-V3 (Gumbel keys, ~5 s), they are
+# the same for every simulation of one routing and seed, and a plan runs dozens (measured: most of a 256-GPU
+# AEP simulation's CPU time was this, once per simulation). A few entries: one routing a plan, epochs move on.
+_INCLUSION: dict[tuple, np.ndarray] = {}
+
+
+def _inclusion(router: RouterOverride, num_shared: int, epoch: int) -> np.ndarray:
+    key = (
+        repr(router.spec),
+        router.num_experts,
+        router.top_k,
+        router.num_blocks,
+        router.seed,
+        num_shared,
+        epoch,
+    )
+    if key not in _INCLUSION:
+        q = router.inclusion_at(epoch)
+        q = np.concatenate([q, np.ones((q.shape[0], num_shared))], axis=1)
+        q.flags.writeable = False
+        if len(_INCLUSION) >= 8:
+            _INCLUSION.pop(next(iter(_INCLUSION)))
+        _INCLUSION[key] = q
+    return _INCLUSION[key]
+
+
 class Counts:
     """Rows per expert id of n tokens of a block, drawn from the routing's inclusion probabilities (by skew epoch
     when the skew shifts); the shared expert, if any, gets every token."""
@@ -72,13 +104,18 @@ class Counts:
         """[blocks, expert ids] inclusion probabilities in the skew epoch at `now_s`."""
         epoch = self.router.epoch(now_s)
         if epoch not in self._q:
-            q = self.router.inclusion_at(epoch)
-            shared = np.ones((self.model.num_blocks, self.model.num_shared_experts))
-            self._q = {epoch: np.concatenate([q, shared], axis=1)}  # one epoch at a time: time only moves on
+            self._q = {
+                epoch: _inclusion(self.router, self.model.num_shared_experts, epoch)
+            }  # time only moves on
         return self._q[epoch]
 
     def draw(self, block: int, tokens: int, now_s: float) -> np.ndarray:
         return sample_counts(self.rng, tokens, self.inclusion(now_s)[block])
+
+    def draw_many(self, blocks: np.ndarray, tokens: int, now_s: float) -> np.ndarray:
+        """[len(blocks), expert ids]: one draw of `tokens` tokens for each of `blocks` (AEP at scale: each
+        attention GPU's wave its own)."""
+        return sample_counts(self.rng, tokens, self.inclusion(now_s)[blocks])
 
 
 class GroupedSteps:
@@ -163,60 +200,15 @@ class Nics:
 
 def aep_waves(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
-    duration_s: float, warmup_s: float, seed: int,
+    duration_s: float, warmup_s: float, seed: int, same_phase: bool = False,
 ):  # fmt: skip
-    """AEP at scale, in waves (module docstring): returns simulate.Simulated."""
-    ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
-    A, L = dep.num_attn, model.num_blocks
-    per_rank = max(1, concurrency // A)
-    w = max(1, min(dep.attn_cap, per_rank))
-    waves = max(1, math.ceil(per_rank / w))
-    w = math.ceil(per_rank / waves)  # even waves
-    steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
-    counts = Counts(model, routing, seed)
-    nics = Nics(model, dep, w, len(steps.where[0]))
-    attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
-    head = cm.head_time(model, ga, w, host=host)
-    # Waves start spread over the layers, as requests that arrived at different times.
-    start = np.random.default_rng([seed, 36]).integers(0, L + 1, waves)
-    # (ready time, wave, layer: 0..L-1 its blocks, L its head)
-    ready = [(0.0, i, int(start[i])) for i in range(waves)]
-    heapq.heapify(ready)
-    a_free, e_free = 0.0, np.zeros(len(steps.where[0]))
-    end = warmup_s + duration_s
-    done_rows, attn_busy, exp_busy, exp_steps, exp_rows = 0, 0.0, 0.0, 0, 0.0
-    while ready and ready[0][0] < end:
-        t, i, layer = heapq.heappop(ready)
-        begin = max(a_free, t)
-        if layer == L:  # the head: the wave's next token starts
-            a_free = begin + head
-            if warmup_s <= begin < end:
-                attn_busy += head
-            heapq.heappush(ready, (a_free, i, 0))
-            continue
-        a_free = begin + attn
-        rows = counts.draw(layer, A * w, begin)
-        per_gpu = steps(rows)
-        into = rows @ steps.where  # [expert GPUs] rows each receives: the A attention GPUs' wave
-        arrive = nics.dispatch(a_free, into)
-        busy = per_gpu > 0
-        e_free = np.where(busy, np.maximum(e_free, arrive) + per_gpu, e_free)
-        finished = float(e_free[busy].max()) if busy.any() else float(arrive.max())
-        returned = nics.combine(e_free, into, finished)
-        if warmup_s <= begin < end:
-            done_rows += w  # progress: one wave's block (as the event level counts attention-step rows)
-            attn_busy += attn
-            exp_busy += float(per_gpu.sum())
-            exp_steps += int(busy.sum())
-            exp_rows += float(rows.sum())
-        heapq.heappush(ready, (returned, i, layer + 1))
-    tps = A * done_rows / L / duration_s  # every token takes L blocks (the head counted in time, not rows)
-    conc = A * waves * w
-    return Simulated(
-        tokens_per_s=tps, itl_s=conc / tps if tps else float("inf"), concurrency=conc,
-        attention_rows_per_step=float(w), expert_rows_per_step=exp_rows / max(1, exp_steps),
-        attention_busy=min(1.0, attn_busy / duration_s), expert_busy=min(1.0, exp_busy / (len(e_free) * duration_s)),
-    )  # fmt: skip
+    """AEP at scale, each attention GPU on its own phase (module docstring; amoe.emulation.aep_at_scale): returns
+    simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
+    simulation had before; kept for the comparison)."""
+    from amoe.emulation.aep_at_scale import AepAtScale
+
+    sim = AepAtScale(model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase)
+    return sim.run(warmup_s, duration_s)
 
 
 def ep(

@@ -1,0 +1,270 @@
+"""AEP at scale with each attention GPU on its own phase (issue 35; the rule: docs/emulation.md "AEP at scale:
+each attention GPU on its own phase", amoe.emulation.simulate_scale's docstring).
+
+Events are committed in conservative time windows, vectorised over GPUs. A GPU's next step can only be changed by
+messages still to be decided: an attention GPU's by a reply (no reply still to be decided comes before the earliest
+expert step still to be decided ends), an expert GPU's by a dispatch (none comes before the earliest attention step
+still to be decided ends). Each round commits, together, every attention GPU whose wave to run cannot change and
+every expert GPU whose queue at its next start cannot change; the GPU with the earliest event always can, so the
+rounds progress, and each round's numpy work is over arrays of GPUs and waves, not a Python event each. There are
+about as many rounds as one expert GPU runs steps (~1 ms each): where steps split that is many more than the one
+timeline's events (docs/emulation.md, "Speed").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from amoe.config import SchedulerSection
+from amoe.emulation import bounds
+from amoe.emulation import cost_model as cm
+from amoe.emulation.profiles import HostOverhead, ModelProfile, gpu_profile
+from amoe.emulation.simulated import Simulated
+
+
+def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """A link per column serving message sets first sent first through: [sets, links] times each set is through.
+    `start` [sets, links] (sorted along sets; −inf where a set does not use that link), `work` [sets, links] its
+    seconds there, `free` [links] when each link is free now. e_k = max(start_k, e_{k−1}) + work_k, closed form:
+    e_k = C_k + max(free, max_{j≤k} (start_j − C_{j−1})), C the running sum of work."""
+    c = np.cumsum(work, axis=0)
+    lead = np.maximum.accumulate(start - (c - work), axis=0)
+    return c + np.maximum(free[None, :], lead)
+
+
+class AepAtScale:
+    """One copy of an AEP deployment in counts, each attention GPU on its own timeline (`run` returns Simulated).
+
+    Rows are kept as [waves, hosted experts, expert GPUs] (each id on one expert GPU: AEP places no copies; GPUs
+    hosting fewer experts padded with an id that never gets rows), so per-GPU sums and maxima are reductions over
+    the middle axis (contiguous over GPUs: numpy's fast case) and a GPU's queue mask broadcasts over its experts."""
+
+    def __init__(
+        self, model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead,
+        concurrency: int, seed: int, same_phase: bool = False,
+    ):  # fmt: skip
+        from amoe.emulation.simulate_scale import Counts, GroupedSteps
+
+        ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+        self.A, self.L = A, L = dep.num_attn, model.num_blocks
+        per_rank = max(1, concurrency // A)
+        w = max(1, min(dep.attn_cap, per_rank))
+        self.W = W = max(1, math.ceil(per_rank / w))
+        self.w = w = math.ceil(per_rank / W)  # even waves
+        self.cap = dep.expert_cap
+        placed = dep.experts_on(model.num_expert_ids)
+        self.steps = GroupedSteps(model, ge, placed, host)
+        self.counts = Counts(model, routing, seed)
+        # Only GPUs hosting an expert take part (more expert GPUs than expert ids leave some idle).
+        self.gpus = np.array([g for g, p in enumerate(placed) if p], dtype=np.int64)
+        hosted = [placed[g] for g in self.gpus]
+        self.E = E = len(hosted)
+        num_ids, nh = model.num_expert_ids, max(len(p) for p in hosted)
+        # [nh, E] the expert id of each GPU's k-th hosted expert (num_ids: padding, a column of zeros)
+        self.ids = np.array([p + [num_ids] * (nh - len(p)) for p in hosted], dtype=np.int64).T
+        self.num_hosted = np.array([len(p) for p in hosted], dtype=float)
+        # [nh, E] each hosted expert's SwiGLU width (0: padding, never busy)
+        self.inter = np.array(
+            [[model.intermediate_of(e) if e < num_ids else 0 for e in row] for row in self.ids], float
+        )
+        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
+        self.lk = bounds.pool_links(model, dep)
+        self.copies = w * model.experts_per_token
+        self.attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
+        self.head = cm.head_time(model, ga, w, host=host)
+        # The least an expert GPU's step can take (one row of its cheapest hosted expert): how far ahead a reply
+        # still to be decided cannot come.
+        one = np.zeros(model.num_expert_ids)
+        for experts in hosted:
+            one[min(experts, key=model.intermediate_of)] = 1.0
+        self.step_min = self.steps(one)[self.gpus]
+        # Each wave starts at a block drawn from the seed (as the one timeline's waves were): per attention GPU, or
+        # one draw for all of them (same_phase: the old one timeline).
+        rng = np.random.default_rng([seed, 36])
+        start = np.tile(rng.integers(0, L + 1, W), (A, 1)) if same_phase else rng.integers(0, L + 1, (A, W))
+        S = A * W  # slot s = a · W + i: attention GPU a's wave i
+        self.layer = start.reshape(S).astype(np.int64)  # its next block (L: its head)
+        self.ready = np.zeros(S)  # when it is ready for that block's attention step (inf: out at the experts)
+        self.owner = np.repeat(np.arange(A), W)
+        self.a_free, self.a_out, self.a_in = np.zeros(A), np.zeros(A), np.zeros(A)
+        self.e_free, self.e_in, self.e_out = np.zeros(E), np.zeros(E), np.zeros(E)
+        # The block each wave has out at the experts: its rows not yet taken per column, where it is still queued
+        # (pend), when its message set is in at each expert GPU, its parts' last step end and last time out of an
+        # expert GPU's link.
+        self.rows = np.zeros((S, nh, E))
+        self.pend = np.zeros((S, E), dtype=bool)
+        self.arr = np.full((S, E), np.inf)
+        self.step_end, self.out_end = np.zeros(S), np.zeros(S)
+
+    def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
+        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: simulate_scale.GroupedSteps'
+        formula on the hosted experts only (one copy an id), not over the [ids, GPUs] matrix (most of a round's
+        time before)."""
+        st, inter = self.steps, self.inter if gpus is None else self.inter[:, gpus]
+        m, gpu, host = st.model, st.gpu, st.host
+        h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
+        busy = take > 0
+        r = np.where(busy, np.maximum(1.0, np.round(take)), 0.0)
+        weights = np.where(busy, h * inter * bp, 0.0)
+        flops, bw = gpu.usable_flops * m.gemm_speedup, gpu.usable_bandwidth
+        gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
+        act_b = (r * 3 * inter * ba).sum(0)
+        down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
+        gpu_s = (
+            np.maximum(gate_up_f / flops, gate_up_b / bw)
+            + act_b / bw
+            + np.maximum(down_f / flops, down_b / bw)
+        )
+        fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
+        return gpu_s + fixed + take.sum(0) * host.expert_row_s
+
+    def run(self, warmup_s: float, duration_s: float) -> Simulated:
+        end = warmup_s + duration_s
+        self.window = (warmup_s, end)
+        self.done_rows, self.attn_busy, self.exp_busy, self.exp_steps, self.exp_rows = 0, 0.0, 0.0, 0, 0.0
+        A, W, lat = self.A, self.W, self.lk.latency
+        while True:
+            ready = self.ready.reshape(A, W)
+            first = ready.argmin(1)  # [A] each attention GPU's wave that became ready first
+            r = ready[np.arange(A), first]
+            begin = np.maximum(self.a_free, r)
+            queued = np.where(self.pend, self.arr, np.inf).min(0)  # [E] the first rows still queued at each
+            e_start = np.maximum(self.e_free, queued)
+            if min(begin.min(), e_start.min()) >= end:
+                break
+            # No reply still to be decided comes before ret_min, no dispatch before arr_min.
+            ret_min = (e_start + self.step_min).min() + lat
+            arr_min = min(begin.min(), ret_min) + self.attn + lat
+            go_a = np.flatnonzero((r <= ret_min) & (begin < end))
+            go_e = np.flatnonzero(e_start < arr_min)
+            if len(go_a):
+                self._attend(go_a, first[go_a], begin[go_a])
+            if len(go_e):
+                self._expert_steps(go_e, e_start[go_e])
+        return self._result(duration_s)
+
+    def _attend(self, gpus: np.ndarray, waves: np.ndarray, begin: np.ndarray) -> None:
+        """Each of `gpus` runs its wave's step at `begin`: the head (its next token starts), or a block's attention
+        step and the dispatch of its rows."""
+        slot = gpus * self.W + waves
+        lo, hi = self.window
+        counted = (begin >= lo) & (begin < hi)
+        is_head = self.layer[slot] == self.L
+        if is_head.any():
+            s, g = slot[is_head], gpus[is_head]
+            self.a_free[g] = begin[is_head] + self.head
+            self.ready[s], self.layer[s] = self.a_free[g], 0
+            self.attn_busy += self.head * int(counted[is_head].sum())
+        att = ~is_head
+        if not att.any():
+            return
+        s, g, b = slot[att], gpus[att], begin[att]
+        sent = b + self.attn
+        self.a_free[g] = sent
+        # progress: one wave's block (as the event level counts attention-step rows)
+        self.done_rows += self.w * int(counted[att].sum())
+        self.attn_busy += self.attn * int(counted[att].sum())
+        order = np.argsort(sent, kind="stable")
+        s, g, t = s[order], g[order], sent[order]
+        drawn = self.counts.draw_many(self.layer[s], self.w, float(t[0]))  # [n, ids]
+        drawn = np.concatenate([drawn, np.zeros((len(s), 1))], axis=1)[:, self.ids]  # [n, nh, E]
+        into = drawn.sum(1)  # [n, E] rows each expert GPU receives
+        lk = self.lk
+        self.a_out[g] = np.maximum(t, self.a_out[g]) + self.copies * lk.attn_out
+        # Each expert GPU's link in: message sets first sent first through; sets sent at one instant share it and
+        # are in together (what the one timeline did with the A GPUs' rows).
+        got = into > 0
+        through = _fifo(np.where(got, t[:, None], -np.inf), into * lk.expert_in, self.e_in)
+        self.e_in = through[-1]
+        through = through[
+            np.searchsorted(t, t, side="right") - 1
+        ]  # each set's last one sent at the same instant
+        self.arr[s] = np.where(got, np.maximum(self.a_out[g][:, None], through) + lk.latency, np.inf)
+        self.pend[s] = got
+        self.rows[s] = drawn
+        self.ready[s] = np.inf
+        self.step_end[s] = self.out_end[s] = -np.inf
+
+    def _expert_steps(self, gpus: np.ndarray, start: np.ndarray) -> None:
+        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows. Only
+        the deciding GPUs' columns are read: [waves, hosted, G] (with their phases apart, a few GPUs a round)."""
+        L, G = self.L, len(gpus)
+        inflight = np.flatnonzero(self.pend[:, gpus].any(1))
+        inflight = inflight[np.argsort(self.layer[inflight], kind="stable")]  # by block
+        layer = self.layer[inflight]
+        new_block = np.r_[True, layer[1:] != layer[:-1]]
+        first, blocks, which = np.flatnonzero(new_block), layer[new_block], np.cumsum(new_block) - 1
+        cells = np.ix_(inflight, np.arange(self.rows.shape[1]), gpus)
+        pairs = np.ix_(inflight, gpus)
+        # [n, G] queued at each deciding GPU by its start
+        queued = self.pend[pairs] & (self.arr[pairs] <= start)
+        mine = self.rows[cells]  # [n, nh, G]
+        rows = mine * queued[:, None, :]
+        q = np.add.reduceat(rows, first, axis=0)  # [blocks, nh, G]: Q[b][e]
+        # defrag (cpp/scheduler.cpp pick_defrag): LScore(b) + the block's deepest queue, non-empty blocks only,
+        # ties to the lowest block.
+        total = q.sum(1)  # [blocks, G]
+        spread = np.zeros((L, G))
+        spread[blocks] = total / self.num_hosted[gpus]
+        lscore = sum(d * spread[(blocks + k + 1) % L] for k, d in enumerate(self.decay))
+        pick = np.where(total > 0, lscore + q.max(1), -np.inf).argmax(0)  # [G]
+        taken = queued & (which[:, None] == pick[None, :])  # [n, G]
+        took = rows * taken[:, None, :]  # [n, nh, G] rows each wave gives this step
+        take = took.sum(0)  # [nh, G]
+        # The expert cap: up to cap rows a queue, the first arrived first.
+        for k, g in zip(*np.nonzero(take > self.cap)):
+            who = np.flatnonzero(took[:, k, g])
+            who = who[np.argsort(self.arr[inflight[who], gpus[g]], kind="stable")]
+            r = took[who, k, g]
+            took[who, k, g] = np.clip(self.cap - (np.cumsum(r) - r), 0.0, r)
+            take[k, g] = self.cap
+        left = mine - took
+        self.rows[cells] = left
+        self.pend[pairs] &= ~taken | (left.max(1) > 0)
+        dur = self.step_times(take, gpus)
+        done = start + dur
+        self.e_free[gpus] = done
+        sent = take.sum(0)
+        # a step's outputs go back as one message set
+        out = np.maximum(done, self.e_out[gpus]) + sent * self.lk.expert_out
+        self.e_out[gpus] = out
+        part = taken.any(1)
+        waves, taken = inflight[part], taken[part]
+        self.step_end[waves] = np.maximum(self.step_end[waves], np.where(taken, done, -np.inf).max(1))
+        self.out_end[waves] = np.maximum(self.out_end[waves], np.where(taken, out, -np.inf).max(1))
+        lo, hi = self.window
+        counted = (start >= lo) & (start < hi)
+        self.exp_busy += float(dur[counted].sum())
+        self.exp_steps += int(counted.sum())
+        self.exp_rows += float(sent[counted].sum())
+        finished = waves[~self.pend[waves].any(1)]
+        if len(finished):
+            self._back(finished)
+
+    def _back(self, slots: np.ndarray) -> None:
+        """Waves whose every part is done: each attention GPU's link in takes its wave's rows once the last step
+        is done (one wave at a time, in the order their last steps end), and the wave is ready for its next
+        block."""
+        slots = slots[np.lexsort((self.step_end[slots], self.owner[slots]))]
+        lk = self.lk
+        while len(slots):
+            a = self.owner[slots]
+            firsts = np.r_[True, a[1:] != a[:-1]]  # one wave per attention GPU a pass
+            s, g = slots[firsts], a[firsts]
+            self.a_in[g] = np.maximum(self.step_end[s], self.a_in[g]) + self.copies * lk.attn_in
+            self.ready[s] = np.maximum(self.a_in[g], self.out_end[s]) + lk.latency
+            self.layer[s] += 1
+            slots = slots[~firsts]
+
+    def _result(self, duration_s: float) -> Simulated:
+        tps = self.done_rows / self.L / duration_s  # every token takes L blocks (the head counted in time)
+        conc = self.A * self.W * self.w
+        return Simulated(
+            tokens_per_s=tps, itl_s=conc / tps if tps else float("inf"), concurrency=conc,
+            attention_rows_per_step=float(self.w), expert_rows_per_step=self.exp_rows / max(1, self.exp_steps),
+            attention_busy=min(1.0, self.attn_busy / (self.A * duration_s)),
+            expert_busy=min(1.0, self.exp_busy / (self.E * duration_s)),
+        )  # fmt: skip

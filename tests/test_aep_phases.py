@@ -1,0 +1,92 @@
+"""AEP at scale with each attention GPU on its own phase (issue 35; docs/emulation.md "AEP at scale: each attention
+GPU on its own phase"): an expert GPU runs what is queued at it when it starts, so attention GPUs out of phase give
+it smaller steps than the A GPUs' waves together; all on one phase, the old one-timeline figures come back."""
+
+import numpy as np
+import pytest
+
+from amoe.emulation import bounds
+from amoe.emulation import simulate_scale as scale
+from amoe.emulation.aep_at_scale import AepAtScale, _fifo
+from amoe.emulation.plan import mean_context
+from amoe.emulation.profiles import host_overhead, model_profile
+
+ROUTING = "skew-exp:0.0025"
+
+
+@pytest.fixture(scope="module")
+def scale32():
+    """`amoe bench plan-check --preset scale32`'s plan: DeepSeek-V3 at 4 blocks, AEP 16 + 16 H800s, caps 64 / 1024,
+    4,096 requests (4 waves of 64 per attention GPU), 12 of the one timeline's ITLs (7.07 ms) as refine runs it."""
+    model = model_profile("deepseek-v3:4", 8)
+    dep = bounds.Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
+    itl = 0.00707
+    args = (
+        model,
+        dep,
+        ROUTING,
+        mean_context("short"),
+        host_overhead("amoe-paper"),
+        4096,
+        8 * itl,
+        4 * itl,
+        0,
+    )
+    return model, dep, scale.aep_waves(*args, same_phase=True), scale.aep_waves(*args)
+
+
+def test_out_of_phase_attention_gpus_give_expert_gpus_smaller_steps(scale32):
+    model, dep, same, own = scale32
+    together = (
+        dep.num_attn * 64 * model.experts_per_token / dep.num_expert
+    )  # the A GPUs' wave at one expert GPU
+    # One phase: every expert step holds the 16 GPUs' wave (as the one timeline had it: 512 rows) and the
+    # throughput is the one timeline's (579,349 tokens/s on main before this change, same seed and window).
+    assert same.expert_rows_per_step == pytest.approx(together, rel=0.01)
+    assert same.tokens_per_s == pytest.approx(579_349, rel=0.01)
+    # Own phases: an expert GPU starts on what has arrived, so its steps hold fewer rows and, their fixed cost (the
+    # experts' weights) paid more often, the expert side binds before the attention side does.
+    assert own.expert_rows_per_step < 0.85 * together
+    assert own.expert_busy > same.expert_busy
+    assert own.tokens_per_s < 0.9 * same.tokens_per_s
+
+
+def test_an_expert_step_never_holds_more_than_the_cap_and_every_row_is_served_once():
+    """Many attention GPUs' small waves queue at two expert GPUs: a step takes at most `expert_cap` rows of an
+    expert (the first arrived first) and leaves the rest queued; rows drawn = rows taken + rows still queued."""
+    model = model_profile("deepseek-v3:4", 8)
+    dep = bounds.Deployment("aep", "h800", 32, "h800", 2, attn_cap=16, expert_cap=3)
+    sim = AepAtScale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1)
+    drawn, taken, most = [0.0], [0.0], [0.0]
+    draw, step_times = sim.counts.draw_many, sim.step_times
+
+    def counting_draw(*args):
+        out = draw(*args)
+        drawn[0] += out.sum()
+        return out
+
+    def counting_steps(take, *args):
+        taken[0] += take.sum()
+        most[0] = max(most[0], float(take.max()))
+        return step_times(take, *args)
+
+    sim.counts.draw_many, sim.step_times = counting_draw, counting_steps
+    sim.run(0.0, 0.002)
+    assert most[0] == dep.expert_cap  # the cap bound, and no step went past it
+    assert drawn[0] == pytest.approx(taken[0] + sim.rows.sum(), abs=1e-6)
+
+
+def test_a_link_serves_message_sets_first_sent_first_through():
+    """_fifo's closed form is the recurrence e_k = max(start_k, e_{k-1}) + work_k, link by link, and a set that
+    does not use a link (start −inf, no work) leaves it as it was."""
+    rng = np.random.default_rng(3)
+    start = np.sort(rng.uniform(0, 1, (9, 4)), axis=0)
+    work = rng.uniform(0, 0.3, (9, 4))
+    start[2, 1], work[2, 1] = -np.inf, 0.0
+    free = rng.uniform(0, 0.5, 4)
+    expect = np.empty_like(start)
+    e = free.copy()
+    for k in range(9):
+        e = np.maximum(start[k], e) + work[k]
+        expect[k] = e
+    assert np.allclose(_fifo(start, work, free), expect)
