@@ -7,7 +7,7 @@ import pytest
 
 from amoe.emulation import bounds
 from amoe.emulation import simulate_scale as scale
-from amoe.emulation.aep_at_scale import AepAtScale, _fifo
+from amoe.emulation.aep_at_scale import _fifo
 from amoe.emulation.plan import mean_context
 from amoe.emulation.profiles import host_overhead, model_profile
 
@@ -56,7 +56,7 @@ def test_an_expert_step_never_holds_more_than_the_cap_and_every_row_is_served_on
     expert (the first arrived first) and leaves the rest queued; rows drawn = rows taken + rows still queued."""
     model = model_profile("deepseek-v3:4", 8)
     dep = bounds.Deployment("aep", "h800", 32, "h800", 2, attn_cap=16, expert_cap=3)
-    sim = AepAtScale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1)
+    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1)
     drawn, taken, most = [0.0], [0.0], [0.0]
     draw, step_times = sim.counts.draw_many, sim.step_times
 

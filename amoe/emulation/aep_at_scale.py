@@ -43,11 +43,11 @@ class AepAtScale:
 
     def __init__(
         self, model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead,
-        concurrency: int, seed: int, same_phase: bool = False,
+        concurrency: int, seed: int, *, counts, steps, same_phase: bool = False,
     ):  # fmt: skip
-        from amoe.emulation.simulate_scale import Counts, GroupedSteps
-
-        ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
+        # counts (simulate_scale.Counts) and steps (simulate_scale.GroupedSteps over dep's placement) come from the
+        # caller (simulate_scale.aep_at_scale), so this module does not import the one that imports it.
+        ga = gpu_profile(dep.attn_gpu)
         self.A, self.L = A, L = dep.num_attn, model.num_blocks
         per_rank = max(1, concurrency // A)
         w = max(1, min(dep.attn_cap, per_rank))
@@ -55,8 +55,7 @@ class AepAtScale:
         self.w = w = math.ceil(per_rank / W)  # even waves
         self.cap = dep.expert_cap
         placed = dep.experts_on(model.num_expert_ids)
-        self.steps = GroupedSteps(model, ge, placed, host)
-        self.counts = Counts(model, routing, seed)
+        self.steps, self.counts = steps, counts
         # Only GPUs hosting an expert take part (more expert GPUs than expert ids leave some idle).
         self.gpus = np.array([g for g, p in enumerate(placed) if p], dtype=np.int64)
         hosted = [placed[g] for g in self.gpus]

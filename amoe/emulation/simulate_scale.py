@@ -205,10 +205,23 @@ def aep_waves(
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.emulation.aep_at_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
     simulation had before; kept for the comparison)."""
+    sim = aep_at_scale(model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase)
+    return sim.run(warmup_s, duration_s)
+
+
+def aep_at_scale(
+    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    seed: int, same_phase: bool = False,
+):  # fmt: skip
+    """The own-phase AEP simulation of `dep` (amoe.emulation.aep_at_scale.AepAtScale), with this module's routing
+    counts and grouped step costs."""
     from amoe.emulation.aep_at_scale import AepAtScale
 
-    sim = AepAtScale(model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase)
-    return sim.run(warmup_s, duration_s)
+    steps = GroupedSteps(model, gpu_profile(dep.expert_gpu), dep.experts_on(model.num_expert_ids), host)
+    counts = Counts(model, routing, seed)
+    return AepAtScale(
+        model, dep, routing, ctx, host, concurrency, seed, counts=counts, steps=steps, same_phase=same_phase
+    )
 
 
 def ep(
