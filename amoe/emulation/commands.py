@@ -99,10 +99,27 @@ def add_bench_frontier_command(sub: Any) -> None:
     p.add_argument(
         "--modes", default="aep,pingpong,ep", help="the table's modes (default: all three; comma-separated)"
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="the misses explained per decode layer against DeepSeek's profile and SGLang's breakdown",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="with --breakdown: a Chrome trace (e.g. profile-data's decode.json) to sum",
+    )
     p.set_defaults(run=run_frontier)
 
 
 def run_frontier(args: argparse.Namespace) -> int:
+    if args.breakdown or args.trace:
+        from amoe.emulation import frontier_trace
+
+        try:
+            return frontier_trace.main(args)
+        except ValueError as exc:
+            raise SystemExit(f"amoe bench frontier: {exc}") from None
     from amoe.emulation import frontier
 
     return frontier.main(args)

@@ -1,0 +1,136 @@
+"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.emulation.frontier_trace): the per-layer breakdown is the
+model's own (its step equals bounds.predict's), the published figures add up, and a Chrome trace's kernels are
+summed by category per MoE block."""
+
+import argparse
+import gzip
+import json
+
+import pytest
+
+from amoe.emulation import bounds
+from amoe.emulation import cost_model as cm
+from amoe.emulation import frontier_trace as ft
+from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
+from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+
+# One step of a toy decode trace on device 0: 2 MoE blocks x 2 micro-batches, µs. Device 1's kernels and the CPU
+# ops must be ignored.
+BLOCK = [
+    ("flash_fwd_splitkv_mla_kernel", 100),
+    ("flash_fwd_mla_combine_kernel", 10),  # FlashMLA's own combine: attention, not DeepEP's
+    ("deep_gemm::fp8_gemm_kernel<GemmType::Normal>", 40),
+    ("deep_ep::internode_ll::dispatch<7168>", 30),
+    ("deep_gemm::fp8_gemm_kernel<GemmType::GroupedMasked>", 50),
+    ("deep_ep::internode_ll::combine<7168>", 20),
+    ("rms_norm_kernel", 5),
+]
+
+
+def toy_trace() -> dict:
+    events, ts = [], 1000.0
+    for _ in range(2 * 2):
+        for name, dur in BLOCK:
+            events.append(
+                {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+            )
+            ts += dur + 1.0  # a 1 µs gap after every kernel
+    events.append(
+        {"ph": "X", "cat": "kernel", "name": "deep_ep::x::dispatch", "pid": 1, "tid": 7, "ts": 0, "dur": 9}
+    )
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 0, "tid": 1, "ts": 0, "dur": 99999})
+    return {"traceEvents": events}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One `--breakdown --trace` run over the toy trace (gzipped), its printed lines and breakdown.json."""
+    out = tmp_path_factory.mktemp("breakdown")
+    path = out / "decode.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(toy_trace(), f)
+    return out, ft.main(argparse.Namespace(trace=str(path), out=str(out)))
+
+
+def test_trace_categories_per_block(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(toy_trace()))
+    t = ft.trace_breakdown(ft.read_trace(path))
+    assert (t["device"], t["kernels"], t["blocks"]) == ("0", 28, 2)
+    per = t["per_block_us"]
+    assert per == {
+        "attention_core": 2 * 110, "gemm": 2 * 40, "moe": 2 * 50, "other": 2 * 5, "launch": 0.0,
+        "dispatch": 2 * 30, "combine": 2 * 20,
+    }  # fmt: skip
+    busy = 4 * sum(d for _, d in BLOCK)
+    assert t["wall_us"] == pytest.approx(busy + 27)  # 28 kernels, 27 gaps between them
+    assert t["idle_per_block_us"] == pytest.approx(27 / 2)
+    assert ft.trace_breakdown(ft.read_trace(path), device=1)["blocks"] == 0.5
+
+
+def test_trace_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable Chrome trace"):
+        ft.read_trace(bad)
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        ft.trace_breakdown([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
+    no_dispatch = [{"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 0, "ts": 0, "dur": 1}]
+    with pytest.raises(ValueError, match="no dispatch kernel"):
+        ft.trace_breakdown(no_dispatch)
+    with pytest.raises(ValueError, match="device 3 not in the trace"):
+        ft.trace_breakdown(no_dispatch, device=3)
+
+
+def test_cli_bad_trace_is_one_line(tmp_path):
+    from amoe.emulation.commands import run_frontier
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    args = argparse.Namespace(breakdown=True, trace=str(bad), out=str(tmp_path))
+    with pytest.raises(SystemExit, match="amoe bench frontier: the trace has no GPU kernel events"):
+        run_frontier(args)
+
+
+def test_published_figures_add_up():
+    for system in ("deepseek-profile", "sglang-96xh100"):
+        pub = ft.PUBLISHED[system]
+        assert sum(pub[c] for c in ft.CATEGORIES) == pytest.approx(pub["overall"], abs=0.003)
+    d = ft.profile_decomposition({"step_ms": 40.0}, {"step_ms": 69.0})
+    assert d["published_per_node"] == pytest.approx(18598, rel=0.005)  # SGLang's derivation, reproduced
+    assert 61 <= ft.sglang_decomposition({"step_ms": 66.0})["layers_at_overall"] <= 62.5
+
+
+def test_attention_parts_are_the_cost_models():
+    model, gpu = model_profile("deepseek-v3"), gpu_profile("h800")
+    for requests, queries, ctx in ((64, 1, 4989), (64, 2, 4096)):
+        parts = ft.attention_parts(model, gpu, requests, queries, ctx)
+        whole = cm.attention_layer_time(model, gpu, [queries] * requests, [ctx] * requests)
+        assert sum(parts.values()) == pytest.approx(whole, rel=1e-12)
+
+
+def test_breakdown_step_is_the_bounds(run):
+    out, rc = run
+    assert rc == 0
+    result = json.loads((out / "breakdown.json").read_text())
+    model = model_profile("deepseek-v3")
+    for case in DEPLOYMENTS:
+        if case.name == "deepseek-day6":
+            continue  # the same code path as the profile's; one compute-bound and one exchange-bound case suffice
+        dep = bounds.Deployment(
+            "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
+            redundant_experts=case.redundant_experts, two_batch_overlap=True,
+        )  # fmt: skip
+        q = bounds.routing_inclusion(model, ROUTING, 0)
+        bound = bounds.predict(model, dep, q, case.kv_length, host_overhead("none"))
+        got = result["model"][f"{case.name} (as predicted)"]
+        assert got["step_ms"] == pytest.approx(bound.itl_s * 1e3, rel=1e-9)
+    rep = result["report"]
+    assert rep["profile"]["ratio"] == pytest.approx(
+        rep["profile"]["workload_factor"] * rep["profile"]["per_layer_factor"]
+    )
+    assert set(result["trace"]["per_block_us"]) == set(ft.CATEGORIES)
+    # The model prices no exchange kernel on the compute stream: its wire time is all it has.
+    run_ = result["model"]["deepseek-profile (as run: MTP)"]
+    assert run_["layer_ms"]["dispatch"] == run_["layer_ms"]["combine"] == 0.0
+    assert run_["exchange_ms"] > 0
