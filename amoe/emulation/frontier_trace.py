@@ -18,6 +18,7 @@ Nothing here changes or fits the model (issue 35 forbids refitting after seeing 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -142,6 +143,13 @@ def attention_parts(model: ModelProfile, gpu: GpuProfile, requests: int, queries
     }
 
 
+@functools.lru_cache(maxsize=4)
+def inclusion(routing: str) -> np.ndarray:
+    """bounds.routing_inclusion for DeepSeek-V3, seed 0 (as `amoe bench frontier`), once per routing: sampling
+    256 experts' inclusion is most of a breakdown's time."""
+    return bounds.routing_inclusion(model_profile("deepseek-v3"), routing, 0)
+
+
 def model_breakdown(w: Workload) -> dict:
     """The model's decode step for `w`, per category: ms per layer (both micro-batches, the step's total over the
     61 layers), the exchange's wire time, the block (max of the two streams) and the step."""
@@ -150,7 +158,7 @@ def model_breakdown(w: Workload) -> dict:
         "ep", w.gpu, w.devices, attn_cap=w.rows, gpus_per_node=8, redundant_experts=w.redundant_experts,
         two_batch_overlap=True,
     )  # fmt: skip
-    q = bounds.routing_inclusion(model, w.routing, 0)
+    q = inclusion(w.routing)
     mb_requests, rows = w.requests // 2, w.rows / 2  # one micro-batch
     attn = attention_parts(model, gpu, mb_requests, w.queries, w.kv_length)
     attn_s = sum(attn.values())
@@ -240,9 +248,11 @@ def profile_decomposition(as_predicted: dict, as_run: dict) -> dict:
 # ---- a Chrome trace's kernels by category
 
 # First match wins, on the kernel's name (case-insensitive). FlashMLA's own split-KV combine kernel is attention,
-# so attention is tried before DeepEP's combine; DeepGEMM's grouped (masked) GEMMs are the experts'.
+# so attention is tried before DeepEP's combine ("flash" alone would take FlashInfer's norms); DeepGEMM's grouped
+# (masked) GEMMs are the experts'. Guesses at names not seen here: the report lists each category's biggest kernels
+# so a misfiled one shows.
 KERNEL_CATEGORIES = (
-    ("attention_core", r"flash|mla|attn|attention"),
+    ("attention_core", r"mla|fmha|flash_fwd|flash_attn|attention|attn"),
     ("dispatch", r"dispatch"),
     ("combine", r"combine"),
     ("moe", r"grouped|moe|expert"),
@@ -287,9 +297,11 @@ def trace_breakdown(events: list[dict], micro_batches: int = 2, device=None) -> 
     kernels = [e for e in kernels if str(e.get("pid")) == pick]
     totals = dict.fromkeys(CATEGORIES, 0.0)
     streams: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for e in kernels:
         dur = float(e["dur"])
         totals[kernel_category(str(e.get("name", "")))] += dur
+        by_name[str(e.get("name", ""))] = by_name.get(str(e.get("name", "")), 0.0) + dur
         streams[str(e.get("tid"))] = streams.get(str(e.get("tid")), 0.0) + dur
     dispatches = sum(1 for e in kernels if kernel_category(str(e.get("name", ""))) == "dispatch")
     blocks = dispatches / micro_batches
@@ -301,6 +313,10 @@ def trace_breakdown(events: list[dict], micro_batches: int = 2, device=None) -> 
     return {
         "device": pick, "blocks": blocks, "kernels": len(kernels), "wall_us": wall,
         "per_block_us": {k: v / blocks for k, v in totals.items()},
+        "top_kernels": {
+            cat: sorted((n for n in by_name if kernel_category(n) == cat), key=by_name.get, reverse=True)[:3]
+            for cat in CATEGORIES
+        },
         "idle_per_block_us": (wall - streams[busiest]) / blocks,
     }  # fmt: skip
 
@@ -340,6 +356,9 @@ def report(model: dict) -> dict:
 
 
 def main(args) -> int:
+    trace = (
+        read_trace(args.trace) if getattr(args, "trace", None) else None
+    )  # a bad file fails before the model
     model = {name: model_breakdown(w) for name, w in workloads().items()}
     rep = report(model)
     print(
@@ -370,8 +389,8 @@ def main(args) -> int:
     print(f"Day 6 1.60: {d['requests_per_gpu']:.0f} requests a GPU on the day's mean: load {d['load_factor']:.3f} x "
           f"remaining {d['remaining']:.3f} = {d['ratio']:.3f}")  # fmt: skip
     result = {"published": PUBLISHED, "kernel_benchmarks": kernel_benchmarks(), "model": model, "report": rep}
-    if getattr(args, "trace", None):
-        t = trace_breakdown(read_trace(args.trace))
+    if trace is not None:
+        t = trace_breakdown(trace)
         result["trace"] = t
         print()
         print(f"trace {args.trace}: device {t['device']}, {t['kernels']} kernels, {t['blocks']:g} MoE blocks, wall "
@@ -380,6 +399,9 @@ def main(args) -> int:
         for cat in CATEGORIES:
             print(f"  {cat:<16}{t['per_block_us'][cat]:>10.1f}{run_block_us(model, cat):>10.1f}")
         print(f"  {'idle (gaps)':<16}{t['idle_per_block_us']:>10.1f}")
+        for cat, names in t["top_kernels"].items():
+            if names:
+                print(f"  {cat}: {'; '.join(n[:60] for n in names)}")
     if getattr(args, "out", None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
