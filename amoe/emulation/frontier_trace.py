@@ -105,8 +105,7 @@ def workloads() -> dict[str, Workload]:
         for c in DEPLOYMENTS
     }
     # The profile as DeepSeek ran it: 2 routed experts a GPU (EP128, no redundancy), balanced routing, 2 rows per
-    # request (one MTP draft: profile-data issue #16 counts 118 MoE kernel calls in the trace, 59 MoE layers x 2
-    # micro-batches, i.e. the 58 of the model plus the MTP module's).
+    # request (one MTP draft: what SGLang's 18,598 credits, PROFILE_MTP_ACCEPTED, and what its MLA core time fits).
     out["deepseek-profile (as run: MTP)"] = Workload(
         "deepseek-profile", "h800", 128, 128, 2, 4096, 0, "uniform"
     )
