@@ -56,6 +56,15 @@ PUBLISHED = {
     "unit-test": {"dispatch": 0.062, "combine": 0.079, "moe": 0.195},
 }  # fmt: skip
 
+# SGLang's "TBO Ablation (Decode)" figure in the same post (tbo-breakdown-decode.png, git blob
+# 9ce630377c4a0c20615d0609406c8e1ff832031d, sha256 1106506a7d9b2a27272043e91163ba14fea5364b0f0c7ecd5cba3bd3576afe08;
+# 340.5 px per ms, ±0.003): its 96-H100 decode at 256 tokens a GPU with and without two-batch overlap, ms per layer.
+# Without TBO the whole exchange is on the stream; with it, what the overlap leaves there.
+PUBLISHED_TBO_ABLATION = {
+    "tbo": {"overall": 1.495, "dispatch": 0.179, "combine": 0.197},
+    "no_tbo": {"overall": 1.932, "dispatch": 0.399, "combine": 0.711},
+}
+
 # How SGLang's table turns DeepSeek's profile into 18,598 tokens/s per node: 128 requests a GPU, each verifying one
 # MTP draft token at an assumed 60 % acceptance ("we conservatively assume a 60% acceptance rate under MTP"), over
 # a step of 62 layers (61 + the MTP module) at the Overall bar: 8 · 128 · 1.6 / (62 · 1.422 ms) = 18,583 (0.1 % off).
@@ -187,6 +196,11 @@ def model_breakdown(w: Workload) -> dict:
         "compute_ms": compute * model.num_blocks / MODEL_LAYERS * 1e3,
         "wire_ms": {"dispatch": dispatch * to_layer, "combine": combine * to_layer},
         "exchange_ms": 2 * (dispatch + combine) * model.num_blocks / MODEL_LAYERS * 1e3,
+        # The whole batch's exchange in one go (no overlap): what SGLang's TBO ablation exposes.
+        "exchange_no_tbo_ms": (
+            bounds.all_to_all_time(model, gpu, 2 * rows, w.devices, 8, model.dispatch_bytes)
+            + bounds.all_to_all_time(model, gpu, 2 * rows, w.devices, 8)
+        ) * model.num_blocks / MODEL_LAYERS * 1e3,
         "block_us": {"attention": attn_s * 1e6, "mla_core": attn["attention_core"] * 1e6,
                      "experts": float(np.mean(experts)) * 1e6, "dispatch": dispatch * 1e6, "combine": combine * 1e6,
                      "block": float(np.mean(blocks)) * 1e6},
@@ -218,6 +232,16 @@ def sglang_decomposition(model: dict) -> dict:
     return {"published_step_ms": published_step, "model_step_ms": model["step_ms"],
             "layers_at_overall": published_step / PUBLISHED["sglang-96xh100"]["overall"],
             "ratio": published_step / model["step_ms"]}  # fmt: skip
+
+
+def tbo_hiding(sgl: dict) -> dict:
+    """How much of the exchange two-batch overlap hides at SGLang (its ablation) and in the model (all of it)."""
+    no, on = PUBLISHED_TBO_ABLATION["no_tbo"], PUBLISHED_TBO_ABLATION["tbo"]
+    exposed, left = no["dispatch"] + no["combine"], on["dispatch"] + on["combine"]
+    return {"published_exchange_no_tbo_ms": exposed, "model_exchange_no_tbo_ms": sgl["exchange_no_tbo_ms"],
+            "published_left_on_stream_ms": left, "published_hidden": 1 - left / exposed,
+            "published_tbo_gain": no["overall"] / on["overall"],
+            "model_tbo_gain": (sgl["compute_ms"] + sgl["exchange_no_tbo_ms"]) / max(sgl["compute_ms"], sgl["exchange_ms"])}  # fmt: skip
 
 
 def day6_decomposition(as_predicted: dict, at_load: dict) -> dict:
@@ -350,6 +374,7 @@ def report(model: dict) -> dict:
         "per_layer_ms": rows,
         "profile": profile_decomposition(model["deepseek-profile (as predicted)"], run),
         "sglang": sglang_decomposition(sgl),
+        "tbo": tbo_hiding(sgl),
         "day6": day6_decomposition(model["deepseek-day6 (as predicted)"], model["deepseek-day6 (at the day's mean load)"]),
     }  # fmt: skip
 
@@ -385,9 +410,20 @@ def main(args) -> int:
           f"{p['per_layer_factor']:.3f} = {p['ratio']:.3f}")  # fmt: skip
     print(f"SGLang 1.39: published step {s['published_step_ms']:.1f} ms ({s['layers_at_overall']:.1f} layers at its "
           f"Overall bar), the model {s['model_step_ms']:.1f} ms: per layer {s['ratio']:.3f}")  # fmt: skip
+    o = rep["tbo"]
+    print(f"SGLang's TBO ablation: the exchange without TBO {o['published_exchange_no_tbo_ms']:.3f} ms a layer (the "
+          f"model's bytes: {o['model_exchange_no_tbo_ms']:.3f}); with TBO {o['published_left_on_stream_ms']:.3f} stays "
+          f"on the stream: TBO hides {o['published_hidden']:.0%} of it (the model: all) and gains "
+          f"{o['published_tbo_gain']:.2f}x (the model: {o['model_tbo_gain']:.2f}x)")  # fmt: skip
     print(f"Day 6 1.60: {d['requests_per_gpu']:.0f} requests a GPU on the day's mean: load {d['load_factor']:.3f} x "
           f"remaining {d['remaining']:.3f} = {d['ratio']:.3f}")  # fmt: skip
-    result = {"published": PUBLISHED, "kernel_benchmarks": kernel_benchmarks(), "model": model, "report": rep}
+    result = {
+        "published": PUBLISHED,
+        "published_tbo_ablation": PUBLISHED_TBO_ABLATION,
+        "kernel_benchmarks": kernel_benchmarks(),
+        "model": model,
+        "report": rep,
+    }
     if trace is not None:
         t = trace_breakdown(trace)
         result["trace"] = t
@@ -409,6 +445,7 @@ def main(args) -> int:
         "profile": {k: round(v, 4) for k, v in p.items()},
         "sglang": {k: round(v, 4) for k, v in s.items()},
         "day6": {k: round(v, 4) for k, v in d.items()},
+        "tbo": {k: round(v, 4) for k, v in o.items()},
     }
     print(json.dumps({"frontier_breakdown": summary}))
     return 0
