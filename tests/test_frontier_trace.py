@@ -141,3 +141,14 @@ def test_breakdown_step_is_the_bounds(run):
     run_ = result["model"]["deepseek-profile (as run: MTP)"]
     assert run_["layer_ms"]["dispatch"] == run_["layer_ms"]["combine"] == 0.0
     assert run_["exchange_ms"] > 0
+
+
+def test_cli_flags_parse():
+    from amoe.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "frontier", "--breakdown", "--trace", "decode.json", "--out", "d"]
+    )
+    assert (args.breakdown, args.trace, args.out, args.table) == (True, "decode.json", "d", False)
+    args = build_parser().parse_args(["bench", "frontier"])
+    assert (args.breakdown, args.trace) == (False, None)
