@@ -1,6 +1,6 @@
-"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.emulation.frontier_trace): the per-layer breakdown is the
-model's own (its step equals bounds.predict's), the published figures add up, and a Chrome trace's kernels are
-summed by category per MoE block."""
+"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.emulation.frontier_trace, chrome_trace): the per-layer
+breakdown is the model's own (its step equals bounds.predict's), the published figures add up, and a Chrome trace's
+kernels are summed by category per MoE block."""
 
 import argparse
 import gzip
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from amoe.emulation import bounds
+from amoe.emulation import bounds, chrome_trace
 from amoe.emulation import cost_model as cm
 from amoe.emulation import frontier_trace as ft
 from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
@@ -55,7 +55,7 @@ def run(tmp_path_factory):
 def test_trace_categories_per_block(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(toy_trace()))
-    t = ft.trace_breakdown(ft.read_trace(path))
+    t = chrome_trace.trace_breakdown(chrome_trace.read_trace(path))
     assert (t["device"], t["kernels"], t["blocks"]) == ("0", 28, 2)
     per = t["per_block_us"]
     assert per == {
@@ -70,21 +70,21 @@ def test_trace_categories_per_block(tmp_path):
         "flash_fwd_mla_combine_kernel",
     ]
     assert t["top_kernels"]["other"] == ["flashinfer::norm::FusedAddRMSNormKernel"]
-    assert ft.trace_breakdown(ft.read_trace(path), device=1)["blocks"] == 0.5
+    assert chrome_trace.trace_breakdown(chrome_trace.read_trace(path), device=1)["blocks"] == 0.5
 
 
 def test_trace_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not a readable Chrome trace"):
-        ft.read_trace(bad)
+        chrome_trace.read_trace(bad)
     with pytest.raises(ValueError, match="no GPU kernel events"):
-        ft.trace_breakdown([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
+        chrome_trace.trace_breakdown([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
     no_dispatch = [{"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 0, "ts": 0, "dur": 1}]
     with pytest.raises(ValueError, match="no dispatch kernel"):
-        ft.trace_breakdown(no_dispatch)
+        chrome_trace.trace_breakdown(no_dispatch)
     with pytest.raises(ValueError, match="device 3 not in the trace"):
-        ft.trace_breakdown(no_dispatch, device=3)
+        chrome_trace.trace_breakdown(no_dispatch, device=3)
 
 
 def test_cli_bad_trace_is_one_line(tmp_path):
