@@ -548,7 +548,7 @@ def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipel
             if not es:  # a device without experts (more devices than experts): attention only
                 continue
             group = _chunk_members(len(es), pn)[p]
-            work = tuple((model.intermediate_of(es[i]), rs[i]) for i in group)
+            work = tuple((es[i] >= model.num_experts, model.intermediate_of(es[i]), rs[i]) for i in group)
             if work not in seen:
                 seen[work] = _chunk_compute(model, gpu, host, work, kernel)
             slowest = max(slowest, seen[work])
@@ -569,20 +569,21 @@ def _chunk_members(hosted: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
 # experts' rows, so a block prices a handful of distinct chunks (the runtime's `auto` prices every PN of every new
 # row total an iteration brings: 60 ms of CPU each without this, 8 devices' processes on 2 cores).
 @functools.lru_cache(maxsize=1 << 16)
-def _chunk_compute(model, gpu, host, work: tuple[tuple[int, float], ...], kernel: str) -> float:
-    """One device's compute for one chunk: `work` (SwiGLU width, rows) of each expert in it, its kernel ("auto":
-    by load, per width) and one host step."""
+def _chunk_compute(model, gpu, host, work: tuple[tuple[bool, int, float], ...], kernel: str) -> float:
+    """One device's compute for one chunk: `work` (shared?, SwiGLU width, rows) of each expert in it, its kernel
+    ("auto": by load, per width; "": the grouped step, shared experts in it) and one host step. With a kernel a
+    shared expert is a GEMM of its own (dense), as the runtime runs it (EmulatedExpertExecutor.run_experts)."""
     curves = curves_for(gpu)
     t = 0.0
-    by_width: dict[int, list[float]] = {}
-    for inter, r in work:
-        by_width.setdefault(inter, []).append(r)
-    for inter, r in by_width.items():
-        k = kernel or "grouped"
+    by_gemm: dict[tuple[bool, int], list[float]] = {}
+    for shared, inter, r in work:
+        by_gemm.setdefault((shared and bool(kernel), inter), []).append(r)
+    for (alone, inter), r in by_gemm.items():
+        k = "dense" if alone else kernel or "grouped"
         if k == "auto":
             k = best_kernel(gpu, curves, r, model.hidden_size, inter)
         t += experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
-    busy = sum(r for _, r in work)
+    busy = sum(r for _, _, r in work)
     if busy:
         t += host.expert_step_s + busy * host.expert_row_s
     return t

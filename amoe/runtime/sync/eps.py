@@ -107,7 +107,13 @@ def pipelined_moe(
     combine(p − 2); then the last combine(s). → expert_out [N, K, H]; None if an expert device failed on a chunk.
     With PN 1: dispatch, experts, combine, as EP runs without a pipeline — the same copies in the same order, so
     without the split and the gather (only the expert kernel may differ: `--ep-kernel`)."""
-    kernel = pipeline.kernel_for if pipeline.kernel is not None else None
+    kernel = None
+    if pipeline.kernel is not None:
+        num_routed = device.cfg.num_experts
+
+        def kernel(batches) -> str:  # by the routed experts' load: a shared expert runs as a GEMM of its own
+            return pipeline.kernel_for([b.num_rows for b in batches if b.index < num_routed])
+
     if pn == 1:
         plan = send_dispatch(ex, it, block, 0, routed)
         serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats, kernel)
