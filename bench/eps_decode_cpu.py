@@ -81,6 +81,56 @@ def chooser_cpu(args, em: Emulation) -> dict:
     }  # fmt: skip
 
 
+def pieces_cpu(args, em: Emulation) -> dict:
+    """µs of CPU per call of what PN 1 with `--ep-kernel auto` does per block and device beyond EP without the
+    pipeline, at decode's rows (`--requests` a device, the emulated wire's width): the split of the copies into
+    one chunk and the gather back (what PN 1 did before round 5), the kernel choice, and the chunk's pricing by the
+    kernel curves against the grouped step's."""
+    import numpy as np
+    import torch
+
+    from amoe.emulation import cost_model, eps
+    from amoe.runtime.sync.eps import expert_groups, split_routed
+    from amoe.runtime.sync.moe import Routed
+
+    model, gpu, host = em.profile, em.expert_gpu, em.host
+    cfg = em.model_config
+    n, k = args.requests, cfg.experts_per_token
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(np.stack([rng.choice(cfg.num_experts, k, replace=False) for _ in range(n)]))
+    routed = Routed(
+        torch.zeros(n, 16), ids, torch.rand(n, k), torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    )
+    group = expert_groups(tuple(e % args.devices for e in range(cfg.num_expert_ids)), 1)
+    hosted = list(range(0, cfg.num_expert_ids, args.devices))  # device 0's experts, the shared one included
+    rows = [max(1, round(args.devices * n * k / cfg.num_experts))] * (len(hosted) - 1) + [args.devices * n]
+    choose = eps.kernel_chooser(model, gpu)
+    curves = eps.curves_for(gpu)
+
+    def split_gather():
+        (part,) = split_routed(routed, group, 1)
+        out = routed.moe_input.new_empty(n, k, 16)
+        out[part.rows, part.slots] = part.routed.moe_input
+
+    def curves_price():
+        for kern, inter, r in (("grouped", model.expert_intermediate, rows[:-1]), ("dense", 3072, rows[-1:])):
+            eps.experts_time(gpu, curves.curve(kern), kern, r, model.hidden_size, inter)
+
+    calls = {
+        "split_and_gather": split_gather,
+        "kernel_choice": lambda: choose(rows[:-1]),
+        "price_chunk_curves": curves_price,
+        "price_grouped_step": lambda: cost_model.grouped_expert_time(model, gpu, rows, host, hosted),
+    }
+    out = {}
+    for name, fn in calls.items():
+        start, loops = time.thread_time(), 2000
+        for _ in range(loops):
+            fn()
+        out[name] = round(1e6 * (time.thread_time() - start) / loops, 1)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8)
@@ -98,11 +148,23 @@ def main() -> None:
         rows.append(decode_cpu(args, setting, em))
         print(rows[-1], flush=True)
     chooser = chooser_cpu(args, em)
+    pieces = pieces_cpu(args, em)
+    print(f"per block and device, µs of CPU: {pieces}", flush=True)
     print(
         f"auto's choice: {chooser['first_mean_ms']} ms CPU per new total, {chooser['again_mean_us']} µs again",
         flush=True,
     )
-    print(json.dumps({"bench": "eps_decode_cpu", "args": vars(args), "rows": rows, "chooser": chooser}))
+    print(
+        json.dumps(
+            {
+                "bench": "eps_decode_cpu",
+                "args": vars(args),
+                "rows": rows,
+                "chooser": chooser,
+                "pieces_us": pieces,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
