@@ -3,7 +3,10 @@ pipeline, prefill throughput (long prompts, max_tokens 1) and decode throughput,
 (wall throughput × the time scale). Prints a table and a final JSON line (docs/results.md "EPS-MoE").
 
     python bench/eps_serve.py [--profile deepseek-v2:2] [--gpu h800] [--devices 8] [--seq-lens 1024,8192]
-        [--pipelines 1,5,20,auto] [--time-scale 150]
+        [--pipelines 1,5,20,auto] [--time-scale 150] [--decode-repeats 1]
+
+`--seq-lens ''` measures decode only. `--decode-repeats N` runs the decode batch N times on the same server and
+reports each run and their median (one run is at the mercy of this host's other load).
 
 PN 1 without --ep-kernel is EP as it ran before the pipeline (one grouped step between two all-to-alls); the
 others run `--ep-pipelines N --ep-kernel auto`. Prefill: every device gets tokens_per_device / seq_len prompts of
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 
 import httpx
@@ -66,8 +70,13 @@ async def measure(args, pipelines: str | None) -> dict:
             wall, _ = await run_requests(url, [prompt(seq, i) for i in range(count)], 1)
             row[f"prefill_{seq}_tok_s"] = round(count * seq * args.time_scale / wall)
         count = args.devices * args.decode_requests
-        wall, tokens = await run_requests(url, [prompt(8, i) for i in range(count)], args.decode_tokens)
-        row["decode_tok_s"] = round(tokens * args.time_scale / wall)
+        runs = []
+        for _ in range(args.decode_repeats):
+            wall, tokens = await run_requests(url, [prompt(8, i) for i in range(count)], args.decode_tokens)
+            runs.append(round(tokens * args.time_scale / wall))
+        row["decode_tok_s"] = round(statistics.median(runs))
+        if len(runs) > 1:
+            row["decode_runs"] = runs
     return row
 
 
@@ -83,9 +92,10 @@ def main() -> None:
     )
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--decode-repeats", type=int, default=1)
     p.add_argument("--time-scale", type=float, default=150.0)
     args = p.parse_args()
-    args.seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    args.seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
     rows = []
     for pn in [None, *args.pipelines.split(",")]:
         rows.append(asyncio.run(measure(args, pn)))

@@ -45,10 +45,16 @@ def expected(deepseek_v2):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "pipelines,kernel",
-    [(2, "grouped"), (3, "dense"), (3, "auto")],
-    ids=["pn2-grouped", "pn3-dense", "pn3-auto"],
+    [(2, "grouped"), (3, "dense"), (3, "auto"), (1, "dense")],
+    ids=["pn2-grouped", "pn3-dense", "pn3-auto", "pn1-dense"],
 )
-def test_pipelined_ep_greedy_tokens_equal_transformers(deepseek_v2, expected, pipelines, kernel):
+def test_pipelined_ep_greedy_tokens_equal_transformers(deepseek_v2, expected, pipelines, kernel, monkeypatch):
+    """PN 1 is EP without a pipeline but for its kernel: the copies go out unsplit (no split, no gather)."""
+    from amoe.runtime.sync import eps as runtime_eps
+
+    splits = []
+    split = runtime_eps.split_routed
+    monkeypatch.setattr(runtime_eps, "split_routed", lambda *a: splits.append(a[2]) or split(*a))
     cfg_choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu_profile("h800"))
     place = Placement.expert_parallel(2, load_model_config(deepseek_v2).num_expert_ids)
     most = fewest_hosted(place.expert_runtime, place.hosts)
@@ -65,6 +71,7 @@ def test_pipelined_ep_greedy_tokens_equal_transformers(deepseek_v2, expected, pi
         len(kernels) % (2 * pipelines * blocks) == 0 and kernels
     )  # every device, chunk and block, each iteration
     assert {k for _, k in kernels} <= ({kernel} if kernel != "auto" else {"grouped", "dense"})
+    assert set(splits) == ({pipelines} if pipelines > 1 else set())
 
 
 def _spy(rank, run, seen):
@@ -174,6 +181,46 @@ def test_auto_pays_the_hosts_time_per_chunk():
     }
     assert picks[3] == min(block, key=block.get)
     assert math.isclose(eps.chunk_host_s(1024), eps.CHUNK_HOST_CPU_S + 1024 * eps.CHUNK_HOST_CPU_PER_TOKEN_S)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skew-exp:0.4"])
+def test_auto_picks_what_pricing_every_pn_picks_and_prices_a_total_once(routing, monkeypatch):
+    """The runtime's `auto` (deepseek-v2:2 on 8 h800s, the amoe-paper host, chunks priced at time scale 150 with 4
+    devices a core) picks, on a grid of iteration totals from decode to prefill, the PN an exhaustive pricing of
+    every PN on every block picks (the model's 2 blocks are all sampled: no refinement); it prices fewer PNs than
+    that where the first ones settle it, and a total it has seen not at all."""
+    from amoe.emulation import bounds
+
+    gpu, model, host = gpu_profile("h800"), model_profile("deepseek-v2:2"), host_overhead("amoe-paper")
+    q = bounds.routing_inclusion(model, routing)
+    cost = lambda tokens: eps.chunk_host_s(tokens, 4.0, 150.0)  # noqa: E731
+    experts = [[e for e in range(q.shape[1]) if e % 8 == d] for d in range(8)]
+
+    def exhaustive(total: int) -> int:
+        times = {
+            n: sum(
+                eps.ep_block_moe_time(model, gpu, host, [[total * s[e] for e in es] for es in experts], experts,
+                                      total / 8, n, "auto")
+                for s in q
+            ) / len(q) + n * cost(total / 8)
+            for n in range(1, 21)
+        }  # fmt: skip
+        return min(times, key=lambda n: (times[n], n))
+
+    priced = []
+    block = eps._ep_block_moe_time
+    monkeypatch.setattr(eps, "_ep_block_moe_time", lambda *a: priced.append(a[6]) or block(*a))
+    choose = eps.pipeline_chooser(model, gpu, 8, 20, host, cost, q)
+    grid = [1, 256, 2048, 8192, 16384, 65536]
+    picks = [choose(t) for t in grid]
+    assert picks == [exhaustive(t) for t in grid]
+    if routing == "uniform":
+        assert picks[0] == 1 < picks[-1]  # the grid spans both sides of the choice
+    del priced[:]
+    assert choose(256) == picks[1] and not priced  # memoised
+    choose.cache_clear()
+    choose(256)
+    assert 0 < max(priced) < 20  # decode: the PNs past the first few cost more than PN 1 in host steps alone
 
 
 def test_decode_auto_is_within_2pct_of_the_best_fixed_pn_where_a_pipeline_can_win():

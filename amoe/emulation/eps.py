@@ -438,7 +438,9 @@ def pipeline_chooser(
     the best, experts placed e mod devices as EP places them — a skewed routing makes each chunk wait for its own
     slowest device, which uniform rows hide; None: uniform routing over the routed experts.
     `chunk_host(tokens per device)`: the runtime's own host seconds per chunk (`chunk_host_s`), paid in series
-    with the block; None: none (the bounds' choice)."""
+    with the block; None: none (the bounds' choice). PNs whose floor (their collectives' fixed costs, their host
+    steps, their chunks' host cost) is above the close calls' margin are not priced: the same choice, in a few ms
+    of CPU per new total instead of ~60 (every device's process asks it)."""
     from amoe.emulation.cost_model import NO_HOST
 
     host = host or NO_HOST
@@ -450,7 +452,16 @@ def pipeline_chooser(
         ids = q.shape[1]
     sampled = q[np.unique(np.linspace(0, len(q) - 1, min(len(q), CHOOSER_BLOCKS)).round().astype(int))]
     distinct, counts = np.unique(q, axis=0, return_counts=True)  # uniform routing: one block
-    experts = [[e for e in range(ids) if e % devices == d] for d in range(devices)]
+    experts = tuple(tuple(e for e in range(ids) if e % devices == d) for d in range(devices))
+    fewest = min((len(es) for es in experts if es), default=1)
+    # No block with n chunks is faster than its communication stream's 2 n collectives (each pays the fixed cost)
+    # or, when every expert gets rows, its compute stream's n host steps: PNs above that bound are not priced.
+    curves = curves_for(gpu)
+    step_s = host.expert_step_s if bool((q > 0).all()) else 0.0
+
+    def floor(n: int, per_chunk: float) -> float:
+        m = min(n, fewest)  # the block caps its chunks at the fewest hosted experts
+        return max(2 * m * curves.a2a_fixed_s, m * step_s) + n * per_chunk
 
     @functools.lru_cache(maxsize=4096)
     def choose(total_rows: int) -> int:
@@ -458,19 +469,28 @@ def pipeline_chooser(
         tokens = total / devices
         per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
 
-        def mean_block(n: int, shares: np.ndarray, weights) -> float:
+        def block_rows(shares: np.ndarray) -> list[tuple]:
+            return [tuple(tuple(float(total * s[e]) for e in es) for es in experts) for s in shares]
+
+        def mean_block(n: int, rows: list[tuple], weights) -> float:
             t = sum(
-                w * ep_block_moe_time(model, gpu, host, [[total * s[e] for e in es] for es in experts], experts,
-                                      tokens, n, "auto")
-                for s, w in zip(shares, weights)
-            )  # fmt: skip
+                w * _ep_block_moe_time(model, gpu, host, r, experts, float(tokens), n, "auto")
+                for r, w in zip(rows, weights)
+            )
             return t / sum(weights) + n * per_chunk
 
-        times = {n: mean_block(n, sampled, [1] * len(sampled)) for n in range(1, max_pipelines + 1)}
+        rows = block_rows(sampled)
+        times: dict[int, float] = {}
+        for n in range(1, max_pipelines + 1):
+            # floor(n) grows with n: once it is above the close calls' margin, no larger PN is picked or refined
+            if times and floor(n, per_chunk) > min(times.values()) * (1 + CHOOSER_REFINE):
+                break
+            times[n] = mean_block(n, rows, [1] * len(sampled))
         best = min(times.values())
         close = [n for n in times if times[n] <= best * (1 + CHOOSER_REFINE)]
         if len(close) > 1 and len(distinct) > len(sampled):  # a close call: settle it on every distinct block
-            times = {n: mean_block(n, distinct, counts) for n in close}
+            every = block_rows(distinct)
+            times = {n: mean_block(n, every, counts) for n in close}
         return min(times, key=lambda n: (times[n], n))
 
     return choose
@@ -521,29 +541,52 @@ def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipel
         model.bytes_per_activation,
     )  # fmt: skip
     chunks = []
+    seen: dict[tuple, float] = {}  # this block's distinct chunks (hashing the profiles per lookup costs more)
     for p in range(pn):
         slowest, sent = 0.0, 0.0
         for es, rs in zip(experts, rows):
             if not es:  # a device without experts (more devices than experts): attention only
                 continue
-            group = [i for i in range(len(es)) if i * pn // len(es) == p]
-            t = 0.0
-            by_width: dict[int, list[float]] = {}
-            for i in group:
-                by_width.setdefault(model.intermediate_of(es[i]), []).append(rs[i])
-            for inter, r in by_width.items():
-                k = kernel or "grouped"
-                if k == "auto":
-                    k = best_kernel(gpu, curves, r, model.hidden_size, inter)
-                t += experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
-            busy = sum(rs[i] for i in group)
-            if busy:
-                t += host.expert_step_s + busy * host.expert_row_s
-            slowest = max(slowest, t)
+            group = _chunk_members(len(es), pn)[p]
+            work = tuple((es[i] >= model.num_experts, model.intermediate_of(es[i]), rs[i]) for i in group)
+            if work not in seen:
+                seen[work] = _chunk_compute(model, gpu, host, work, kernel)
+            slowest = max(slowest, seen[work])
             sent += len(group) / len(es) / devices
         a2a = a2a_time(curves, layer, sent)
         chunks.append(Chunk(a2a, slowest, a2a))
     return pipeline_time(chunks, overlap=pn > 1, interference=curves.interference)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_members(hosted: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
+    """The positions among a device's `hosted` experts that each of the PN chunks holds (as
+    amoe.runtime.sync.eps.expert_groups cuts them)."""
+    return tuple(tuple(i for i in range(hosted) if i * pipelines // hosted == p) for p in range(pipelines))
+
+
+# Memoised apart from the block: the devices of a uniform routing, and the chunks of equal size, carry the same
+# experts' rows, so a block prices a handful of distinct chunks (the runtime's `auto` prices every PN of every new
+# row total an iteration brings: 60 ms of CPU each without this, 8 devices' processes on 2 cores).
+@functools.lru_cache(maxsize=1 << 16)
+def _chunk_compute(model, gpu, host, work: tuple[tuple[bool, int, float], ...], kernel: str) -> float:
+    """One device's compute for one chunk: `work` (shared?, SwiGLU width, rows) of each expert in it, its kernel
+    ("auto": by load, per width; "": the grouped step, shared experts in it) and one host step. With a kernel a
+    shared expert is a GEMM of its own (dense), as the runtime runs it (EmulatedExpertExecutor.run_experts)."""
+    curves = curves_for(gpu)
+    t = 0.0
+    by_gemm: dict[tuple[bool, int], list[float]] = {}
+    for shared, inter, r in work:
+        by_gemm.setdefault((shared and bool(kernel), inter), []).append(r)
+    for (alone, inter), r in by_gemm.items():
+        k = "dense" if alone else kernel or "grouped"
+        if k == "auto":
+            k = best_kernel(gpu, curves, r, model.hidden_size, inter)
+        t += experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
+    busy = sum(r for _, _, r in work)
+    if busy:
+        t += host.expert_step_s + busy * host.expert_row_s
+    return t
 
 
 def ep_pipelines_for(

@@ -173,17 +173,19 @@ class EmulatedExpertExecutor:
         return [torch.zeros(n, self.hidden, dtype=self.dtype) for n in rows]  # [N_i, H] each
 
     def run_experts(self, batches: list, kernel: str) -> list[torch.Tensor]:
-        """A chunk of an EP expert pipeline: one hold for its experts as one grouped GEMM or one GEMM per expert,
-        priced by the GPU's kernel curves (amoe.emulation.eps), plus one host step."""
+        """A chunk of an EP expert pipeline: one hold for its routed experts as one grouped GEMM or one GEMM per
+        expert, priced by the GPU's kernel curves (amoe.emulation.eps), a shared expert as a GEMM of its own (as the
+        torch executor runs it, whatever the chunk's kernel), plus one host step."""
         rows = [b.num_rows for b in batches]
         model, gpu = self.em.profile, self.em.expert_gpu
         curves = eps.curves_for(gpu)
-        by_width: dict[int, list[int]] = {}  # the shared expert has its own width: its own GEMMs
+        by_gemm: dict[tuple[str, int], list[int]] = {}  # (kernel, width) -> rows of its experts
         for b in batches:
-            by_width.setdefault(model.intermediate_of(b.index), []).append(b.num_rows)
+            k = kernel if b.index < model.num_experts else "dense"
+            by_gemm.setdefault((k, model.intermediate_of(b.index)), []).append(b.num_rows)
         t = sum(
-            eps.experts_time(gpu, curves.curve(kernel), kernel, r, model.hidden_size, inter)
-            for inter, r in by_width.items()
+            eps.experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
+            for (k, inter), r in by_gemm.items()
         )
         if sum(rows):
             t += self.em.host.expert_step_s + sum(rows) * self.em.host.expert_row_s

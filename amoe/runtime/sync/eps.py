@@ -105,9 +105,20 @@ def pipelined_moe(
 ) -> torch.Tensor | None:
     """Algorithm 1 on the barrier exchange: dispatch(0); then for p = 1..PN: dispatch(p), experts(p − 1),
     combine(p − 2); then the last combine(s). → expert_out [N, K, H]; None if an expert device failed on a chunk.
-    With PN 1: dispatch, experts, combine, as EP runs without a pipeline."""
+    With PN 1: dispatch, experts, combine, as EP runs without a pipeline — the same copies in the same order, so
+    without the split and the gather (only the expert kernel may differ: `--ep-kernel`)."""
+    kernel = None
+    if pipeline.kernel is not None:
+        num_routed = device.cfg.num_experts
+
+        def kernel(batches) -> str:  # by the routed experts' load: a shared expert runs as a GEMM of its own
+            return pipeline.kernel_for([b.num_rows for b in batches if b.index < num_routed])
+
+    if pn == 1:
+        plan = send_dispatch(ex, it, block, 0, routed)
+        serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats, kernel)
+        return receive_combine(ex, plan, device.stats)
     parts = split_routed(routed, expert_groups(device.expert_device, pn), pn)
-    kernel = pipeline.kernel_for if pipeline.kernel is not None else None
     plans: list = [None] * pn
     outs: list = [None] * pn
     plans[0] = send_dispatch(ex, it, block, 0, parts[0].routed)

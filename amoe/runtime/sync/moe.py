@@ -52,12 +52,13 @@ def send_dispatch(
 
 def serve_experts(
     ex: core.BarrierExchange, iteration: int, block: int, micro: int, sources: Sequence[int], executor,
-    stats: SyncStats, kernel: Callable[[list[int]], str] | None = None,
+    stats: SyncStats, kernel: Callable[[list[LayerBatch]], str] | None = None,
 ) -> None:  # fmt: skip
     """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back. If the input
     cannot run or an expert layer raises, every source still gets its reply (the barrier must complete), flagged
     failed, so the sources end the requests concerned instead of reading outputs that were never computed.
-    `kernel(rows per expert)` names the GEMM of an EP pipeline chunk (grouped | dense); None: the grouped step."""
+    `kernel(the experts' batches)` names the GEMM of an EP pipeline chunk (grouped | dense); None: the grouped
+    step."""
     with stats.waiting():
         work = ex.collect(iteration, block, micro, list(sources))
     if work.error:
@@ -76,7 +77,7 @@ def serve_experts(
             if kernel is None:
                 outs = executor.run_grouped(batches)  # every hosted expert of the block in one grouped step
             else:
-                outs = executor.run_experts(batches, kernel([b.num_rows for b in batches]))
+                outs = executor.run_experts(batches, kernel(batches))
     except Exception:  # noqa: BLE001 - one bad batch fails its own requests, never the group
         logger.exception("[sync] experts of block %d failed (iteration %d, mb %d)", block, iteration, micro)
         ex.reply(work, [], failed=True)
