@@ -202,6 +202,9 @@ class LayerQueues {
   // holds for a returning wave (holding(); `force` takes the best block anyway).
   bool drain(Drained* out, bool force = false);
   bool holding() const { return scheduler_.holding(); }
+  // Holding under the expert side's rank barrier (waves, docs/engine.md item 9): when the earliest wait ends
+  // (time_point::max() otherwise): the engine wakes then even if nothing arrives.
+  std::chrono::steady_clock::time_point release_at() const;
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
   // Request tracking (cfg.track_requests): admit marks a request held; forget ends it, and with purge also
@@ -226,6 +229,7 @@ class LayerQueues {
   const Scheduler& scheduler() const { return scheduler_; }
 
  private:
+  double clock_s() const;                   // seconds since construction: the rank barrier's clock
   int queue_index(const LayerId& l) const;  // -1 when not hosted; an attention queue's block (wave 0)
   // waves on an attention runtime: the request's wave (joining one, counted by the scheduler, if new).
   int wave_of(uint64_t request_id);
@@ -244,6 +248,8 @@ class LayerQueues {
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests
   bool waves_ = false;                      // the columns are waves (policy waves, attention runtime)
+  bool rank_barrier_ = false;               // waves on an expert runtime: blocks wait for ranks on their way
+  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   std::unordered_map<uint64_t, int> wave_;  // request -> its wave, when waves_
   std::unordered_map<ExpectKey, Expected, ExpectKeyHash> expected_;  // outstanding expert outputs, ditto
   int64_t pool_parts_ = 0;
