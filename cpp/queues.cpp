@@ -40,10 +40,12 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   cfg_.validate();
   waves_ = cfg.is_attention && cfg.policy == "waves";
   scheduler_.set_wave_cols(waves_);
-  // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md item 9).
+  // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md items 9-10).
   rank_barrier_ = !cfg.is_attention && cfg.policy == "waves";
+  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks back.
   if (rank_barrier_)
-    scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s);
+    scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
+                                (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
   for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
     AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
     expert_col_[cfg.experts[c]] = c;

@@ -49,8 +49,9 @@ struct EngineConfig {
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
-  // waves (docs/engine.md "The waves rule"): an attention runtime's W waves, ceil(its most requests /
-  // attn_cap) (amoe.core.engine_config); its grid is (block, wave). 1 otherwise.
+  // waves (docs/engine.md "The waves rule"): the attention runtimes' W waves, ceil(their most requests /
+  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert runtime's
+  // block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
   int num_waves = 1;
 
   void validate() const;

@@ -275,10 +275,13 @@ bool Scheduler::pick_waves(int* block, int* col, bool force) {
   return true;
 }
 
-void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s) {
+void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span) {
   AMOE_CHECK_ARG(num_ranks >= 0, "num_ranks must be >= 0, got " << num_ranks);
   AMOE_CHECK_ARG(max_hold_s > 0, "max_hold_s must be > 0, got " << max_hold_s);
+  AMOE_CHECK_ARG(meet_span >= 1, "meet_span must be >= 1, got " << meet_span);
   num_ranks_ = num_ranks;
+  // Block 0's span never reaches block 0 itself (a wave served there is a whole iteration away).
+  meet_span_ = std::min(meet_span, std::max(1, num_blocks_ - 1));
   max_hold_s_ = max_hold_s;
   const double never = -std::numeric_limits<double>::infinity();
   served_at_.assign(static_cast<size_t>(num_ranks) * num_blocks_, never);
@@ -305,15 +308,22 @@ void Scheduler::served(int block, int rank, double now) {
 }
 
 // Block b waits for every rank on its way to it (served at the block before after its rows last arrived here,
-// with a turn-around measured) until twice that turn-around, at most max_hold_s_, after the serving.
+// with a turn-around measured) until twice that turn-around, at most max_hold_s_, after the serving. Block 0
+// (item 10) looks meet_span_ blocks back: the nearest block that served the rank since, and twice the blocks
+// left times the turn-around.
 double Scheduler::waits_until(int b) const {
-  const int prev = (b + num_blocks_ - 1) % num_blocks_;
+  const int span = b == 0 ? meet_span_ : 1;
   double until = -std::numeric_limits<double>::infinity();
   for (int r = 0; r < num_ranks_; ++r) {
     if (turn_[r] < 0) continue;
-    const double served = served_at_[static_cast<size_t>(r) * num_blocks_ + prev];
-    if (!(served > arrived_at_[static_cast<size_t>(r) * num_blocks_ + b])) continue;
-    until = std::max(until, served + std::min(2.0 * turn_[r], max_hold_s_));
+    const double arrived = arrived_at_[static_cast<size_t>(r) * num_blocks_ + b];
+    for (int d = 1; d <= span; ++d) {
+      const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
+      const double served = served_at_[static_cast<size_t>(r) * num_blocks_ + prev];
+      if (!(served > arrived)) continue;
+      until = std::max(until, served + std::min(2.0 * d * turn_[r], max_hold_s_));
+      break;
+    }
   }
   return until;
 }
@@ -405,8 +415,10 @@ void register_scheduler(py::module_& m) {
       .def("members", &Scheduler::members, py::arg("wave"))
       .def("wave_position", &Scheduler::wave_position, py::arg("wave"))
       .def("set_rank_barrier", &Scheduler::set_rank_barrier, py::arg("num_ranks"), py::arg("max_hold_s"),
+           py::arg("meet_span") = 1,
            "waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md "
-           "\"The waves rule\" item 9), each wait at most max_hold_s.")
+           "\"The waves rule\" items 9-10; block 0 for ranks served up to meet_span blocks before it), each "
+           "wait at most max_hold_s.")
       .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"),
            "Rank barrier: a row of attention rank `rank` arrived at `block` at time `now` (seconds).")
       .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"),

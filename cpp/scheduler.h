@@ -44,10 +44,12 @@ class Scheduler {
   int64_t members(int wave) const { return members_[wave]; }
   int wave_position(int wave) const { return pos_[wave]; }
 
-  // waves, expert side (docs/engine.md "The waves rule" item 9): a block waits for the attention ranks on their
-  // way to it. `set_rank_barrier` turns it on for `num_ranks` attention ranks (each hold at most `max_hold_s`);
-  // the owner notes each row's arrival and each step's serving per attention rank, in seconds on one clock.
-  void set_rank_barrier(int num_ranks, double max_hold_s);
+  // waves, expert side (docs/engine.md "The waves rule" items 9-10): a block waits for the attention ranks on
+  // their way to it. `set_rank_barrier` turns it on for `num_ranks` attention ranks (each hold at most
+  // `max_hold_s`); block 0 waits for ranks served at any of the `meet_span` blocks before it (1: the block
+  // before, as every other block). The owner notes each row's arrival and each step's serving per attention
+  // rank, in seconds on one clock.
+  void set_rank_barrier(int num_ranks, double max_hold_s, int meet_span = 1);
   int barrier_ranks() const { return num_ranks_; }
   void arrived(int block, int rank, double now);
   void served(int block, int rank, double now);
@@ -103,6 +105,7 @@ class Scheduler {
   // rank barrier (expert side under waves): per (rank, block) the last serving / arrival (-inf: never), per
   // rank its last turn-around (-1: none yet); the clock of the last note or set_now.
   int num_ranks_ = 0;
+  int meet_span_ = 1;
   double max_hold_s_ = 0.0;
   std::vector<double> served_at_, arrived_at_, turn_;
   double now_ = 0.0;

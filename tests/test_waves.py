@@ -93,14 +93,18 @@ BARRIER_OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(blocks=st.integers(1, 5), experts=st.integers(1, 3), ranks=st.integers(1, 3), ops=BARRIER_OPS)
-def test_expert_rank_barrier_matches_the_oracle(blocks, experts, ranks, ops):
-    """An expert runtime under waves with the rank barrier (item 9): rows arrive from attention ranks, grouped steps
-    serve their ranks, the clock moves; every pick, hold and release time agrees with the oracle."""
+@given(
+    blocks=st.integers(1, 5), experts=st.integers(1, 3), ranks=st.integers(1, 3), span=st.integers(1, 6),
+    ops=BARRIER_OPS,
+)  # fmt: skip
+def test_expert_rank_barrier_matches_the_oracle(blocks, experts, ranks, span, ops):
+    """An expert runtime under waves with the rank barrier (items 9-10, block 0 looking `span` blocks back): rows
+    arrive from attention ranks, grouped steps serve their ranks, the clock moves; every pick, hold and release
+    time agrees with the oracle."""
     s = core.Scheduler(blocks, experts, "waves", 0, 0.0)
     o = policies.Waves(blocks, experts, wave_cols=False)
-    s.set_rank_barrier(ranks, 5.0)
-    o.set_rank_barrier(ranks, 5.0)
+    s.set_rank_barrier(ranks, 5.0, span)
+    o.set_rank_barrier(ranks, 5.0, span)
     now = 0.0
     for op, bi, ci, ri in ops:
         b, c, r = bi % blocks, ci % experts, ri % ranks
@@ -169,6 +173,32 @@ def test_a_block_waits_for_the_rank_just_behind_until_twice_its_turn_around():
     capped.add(0, 0, 1)
     capped.arrived(0, 1, 4.125)
     assert capped.pick(now=4.125) is None and capped.release_at == 4.5  # at most max_hold after the serving
+
+
+def test_block_0_waits_for_the_nearest_wave_behind_it_within_the_span():
+    """Item 10, 8 blocks, span 4 (W = 2): rank 1 was served at block 5 (3 blocks before block 0) after its rows last
+    arrived at block 0, so rank 0's rows at block 0 wait for it until 2 x 3 turn-arounds after that serving; a rank
+    served only further back (block 3) is not waited for; other blocks still look one block back."""
+    s = core.Scheduler(8, 1, "waves", 0, 0.0)
+    s.set_rank_barrier(3, 100.0, 4)
+    for r in (0, 1, 2):  # each rank's turn-around: 1 s (served at block 1, back at block 2)
+        s.served(1, r, 0.0)
+        s.add(2, 0, 1)
+        s.arrived(2, r, 1.0)
+    s.add(2, 0, -3)
+    s.served(5, 1, 2.0)
+    s.served(3, 2, 2.0)
+    s.add(0, 0, 4)
+    s.arrived(0, 0, 2.5)
+    assert s.pick(now=2.5) is None and s.release_at == 2.0 + 2 * 3 * 1.0
+    s.add(6, 0, 1)
+    s.arrived(6, 0, 2.5)  # block 6 waits for rank 1 (served at 5) for 2 turn-arounds only
+    assert s.pick(now=2.5) is None and s.release_at == 4.0
+    assert s.pick(now=4.0) == (6, 0)
+    s.add(6, 0, -1)
+    s.add(0, 0, 3)
+    s.arrived(0, 1, 5.0)  # rank 1's wave reaches block 0: the block is ready, both waves in one step
+    assert s.pick(now=5.0) == (0, 0) and s.depth(0, 0) == 7
 
 
 def test_a_wave_is_held_until_its_front_is_back_and_new_requests_wait_for_their_wave():

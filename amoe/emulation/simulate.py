@@ -172,10 +172,11 @@ class _Aep:
         self.exp_sched = [
             new(self.blocks, max(1, len(p)), sched.policy, sched.lookahead, sched.decay) for p in placed
         ]
-        # waves, item 9: an expert GPU's block waits for the ranks on their way to it, as the engine's does.
+        # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
+        # block 0 for waves up to ceil(blocks / W) back.
         if waves and rank_barrier:
             for es in self.exp_sched:
-                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S)
+                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S, -(-self.blocks // max(cols)))
         # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
         self.attn_q = [
             [[deque() for _ in range(max(1, cols[r]))] for _ in range(self.blocks + 1)] for r in range(A)

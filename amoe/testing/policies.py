@@ -53,7 +53,7 @@ class Waves:
     rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
     cell is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
     otherwise (an expert runtime) the oldest non-empty block is run — with `set_rank_barrier`, the oldest block no
-    attention rank is on its way to (item 9: `arrived` / `served` notes, `now` in seconds)."""
+    attention rank is on its way to (items 9-10: `arrived` / `served` notes, `now` in seconds)."""
 
     def __init__(self, num_blocks: int, num_cols: int, wave_cols: bool) -> None:
         self.num_blocks, self.num_cols, self.wave_cols = num_blocks, num_cols, wave_cols
@@ -67,9 +67,10 @@ class Waves:
         self.num_ranks, self.max_hold_s, self.now = 0, 0.0, 0.0
         self.release_at = float("inf")
 
-    def set_rank_barrier(self, num_ranks: int, max_hold_s: float) -> None:
+    def set_rank_barrier(self, num_ranks: int, max_hold_s: float, meet_span: int = 1) -> None:
         never = float("-inf")
         self.num_ranks, self.max_hold_s = num_ranks, max_hold_s
+        self.meet_span = min(meet_span, max(1, self.num_blocks - 1))  # block 0 looks this far back (item 10)
         self.served_at = [[never] * self.num_blocks for _ in range(num_ranks)]
         self.arrived_at = [[never] * self.num_blocks for _ in range(num_ranks)]
         self.turn = [-1.0] * num_ranks
@@ -90,9 +91,13 @@ class Waves:
     def waits_until(self, b: int) -> float:
         until = float("-inf")
         for r in range(self.num_ranks):
-            served = self.served_at[r][(b - 1) % self.num_blocks]
-            if self.turn[r] >= 0 and served > self.arrived_at[r][b]:
-                until = max(until, served + min(2.0 * self.turn[r], self.max_hold_s))
+            if self.turn[r] < 0:
+                continue
+            for d in range(1, (self.meet_span if b == 0 else 1) + 1):  # the nearest block that served r since
+                served = self.served_at[r][(b - d) % self.num_blocks]
+                if served > self.arrived_at[r][b]:
+                    until = max(until, served + min(2.0 * d * self.turn[r], self.max_hold_s))
+                    break
         return until
 
     def add(self, b: int, c: int, delta: int) -> None:
