@@ -429,3 +429,30 @@ def test_a_request_cancelled_while_its_rows_are_out_does_not_hold_its_wave():
     assert attn.next_batch(0).request_ids.tolist() == [10]  # wave 1
     add(11)  # joins wave 0, which 9 left
     assert attn.next_batch(0).request_ids.tolist() == [11]
+
+
+def test_the_simulation_models_out_of_phase_ranks_and_the_expert_side_brings_them_back():
+    """8 blocks, A100 3 + 2 at the bound's concurrency (W = 4 waves of 64 a rank): ranks started at independent
+    times (`stagger_ranks`, as the runtime's arrivals start them) lose throughput to out-of-phase waves, and the
+    expert side's rule (items 9-10) wins part of it back with larger expert steps."""
+    from amoe.emulation import bounds
+    from amoe.emulation.plan import mean_context
+    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.emulation.simulate import simulate
+
+    host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
+    model = model_profile("mixtral-8x7b-mqa:8", 1)
+    dep = bounds.Deployment("aep", "a100-80g", 3, "a100-80g", 2, 64, 256)
+    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+    assert (bound.extra["waves"], bound.concurrency) == (4, 768)
+    sched = SchedulerSection(policy="waves", attn_batch_cap=64, expert_batch_cap=256)
+    got = {
+        (stagger, rule): simulate(
+            model, dep, routing, ctx, host, bound.concurrency, warmup_s=4 * bound.itl_s,
+            duration_s=8 * bound.itl_s, scheduler=sched, stagger_ranks=stagger, rank_barrier=rule,
+        )
+        for stagger, rule in ((False, False), (True, False), (True, True))
+    }  # fmt: skip
+    assert got[True, False].tokens_per_s < 0.9 * got[False, False].tokens_per_s
+    assert got[True, True].tokens_per_s > 1.04 * got[True, False].tokens_per_s
+    assert got[True, True].expert_rows_per_step > got[True, False].expert_rows_per_step
