@@ -42,7 +42,8 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   scheduler_.set_wave_cols(waves_);
   // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md items 9-10).
   rank_barrier_ = !cfg.is_attention && cfg.policy == "waves";
-  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks back.
+  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks
+  // back.
   if (rank_barrier_)
     scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
                                 (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
@@ -79,7 +80,8 @@ double LayerQueues::clock_s() const {
 std::chrono::steady_clock::time_point LayerQueues::release_at() const {
   const double t = scheduler_.release_at();
   if (!rank_barrier_ || !(t < 1e12)) return std::chrono::steady_clock::time_point::max();
-  return epoch_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(t));
+  return epoch_ +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(t));
 }
 
 int LayerQueues::wave_of(uint64_t request_id) {

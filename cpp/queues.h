@@ -50,8 +50,8 @@ struct EngineConfig {
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
   // waves (docs/engine.md "The waves rule"): the attention runtimes' W waves, ceil(their most requests /
-  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert runtime's
-  // block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
+  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert
+  // runtime's block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
   int num_waves = 1;
 
   void validate() const;
@@ -250,9 +250,9 @@ class LayerQueues {
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests
   bool waves_ = false;                      // the columns are waves (policy waves, attention runtime)
   bool rank_barrier_ = false;               // waves on an expert runtime: blocks wait for ranks on their way
-  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   std::unordered_map<uint64_t, int> wave_;  // request -> its wave, when waves_
   std::unordered_map<ExpectKey, Expected, ExpectKeyHash> expected_;  // outstanding expert outputs, ditto
+  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   int64_t pool_parts_ = 0;
   int64_t rows_in_ = 0;
   DropCounts drops_;

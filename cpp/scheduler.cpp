@@ -289,8 +289,8 @@ void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span
   turn_.assign(num_ranks, -1.0);
 }
 
-// A row of `rank` arrived at `block`: if the rank was on its way here (served at the block before since its rows
-// last arrived here), this is its turn-around.
+// A row of `rank` arrived at `block`: if the rank was on its way here (served at the block before since its
+// rows last arrived here), this is its turn-around.
 void Scheduler::arrived(int block, int rank, double now) {
   now_ = now;
   if (rank < 0 || rank >= num_ranks_ || block < 0 || block >= num_blocks_) return;  // not tracked
