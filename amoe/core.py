@@ -52,7 +52,7 @@ def engine_config(
     the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard.
     `max_requests`: the most requests an attention runtime holds at once (the cache's max_num_seqs, its default
     when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/engine.md "The
-    waves rule")."""
+    waves rule"), which an expert runtime's block 0 uses too (item 10)."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -70,7 +70,7 @@ def engine_config(
     # 25 emulated ms, shorter than one ITL, and the guard would decide what the policy does.
     cfg.max_wave_hold_s = MAX_WAVE_HOLD_S * time_scale
     cfg.track_requests = track_requests and cfg.is_attention
-    if sched.policy == "waves" and cfg.is_attention:
+    if sched.policy == "waves":  # attention: its waves; experts: how far back block 0 waits (item 10)
         requests = CacheSection().max_num_seqs if max_requests is None else max_requests
         cfg.num_waves = max(1, -(-requests // sched.attn_batch_cap))
     cfg.validate()

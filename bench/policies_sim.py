@@ -3,6 +3,11 @@ twice it, on three of the planner's AEP plans (issue 32). One JSON line per run.
 
     PYTHONPATH=. .venv/bin/python bench/policies_sim.py > docs/results/policies_sim/policies_sim.jsonl
     PYTHONPATH=. .venv/bin/python bench/policies_sim.py waves     # only the policies named
+    PYTHONPATH=. .venv/bin/python bench/policies_sim.py --stagger waves   # each attention rank starts at its own time
+
+`--stagger`: the simulation's `stagger_ranks` (docs/engine.md "The waves rule" item 9): the attention ranks' waves
+start out of phase, as the runtime's arrivals make them, instead of all at once. `--no-rank-barrier`: waves'
+expert side as before item 9 (the oldest block, no wait), for comparison.
 """
 
 import json
@@ -15,7 +20,9 @@ from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
 
 host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
-chosen = sys.argv[1:] or list(POLICIES)
+args = sys.argv[1:]
+stagger, barrier = "--stagger" in args, "--no-rank-barrier" not in args
+chosen = [a for a in args if a not in ("--stagger", "--no-rank-barrier")] or list(POLICIES)
 if unknown := set(chosen) - set(POLICIES):
     sys.exit(f"policies_sim: unknown policies {sorted(unknown)} (expected some of {', '.join(POLICIES)})")
 for gpu, k, a, e, cap, ecap in (
@@ -39,6 +46,8 @@ for gpu, k, a, e, cap, ecap in (
                 warmup_s=4 * bound.itl_s * mult,
                 duration_s=8 * bound.itl_s * mult,
                 scheduler=SchedulerSection(policy=policy, attn_batch_cap=cap, expert_batch_cap=ecap),
+                stagger_ranks=stagger,
+                rank_barrier=barrier,
             )
             print(
                 json.dumps(
@@ -48,6 +57,8 @@ for gpu, k, a, e, cap, ecap in (
                         "bound_concurrency": bound.concurrency,
                         "concurrency": c,
                         "policy": policy,
+                        "ranks_start": "staggered" if stagger else "together",
+                        "rank_barrier": barrier,
                         "tokens_per_s": round(s.tokens_per_s),
                         "of_bound": round(s.tokens_per_s / bound.tokens_per_s, 3),
                         "itl_ms": round(s.itl_s * 1e3, 1),

@@ -24,11 +24,16 @@ from amoe.emulation.plan import Plan, describe, mean_context
 from amoe.emulation.profiles import host_overhead, model_profile
 
 ROUTING = "skew-exp:0.08"
-# bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order.
+# bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
+# corrected bound's best split for the other (GPU, top-k) cells at caps 256 / 512 (docs/results.md "AEP's bound
+# with its critical path": A100 top-2 4 + 4, H100 top-1 6 + 2, H100 top-2 5 + 3), to make the issue's six.
 PLANS = (
     ("a100-80g", 1, 5, 3, 128, 1024),
     ("h100", 2, 4, 3, 256, 1024),
     ("h100", 1, 4, 4, 256, 512),
+    ("a100-80g", 2, 4, 4, 256, 512),
+    ("h100", 1, 6, 2, 256, 512),
+    ("h100", 2, 5, 3, 256, 512),
 )
 BLOCKS = 32
 

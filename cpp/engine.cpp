@@ -197,7 +197,9 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
       } else if (hold_until == kNever) {
         hold_until = now + max_hold;
       }
-      const auto wake = forever ? hold_until : std::min(deadline, hold_until);
+      // An expert runtime's rank barrier (waves) ends a block's wait at a time it knows: wake then too.
+      const auto release = queues_.holding() ? queues_.release_at() : kNever;
+      const auto wake = std::min(release, forever ? hold_until : std::min(deadline, hold_until));
       if (wake == kNever) {
         ready_cv_.wait(lock);
       } else if (ready_cv_.wait_until(lock, wake) == std::cv_status::timeout && !forever &&

@@ -40,6 +40,13 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   cfg_.validate();
   waves_ = cfg.is_attention && cfg.policy == "waves";
   scheduler_.set_wave_cols(waves_);
+  // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md items 9-10).
+  rank_barrier_ = !cfg.is_attention && cfg.policy == "waves";
+  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks
+  // back.
+  if (rank_barrier_)
+    scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
+                                (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
   for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
     AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
     expert_col_[cfg.experts[c]] = c;
@@ -66,6 +73,17 @@ int LayerQueues::queue_index(const LayerId& l) const {
   return c < 0 ? -1 : l.block * num_cols_ + c;
 }
 
+double LayerQueues::clock_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_).count();
+}
+
+std::chrono::steady_clock::time_point LayerQueues::release_at() const {
+  const double t = scheduler_.release_at();
+  if (!rank_barrier_ || !(t < 1e12)) return std::chrono::steady_clock::time_point::max();
+  return epoch_ +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(t));
+}
+
 int LayerQueues::wave_of(uint64_t request_id) {
   if (!waves_) return 0;
   auto [it, inserted] = wave_.try_emplace(request_id, 0);
@@ -85,6 +103,7 @@ void LayerQueues::ingest(Message&& msg) {
     return;
   }
   rows_in_ += n;
+  const double now = rank_barrier_ ? clock_s() : 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const RowMeta& m = msg.rows[i];
     const int q = queue_index(m.layer);
@@ -107,6 +126,7 @@ void LayerQueues::ingest(Message&& msg) {
       mq.rows.push_back(ExpertRow{m, TensorRef{msg.data, i}});
       ++mq.depth;
       scheduler_.add(q / num_cols_, q % num_cols_, 1);
+      if (rank_barrier_) scheduler_.arrived(q / num_cols_, m.attn_rank, now);
     } else {
       ingest_attention_row(waves_ ? q * num_cols_ + wave_of(m.request_id) : q, m, msg.data, i);
     }
@@ -255,6 +275,8 @@ void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
 
 bool LayerQueues::drain(Drained* out, bool force) {
   int b = 0, col = 0;
+  const double now = rank_barrier_ ? clock_s() : 0.0;
+  if (rank_barrier_) scheduler_.set_now(now);
   if (!scheduler_.pick(&b, &col, force)) return false;
   const MuQueue& picked = queues_[b * num_cols_ + col];
   out->layer = picked.layer;
@@ -264,6 +286,16 @@ bool LayerQueues::drain(Drained* out, bool force) {
       for (int c = 0; c < num_cols_; ++c) out->num_rows += take_expert_rows(b, c, out);
     } else {
       out->num_rows = take_expert_rows(b, col, out);
+    }
+    if (rank_barrier_) {
+      // Each attention rank served here is on its way to the next block (item 9); a rank once per step.
+      std::vector<char> seen(cfg_.attn_runtime.size(), 0);
+      for (const ExpertRow& r : out->rows) {
+        const int rank = r.meta.attn_rank;
+        if (rank < 0 || rank >= static_cast<int>(seen.size()) || seen[rank]) continue;
+        seen[rank] = 1;
+        scheduler_.served(b, rank, now);
+      }
     }
     return true;
   }

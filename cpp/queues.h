@@ -49,8 +49,9 @@ struct EngineConfig {
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
-  // waves (docs/engine.md "The waves rule"): an attention runtime's W waves, ceil(its most requests /
-  // attn_cap) (amoe.core.engine_config); its grid is (block, wave). 1 otherwise.
+  // waves (docs/engine.md "The waves rule"): the attention runtimes' W waves, ceil(their most requests /
+  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert
+  // runtime's block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
   int num_waves = 1;
 
   void validate() const;
@@ -202,6 +203,9 @@ class LayerQueues {
   // holds for a returning wave (holding(); `force` takes the best block anyway).
   bool drain(Drained* out, bool force = false);
   bool holding() const { return scheduler_.holding(); }
+  // Holding under the expert side's rank barrier (waves, docs/engine.md item 9): when the earliest wait ends
+  // (time_point::max() otherwise): the engine wakes then even if nothing arrives.
+  std::chrono::steady_clock::time_point release_at() const;
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
   // Request tracking (cfg.track_requests): admit marks a request held; forget ends it, and with purge also
@@ -226,6 +230,7 @@ class LayerQueues {
   const Scheduler& scheduler() const { return scheduler_; }
 
  private:
+  double clock_s() const;                   // seconds since construction: the rank barrier's clock
   int queue_index(const LayerId& l) const;  // -1 when not hosted; an attention queue's block (wave 0)
   // waves on an attention runtime: the request's wave (joining one, counted by the scheduler, if new).
   int wave_of(uint64_t request_id);
@@ -244,8 +249,10 @@ class LayerQueues {
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests
   bool waves_ = false;                      // the columns are waves (policy waves, attention runtime)
+  bool rank_barrier_ = false;               // waves on an expert runtime: blocks wait for ranks on their way
   std::unordered_map<uint64_t, int> wave_;  // request -> its wave, when waves_
   std::unordered_map<ExpectKey, Expected, ExpectKeyHash> expected_;  // outstanding expert outputs, ditto
+  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   int64_t pool_parts_ = 0;
   int64_t rows_in_ = 0;
   DropCounts drops_;

@@ -3,7 +3,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "errors.h"
 
@@ -141,7 +143,7 @@ bool Scheduler::pick(int* block, int* col, bool force) {
     case Policy::kFlfs:
       return pick_flfs(block, col);
     case Policy::kWaves:
-      return wave_cols_ ? pick_waves(block, col, force) : pick_oldest_block(block, col);
+      return wave_cols_ ? pick_waves(block, col, force) : pick_oldest_block(block, col, force);
   }
   return false;
 }
@@ -273,20 +275,90 @@ bool Scheduler::pick_waves(int* block, int* col, bool force) {
   return true;
 }
 
+void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span) {
+  AMOE_CHECK_ARG(num_ranks >= 0, "num_ranks must be >= 0, got " << num_ranks);
+  AMOE_CHECK_ARG(max_hold_s > 0, "max_hold_s must be > 0, got " << max_hold_s);
+  AMOE_CHECK_ARG(meet_span >= 1, "meet_span must be >= 1, got " << meet_span);
+  num_ranks_ = num_ranks;
+  // Block 0's span never reaches block 0 itself (a wave served there is a whole iteration away).
+  meet_span_ = std::min(meet_span, std::max(1, num_blocks_ - 1));
+  max_hold_s_ = max_hold_s;
+  const double never = -std::numeric_limits<double>::infinity();
+  served_at_.assign(static_cast<size_t>(num_ranks) * num_blocks_, never);
+  arrived_at_.assign(static_cast<size_t>(num_ranks) * num_blocks_, never);
+  turn_.assign(num_ranks, -1.0);
+}
+
+// A row of `rank` arrived at `block`: if the rank was on its way here (served at the block before since its
+// rows last arrived here), this is its turn-around.
+void Scheduler::arrived(int block, int rank, double now) {
+  now_ = now;
+  if (rank < 0 || rank >= num_ranks_ || block < 0 || block >= num_blocks_) return;  // not tracked
+  const int prev = (block + num_blocks_ - 1) % num_blocks_;
+  const double served = served_at_[static_cast<size_t>(rank) * num_blocks_ + prev];
+  double& arrived = arrived_at_[static_cast<size_t>(rank) * num_blocks_ + block];
+  if (served > arrived) turn_[rank] = std::max(0.0, now - served);
+  arrived = now;
+}
+
+void Scheduler::served(int block, int rank, double now) {
+  now_ = now;
+  if (rank < 0 || rank >= num_ranks_ || block < 0 || block >= num_blocks_) return;
+  served_at_[static_cast<size_t>(rank) * num_blocks_ + block] = now;
+}
+
+// Block b waits for every rank on its way to it (served at the block before after its rows last arrived here,
+// with a turn-around measured) until twice that turn-around, at most max_hold_s_, after the serving. Block 0
+// (item 10) looks meet_span_ blocks back: the nearest block that served the rank since, and twice the blocks
+// left times the turn-around.
+double Scheduler::waits_until(int b) const {
+  const int span = b == 0 ? meet_span_ : 1;
+  double until = -std::numeric_limits<double>::infinity();
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (turn_[r] < 0) continue;
+    const double arrived = arrived_at_[static_cast<size_t>(r) * num_blocks_ + b];
+    for (int d = 1; d <= span; ++d) {
+      const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
+      const double served = served_at_[static_cast<size_t>(r) * num_blocks_ + prev];
+      if (!(served > arrived)) continue;
+      until = std::max(until, served + std::min(2.0 * d * turn_[r], max_hold_s_));
+      break;
+    }
+  }
+  return until;
+}
+
 // Waves, expert side: the block whose rows have waited longest (stamped in the first pick that sees it
 // non-empty, in block order), its deepest queue (a grouped step takes every hosted expert's queue of it
-// anyway).
-bool Scheduler::pick_oldest_block(int* block, int* col) {
-  int best = -1;
+// anyway). Under the rank barrier (item 9) only blocks no rank is on its way to are ready; with none ready
+// hold (release_at(): the earliest end of a wait), or when forced take the oldest block.
+bool Scheduler::pick_oldest_block(int* block, int* col, bool force) {
+  int best = -1, oldest = -1;
+  release_at_ = std::numeric_limits<double>::infinity();
   for (int b = 0; b < num_blocks_; ++b) {
     if (block_total_[b] == 0) {
       block_stamp_[b] = -1;
       continue;
     }
     if (block_stamp_[b] < 0) block_stamp_[b] = next_stamp_++;
+    if (oldest < 0 || block_stamp_[b] < block_stamp_[oldest]) oldest = b;
+    if (num_ranks_ > 0) {
+      const double until = waits_until(b);
+      if (until > now_) {
+        release_at_ = std::min(release_at_, until);
+        continue;
+      }
+    }
     if (best < 0 || block_stamp_[b] < block_stamp_[best]) best = b;
   }
-  if (best < 0) return false;
+  if (oldest < 0) return false;
+  if (best < 0) {
+    if (!force) {
+      holding_ = true;
+      return false;
+    }
+    best = oldest;
+  }
   if (block_dirty_[best]) refresh_block(best);
   *block = best;
   *col = block_argmax_[best];
@@ -321,12 +393,13 @@ void register_scheduler(py::module_& m) {
       .def("depth", &Scheduler::depth, py::arg("block"), py::arg("col"))
       .def(
           "pick",
-          [](Scheduler& s, bool force) -> py::object {
+          [](Scheduler& s, bool force, py::object now) -> py::object {
+            if (!now.is_none()) s.set_now(now.cast<double>());
             int b = 0, c = 0;
             if (!s.pick(&b, &c, force)) return py::none();
             return py::make_tuple(b, c);
           },
-          py::arg("force") = false,
+          py::arg("force") = false, py::arg("now") = py::none(),
           "The (block, col) to drain next, or None when every queue is empty or (wave) the runtime holds for "
           "a returning wave (holding).")
       .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"), py::arg("col") = 0,
@@ -341,6 +414,19 @@ void register_scheduler(py::module_& m) {
       .def("leave", &Scheduler::leave, py::arg("wave"), "waves: a finished request leaves its wave.")
       .def("members", &Scheduler::members, py::arg("wave"))
       .def("wave_position", &Scheduler::wave_position, py::arg("wave"))
+      .def("set_rank_barrier", &Scheduler::set_rank_barrier, py::arg("num_ranks"), py::arg("max_hold_s"),
+           py::arg("meet_span") = 1,
+           "waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md "
+           "\"The waves rule\" items 9-10; block 0 for ranks served up to meet_span blocks before it), each "
+           "wait at most max_hold_s.")
+      .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"),
+           "Rank barrier: a row of attention rank `rank` arrived at `block` at time `now` (seconds).")
+      .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"),
+           "Rank barrier: a step served rows of attention rank `rank` at `block` at time `now` (seconds).")
+      .def("turn_around", &Scheduler::turn_around, py::arg("rank"))
+      .def_property_readonly("barrier_ranks", &Scheduler::barrier_ranks)
+      .def_property_readonly("release_at", &Scheduler::release_at,
+                             "Holding under the rank barrier: the earliest time a block's wait ends.")
       .def_property_readonly("holding", &Scheduler::holding)
       .def_property_readonly("total", &Scheduler::total)
       .def_property_readonly("num_blocks", &Scheduler::num_blocks)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,21 @@ class Scheduler {
   int64_t members(int wave) const { return members_[wave]; }
   int wave_position(int wave) const { return pos_[wave]; }
 
+  // waves, expert side (docs/engine.md "The waves rule" items 9-10): a block waits for the attention ranks on
+  // their way to it. `set_rank_barrier` turns it on for `num_ranks` attention ranks (each hold at most
+  // `max_hold_s`); block 0 waits for ranks served at any of the `meet_span` blocks before it (1: the block
+  // before, as every other block). The owner notes each row's arrival and each step's serving per attention
+  // rank, in seconds on one clock.
+  void set_rank_barrier(int num_ranks, double max_hold_s, int meet_span = 1);
+  int barrier_ranks() const { return num_ranks_; }
+  void arrived(int block, int rank, double now);
+  void served(int block, int rank, double now);
+  void set_now(double now) { now_ = now; }
+  // When holding under the rank barrier: the earliest time a held block's wait ends (else +inf).
+  double release_at() const { return release_at_; }
+  // Rank r's last measured turn-around (served at a block -> its rows arrived at the next), or -1.
+  double turn_around(int rank) const { return turn_[rank]; }
+
   // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
   // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
   bool pick(int* block, int* col, bool force = false);
@@ -61,7 +77,9 @@ class Scheduler {
   bool pick_flfs(int* block, int* col);
   bool pick_wave(int* block, int* col, bool force);
   bool pick_waves(int* block, int* col, bool force);
-  bool pick_oldest_block(int* block, int* col);
+  bool pick_oldest_block(int* block, int* col, bool force);
+  // The time block b stops waiting for ranks on their way (<= now_ when none is), under the rank barrier.
+  double waits_until(int b) const;
 
   int num_blocks_, num_cols_;
   Policy policy_;
@@ -84,6 +102,14 @@ class Scheduler {
   std::vector<int64_t> wave_stamp_, block_stamp_;
   int64_t next_stamp_ = 0;
   bool holding_ = false;
+  // rank barrier (expert side under waves): per (rank, block) the last serving / arrival (-inf: never), per
+  // rank its last turn-around (-1: none yet); the clock of the last note or set_now.
+  int num_ranks_ = 0;
+  int meet_span_ = 1;
+  double max_hold_s_ = 0.0;
+  std::vector<double> served_at_, arrived_at_, turn_;
+  double now_ = 0.0;
+  double release_at_ = std::numeric_limits<double>::infinity();
 };
 
 }  // namespace amoe

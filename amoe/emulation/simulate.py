@@ -63,9 +63,13 @@ def simulate(
     scheduler: SchedulerSection | None = None,
     seed: int = 0,
     variance: StepVariance = SOURCED,
+    stagger_ranks: bool = False,
+    rank_barrier: bool = True,
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
-    for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). Plans past
+    for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). AEP with
+    `stagger_ranks`: each attention rank starts at its own time (docs/engine.md "The waves rule" item 9);
+    `rank_barrier=False`: waves' expert side as before item 9 (the oldest block, no wait; for comparison). Plans past
     16 GPUs, 16,384 requests or 64 experts a block run in counts (amoe.emulation.simulate_scale), without the
     variance and without EPS-MoE's pipeline (which stays event-level)."""
     from amoe.emulation import simulate_scale as scale
@@ -90,8 +94,9 @@ def simulate(
             model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed
         )
     return _Aep(
-        model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps
-    ).run(warmup_s, duration_s)
+        model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps,
+        stagger_ranks, rank_barrier,
+    ).run(warmup_s, duration_s)  # fmt: skip
 
 
 class _Steps:
@@ -126,8 +131,9 @@ def _router(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
 
 class _Aep:
     def __init__(
-        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int, steps: _Steps
-    ) -> None:
+        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int, steps: _Steps,
+        stagger_ranks: bool = False, rank_barrier: bool = True,
+    ) -> None:  # fmt: skip
         from amoe import core
 
         self.model, self.dep, self.host, self.ctx = model, dep, host, int(round(ctx))
@@ -166,6 +172,11 @@ class _Aep:
         self.exp_sched = [
             new(self.blocks, max(1, len(p)), sched.policy, sched.lookahead, sched.decay) for p in placed
         ]
+        # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
+        # block 0 for waves up to ceil(blocks / W) back.
+        if waves and rank_barrier:
+            for es in self.exp_sched:
+                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S, -(-self.blocks // max(cols)))
         # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
         self.attn_q = [
             [[deque() for _ in range(max(1, cols[r]))] for _ in range(self.blocks + 1)] for r in range(A)
@@ -185,10 +196,23 @@ class _Aep:
         # break up, and the planner's short window would count a wave's crest: 17 % over the runtime's measured
         # throughput at 32 requests per block (docs/results.md, "Plan check at full depth").
         layer = np.random.default_rng(seed).integers(0, self.blocks + 1, self.concurrency)
+        # stagger_ranks: the runtime's ranks fill their waves from arrivals at their own times, so their waves are
+        # out of phase; here rank r starts at a time drawn uniformly over one of its attention-bound iterations
+        # (every block and the head, once per wave), independently of the other ranks.
+        start = np.zeros(A)
+        if stagger_ranks:
+            u = np.random.default_rng([seed, 1]).random(A)
+            for r in range(A):
+                rows = max(1, min(dep.attn_cap, per_rank[r]))
+                step = cm.decode_attention_time(model, self.ga, rows, self.ctx, host)
+                start[r] = u[r] * (self.blocks + 1) * -(-per_rank[r] // rows) * step
         for r in range(A):
             mine = np.flatnonzero(self.rank_of == r)
             for first in range(self.blocks + 1):
-                self._enqueue_attn(r, first, mine[layer[mine] == first])
+                if start[r] > 0:
+                    self._at(start[r], self._enqueue_attn, r, first, mine[layer[mine] == first])
+                else:
+                    self._enqueue_attn(r, first, mine[layer[mine] == first])
         self.stats = {"attn_rows": 0, "attn_steps": 0, "exp_rows": 0, "exp_steps": 0,
                       "attn_busy": 0.0, "exp_busy": 0.0}  # fmt: skip
         self.window = (0.0, 0.0)
@@ -205,9 +229,11 @@ class _Aep:
             self.attn_sched[r].add(layer, int(col), len(mine))
         self._wake(("a", r))
 
-    def _enqueue_exp(self, g: int, block: int, col: int, parts: np.ndarray) -> None:
+    def _enqueue_exp(self, g: int, block: int, col: int, parts: np.ndarray, rank: int) -> None:
         self.exp_q[g][block][col].append(parts)
         self.exp_sched[g].add(block, col, len(parts))
+        if self.exp_sched[g].barrier_ranks:
+            self.exp_sched[g].arrived(block, rank, self.now)
         self._wake(("e", g))
 
     @staticmethod
@@ -237,9 +263,13 @@ class _Aep:
     def _start(self, dev) -> None:
         kind, i = dev
         sched = self.attn_sched[i] if kind == "a" else self.exp_sched[i]
-        picked = sched.pick()
+        picked = sched.pick(now=self.now)
         if picked is None:
             self.busy[dev] = False
+            # An expert GPU holding for ranks on their way (item 9) runs again when the first wait ends, if
+            # nothing arrives before.
+            if kind == "e" and sched.holding and self.now < sched.release_at < float("inf"):
+                self._at(sched.release_at, self._wake, dev)
             return
         block, col = picked
         if kind == "a":
@@ -266,6 +296,9 @@ class _Aep:
             t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
             t = self.steps.time(self.dep.num_attn + i, t)
             parts = np.concatenate([p for _, p in taken])
+            if sched.barrier_ranks:  # the ranks served here are on their way to the next block (item 9)
+                for r in np.unique(self.rank_of[parts]):
+                    sched.served(block, int(r), self.now)
             self._count("exp", len(parts), t)
             self._at(self.now + t, self._exp_done, i, block, parts)
 
@@ -307,7 +340,7 @@ class _Aep:
                 sel = mask & (self.col_of[flat] == col)
                 parts = owner[sel]
                 t = self._arrival(self.in_free_e, int(g), len(parts), self.link_e)
-                self._at(t, self._enqueue_exp, int(g), block, int(col), parts)
+                self._at(t, self._enqueue_exp, int(g), block, int(col), parts, r)
 
     def _exp_done(self, g: int, block: int, parts: np.ndarray) -> None:
         self._at(self.now, self._start, ("e", g))

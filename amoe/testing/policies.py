@@ -52,7 +52,8 @@ class Waves:
     """The `waves` rule (docs/engine.md "The waves rule") as the C++ scheduler keeps it, with its state: the grid's
     rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
     cell is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
-    otherwise (an expert runtime) the oldest non-empty block is run."""
+    otherwise (an expert runtime) the oldest non-empty block is run — with `set_rank_barrier`, the oldest block no
+    attention rank is on its way to (items 9-10: `arrived` / `served` notes, `now` in seconds)."""
 
     def __init__(self, num_blocks: int, num_cols: int, wave_cols: bool) -> None:
         self.num_blocks, self.num_cols, self.wave_cols = num_blocks, num_cols, wave_cols
@@ -63,6 +64,41 @@ class Waves:
         self.block_stamp = [None] * num_blocks
         self.next_stamp = 0
         self.holding = False
+        self.num_ranks, self.max_hold_s, self.now = 0, 0.0, 0.0
+        self.release_at = float("inf")
+
+    def set_rank_barrier(self, num_ranks: int, max_hold_s: float, meet_span: int = 1) -> None:
+        never = float("-inf")
+        self.num_ranks, self.max_hold_s = num_ranks, max_hold_s
+        self.meet_span = min(meet_span, max(1, self.num_blocks - 1))  # block 0 looks this far back (item 10)
+        self.served_at = [[never] * self.num_blocks for _ in range(num_ranks)]
+        self.arrived_at = [[never] * self.num_blocks for _ in range(num_ranks)]
+        self.turn = [-1.0] * num_ranks
+
+    def arrived(self, b: int, r: int, now: float) -> None:
+        self.now = now
+        if 0 <= r < self.num_ranks:
+            served = self.served_at[r][(b - 1) % self.num_blocks]
+            if served > self.arrived_at[r][b]:  # it was on its way here: its turn-around
+                self.turn[r] = max(0.0, now - served)
+            self.arrived_at[r][b] = now
+
+    def served(self, b: int, r: int, now: float) -> None:
+        self.now = now
+        if 0 <= r < self.num_ranks:
+            self.served_at[r][b] = now
+
+    def waits_until(self, b: int) -> float:
+        until = float("-inf")
+        for r in range(self.num_ranks):
+            if self.turn[r] < 0:
+                continue
+            for d in range(1, (self.meet_span if b == 0 else 1) + 1):  # the nearest block that served r since
+                served = self.served_at[r][(b - d) % self.num_blocks]
+                if served > self.arrived_at[r][b]:
+                    until = max(until, served + min(2.0 * d * self.turn[r], self.max_hold_s))
+                    break
+        return until
 
     def add(self, b: int, c: int, delta: int) -> None:
         old = self.depths[b][c]
@@ -80,8 +116,10 @@ class Waves:
             stamps[i] = self.next_stamp
             self.next_stamp += 1
 
-    def pick(self, force: bool = False) -> tuple[int, int] | None:
+    def pick(self, force: bool = False, now: float | None = None) -> tuple[int, int] | None:
         self.holding = False
+        if now is not None:
+            self.now = now
         depths, pending = self.depths, self.pending
         if not any(map(any, depths)):
             return None
@@ -89,7 +127,13 @@ class Waves:
             for b, row in enumerate(depths):
                 self._stamp(self.block_stamp, b, any(row))
             live = [b for b in range(self.num_blocks) if self.block_stamp[b] is not None]
-            b = min(live, key=lambda b: self.block_stamp[b])
+            waits = {b: self.waits_until(b) for b in live} if self.num_ranks else {}
+            ready = [b for b in live if waits.get(b, float("-inf")) <= self.now]
+            self.release_at = min((w for w in waits.values() if w > self.now), default=float("inf"))
+            if not ready and not force:
+                self.holding = True
+                return None
+            b = min(ready or live, key=lambda b: self.block_stamp[b])
             row = depths[b]
             return b, max(range(len(row)), key=lambda c: (row[c], -c))
         fronts = {}
