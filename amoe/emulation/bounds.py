@@ -476,16 +476,18 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> 
     block_s, skew, shape_s = 0.0, [], 0.0
     # Past 16 expert GPUs (frontier pools, issue 35) every block's steps at once, as AEP's bound costs them; up to
     # 16, one grouped_expert_time per (block, GPU) as before (the same numbers to the last bit).
-    table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host) if len(placed) > 16 else None
+    if len(placed) > 16:
+        table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host)
+    else:
+        table = np.array([
+            [cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es) for es in placed]
+            for blk in range(model.num_blocks)
+        ])  # fmt: skip
+    # Every block's barrier in one call (row by row the same numbers: expected_max reduces each row on its own).
+    t_exps = expected_max(table * s_exp, variance.jitter)  # [blocks]
     for blk in range(model.num_blocks):
-        if table is None:
-            per_gpu = [
-                cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es)
-                for es in placed
-            ]
-        else:
-            per_gpu = table[blk].tolist()
-        t_exp = expected_max(np.array(per_gpu) * s_exp, variance.jitter)
+        per_gpu = table[blk].tolist()
+        t_exp = float(t_exps[blk])
         skew.append(max(per_gpu) / (sum(per_gpu) / len(per_gpu)))
         shape = max(m * t_attn, m * t_exp, t_attn + t_exp)
         shape_s += shape
@@ -541,11 +543,14 @@ def _ep(
     stall += attn - attn_1 * float(speeds.mean())  # per block: the dispatch waits for the slowest attention
     stall *= model.num_blocks
     pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
+    table = np.array([
+        [cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local]
+        for blk in range(model.num_blocks)
+    ])  # fmt: skip
+    slowests = expected_max(table * speeds, jitter)  # [blocks]: every block's barrier in one call
     for blk in range(model.num_blocks):
-        per_device = np.array(
-            [cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local]
-        )
-        slowest = expected_max(per_device * speeds, jitter)
+        per_device = table[blk]
+        slowest = float(slowests[blk])
         stall += slowest - float((per_device * speeds).mean())
         skew.append(float(per_device.max() / per_device.mean()))
         if dep.pipelined:  # the all-to-alls and experts as PN chunks (the barrier stall as computed above)
