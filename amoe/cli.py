@@ -227,6 +227,10 @@ def add_plan_command(sub: Any) -> None:
         help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
     )  # fmt: skip
     p.add_argument(
+        "--refine-retries", type=int, default=3,
+        help="of a mode whose refined plans all miss --itl-slo-ms, refine up to N of its next plans (default: 3)",
+    )  # fmt: skip
+    p.add_argument(
         "--eps", action="store_true",
         help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
     )  # fmt: skip

@@ -322,3 +322,44 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
     flags = [bool(p.prediction.extra.get("simulated")) for p in plans]
     assert flags[0] and flags == sorted(flags, reverse=True)
     assert any(p.deployment.mode == "ep" for p in plans)
+
+
+def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(monkeypatch):
+    """The bound meets the ITL objective, the simulation of the best plan does not: the mode's next plans are
+    refined one at a time until one meets it (within refine_retries), so its best plan is a simulated one, never
+    the bound of a plan nobody simulated."""
+    from dataclasses import replace
+
+    import amoe.emulation.plan as planner
+
+    tried = []
+
+    def fake_refine(
+        model, dep, routing, ctx, host, pred=None, itl_slo_ms=None, concurrency=None, variance=None
+    ):
+        tried.append(dep)
+        # The first two AEP plans simulate 3× their bound's ITL (over the objective), the others at their bound.
+        slow = dep.mode == "aep" and sum(d.mode == "aep" for d in tried) <= 2
+        extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
+        itl = pred.itl_s * (3.0 if slow else 1.0)
+        return planner.Plan(dep, replace(pred, itl_s=itl, extra=extra), None)
+
+    monkeypatch.setattr(planner, "refine", fake_refine)
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep",), attn_caps=(64, 128, 256),
+                      expert_caps=(512,), balanced=False, replicate=False, simulate_top=1, simulate_per_mode=1)  # fmt: skip
+    bound_only = search(replace(req, simulate_top=0))
+    # An objective every bound meets and the 3× ITL of the slow simulations misses.
+    slo = 1.5 * max(p.prediction.itl_s for p in bound_only[:3]) * 1e3
+    req = replace(req, itl_slo_ms=slo)
+    bound_only = search(replace(req, simulate_top=0))
+    assert all(3 * p.prediction.itl_s * 1e3 > slo for p in bound_only[:2])
+    plans = search(req)
+    assert tried == [p.deployment for p in bound_only[:3]]  # the next plans, in the bound's order
+    assert plans[0].prediction.extra.get("simulated") and plans[0].deployment == bound_only[2].deployment
+    assert plans[0].prediction.itl_s * 1e3 <= slo
+    # The budget: with one retry the mode has no simulated plan that meets the objective; what is left ranks as
+    # the bound only, marked so.
+    tried.clear()
+    plans = search(replace(req, refine_retries=1))
+    assert len(tried) == 2 and not any(p.prediction.extra.get("simulated") for p in plans)
+    assert bound_only[0].deployment not in [p.deployment for p in plans]

@@ -70,6 +70,43 @@ def test_expected_max_is_the_mean_of_the_slowest():
     np.testing.assert_allclose(expected_max(np.array([[1.0, 0.0], [2.0, 3.0]]), 0.0), [1.0, 3.0])
 
 
+def _expected_max_by_the_grid(scales, jitter):
+    """expected_max as first written (every device over the whole grid, no memo): the reference its reductions
+    must reproduce bit for bit."""
+    a = np.asarray(scales, dtype=float)
+    lo = (a * (1 - jitter)).max(axis=-1, keepdims=True)
+    hi = (a * (1 + jitter)).max(axis=-1, keepdims=True)
+    x = lo + (hi - lo) * np.linspace(0.0, 1.0, 512)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = (x[..., None, :] / a[..., :, None] - 1.0 + jitter) / (2 * jitter)
+    cdf = np.where(a[..., :, None] > 0, np.clip(u, 0.0, 1.0), 1.0).prod(axis=-2)
+    return lo[..., 0] + np.trapezoid(1.0 - cdf, x, axis=-1)
+
+
+def test_expected_max_drops_only_devices_that_cannot_change_it_bit_for_bit():
+    """Devices that cannot be the slowest are dropped and answers are memoised (issue 35: `amoe plan`'s time on 256
+    GPUs): every answer equals the full grid's to the last bit, batched rows as each row alone."""
+    rng = np.random.default_rng(7)
+    dropped = 0
+    for trial in range(60):
+        shape = [(9,), (5, 12), (3, 4, 7), (61, 48)][trial % 4]
+        a = rng.uniform(0.5, 1.0, shape) ** rng.integers(1, 12)  # from alike to far apart
+        if trial % 3 == 0:
+            a[..., trial % shape[-1]] = 0.0  # a device with no step
+        jitter = (0.04, 0.01, 0.3)[trial % 3]
+        lo = (a * (1 - jitter)).max(axis=-1, keepdims=True)
+        dropped += int((a * (1 + jitter) < lo).sum())
+        want = _expected_max_by_the_grid(a, jitter)
+        got = expected_max(a, jitter)
+        np.testing.assert_array_equal(got, want)
+        if a.ndim == 2:
+            np.testing.assert_array_equal([expected_max(row, jitter) for row in a], want)
+        if a.ndim > 1:
+            got[...] = -1.0  # a memoised answer is the caller's copy
+            np.testing.assert_array_equal(expected_max(a, jitter), want)
+    assert dropped > 1000  # the reduction was exercised
+
+
 def test_the_emulated_clock_holds_each_gpu_at_its_speed():
     em = Emulation(
         ExecutorSection(kind="emulated", profile="mixtral-8x7b-mqa:2", routing="uniform", time_scale=1e-3)

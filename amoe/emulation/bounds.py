@@ -450,6 +450,25 @@ def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, hos
     return steps * (gpu_s + fixed + (per_step @ where) * host.expert_row_s)
 
 
+# Expert ids a block past which a bound's steps are costed all at once (`_block_steps`): the frontier profiles
+# (DeepSeek-V3's 257, Qwen3's 128), where one grouped_expert_time per (block, GPU) was most of `amoe plan`'s time
+# on 256 GPUs (2.7 M calls for ping-pong's splits alone).
+VECTORISED_MIN_EXPERTS = 65
+
+
+def _block_steps(model, gpu, placed, q, rows_in: float, host, vectorised: bool = False) -> np.ndarray:
+    """[blocks, GPUs]: each GPU's grouped step over its experts' share of `rows_in` rows of each block, with no cap.
+    Vectorised (`_grouped_steps`, cached) for frontier profiles or when asked: grouped_expert_time's formula in
+    another summation order, within 2 ulp of it (4.4e-16 relative, measured on DeepSeek-V3 and Mixtral tables);
+    else one grouped_expert_time per (block, GPU), the same numbers to the last bit as before."""
+    if vectorised or q.shape[1] >= VECTORISED_MIN_EXPERTS:
+        return _grouped_steps(model, gpu, placed, q, rows_in, 1 << 30, host)
+    return np.array([
+        [cm.grouped_expert_time(model, gpu, [rows_in * q[blk, e] for e in es], host, es) for es in placed]
+        for blk in range(model.num_blocks)
+    ])  # fmt: skip
+
+
 def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
     micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
@@ -474,18 +493,12 @@ def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> 
         float(share.sum(axis=0).max()) * rows_in * max(links.expert_in, links.expert_out),
     )
     block_s, skew, shape_s = 0.0, [], 0.0
-    # Past 16 expert GPUs (frontier pools, issue 35) every block's steps at once, as AEP's bound costs them; up to
-    # 16, one grouped_expert_time per (block, GPU) as before (the same numbers to the last bit).
-    table = _grouped_steps(model, ge, placed, q, rows_in, 1 << 30, host) if len(placed) > 16 else None
+    table = _block_steps(model, ge, placed, q, rows_in, host, vectorised=len(placed) > 16)
+    # Every block's barrier in one call (row by row the same numbers: expected_max reduces each row on its own).
+    t_exps = expected_max(table * s_exp, variance.jitter)  # [blocks]
     for blk in range(model.num_blocks):
-        if table is None:
-            per_gpu = [
-                cm.grouped_expert_time(model, ge, [rows_in * q[blk, e] for e in es], host, es)
-                for es in placed
-            ]
-        else:
-            per_gpu = table[blk].tolist()
-        t_exp = expected_max(np.array(per_gpu) * s_exp, variance.jitter)
+        per_gpu = table[blk].tolist()
+        t_exp = float(t_exps[blk])
         skew.append(max(per_gpu) / (sum(per_gpu) / len(per_gpu)))
         shape = max(m * t_attn, m * t_exp, t_attn + t_exp)
         shape_s += shape
@@ -541,11 +554,11 @@ def _ep(
     stall += attn - attn_1 * float(speeds.mean())  # per block: the dispatch waits for the slowest attention
     stall *= model.num_blocks
     pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
+    table = _block_steps(model, gpu, local, q, tokens, host)
+    slowests = expected_max(table * speeds, jitter)  # [blocks]: every block's barrier in one call
     for blk in range(model.num_blocks):
-        per_device = np.array(
-            [cm.grouped_expert_time(model, gpu, [tokens * q[blk, e] for e in es], host, es) for es in local]
-        )
-        slowest = expected_max(per_device * speeds, jitter)
+        per_device = table[blk]
+        slowest = float(slowests[blk])
         stall += slowest - float((per_device * speeds).mean())
         skew.append(float(per_device.max() / per_device.mean()))
         if dep.pipelined:  # the all-to-alls and experts as PN chunks (the barrier stall as computed above)
