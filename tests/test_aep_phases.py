@@ -90,3 +90,18 @@ def test_a_link_serves_message_sets_first_sent_first_through():
         e = np.maximum(start[k], e) + work[k]
         expect[k] = e
     assert np.allclose(_fifo(start, work, free), expect)
+
+
+def test_the_per_block_queues_are_the_pending_waves_rows():
+    """An expert round reads each GPU's queues per block from `queue`, kept as waves are dispatched and steps take
+    their rows, instead of summing every pending wave's rows: after a run (caps binding, steps cut short) it must
+    hold exactly the rows still pending, by each wave's block."""
+    model = model_profile("deepseek-v3:4", 8)
+    dep = bounds.Deployment("aep", "h800", 12, "h800", 4, attn_cap=32, expert_cap=24)
+    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=2)
+    sim.run(0.0, 0.003)
+    assert sim.rows.sum() > 0  # some rows still pending at the end
+    expect = np.zeros_like(sim.queue)
+    for s in np.flatnonzero(sim.pend.any(1)):
+        expect[sim.layer[s]] += sim.rows[s]
+    assert np.array_equal(sim.queue, expect)

@@ -23,6 +23,23 @@ from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.simulated import Simulated
 
+# Student's t at 97.5 % for 1–40 degrees of freedom (the batch-means interval; past 40 the last is within 1.5 %).
+_T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.306, 2.2622, 2.2281, 2.201, 2.1788, 2.1604, 2.1448,
+    2.1314, 2.1199, 2.1098, 2.1009, 2.093, 2.086, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484,
+    2.0452, 2.0423, 2.0395, 2.0369, 2.0345, 2.0322, 2.0301, 2.0281, 2.0262, 2.0244, 2.0227, 2.0211,
+)  # fmt: skip
+
+
+def batch_means_halfwidth(x: np.ndarray) -> float:
+    """The 95 % batch-means interval's half-width of the mean of `x` (one value a batch), relative to that mean:
+    t(0.975, k − 1) · s / √k / mean (inf with fewer than 2 batches or a mean of 0)."""
+    k = len(x)
+    mean = float(np.mean(x)) if k else 0.0
+    if k < 2 or mean <= 0:
+        return math.inf
+    return _T975[min(k - 1, len(_T975)) - 1] * float(np.std(x, ddof=1)) / math.sqrt(k) / mean
+
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
     """A link per column serving message sets first sent first through: [sets, links] times each set is through.
@@ -94,6 +111,10 @@ class AepAtScale:
         # (pend), when its message set is in at each expert GPU, its parts' last step end and last time out of an
         # expert GPU's link.
         self.rows = np.zeros((S, nh, E))
+        self.queue = np.zeros(
+            (L, nh, E)
+        )  # [blocks, hosted, expert GPUs] rows still pending there, every wave's
+        self.bins = None
         self.pend = np.zeros((S, E), dtype=bool)
         self.arr = np.full((S, E), np.inf)
         self.step_end, self.out_end = np.zeros(S), np.zeros(S)
@@ -120,10 +141,22 @@ class AepAtScale:
         fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
         return gpu_s + fixed + take.sum(0) * host.expert_row_s
 
-    def run(self, warmup_s: float, duration_s: float) -> Simulated:
+    def run(
+        self, warmup_s: float, duration_s: float, batches: int = 0, rel_halfwidth: float = 0.01,
+        min_batches: int = 10,
+    ) -> Simulated:  # fmt: skip
+        """Simulate `duration_s` emulated seconds after `warmup_s`. With `batches` the window is split into that
+        many batches and the run stops at the end of the first batch k ≥ `min_batches` whose k batch throughputs'
+        95 % batch-means interval is within ±`rel_halfwidth` of their mean, else at the window's end (the same
+        figures as without `batches`): a steady-state simulation's sequential stopping rule (docs/emulation.md
+        "Speed"). `self.measured_s` is the window the figures are over."""
         end = warmup_s + duration_s
         self.window = (warmup_s, end)
         self.done_rows, self.attn_busy, self.exp_busy, self.exp_steps, self.exp_rows = 0, 0.0, 0.0, 0, 0.0
+        self.batch_s = duration_s / batches if batches else 0.0
+        # per batch: attention rows, attention busy, expert busy, expert steps, expert rows (by start time)
+        self.bins = np.zeros((5, batches)) if batches else None
+        self.measured_s, checked = duration_s, min_batches - 1
         A, W, lat = self.A, self.W, self.lk.latency
         while True:
             ready = self.ready.reshape(A, W)
@@ -132,8 +165,15 @@ class AepAtScale:
             begin = np.maximum(self.a_free, r)
             queued = np.where(self.pend, self.arr, np.inf).min(0)  # [E] the first rows still queued at each
             e_start = np.maximum(self.e_free, queued)
-            if min(begin.min(), e_start.min()) >= end:
+            low = min(begin.min(), e_start.min())  # no step still to be committed starts before this
+            if low >= end:
                 break
+            if batches:
+                done = min(batches, int((low - warmup_s) // self.batch_s))  # batches no step can still enter
+                if checked < done < batches:
+                    checked = done
+                    if batch_means_halfwidth(self.bins[0, :done]) <= rel_halfwidth:
+                        return self._result_of_batches(done)
             # No reply still to be decided comes before ret_min, no dispatch before arr_min.
             ret_min = (e_start + self.step_min).min() + lat
             arr_min = min(begin.min(), ret_min) + self.attn + lat
@@ -144,6 +184,18 @@ class AepAtScale:
             if len(go_e):
                 self._expert_steps(go_e, e_start[go_e])
         return self._result(duration_s)
+
+    def _batch(self, t: np.ndarray) -> np.ndarray:
+        """The batch each of the (counted) times `t` falls in."""
+        return np.minimum(((t - self.window[0]) // self.batch_s).astype(np.int64), self.bins.shape[1] - 1)
+
+    def _result_of_batches(self, k: int) -> Simulated:
+        """The figures over the first k batches only."""
+        rows, attn, exp, steps, exp_rows = self.bins[:, :k].sum(1)
+        self.done_rows, self.attn_busy, self.exp_busy = rows, attn, exp
+        self.exp_steps, self.exp_rows = int(round(steps)), exp_rows
+        self.measured_s = k * self.batch_s
+        return self._result(self.measured_s)
 
     def _attend(self, gpus: np.ndarray, waves: np.ndarray, begin: np.ndarray) -> None:
         """Each of `gpus` runs its wave's step at `begin`: the head (its next token starts), or a block's attention
@@ -157,6 +209,11 @@ class AepAtScale:
             self.a_free[g] = begin[is_head] + self.head
             self.ready[s], self.layer[s] = self.a_free[g], 0
             self.attn_busy += self.head * int(counted[is_head].sum())
+            if self.bins is not None:
+                self.bins[1] += (
+                    np.bincount(self._batch(begin[is_head & counted]), minlength=self.bins.shape[1])
+                    * self.head
+                )
         att = ~is_head
         if not att.any():
             return
@@ -166,6 +223,10 @@ class AepAtScale:
         # progress: one wave's block (as the event level counts attention-step rows)
         self.done_rows += self.w * int(counted[att].sum())
         self.attn_busy += self.attn * int(counted[att].sum())
+        if self.bins is not None:
+            n = np.bincount(self._batch(b[counted[att]]), minlength=self.bins.shape[1])
+            self.bins[0] += self.w * n
+            self.bins[1] += self.attn * n
         order = np.argsort(sent, kind="stable")
         s, g, t = s[order], g[order], sent[order]
         drawn = self.counts.draw_many(self.layer[s], self.w, float(t[0]))  # [n, ids]
@@ -184,47 +245,50 @@ class AepAtScale:
         self.arr[s] = np.where(got, np.maximum(self.a_out[g][:, None], through) + lk.latency, np.inf)
         self.pend[s] = got
         self.rows[s] = drawn
+        np.add.at(self.queue, self.layer[s], drawn)
         self.ready[s] = np.inf
         self.step_end[s] = self.out_end[s] = -np.inf
 
     def _expert_steps(self, gpus: np.ndarray, start: np.ndarray) -> None:
-        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows. Only
-        the deciding GPUs' columns are read: [waves, hosted, G] (with their phases apart, a few GPUs a round)."""
+        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows. A GPU's
+        queues per block are the rows still pending there (`self.queue`, kept as waves are dispatched and steps
+        take them) less those of waves not in by its start; only the picked block's waves are read row by row.
+        Every count is a whole number, so these sums are exact in any order: the same steps as summing the
+        queued waves' [waves, hosted, GPUs] rows every round (88 % of a 32 + 32 plan's simulation, measured)."""
         L, G = self.L, len(gpus)
-        inflight = np.flatnonzero(self.pend[:, gpus].any(1))
-        inflight = inflight[np.argsort(self.layer[inflight], kind="stable")]  # by block
-        layer = self.layer[inflight]
-        new_block = np.concatenate(([True], layer[1:] != layer[:-1]))
-        first, blocks, which = np.flatnonzero(new_block), layer[new_block], np.cumsum(new_block) - 1
-        # The waves' whole rows first (contiguous), then the deciding GPUs' columns: gathering and scattering
-        # [n, nh, G] by three broadcast index arrays was a fifth of a 64-GPU plan's simulation.
-        wave_rows, wave_pend = self.rows[inflight], self.pend[inflight]  # [n, nh, E], [n, E]
-        # [n, G] queued at each deciding GPU by its start
-        queued = wave_pend[:, gpus] & (self.arr[inflight][:, gpus] <= start)
-        mine = wave_rows[:, :, gpus]  # [n, nh, G]
-        rows = mine * queued[:, None, :]
-        q = np.add.reduceat(rows, first, axis=0)  # [blocks, nh, G]: Q[b][e]
+        pend, arr = self.pend[:, gpus], self.arr[:, gpus]  # [S, G]
+        queued = pend & (arr <= start)  # waves queued at each deciding GPU by its start
+        q = self.queue[:, :, gpus]  # [L, nh, G]: Q[b][e], pending rows ...
+        late_s, late_g = np.nonzero(pend & ~queued)
+        if len(late_s):  # ... less those not in yet
+            np.subtract.at(q, (self.layer[late_s], slice(None), late_g), self.rows[late_s, :, gpus[late_g]])
         # defrag (cpp/scheduler.cpp pick_defrag): LScore(b) + the block's deepest queue, non-empty blocks only,
         # ties to the lowest block.
-        total = q.sum(1)  # [blocks, G]
-        spread = np.zeros((L, G))
-        spread[blocks] = total / self.num_hosted[gpus]
+        total = q.sum(1)  # [L, G]
+        spread = total / self.num_hosted[gpus]
+        blocks = np.arange(L)
         lscore = sum(d * spread[(blocks + k + 1) % L] for k, d in enumerate(self.decay))
         pick = np.where(total > 0, lscore + q.max(1), -np.inf).argmax(0)  # [G]
-        taken = queued & (which[:, None] == pick[None, :])  # [n, G]
-        took = rows * taken[:, None, :]  # [n, nh, G] rows each wave gives this step
-        take = took.sum(0)  # [nh, G]
+        # (wave, GPU) pairs this step takes rows from, by GPU, then by wave
+        pair_g, pair_s = np.nonzero((queued & (self.layer[:, None] == pick[None, :])).T)
+        on = gpus[pair_g]
+        had = self.rows[pair_s, :, on]  # [P, nh]
+        took = had.copy()  # rows each pair gives this step
+        first = np.flatnonzero(np.concatenate(([True], pair_g[1:] != pair_g[:-1])))
+        take = np.zeros((G, self.rows.shape[1]))
+        take[pair_g[first]] = np.add.reduceat(took, first, axis=0)  # [G, nh]
         # The expert cap: up to cap rows a queue, the first arrived first.
-        for k, g in zip(*np.nonzero(take > self.cap)):
-            who = np.flatnonzero(took[:, k, g])
-            who = who[np.argsort(self.arr[inflight[who], gpus[g]], kind="stable")]
-            r = took[who, k, g]
-            took[who, k, g] = np.clip(self.cap - (np.cumsum(r) - r), 0.0, r)
-            take[k, g] = self.cap
-        left = mine - took
-        wave_rows[:, :, gpus] = left
-        wave_pend[:, gpus] &= ~taken | (left.max(1) > 0)
-        self.rows[inflight], self.pend[inflight] = wave_rows, wave_pend
+        for g, k in zip(*np.nonzero(take > self.cap)):
+            who = np.flatnonzero((pair_g == g) & (took[:, k] > 0))
+            who = who[np.argsort(self.arr[pair_s[who], gpus[g]], kind="stable")]
+            r = took[who, k]
+            took[who, k] = np.clip(self.cap - (np.cumsum(r) - r), 0.0, r)
+            take[g, k] = self.cap
+        left = had - took
+        self.rows[pair_s, :, on] = left
+        self.pend[pair_s, on] = left.max(1) > 0
+        self.queue[pick, :, gpus] -= take
+        take = np.ascontiguousarray(take.T)  # [nh, G], C order: step_times sums over nh as before
         dur = self.step_times(take, gpus)
         done = start + dur
         self.e_free[gpus] = done
@@ -232,18 +296,22 @@ class AepAtScale:
         # a step's outputs go back as one message set
         out = np.maximum(done, self.e_out[gpus]) + sent * self.lk.expert_out
         self.e_out[gpus] = out
-        part = taken.any(1)
-        waves, taken = inflight[part], taken[part]
-        self.step_end[waves] = np.maximum(self.step_end[waves], np.where(taken, done, -np.inf).max(1))
-        self.out_end[waves] = np.maximum(self.out_end[waves], np.where(taken, out, -np.inf).max(1))
+        np.maximum.at(self.step_end, pair_s, done[pair_g])
+        np.maximum.at(self.out_end, pair_s, out[pair_g])
         lo, hi = self.window
         counted = (start >= lo) & (start < hi)
         self.exp_busy += float(dur[counted].sum())
         self.exp_steps += int(counted.sum())
         self.exp_rows += float(sent[counted].sum())
+        if self.bins is not None and counted.any():
+            which, nb = self._batch(start[counted]), self.bins.shape[1]
+            self.bins[2] += np.bincount(which, dur[counted], nb)
+            self.bins[3] += np.bincount(which, minlength=nb)
+            self.bins[4] += np.bincount(which, sent[counted], nb)
+        waves = np.unique(pair_s)
         finished = waves[~self.pend[waves].any(1)]
         if len(finished):
-            self._back(finished)
+            self._back(finished[np.argsort(self.layer[finished], kind="stable")])  # by block, as they were
 
     def _back(self, slots: np.ndarray) -> None:
         """Waves whose every part is done: each attention GPU's link in takes its wave's rows once the last step

@@ -65,13 +65,15 @@ def simulate(
     variance: StepVariance = SOURCED,
     stagger_ranks: bool = False,
     rank_barrier: bool = True,
+    batches: int = 0,
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
     for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). AEP with
     `stagger_ranks`: each attention rank starts at its own time (docs/engine.md "The waves rule" item 9);
     `rank_barrier=False`: waves' expert side as before item 9 (the oldest block, no wait; for comparison). Plans past
     16 GPUs, 16,384 requests or 64 experts a block run in counts (amoe.emulation.simulate_scale), without the
-    variance and without EPS-MoE's pipeline (which stays event-level)."""
+    variance and without EPS-MoE's pipeline (which stays event-level); `batches`: AEP at scale may stop early by
+    its batch-means rule (amoe.emulation.aep_at_scale.AepAtScale.run; 0: the whole window)."""
     from amoe.emulation import simulate_scale as scale
 
     if dep.mode not in ("aep", "ep", "pingpong"):
@@ -91,7 +93,7 @@ def simulate(
         )
     if at_scale:
         return scale.aep_waves(
-            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed
+            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed, batches=batches
         )
     return _Aep(
         model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps,

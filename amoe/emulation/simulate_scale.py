@@ -200,13 +200,13 @@ class Nics:
 
 def aep_waves(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
-    duration_s: float, warmup_s: float, seed: int, same_phase: bool = False,
+    duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
 ):  # fmt: skip
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.emulation.aep_at_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
-    simulation had before; kept for the comparison)."""
+    simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none)."""
     sim = aep_at_scale(model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase)
-    return sim.run(warmup_s, duration_s)
+    return sim.run(warmup_s, duration_s, batches=batches)
 
 
 def aep_at_scale(
