@@ -98,10 +98,48 @@ def test_the_per_block_queues_are_the_pending_waves_rows():
     hold exactly the rows still pending, by each wave's block."""
     model = model_profile("deepseek-v3:4", 8)
     dep = bounds.Deployment("aep", "h800", 12, "h800", 4, attn_cap=32, expert_cap=24)
-    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=2)
+    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=1)
     sim.run(0.0, 0.003)
     assert sim.rows.sum() > 0  # some rows still pending at the end
     expect = np.zeros_like(sim.queue)
     for s in np.flatnonzero(sim.pend.any(1)):
         expect[sim.layer[s]] += sim.rows[s]
     assert np.array_equal(sim.queue, expect)
+
+
+def test_the_batch_means_rule_stops_on_a_stationary_series_and_not_on_a_trending_one():
+    """refine's AEP at scale stops at the first batch k >= 10 whose batch-means 95 % interval is within +-1 %: a
+    stationary series with 2 % noise a batch gets there within 32 batches; one drifting by 20 % over them (a
+    transient the warm-up left) never does, its batches' spread being the drift. (A drift within the noise can
+    pass: batch means assume a stationary series, which is what the warm-up is for.)"""
+    from amoe.emulation.aep_at_scale import batch_means_halfwidth
+
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        flat = 1000.0 * (1 + 0.02 * rng.standard_normal(32))
+        drift = flat * np.linspace(0.9, 1.1, 32)
+        assert min(batch_means_halfwidth(flat[:k]) for k in range(10, 33)) <= 0.01
+        assert min(batch_means_halfwidth(drift[:k]) for k in range(10, 33)) > 0.01
+    assert batch_means_halfwidth(flat[:1]) == np.inf
+    # t(0.975, 9) * s / sqrt(10) / mean, by hand
+    x = np.arange(10.0) + 100
+    assert batch_means_halfwidth(x) == pytest.approx(2.2622 * np.std(x, ddof=1) / np.sqrt(10) / x.mean())
+
+
+def test_a_simulation_with_batches_stops_early_and_reports_the_batches_it_measured(scale32):
+    """With `batches` the own-phase simulation stops at the first batch k >= 10 whose interval is within the bound
+    asked (refine's +-1 % needs a full-depth plan's many steps a batch; this 4-block plan's batches are noisier, so
+    +-5 % here) and its figures are those k batches' own, within that interval of the whole window's figure."""
+    from amoe.emulation.aep_at_scale import batch_means_halfwidth
+
+    model, dep, _, whole = scale32
+    itl = 0.00707
+    sim = scale.aep_at_scale(model, dep, ROUTING, mean_context("short"), host_overhead("amoe-paper"), 4096, 0)
+    early = sim.run(4 * itl, 8 * itl, batches=32, rel_halfwidth=0.05)
+    k = int(round(sim.measured_s / sim.batch_s))
+    assert 10 <= k < 32 and sim.measured_s < 8 * itl
+    per_batch = sim.bins[0] / model.num_blocks / sim.batch_s
+    assert early.tokens_per_s == pytest.approx(per_batch[:k].mean())
+    assert batch_means_halfwidth(per_batch[:k]) <= 0.05
+    assert all(batch_means_halfwidth(per_batch[:j]) > 0.05 for j in range(10, k))  # the first such k
+    assert abs(early.tokens_per_s / whole.tokens_per_s - 1) <= 0.05

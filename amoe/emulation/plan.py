@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from amoe.errors import ConfigError
 ATTN_CAPS = (32, 64, 128, 256, 512, 1024)
 EXPERT_CAPS = (256, 512, 1024)
 MICRO_BATCHES = (2, 3, 4)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,10 @@ SIM_DOUBLINGS = 3
 # past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.emulation.simulate_scale, issue 35), which
 # doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
+# AEP at scale (amoe.emulation.aep_at_scale) splits refine's window of 8 ITLs into this many batches and stops at
+# the first k ≥ 10 whose batch-means 95 % interval of throughput is within ±1 % (the rule written down before its
+# series were looked at; docs/results.md "`amoe plan` on 256 H800s"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
+SIM_BATCHES = 32
 
 
 def refine(
@@ -336,16 +344,22 @@ def refine(
         # In rounds of a token's way round (its ITL): the estimate settles to within ~2 % after a warm-up of 4 and
         # over a window of 8 (measured on 2-block and full-depth plans). The bound's ITL first; where batches stay
         # small the simulated ITL is several times that (3.4× on the full-depth check's AEP plan), and a window of
-        # 8 bound ITLs would be 2 of the simulated ones: then again in rounds of the simulated ITL.
-        itl = c / bound_tps
+        # 8 bound ITLs would be 2 of the simulated ones: then again in rounds of the simulated ITL. AEP at scale
+        # stops the window early once its batch-means interval is within ±1 % (SIM_BATCHES).
+        itl, cpu = c / bound_tps, time.process_time()
         sim = simulate(
-            model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=variance
-        )
+            model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=variance,
+            batches=SIM_BATCHES,
+        )  # fmt: skip
         if sim.itl_s > 1.5 * itl:
             sim = simulate(
                 model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
-                variance=variance,
+                variance=variance, batches=SIM_BATCHES,
             )  # fmt: skip
+        logger.info(
+            "[plan] simulated %s at %d requests a copy: %.0f tok/s, ITL %.1f ms (%.1f s CPU)", describe(one), c,
+            sim.tokens_per_s, sim.itl_s * 1e3, time.process_time() - cpu,
+        )  # fmt: skip
         return sim
 
     sims = [run(per_copy)]
