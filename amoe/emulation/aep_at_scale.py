@@ -111,9 +111,8 @@ class AepAtScale:
         # (pend), when its message set is in at each expert GPU, its parts' last step end and last time out of an
         # expert GPU's link.
         self.rows = np.zeros((S, nh, E))
-        self.queue = np.zeros(
-            (L, nh, E)
-        )  # [blocks, hosted, expert GPUs] rows still pending there, every wave's
+        # [blocks, hosted, expert GPUs] every wave's rows still pending there, by the wave's block
+        self.queue = np.zeros((L, nh, E))
         self.bins = None
         self.pend = np.zeros((S, E), dtype=bool)
         self.arr = np.full((S, E), np.inf)
