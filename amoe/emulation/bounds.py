@@ -348,6 +348,7 @@ def _aep(
     s_attn = variance.speeds(0, A)  # [A]
     s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
     slowest = float(s_attn.max())
+    key = steps_key(model, ge, placed, q, dep.expert_cap, host)
     points = []
     for w in _doublings(1, b):
         t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
@@ -371,7 +372,7 @@ def _aep(
         sizes, steps_of, works, floors, waits = [], [], [], [], []
         for W in _doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
             # [blocks, expert GPUs] at their speeds
-            steps = _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host) * s_exp
+            steps = _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host, key) * s_exp
             sizes.append(W)
             steps_of.append(steps)
             works.append(steps.sum(axis=0))
@@ -446,11 +447,19 @@ _STEPS_CACHE: dict = {}
 _STEPS_CACHE_MAX = 8192
 
 
-def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
+def steps_key(model, gpu, placed, q, cap: int, host) -> int:
+    """`_grouped_steps`' cache key but its rows: hashing the model, host and placement was half of AEP's bound's
+    time at 256 GPUs, so a caller asking for many row counts computes it once (64 bits, as q's hash already was)."""
+    return hash((model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), cap, host))
+
+
+def _grouped_steps(
+    model, gpu, placed, q, rows_in: float, cap: int, host, key: int | None = None
+) -> np.ndarray:
     """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
     block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
-    once (the planner asks this for every candidate and wave count)."""
-    key = (model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), rows_in, cap, host)
+    once (the planner asks this for every candidate and wave count). `key`: `steps_key` of the other arguments."""
+    key = (steps_key(model, gpu, placed, q, cap, host) if key is None else key, rows_in)
     if key not in _STEPS_CACHE:
         if len(_STEPS_CACHE) >= _STEPS_CACHE_MAX:
             _STEPS_CACHE.clear()
