@@ -34,6 +34,9 @@ PLANS = (
     ("a100-80g", 2, 4, 4, 256, 512),
     ("h100", 1, 6, 2, 256, 512),
     ("h100", 2, 5, 3, 256, 512),
+    # 6: A100 top-2's best split at caps 256 / 512 over every split (plan 3 was the best of 4 + 4, 5 + 3 and 6 + 2;
+    # the bound before and after the merged-path correction both pick 3 + 5).
+    ("a100-80g", 2, 3, 5, 256, 512),
 )
 BLOCKS = 32
 

@@ -363,3 +363,53 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
     plans = search(replace(req, refine_retries=1))
     assert len(tried) == 2 and not any(p.prediction.extra.get("simulated") for p in plans)
     assert bound_only[0].deployment not in [p.deployment for p in plans]
+
+
+def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
+    """An expert GPU serves m waves of a block as one grouped step only if they reach it together, and then they
+    travel together: per block their m attention steps run in turn and the merged step is on their path (issue 32,
+    docs/emulation.md "Waves that share an expert step travel together"). The bound is recomputed here from
+    cost_model's step times and `_grouped_steps`, for every group size m at the bound's own (w, W); the bound
+    before this correction (one wave's path with every wave's rows in one expert step) is above it on this plan."""
+    model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
+    dep = B.Deployment("aep", A100, 5, A100, 3, 128, 1024)
+    q, ga = _q(model, "skew-exp:0.08"), gpu_profile(A100)
+    # Under a 75 ms ITL objective the operating point is 4 waves of 128 (the old bound's point on this plan).
+    bound = B.predict(model, dep, q, CTX, HOST, itl_slo_s=0.075, variance=OFF)
+    W, w, A, blocks, k = (
+        bound.extra["waves"],
+        bound.extra["wave_rows"],
+        5,
+        model.num_blocks,
+        model.experts_per_token,
+    )
+    assert (W, w) == (4, 128)
+    ctx = int(round(CTX))
+    attention = blocks * cm.decode_attention_time(model, ga, w, ctx, HOST) + cm.head_time(
+        model, ga, w, host=HOST
+    )
+    links, share = B.pool_links(model, dep), B.expert_shares(dep.experts_on(8), q)
+    hot = A * w * share.max(axis=1)
+    moves = np.sum(links.out_s(w * k, hot) + links.back_s(w * k, hot))
+    link = W * max(
+        A * w * share.sum(axis=0).max() * max(links.expert_in, links.expert_out),
+        blocks * w * k * max(links.attn_out, links.attn_in),
+    )
+
+    def steps(rows):  # [blocks, expert GPUs]
+        return B._grouped_steps(model, gpu_profile(A100), dep.experts_on(8), q, rows, dep.expert_cap, HOST)
+
+    def tokens_per_s(path, experts):
+        return A * W * w / max(path, W * attention, experts, link)
+
+    by_m = {
+        m: tokens_per_s(
+            m * attention + moves + steps(A * m * w).max(axis=1).sum(),
+            W // m * steps(A * m * w).sum(axis=0).max(),
+        )
+        for m in (1, 2, 4)
+    }
+    assert bound.tokens_per_s == pytest.approx(max(by_m.values()), rel=1e-9)
+    assert bound.extra["group_waves"] == max(by_m, key=by_m.get) == 2  # neither unmerged nor all merged
+    old = tokens_per_s(attention + moves + steps(A * w).max(axis=1).sum(), steps(A * W * w).sum(axis=0).max())
+    assert old > 1.03 * bound.tokens_per_s

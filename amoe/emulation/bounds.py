@@ -5,13 +5,13 @@ Every bound is at the profile's full depth (a truncated `NAME:N` profile is a be
 the expected load of each expert taken from the exact probability that it is among a token's top-k picks
 (`routing.inclusion_probabilities`), per block:
 
-* **AEP**: each attention GPU keeps W waves of w rows in flight (KV and the batch cap permitting); a wave's
-  iteration is its critical path, per block attention + transfer + the hottest expert GPU's grouped step over
-  the block's rows of every attention GPU's wave + transfer back, plus the head; the attention GPU runs its W
-  waves' steps in turn and expert GPU g its W grouped steps per block, so ITL = max(path, W · attention work,
-  W · g's work) and throughput = A · W · w / ITL (as ping-pong's bound, without its lock-step). The hottest
-  expert GPU over all blocks, not the mean, sets the expert side's rate: with skew it carries more than its
-  share.
+* **AEP**: each attention GPU keeps W waves of w rows in flight (KV and the batch cap permitting); a rank's waves
+  meet the expert GPUs in groups of m (m a doubling dividing W) that travel together, and a group's iteration is
+  its critical path, per block its m attention steps + transfer + the hottest expert GPU's grouped step over the
+  block's rows of every attention GPU's group + transfer back, plus the heads; expert GPU g runs W / m grouped
+  steps a block, so ITL = max(path_m, W · attention work, W / m · g's work, link), with the best m, and
+  throughput = A · W · w / ITL (as ping-pong's bound, without its lock-step). The hottest expert GPU over all
+  blocks, not the mean, sets the expert side's rate: with skew it carries more than its share.
 * **EP**: every device runs attention on b rows, then a dispatch all-to-all, one grouped GEMM over its local
   experts (one host step, not one per expert), a combine all-to-all, and waits at the barrier for the slowest
   device, block after block.
@@ -317,19 +317,24 @@ def _aep(
     model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None, variance=SOURCED
 ) -> Prediction:
     """AEP's bound with its critical path (as ping-pong's): each attention GPU keeps W waves of w rows in flight
-    (w ≤ the attention batch b, W · w ≤ the requests its KV holds). A wave's iteration is at least its critical
-    path — per block its attention step, the transfer out, the hottest expert GPU's grouped step over the block's
-    rows of every attention GPU's wave (the A waves arriving together: the best a scheduler can do), the transfer
-    back — plus the head. An attention GPU runs its W waves' steps one after another; an expert GPU at best runs
-    the W waves' rows of a block as one grouped step (a busy expert GPU's queues gather them: bigger steps read
-    each expert's weights once for more rows). ITL = the slowest of the three; throughput = A · W · w / ITL. The
-    operating point is the least concurrency within 3 % of the most any (w, W) reaches (under `itl_slo_s`, of
-    those that meet it): more only lengthens ITL (Little's law).
+    (w ≤ the attention batch b, W · w ≤ the requests its KV holds). An expert GPU serves a block's rows of m waves
+    of every rank as one grouped step only if they reach it together, and then they travel together: per block
+    the attention GPU runs their m steps in turn and the grouped step over A · m · w rows (the A ranks' groups
+    arriving together: the best a scheduler can do) is on their critical path. For each m (a doubling dividing W;
+    W / m groups of each rank) a group's iteration is at least its critical path — per block its m attention
+    steps, one wave's transfer out, the hottest expert GPU's grouped step, one wave's transfer back (the group's
+    other rows move while its other steps run), plus m heads; an attention GPU runs its W waves' steps one after
+    another; an expert GPU runs W / m grouped steps a block. ITL = the slowest of these, with the m that gives
+    the most throughput (m = 1: unmerged expert steps, one wave's path; m = W: merged steps, the merged path);
+    throughput = A · W · w / ITL. The operating point is the least concurrency within 3 % of the most any
+    (w, W) reaches (under `itl_slo_s`, of those that meet it): more only lengthens ITL (Little's law). Equal
+    groups with the same m at every block are a restriction of the search (docs/emulation.md "Bounds": where it
+    is a model); extra["group_waves"] is the chosen m.
 
     With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown): rank r's requests
-    see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's W waves of work), the path waiting
-    at each block for the expected slowest of the expert GPUs its wave reached (jitter included); throughput is
-    the sum over ranks of W · w / ITL_r and the reported ITL its Little's-law mean.
+    see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's work), the path waiting at each
+    block for the expected slowest of the expert GPUs its group reached (jitter included); throughput is the sum
+    over ranks of W · w / ITL_r and the reported ITL its Little's-law mean.
 
     Links (issue 35): each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
     times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
@@ -343,6 +348,7 @@ def _aep(
     s_attn = variance.speeds(0, A)  # [A]
     s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
     slowest = float(s_attn.max())
+    key = steps_key(model, ge, placed, q, dep.expert_cap, host)
     points = []
     for w in _doublings(1, b):
         t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
@@ -350,24 +356,45 @@ def _aep(
         # Each block's dispatch and combine: a wave's w · k row copies on the attention GPU's link, the A waves'
         # rows the hottest expert GPU gets on its own (issue 35: with A > E that end is the slower).
         moves = float(np.sum(links.out_s(w * k, A * w * hottest) + links.back_s(w * k, A * w * hottest)))
-        one = _grouped_steps(model, ge, placed, q, A * w, dep.expert_cap, host)  # [blocks, expert GPUs]
-        expert_path = float(np.sum(expected_max(one * s_exp, variance.jitter)))
         attn_busy = blocks * t_attn + t_head  # one wave's attention-GPU seconds per iteration
-        paths = moves + expert_path + attn_busy * s_attn  # [A] each rank's wave's critical path
-        path = float(paths.max())
         # A wave's seconds per iteration on the busiest NIC in its busier direction (bytes only: latencies
         # overlap): the expert GPU receiving and returning the most rows, or an attention GPU's own rows.
         link_1 = max(
             A * w * per_iteration * max(links.expert_in, links.expert_out),
             blocks * w * k * max(links.attn_out, links.attn_in),
         )
+        # Per group size m (a rank's waves that meet at every block's expert GPUs as one grouped step, with the
+        # other ranks' m waves): each expert GPU's seconds for one group's steps of an iteration at its speed, and
+        # the group's wait at each block's slowest expert GPU summed over the blocks — its expectation (jitter) is
+        # computed only for a size that could still be the best (`_best_group`; most of `amoe plan`'s time at 256
+        # GPUs was expected_max, issue 35). Filled as W doubles: m = W is the only new size, so the cached steps
+        # are asked exactly as often as before.
+        sizes, steps_of, works, floors, waits = [], [], [], [], []
         for W in _doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
-            merged = one if W == 1 else _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host)
-            # The W waves' expert seconds per iteration on each expert GPU, at its speed.
-            per_gpu = merged.sum(axis=0) * s_exp
-            experts = float(per_gpu.max())
+            # [blocks, expert GPUs] at their speeds
+            steps = _grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host, key) * s_exp
+            sizes.append(W)
+            steps_of.append(steps)
+            works.append(steps.sum(axis=0))
+            # expected_max is never below its largest lower end (the same operations: a lower bound to the bit).
+            floors.append(float(np.sum((steps * (1 - variance.jitter)).max(axis=1))))
+            waits.append(math.nan)
+            m = np.array(sizes)
+            ok = np.flatnonzero(W % m == 0)  # groups of equal size (W a doubling: every smaller doubling)
+            m = m[ok]
+            per_gpu = (W // m)[:, None] * np.array(works)[ok]  # [sizes, GPUs]: W / m groups' steps
+            experts = per_gpu.max(axis=1)
             link = W * link_1
-            itls = np.maximum(np.maximum(paths, W * attn_busy * s_attn), max(experts, link))  # [A]
+            rest = np.maximum(W * attn_busy * s_attn, np.maximum(experts, link)[:, None])  # [sizes, A]
+            # Each rank's group's critical path but its wait: per block its m attention steps one after another
+            # (and m heads), one wave's transfers each way (the earlier waves' rows move while the later waves'
+            # attention runs); the wait is the grouped step over the m waves of every rank.
+            base = moves + m[:, None] * attn_busy * s_attn  # [sizes, A]
+            best = _best_group(W * w, base, rest, ok, floors, waits, steps_of, variance.jitter)
+            paths = base[best] + waits[ok[best]]
+            itls = np.maximum(paths, rest[best])
+            group, experts, per_gpu = int(m[best]), float(experts[best]), per_gpu[best]
+            path = float(paths.max())
             concurrency = A * W * w
             tps = float(np.sum(W * w / itls))
             itl = concurrency / tps
@@ -384,7 +411,8 @@ def _aep(
                     attention_tokens_per_s=float(np.sum(w / (attn_busy * s_attn))),
                     expert_tokens_per_s=concurrency / experts,
                     expert_skew=float(per_gpu.max() / per_gpu.mean()),
-                    extra={"waves": W, "wave_rows": w, "critical_path_s": path, "link_s": link},
+                    extra={"waves": W, "wave_rows": w, "group_waves": group, "critical_path_s": path,
+                           "link_s": link},
                 )
             )  # fmt: skip
             if W * attn_busy * float(s_attn.min()) >= max(path, experts, link):
@@ -395,17 +423,43 @@ def _aep(
     return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
 
 
+def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list, jitter: float) -> int:
+    """The group size (index into `ok`) with the most throughput Σ_r rows / max(base_r + wait, rest_r), the
+    smallest of equals. A size's wait (expected_max over each block's expert GPUs, summed; cached in `waits`) is
+    computed only while the size could still beat the best so far with its wait at its floor (never above it)."""
+    ceilings = np.sum(rows / np.maximum(base + np.array(floors)[ok][:, None], rest), axis=1)  # [sizes]
+    best, most = -1, -math.inf
+    for i in np.argsort(-ceilings, kind="stable"):
+        if ceilings[i] < most:
+            break
+        j = ok[i]
+        if math.isnan(waits[j]):
+            waits[j] = float(np.sum(expected_max(steps_of[j], jitter)))
+        got = float(np.sum(rows / np.maximum(base[i] + waits[j], rest[i])))
+        if got > most or (got == most and i < best):
+            best, most = int(i), got
+    return best
+
+
 # _grouped_steps' answers, keyed by everything they depend on: the planner asks the same (placement, rows) for every
 # attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates, issue 35).
 _STEPS_CACHE: dict = {}
 _STEPS_CACHE_MAX = 8192
 
 
-def _grouped_steps(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
+def steps_key(model, gpu, placed, q, cap: int, host) -> int:
+    """`_grouped_steps`' cache key but its rows: hashing the model, host and placement was half of AEP's bound's
+    time at 256 GPUs, so a caller asking for many row counts computes it once (64 bits, as q's hash already was)."""
+    return hash((model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), cap, host))
+
+
+def _grouped_steps(
+    model, gpu, placed, q, rows_in: float, cap: int, host, key: int | None = None
+) -> np.ndarray:
     """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
     block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
-    once (the planner asks this for every candidate and wave count)."""
-    key = (model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), rows_in, cap, host)
+    once (the planner asks this for every candidate and wave count). `key`: `steps_key` of the other arguments."""
+    key = (steps_key(model, gpu, placed, q, cap, host) if key is None else key, rows_in)
     if key not in _STEPS_CACHE:
         if len(_STEPS_CACHE) >= _STEPS_CACHE_MAX:
             _STEPS_CACHE.clear()
