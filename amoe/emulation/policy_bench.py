@@ -254,12 +254,14 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "policies.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
     print(
-        f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'by Little':>10} {'spread':>7} {'ITL ms at half':>15} {'spread':>7}"
+        f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'by Little':>10} {'spread':>7} {'± 95 %':>7} "
+        f"{'ITL ms at half':>15} {'spread':>7} {'± 95 %':>7}"
     )
     for policy, r in rows.items():
         print(
             f"{policy:<8} {r['throughput_max']!s:>13} {r['throughput_spread']!s:>7} {r['throughput_little_max']!s:>10} "
-            f"{r['throughput_little_spread']!s:>7} {r['itl_ms_at_half_load']!s:>15} {r['itl_spread']!s:>7}"
+            f"{r['throughput_little_spread']!s:>7} {r['throughput_little_spread_ci']!s:>7} "
+            f"{r['itl_ms_at_half_load']!s:>15} {r['itl_spread']!s:>7} {r['itl_spread_ci']!s:>7}"
         )
     print(json.dumps(summary))
     return 0
