@@ -192,6 +192,36 @@ def correlation_time(values: list[float], width: float) -> float:
     return width * total
 
 
+async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks: int) -> list[dict]:
+    """The policy's ITL at fixed requests in flight (closed load from the steady state, amoe.bench.steady), one
+    fresh server a point: the curve ITL(N) that Little's law N = rate × tokens × ITL meets at half load. Where its
+    elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
+    the ITL, are weakly pinned: a run's level wanders with the arrivals."""
+    from amoe.bench import calibrate
+    from amoe.bench.compare_setup import serve_flags
+    from amoe.bench.servers import ServerProcess
+    from amoe.bench.steady import steady_point
+    from amoe.emulation.policy_bench import SETUP, _preset, max_seqs
+
+    scale, _ = calibrate.scaled(25.0)
+    p = _preset(blocks, (0.5,), 4.0, scale)
+    setup = replace(SETUP, policy=policy)
+    seqs = max_seqs(p)
+    out = []
+    for n in concurrencies:
+        server = ServerProcess(
+            serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+        )
+        with server:
+            pt = await steady_point(server, setup, p, seed, n, 0.009, f"closed {n}")
+        out.append({
+            "policy": policy, "concurrency": n, "itl_ms": pt["itl_ms_mean"], "running": pt["running_mean"],
+            "throughput": pt["throughput"], "host_cores": pt["host_cores"], "time_scale": pt["time_scale"],
+        })  # fmt: skip
+        logger.info("[policy_itl] %s", out[-1])
+    return out
+
+
 def analyse(trace: dict) -> list[str]:
     """The lines of docs/results/policies_itl_traces/analysis.txt for one trace: host CPU, requests in flight /
     token rate / ITL in 0.25 s bins, batch-means intervals over several windows (the bench's old one, [2.4, 4.0],
@@ -265,9 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--period", type=float, default=0.05, help="emulated seconds between scrapes")
     ap.add_argument("--out", help="directory; writes trace_<policy>_<seed>.json")
     ap.add_argument(
+        "--curve", metavar="N,N,...", help="the ITL at these fixed requests in flight; run no trace"
+    )
+    ap.add_argument(
         "--analyse", nargs="+", metavar="TRACE", help="print the analysis of recorded traces; run nothing"
     )
     args = ap.parse_args(argv)
+    if args.curve:
+        curve = asyncio.run(
+            service_curve(args.policy, args.seed, [int(x) for x in args.curve.split(",")], args.blocks)
+        )
+        print(json.dumps(curve))
+        return 0
     if args.analyse:
         for path in args.analyse:
             print(path)
