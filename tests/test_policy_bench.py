@@ -4,10 +4,12 @@ runs, and a recorded run summarised again (amoe.emulation.policy_bench)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
 from amoe.emulation import policy_bench
+from amoe.errors import ConfigError
 
 
 def _point(kind: str, throughput: float, running: float, itl_ms: float | None) -> dict:
@@ -94,3 +96,60 @@ def test_an_overload_point_whose_every_arrival_was_served_is_not_taken_as_the_ma
     assert not policy_bench.not_overloaded({"rate_of_bound": 0.5, "sent": 10, "completed": 10})
     assert policy_bench.not_overloaded({"rate_of_bound": 1.3, "sent": 10, "completed": 10})
     assert not policy_bench.not_overloaded({"rate_of_bound": 1.3, "sent": 10, "completed": 0})
+
+
+def _series(itls_ms: list[float], running: list[float], tokens_per_batch: int = 1000) -> list[tuple]:
+    """Scrapes 0.25 s apart, four to a 1 s batch: batch i's tokens all have ITL itls_ms[i]."""
+    out, t, total, count = [], 0.0, 0.0, 0
+    out.append((t, total, count, running[0], 0))
+    for itl, n in zip(itls_ms, running):
+        for _ in range(4):
+            t += 0.25
+            total += tokens_per_batch / 4 * itl / 1e3
+            count += tokens_per_batch // 4
+            out.append((round(t, 2), total, count, n, count))
+    return out
+
+
+def test_batch_means_give_the_windows_itl_and_an_interval_from_the_batches_spread():
+    from amoe.emulation.policy_itl import batch_means, t95
+
+    series = _series([10.0, 12.0, 10.0, 12.0], [400, 400, 400, 400])
+    got = batch_means(series, 0.0, 4.0, 4)
+    assert got["value"] == pytest.approx(11e-3)
+    assert got["batch_means"] == pytest.approx([10e-3, 12e-3, 10e-3, 12e-3])
+    sd = statistics.stdev([10.0, 12.0, 10.0, 12.0])
+    assert got["ci_rel"] == pytest.approx(t95(3) * sd / 2 / 11.0)
+    assert got["lag1"] < -0.5  # alternating batches: anticorrelated
+    # Throughput by Little's law: requests running over each batch's ITL, tokens per second.
+    little = batch_means(series, 0.0, 4.0, 2, little=True)
+    assert little["value"] == pytest.approx(400 / 11e-3)
+    assert little["ci_rel"] == 0.0  # both 2 s batches hold the same mix
+    with pytest.raises(ConfigError, match="cannot make"):
+        batch_means(series[:3], 0.0, 4.0, 4)
+
+
+def test_each_run_reports_its_interval_and_the_spread_its_own(tmp_path):
+    def run(seed, itls_ms):
+        half = {
+            **_point("load 0.5", 42e3, 400, statistics.fmean(itls_ms)),
+            "series": _series(itls_ms, [400] * 4),
+        }
+        top = {**_point("load 1.3", 77e3, 2040, 26.5), "series": _series([26.5] * 4, [2040] * 4)}
+        return {"seed": seed, "points": [half, top]}
+
+    runs = {"waves": [run(0, [9.0, 9.4, 9.2, 9.6]), run(1, [10.0, 10.4, 10.2, 10.6])]}
+    path = tmp_path / "policies.json"
+    path.write_text(json.dumps({"summary": {"loads": [0.5, 1.3], "duration_s": 4.0}, "runs": runs}))
+    waves = policy_bench.report(path)["policies"]["waves"]
+    a, b = waves["itl_ci_runs"]
+    assert a > 0 and b > 0 and waves["itl_spread"] == pytest.approx(1.0 / 9.8, abs=1e-3)
+    # The spread's interval: the two runs' half-widths in quadrature, over their median.
+    expected = ((9.3 * a) ** 2 + (10.3 * b) ** 2) ** 0.5 / 9.8
+    assert waves["itl_spread_ci"] == pytest.approx(expected, abs=1e-3)
+    assert waves["throughput_little_ci_runs"] == [0.0, 0.0]
+    # A run recorded without its series has no interval, and the spread then none either.
+    del runs["waves"][1]["points"][0]["series"]
+    path.write_text(json.dumps({"summary": {"loads": [0.5, 1.3], "duration_s": 4.0}, "runs": runs}))
+    waves = policy_bench.report(path)["policies"]["waves"]
+    assert waves["itl_ci_runs"][1] is None and waves["itl_spread_ci"] is None

@@ -229,10 +229,25 @@ async def _unsaturated(point: dict[str, Any], setup: Setup, p: Preset, seed: int
 
 
 async def load_point(
-    server: ServerProcess, setup: Setup, p: Preset, seed: int, rate: float, kind: str
+    server: ServerProcess,
+    setup: Setup,
+    p: Preset,
+    seed: int,
+    rate: float,
+    kind: str,
+    duration_s: float | None = None,
+    warmup_s: float | None = None,
+    series: bool = False,
+    grace: float = 0.1,
 ) -> dict[str, Any]:
-    """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration, measured by the
-    server's counters over the steady part; requests still running at the end are cancelled (aborted).
+    """One load point: Poisson arrivals at `rate` req/s (emulated) for the preset's duration (or `duration_s`),
+    measured by the server's counters over the steady part; requests still running at the end are cancelled.
+
+    The window is the last 40 % of the arrivals' span, or, with `warmup_s`, everything after that many emulated
+    seconds. With `series` the point also keeps every scrape of the window (`series`: emulated seconds from the
+    window's start, the ITL histogram's sum in emulated seconds and its count, requests running, output tokens)
+    for batch means (amoe.emulation.policy_itl). `grace`: of the duration, how long after the last arrival to wait
+    for requests to finish (`completed`) before cancelling them.
 
     Requests are not streamed: the server's histograms give TTFT and ITL, and one SSE event per token would cost
     this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
@@ -245,10 +260,11 @@ async def load_point(
     from amoe.bench.workloads import make_requests, make_workload
 
     scale = time_scale(setup, p)
-    num = max(4, round(rate * p.duration_s))
+    duration_s = duration_s or p.duration_s
+    num = max(4, round(rate * duration_s))
     arrivals = arrival_times(num, rate / scale, 1.0, seed)
     requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
-    span = arrivals[-1] if arrivals[-1] > 0 else p.duration_s * scale
+    span = arrivals[-1] if arrivals[-1] > 0 else duration_s * scale
     logger.info(
         "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
     )
@@ -263,10 +279,18 @@ async def load_point(
         load = asyncio.ensure_future(run_requests(client, requests, arrivals))
         await asyncio.sleep(span)
         await probe.stop()
-        done = await _finish(load, p.duration_s * scale * 0.1)
+        done = await _finish(load, duration_s * scale * grace)
         await _drain(http)
-    window = (start + _WARMUP_FRACTION * span, start + span)
+    opens = _WARMUP_FRACTION * span if warmup_s is None else min(warmup_s * scale, span)
+    window = (start + opens, start + span)
     point = measure(setup, kind, rate, probe, start, window, done, scale)
+    if series:
+        inside = [s for s in probe.scrapes if window[0] <= s.t <= window[1]]
+        point["series"] = [
+            (round((s.t - inside[0].t) / scale, 4), s.itl_sum / scale, s.itl_count, s.running, s.tokens)
+            for s in inside
+        ]
+        point["window_s"] = round((inside[-1].t - inside[0].t) / scale, 3) if inside else 0.0
     # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
     # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
     point["sent"] = num

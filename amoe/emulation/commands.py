@@ -139,6 +139,10 @@ def add_bench_policies_command(sub: Any) -> None:
         help="emulated seconds of arrivals per point (default 4: the overload point fills its ranks in ~2)",
     )  # fmt: skip
     p.add_argument(
+        "--half-duration", type=float, default=5.5,
+        help="emulated seconds of arrivals of the half-load point, measured after its first 1.5 (default 5.5)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-num-seqs", type=int, default=None,
         help="requests each rank holds (default: the planner's concurrency for the deployment; 0: no cap)",
     )  # fmt: skip

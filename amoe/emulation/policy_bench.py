@@ -16,6 +16,26 @@ replace requests as they end. Without that cap an overloaded point's requests in
 its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
 draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
 arrivals").
+
+The half-load point (decided 2026-11-27 from its traces, docs/results.md "Why the half-load ITL differed between
+runs", before the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
+output token whose interval ended in it, so by Little's law the time-average of the requests in flight over the
+arrivals' token rate. The ITL is correlated over 0.15–1.1 emulated seconds, the requests in flight over
+0.5–2.2 s (a request lives ~0.9 s), so the old window, the last 40 % of 4 s (1.6 s), held one to a few
+independent samples: by batch means its 95 % interval was ±6.6 % of the ITL in one run, ±9 % on two runs'
+difference — a 5 % agreement was not inside what it could resolve. Now, the same for every policy:
+
+* the point is HALF_DURATION_S = 5.5 emulated seconds of arrivals (was 4);
+* its window opens after HALF_WARMUP_S = 1.5 s, the longest request's lifetime (130 tokens at ~11.5 ms): from then
+  on every request in flight arrived inside the point, an M/G/∞ queue's steady state (the requests in flight
+  plateaued by 1.0–1.25 s in the traces), so the window is 4 s (2.5× the old) and the warm-up is left out by that
+  stated rule, not by a fraction of the span;
+* each run's ITL comes with its 95 % interval by batch means over HALF_BATCHES = 4 batches of 1 s (at least the
+  correlation time; their lag-1 autocorrelation is reported), and the overload point's throughput by Little's law
+  with its own (MAX_BATCHES = 4 of 0.4 s); a spread between runs is reported with its interval (the runs'
+  half-widths in quadrature), so it says whether two runs differ by more than their windows can resolve.
+
+The overload point is unchanged (4 s, the last 40 %): its throughput already repeated within 1–3 %.
 """
 
 from __future__ import annotations
@@ -49,6 +69,13 @@ logger = logging.getLogger(__name__)
 # two ranks meet at the experts). Caps 64 / 256 keep the host's work per emulated second within one core.
 SETUP = Setup("aep", 2, 2, top_k=1, workload="short", gpu="a100-80g", group="policies")
 HALF = 0.5
+# The half-load point (module docstring, "The half-load point"): emulated seconds of arrivals, the warm-up left out
+# and the batches its interval is computed over.
+HALF_DURATION_S = 5.5
+HALF_WARMUP_S = 1.5
+HALF_BATCHES = 4
+# The overload point's window (the last 40 % of 4 s) in batches of 0.4 s: its interval.
+MAX_BATCHES = 4
 
 
 def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale: float) -> Preset:
@@ -73,7 +100,12 @@ def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
 
 
 async def _policy_points(
-    policy: str, p: Preset, seed: int, step_variance: str = "sourced", seqs: int | None = None
+    policy: str,
+    p: Preset,
+    seed: int,
+    step_variance: str = "sourced",
+    seqs: int | None = None,
+    half_duration_s: float = HALF_DURATION_S,
 ) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
@@ -82,7 +114,15 @@ async def _policy_points(
     with server:
         points = []
         for load in p.loads:
-            pt = await load_point(server, setup, p, seed, load * rate_ub, f"load {load:g}")
+            # The half-load point: longer, measured from HALF_WARMUP_S on (module docstring); the others as before.
+            longer = (
+                {"duration_s": half_duration_s, "warmup_s": HALF_WARMUP_S, "grace": 0.0}
+                if load == HALF
+                else {}
+            )
+            pt = await load_point(
+                server, setup, p, seed, load * rate_ub, f"load {load:g}", series=True, **longer
+            )
             points.append({**pt, "rate_of_bound": load})
             for line in pt.get("server_warnings") or ():
                 logger.warning("[policies] %s load %g: the server warned: %s", policy, load, line)
@@ -109,9 +149,29 @@ def not_overloaded(pt: dict) -> bool:
     )
 
 
+def _interval(pt: dict | None, batches: int, little: bool) -> dict:
+    """A point's 95 % interval by batch means over its window (amoe.emulation.policy_itl.batch_means): the
+    half-width relative to its figure and the batch figures' lag-1 autocorrelation; {} for a point recorded
+    without its series or too short for the batches."""
+    from amoe.emulation.policy_itl import batch_means
+
+    series = (pt or {}).get("series")
+    if not series:
+        return {}
+    try:
+        got = batch_means(series, series[0][0], series[-1][0], batches, little=little)
+    except ConfigError:
+        return {}
+    lag1 = got["lag1"]
+    return {"ci_rel": round(got["ci_rel"], 4), "lag1": None if lag1 is None else round(lag1, 2)}
+
+
 def _summary(points: list[dict], loads: tuple[float, ...]) -> dict:
     at = {pt["kind"]: pt for pt in points}
     half = at.get(f"load {HALF:g}")
+    top = at.get(f"load {max(loads):g}")
+    itl_ci = _interval(half, HALF_BATCHES, little=False)
+    tps_ci = _interval(top, MAX_BATCHES, little=True)
     # A run whose overload point did not overload has no maximum to report (None: left out of the median).
     invalid = [pt["kind"] for pt in points if not_overloaded(pt)]
     little = [x for x in map(_little, points) if x is not None]
@@ -120,7 +180,12 @@ def _summary(points: list[dict], loads: tuple[float, ...]) -> dict:
         "throughput_max": None if invalid else round(max(pt["throughput"] for pt in points)),
         "not_overloaded": invalid,
         "server_warnings": sum(len(pt.get("server_warnings") or ()) for pt in points),
+        "throughput_little_ci_rel": tps_ci.get("ci_rel"),
+        "throughput_little_lag1": tps_ci.get("lag1"),
         "itl_ms_at_half_load": round(half["itl_ms_mean"], 2) if half and half["itl_ms_mean"] else None,
+        "itl_ci_rel": itl_ci.get("ci_rel"),
+        "itl_lag1": itl_ci.get("lag1"),
+        "itl_window_s": half.get("window_s") if half else None,
         "completed_at_max_load": at[f"load {max(loads):g}"]["completed"],
         "saturated": [pt["kind"] for pt in points if pt.get("saturated")],
     }
@@ -153,6 +218,10 @@ def main(args) -> int:
     loads = tuple(float(x) for x in args.loads.split(","))
     if HALF not in loads:
         raise ConfigError(f"--loads must include {HALF:g} (the ITL at half load); got {args.loads!r}")
+    if not args.half_duration > HALF_WARMUP_S:
+        raise ConfigError(
+            f"--half-duration must exceed the half-load point's {HALF_WARMUP_S:g} s warm-up; got {args.half_duration}"
+        )
     scale, probe_s = calibrate.scaled(args.time_scale)
     p = _preset(args.blocks, loads, args.duration, scale)
     seqs = max_seqs(p, args.step_variance) if args.max_num_seqs is None else args.max_num_seqs
@@ -163,7 +232,9 @@ def main(args) -> int:
     for i in range(args.repeats):
         seed = args.seed + i
         for policy in policies:  # interleaved, so a change in the host's load falls on every policy alike
-            points = asyncio.run(_policy_points(policy, p, seed, args.step_variance, seqs or None))
+            points = asyncio.run(
+                _policy_points(policy, p, seed, args.step_variance, seqs or None, args.half_duration)
+            )
             runs[policy].append({"seed": seed, **_summary(points, loads), "points": _slim(points)})
             logger.info(
                 "[policies] %s seed %d: %s",
@@ -174,7 +245,8 @@ def main(args) -> int:
     rows = {policy: _median(r) for policy, r in runs.items()}
     summary = {
         "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed, "step_variance": args.step_variance,
-        "max_num_seqs_per_rank": seqs, "duration_s": args.duration,
+        "max_num_seqs_per_rank": seqs, "duration_s": args.duration, "half_duration_s": args.half_duration,
+        "half_warmup_s": HALF_WARMUP_S, "half_batches": HALF_BATCHES, "max_batches": MAX_BATCHES,
         "time_scale": round(scale, 2), "probe_us": round(probe_s * 1e6, 1), "policies": rows,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
@@ -182,19 +254,23 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "policies.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
     print(
-        f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'by Little':>10} {'spread':>7} {'ITL ms at half':>15} {'spread':>7}"
+        f"{'policy':<8} {'tok/s at max':>13} {'spread':>7} {'by Little':>10} {'spread':>7} {'± 95 %':>7} "
+        f"{'ITL ms at half':>15} {'spread':>7} {'± 95 %':>7}"
     )
     for policy, r in rows.items():
         print(
             f"{policy:<8} {r['throughput_max']!s:>13} {r['throughput_spread']!s:>7} {r['throughput_little_max']!s:>10} "
-            f"{r['throughput_little_spread']!s:>7} {r['itl_ms_at_half_load']!s:>15} {r['itl_spread']!s:>7}"
+            f"{r['throughput_little_spread']!s:>7} {r['throughput_little_spread_ci']!s:>7} "
+            f"{r['itl_ms_at_half_load']!s:>15} {r['itl_spread']!s:>7} {r['itl_spread_ci']!s:>7}"
         )
     print(json.dumps(summary))
     return 0
 
 
 def _median(runs: list[dict]) -> dict:
-    little = [r["throughput_little_max"] for r in runs if r.get("throughput_little_max")]
+    little_runs = [r for r in runs if r.get("throughput_little_max")]
+    itl_runs = [r for r in runs if r["itl_ms_at_half_load"]]
+    little = [r["throughput_little_max"] for r in little_runs]
     med_little = statistics.median(little) if little else None
     tps = [r["throughput_max"] for r in runs if r["throughput_max"] is not None]
     itl = [r["itl_ms_at_half_load"] for r in runs if r["itl_ms_at_half_load"]]
@@ -206,7 +282,21 @@ def _median(runs: list[dict]) -> dict:
         "throughput_spread": _spread(tps),
         "itl_ms_at_half_load": round(med_itl, 2) if med_itl else None, "itl_runs": itl,
         "itl_spread": _spread(itl),
+        # Each run's 95 % interval (relative half-width, batch means) and the spread's: the runs' intervals
+        # combined in quadrature over their median (two runs: their difference's interval).
+        "throughput_little_ci_runs": [r.get("throughput_little_ci_rel") for r in little_runs],
+        "throughput_little_spread_ci": _spread_ci(little, [r.get("throughput_little_ci_rel") for r in little_runs]),
+        "itl_ci_runs": [r.get("itl_ci_rel") for r in itl_runs],
+        "itl_spread_ci": _spread_ci(itl, [r.get("itl_ci_rel") for r in itl_runs]),
     }  # fmt: skip
+
+
+def _spread_ci(xs: list[float], rel: list[float | None]) -> float | None:
+    """The 95 % half-width of the runs' spread, relative to their median: their own intervals' half-widths in
+    quadrature (for two runs, the interval of their difference); None without two runs that have one."""
+    if len(xs) < 2 or any(r is None for r in rel):
+        return None
+    return round(math.sqrt(sum((x * r) ** 2 for x, r in zip(xs, rel))) / statistics.median(xs), 3)
 
 
 def _spread(xs: list[float]) -> float | None:
@@ -216,5 +306,6 @@ def _spread(xs: list[float]) -> float | None:
 
 def _slim(points: list[dict]) -> list[dict]:
     keep = ("kind", "rate", "throughput", "throughput_fit", "itl_ms_mean", "itl_ms_p90", "ttft_ms_mean", "busy",
-            "host_cores", "saturated", "running_mean", "completed", "sent", "rate_of_bound", "server_warnings")  # fmt: skip
+            "host_cores", "saturated", "running_mean", "completed", "sent", "rate_of_bound", "server_warnings",
+            "window_s", "series")  # fmt: skip
     return [{k: pt.get(k) for k in keep} for pt in points]
