@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from amoe.model.checkpoint import write_random_checkpoint
 from amoe.model.presets import preset
+
+# The tests' own torch work (references, in-process engines, transformers) on one intra-op thread, as each runtime
+# process runs (--threads-per-rank 1): the tiny models' ops are far too small to gain from a second thread, and on
+# a 2-core host shared with runtimes or another job, two OpenMP threads waiting on each other made a 32-token
+# generate 60x slower (18 s against 0.3 s beside a busy host). The processes the tests start (`amoe generate`,
+# `--parallel local` servers) inherit it; runtimes set theirs from --threads-per-rank either way.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def mixtral_config(**overrides: Any) -> dict[str, Any]:

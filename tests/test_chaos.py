@@ -1,7 +1,8 @@
-"""Chaos (self-healing): 2 attention + 3 expert runtimes serving 24 concurrent streaming greedy requests while a
-runtime of either kind is killed with SIGKILL every ~10 s and one is stopped (SIGSTOP) for 20 s. Every request
-completes with exactly the text of a run without faults, /health ends "ok", every KV block is free again, and
-nothing is left behind."""
+"""Chaos (self-healing): 2 attention + 3 expert runtimes serving 24 concurrent streaming greedy requests while
+runtimes of alternating kind are killed with SIGKILL, four in a row, and then an expert runtime is stopped (SIGSTOP).
+Each fault hits mid-stream and the next comes as soon as the last one's replacement serves (no fixed schedule: the
+time between faults is the healing's, not a guess at it). Every request completes with exactly the text of a run
+without faults, /health ends "ok", every KV block is free again, and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from amoe.testing.checked_load import ClosedLoop, reference_texts
 MODEL = "tiny-chaos"
 MAX_TOKENS = 48
 PROMPTS = [[1, 3 + i, 40 + 7 * i, 9] for i in range(24)]
+WAIT_S = 120.0  # hang guard for each step; a stop is noticed after the 10 s heartbeat timeout, then replaced
+STOPPED_S = 20.0  # how long the stopped runtime stays stopped unless it is replaced (killed) first
 
 
 def tagged(tag: str) -> list[psutil.Process]:
@@ -37,9 +40,46 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
-def runtimes(url: str) -> dict[int, tuple[str, int]]:
-    report = httpx.get(f"{url}/health", timeout=10).json()
-    return {r["runtime"]: (r["role"], r["pid"]) for r in report["runtimes"]}
+def runtimes(url: str) -> dict[int, dict]:
+    return {r["runtime"]: r for r in httpx.get(f"{url}/health", timeout=10).json()["runtimes"]}
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        time.sleep(0.1)
+
+
+def tokens(load: ClosedLoop) -> int:
+    return sum(len(o.token_times) for o in load.outcomes)
+
+
+def fault(
+    url: str, load: ClosedLoop, victim: int, sig: signal.Signals, wakes: list[threading.Timer]
+) -> float:
+    """Once tokens stream, send `sig` to runtime `victim`; return when its replacement serves and /health is "ok"
+    again. The time of the fault. A stopped process is woken after STOPPED_S if it still exists then (the
+    watchdog should have killed it long before)."""
+    streamed = tokens(load)
+    wait_until(lambda: tokens(load) > streamed + 24, "tokens streaming")
+    before = runtimes(url)[victim]
+    os.kill(before["pid"], sig)
+    at = time.monotonic()
+    if sig == signal.SIGSTOP:
+        pid = before["pid"]
+        wakes.append(
+            threading.Timer(STOPPED_S, lambda: psutil.pid_exists(pid) and os.kill(pid, signal.SIGCONT))
+        )
+        wakes[-1].start()
+
+    def back() -> bool:
+        report = httpx.get(f"{url}/health", timeout=10).json()
+        now = {r["runtime"]: r for r in report["runtimes"]}[victim]
+        return now["restarts"] > before["restarts"] and report["status"] == "ok"
+
+    wait_until(back, f"{before['role']} runtime {victim} replaced after {sig.name}")
+    return at
 
 
 @pytest.mark.timeout(300)
@@ -54,26 +94,30 @@ def test_requests_survive_killed_and_stopped_runtimes(tmp_path):
     srv = ServerProcess(flags, env={"AMOE_TEST_TAG": tag, "SPT_NOENV": "1"})
     rng = random.Random(7)
     chaos: list[str] = []
+    wakes: list[threading.Timer] = []
     with srv as url:
         start = time.monotonic()
         with ClosedLoop(url, MODEL, PROMPTS, references, MAX_TOKENS, workers=24) as load:
-            for at, kind in ((4, "expert"), (14, "attention"), (24, "expert"), (34, "attention")):
-                time.sleep(max(0.0, start + at - time.monotonic()))
-                victim = rng.choice([rt for rt, (role, _) in runtimes(url).items() if role == kind])
-                os.kill(runtimes(url)[victim][1], signal.SIGKILL)
-                chaos.append(f"t={time.monotonic() - start:.0f}s kill {kind} runtime {victim}")
-            time.sleep(max(0.0, start + 40 - time.monotonic()))
-            stopped = runtimes(url)[rng.choice([2, 3, 4])][1]
-            os.kill(stopped, signal.SIGSTOP)
-            chaos.append(f"t={time.monotonic() - start:.0f}s stop pid {stopped}")
-            threading.Timer(
-                20, lambda: os.kill(stopped, signal.SIGCONT) if psutil.pid_exists(stopped) else None
-            ).start()
-            time.sleep(max(0.0, start + 64 - time.monotonic()))  # the stopped one is replaced by now
+            for kind in ("expert", "attention", "expert", "attention"):
+                victim = rng.choice([rt for rt, r in runtimes(url).items() if r["role"] == kind])
+                at = fault(url, load, victim, signal.SIGKILL, wakes)
+                chaos.append(
+                    f"t={at - start:.0f}s kill {kind} runtime {victim}, back at {time.monotonic() - start:.0f}s"
+                )
+            victim = rng.choice([2, 3, 4])
+            at = fault(url, load, victim, signal.SIGSTOP, wakes)
+            chaos.append(
+                f"t={at - start:.0f}s stop expert runtime {victim}, back at {time.monotonic() - start:.0f}s"
+            )
             last_fault = time.monotonic()
+            wait_until(
+                lambda: any(o.ended > last_fault for o in load.outcomes), "requests end after the last fault"
+            )
         health = httpx.get(f"{url}/health", timeout=10).json()
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         pids = [p.pid for p in tagged(tag)]
+    for wake in wakes:  # its process was killed when it was replaced: nothing is left to wake
+        wake.cancel()
     assert load.outcomes and not load.failed, [(o.prompt, o.error) for o in load.failed][:5]
     assert not load.mismatched, [(o.prompt, o.text[:60]) for o in load.mismatched][:5]
     # The load kept flowing: every worker's request in flight at the end finished, and requests also finished

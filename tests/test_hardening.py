@@ -43,7 +43,8 @@ def serve(model_dir, *flags: str, env: dict[str, str] | None = None) -> ServerPr
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    """1 attention + 2 expert runtimes, the API key from the environment, faults for tokens 900 and 901."""
+    """1 attention + 2 expert runtimes, the API key from the environment, faults for tokens 900 and 901. Its last
+    test stops an expert runtime, which is replaced."""
     env = {"AMOE_API_KEY": KEY, "AMOE_FAULTS": "admit:900,attend:901"}
     srv = serve(model_dir, "--server-stall-timeout-s", "3", env=env)
     with srv as url:
@@ -420,21 +421,21 @@ def test_every_mode_refuses_seed_overflow_and_listens_on_loopback(model_dir, fla
 
 
 @pytest.mark.timeout(120)
-def test_a_stopped_runtime_is_reported_within_15_s_and_replaced(model_dir):
-    srv = serve(model_dir, env={"AMOE_API_KEY": KEY})
-    with srv as url:
-        pid = runtime_pid(srv, "amoe: expert runtime 2")
-        os.kill(pid, signal.SIGSTOP)
-        start = time.monotonic()
-        while (report := httpx.get(url + "/health", headers=HEADERS, timeout=10).json())["status"] == "ok":
-            assert time.monotonic() - start < 15, "still reported healthy"
-            time.sleep(0.2)
-        assert report["status"] == "degraded" and "expert runtime 2" in report["reason"], report
-        while httpx.get(url + "/health", timeout=10).json()["status"] != "ok":  # replaced: serving again
-            assert time.monotonic() - start < 60, "not replaced"
-            time.sleep(0.2)
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        serves_and_frees_kv(url)
+def test_a_stopped_runtime_is_reported_within_15_s_and_replaced(server):
+    # On the module's server (the tests before it are done with it), whose heartbeat timeout is the default.
+    url = server.url
+    pid = runtime_pid(server, "amoe: expert runtime 2")
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    while (report := httpx.get(url + "/health", headers=HEADERS, timeout=10).json())["status"] == "ok":
+        assert time.monotonic() - start < 15, "still reported healthy"
+        time.sleep(0.2)
+    assert report["status"] == "degraded" and "expert runtime 2" in report["reason"], report
+    while httpx.get(url + "/health", timeout=10).json()["status"] != "ok":  # replaced: serving again
+        assert time.monotonic() - start < 60, "not replaced"
+        time.sleep(0.2)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    serves_and_frees_kv(url)
 
 
 @pytest.mark.timeout(120)

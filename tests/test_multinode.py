@@ -259,29 +259,40 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
             head.kill_all()
 
 
-def _serve(*argv: str, timeout: float = 100) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "amoe", "serve", *argv], capture_output=True, text=True, timeout=timeout
+def _serve(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "amoe", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 @pytest.mark.timeout(150)
 def test_a_node_that_never_joins_and_an_agent_that_finds_no_node_0_fail_in_one_line(model_dir, tmp_path):
     secret = write_secret(tmp_path / "secret", "n" * 64)
-    with socket.socket() as s:
+    # Two addresses: node 0's, and one nobody serves for the agent. The two commands run side by side: each waits
+    # out its own 3 s, and neither can reach the other.
+    with socket.socket() as s, socket.socket() as t:
         s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
-    common = ["--model", str(model_dir), "--nnodes", "2", "--dist-init-addr", addr, "--cluster-secret-file", secret,
+        t.bind(("127.0.0.1", 0))
+        addr, nobody = (f"127.0.0.1:{sock.getsockname()[1]}" for sock in (s, t))
+    common = ["--model", str(model_dir), "--nnodes", "2", "--cluster-secret-file", secret,
               "--attn-ranks", "1", "--expert-ranks", "1", "--dist-timeout-s", "3"]  # fmt: skip
-    head = _serve(*common, "--port", "0")
+    head = _serve(*common, "--dist-init-addr", addr, "--port", "0")
+    agent = _serve(*common, "--dist-init-addr", nobody, "--node-rank", "1")
+    try:
+        head_err, agent_err = head.communicate(timeout=100)[1], agent.communicate(timeout=100)[1]
+    finally:
+        for proc in (head, agent):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert head.returncode != 0
-    last = head.stderr.strip().splitlines()[-1]
-    assert last.startswith("amoe: error: node(s) 1 did not join within 3 s"), head.stderr[-2000:]
-    assert "Traceback" not in head.stderr
-    agent = _serve(*common, "--node-rank", "1")
-    assert agent.returncode != 0 and "Traceback" not in agent.stderr
+    last = head_err.strip().splitlines()[-1]
+    assert last.startswith("amoe: error: node(s) 1 did not join within 3 s"), head_err[-2000:]
+    assert "Traceback" not in head_err
+    assert agent.returncode != 0 and "Traceback" not in agent_err
     assert (
-        agent.stderr.strip()
-        .splitlines()[-1]
-        .startswith("amoe: error: cannot reach node 0's rendezvous store")
+        agent_err.strip().splitlines()[-1].startswith("amoe: error: cannot reach node 0's rendezvous store")
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 
+import numpy as np
 import torch
 
 from amoe.errors import AmoeError
@@ -33,8 +35,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         shape = (num_kv_blocks * block_size, num_kv_heads, head_dim)
-        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.value = [zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store this chunk's K/V ([n, kv_heads, head_dim]) at its slots ([n])."""
@@ -53,6 +55,16 @@ class PagedKVCache:
         return self.key[layer].index_select(0, flat).view(shape), self.value[layer].index_select(
             0, flat
         ).view(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(shape); on the CPU from pages the kernel zeroes on first touch (numpy's calloc), so a cache costs
+    the pages its requests write, not all of it up front: torch.zeros writes every byte at once (the tiny model's
+    default cache is 512 MB per rank, ~0.3 s of CPU and all of it resident, however few requests it serves)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -75,10 +87,7 @@ class LatentKVCache:
     ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
-        self.entries = [
-            torch.zeros(num_kv_blocks * block_size, width, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        self.entries = [zeros((num_kv_blocks * block_size, width), dtype, device) for _ in range(num_layers)]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
         """Store this chunk's [n, width] entries at its slots ([n])."""
