@@ -112,7 +112,7 @@ def test_the_batch_means_rule_stops_on_a_stationary_series_and_not_on_a_trending
     stationary series with 2 % noise a batch gets there within 32 batches; one drifting by 20 % over them (a
     transient the warm-up left) never does, its batches' spread being the drift. (A drift within the noise can
     pass: batch means assume a stationary series, which is what the warm-up is for.)"""
-    from amoe.emulation.aep_at_scale import batch_means_halfwidth
+    from amoe.emulation.batch_means import batch_means_halfwidth
 
     for seed in range(5):
         rng = np.random.default_rng(seed)
@@ -130,7 +130,7 @@ def test_a_simulation_with_batches_stops_early_and_reports_the_batches_it_measur
     """With `batches` the own-phase simulation stops at the first batch k >= 10 whose interval is within the bound
     asked (refine's +-1 % needs a full-depth plan's many steps a batch; this 4-block plan's batches are noisier, so
     +-5 % here) and its figures are those k batches' own, within that interval of the whole window's figure."""
-    from amoe.emulation.aep_at_scale import batch_means_halfwidth
+    from amoe.emulation.batch_means import batch_means_halfwidth
 
     model, dep, _, whole = scale32
     itl = 0.00707

@@ -20,25 +20,9 @@ import numpy as np
 from amoe.config import SchedulerSection
 from amoe.emulation import bounds
 from amoe.emulation import cost_model as cm
+from amoe.emulation.batch_means import batch_means_halfwidth
 from amoe.emulation.profiles import HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.simulated import Simulated
-
-# Student's t at 97.5 % for 1–40 degrees of freedom (the batch-means interval; past 40 the last is within 1.5 %).
-_T975 = (
-    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.306, 2.2622, 2.2281, 2.201, 2.1788, 2.1604, 2.1448,
-    2.1314, 2.1199, 2.1098, 2.1009, 2.093, 2.086, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484,
-    2.0452, 2.0423, 2.0395, 2.0369, 2.0345, 2.0322, 2.0301, 2.0281, 2.0262, 2.0244, 2.0227, 2.0211,
-)  # fmt: skip
-
-
-def batch_means_halfwidth(x: np.ndarray) -> float:
-    """The 95 % batch-means interval's half-width of the mean of `x` (one value a batch), relative to that mean:
-    t(0.975, k − 1) · s / √k / mean (inf with fewer than 2 batches or a mean of 0)."""
-    k = len(x)
-    mean = float(np.mean(x)) if k else 0.0
-    if k < 2 or mean <= 0:
-        return math.inf
-    return _T975[min(k - 1, len(_T975)) - 1] * float(np.std(x, ddof=1)) / math.sqrt(k) / mean
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:

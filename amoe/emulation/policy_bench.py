@@ -150,10 +150,10 @@ def not_overloaded(pt: dict) -> bool:
 
 
 def _interval(pt: dict | None, batches: int, little: bool) -> dict:
-    """A point's 95 % interval by batch means over its window (amoe.emulation.policy_itl.batch_means): the
+    """A point's 95 % interval by batch means over its window (amoe.emulation.batch_means): the
     half-width relative to its figure and the batch figures' lag-1 autocorrelation; {} for a point recorded
     without its series or too short for the batches."""
-    from amoe.emulation.policy_itl import batch_means
+    from amoe.emulation.batch_means import batch_means
 
     series = (pt or {}).get("series")
     if not series:

@@ -19,66 +19,14 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from amoe.errors import ConfigError
+from amoe.emulation.batch_means import batch_means
 
 logger = logging.getLogger(__name__)
-
-# Two-sided 95 % Student t quantiles by degrees of freedom (scipy is not a dependency).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 24: 2.064, 29: 2.045}  # fmt: skip
-
-
-def t95(dof: int) -> float:
-    """The two-sided 95 % Student t quantile for `dof` degrees of freedom (the nearest tabulated below; 1.96 past
-    30)."""
-    if dof < 1:
-        raise ConfigError(f"a confidence interval needs at least two batches; got {dof + 1}")
-    if dof >= 30:
-        return 1.96
-    return _T95[max(k for k in _T95 if k <= dof)]
-
-
-def batch_means(series: list, start: float, end: float, batches: int, little: bool = False) -> dict:
-    """The token-weighted mean ITL over [start, end] (or, `little`, the throughput by Little's law: requests in
-    flight over that ITL) and its 95 % interval by batch means.
-
-    `series`: scrapes in time order, each (time, ITL sum, ITL count[, requests running, ...]) with the sums
-    cumulative (any time unit; ITL in the unit of sum / count). The window is cut into `batches` equal stretches
-    at the scrapes nearest the cut times; each stretch's figure is its Δsum / Δcount (with `little`, its scrapes'
-    mean requests running over that), the interval's half-width t × sd(batch figures) / sqrt(batches), also
-    relative to the window's figure. And the lag-1 autocorrelation of the batch figures: well above 0 says the
-    batches are shorter than the series' correlation and the interval too narrow."""
-    if batches < 2:
-        raise ConfigError(f"batch means need at least 2 batches; got {batches}")
-    inside = [s for s in series if start <= s[0] <= end]
-    if len(inside) < batches + 1:
-        raise ConfigError(f"{len(inside)} scrapes in the window cannot make {batches} batches")
-    cuts = [start + (end - start) * i / batches for i in range(batches + 1)]
-    marks = [min(range(len(inside)), key=lambda i, c=c: abs(inside[i][0] - c)) for c in cuts]
-
-    def figure(i: int, j: int) -> float:
-        a, b = inside[i], inside[j]
-        if b[2] <= a[2]:
-            raise ConfigError("a batch holds no ITL observation: fewer batches or a longer window")
-        itl = (b[1] - a[1]) / (b[2] - a[2])
-        return statistics.fmean(s[3] for s in inside[i : j + 1]) / itl if little else itl
-
-    means = [figure(i, j) for i, j in zip(marks, marks[1:])]
-    whole = figure(marks[0], marks[-1])
-    mean = statistics.fmean(means)
-    sd = statistics.stdev(means)
-    half = t95(batches - 1) * sd / math.sqrt(batches)
-    lag1 = None
-    if batches >= 3 and sd > 0:
-        dev = [m - mean for m in means]
-        lag1 = sum(x * y for x, y in zip(dev, dev[1:])) / sum(x * x for x in dev)
-    return {"value": whole, "batch_means": means, "half_width": half, "ci_rel": half / whole, "lag1": lag1}
 
 
 async def trace_point(

@@ -82,12 +82,18 @@ class ServedCluster:
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     def runtime_stats(self, settled: bool = True, timeout: float = 10.0) -> list[dict]:
-        """Each runtime's latest report (docs/CONTRACTS.md "Runtime stats"); with `settled`, waits for reports
-        that show nothing in flight (heartbeats come every 0.5 s), EngineDeadError after `timeout`."""
+        """Each runtime's latest report (docs/CONTRACTS.md "Runtime stats"); with `settled`, waits for a report
+        from every runtime sent after this call (heartbeats come every 0.5 s) that shows nothing in flight,
+        EngineDeadError after `timeout`. A report from before the call can predate the work the caller just did:
+        an idle report from before any traffic reads as settled with nothing counted."""
         deadline = time.monotonic() + timeout
+        before = {r["runtime"]: r.get("uptime_s", -1.0) for r in self._call(_stats(self.backend))}
         while True:
             reports = self._call(_stats(self.backend))
-            if not settled or (len(reports) == len(self.backend.cluster.runtimes) and _idle(reports)):
+            fresh = all(r.get("uptime_s", 0.0) > before.get(r["runtime"], -1.0) for r in reports)
+            if not settled or (
+                len(reports) == len(self.backend.cluster.runtimes) and fresh and _idle(reports)
+            ):
                 return reports
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the runtimes did not settle within {timeout} s: {reports}")
