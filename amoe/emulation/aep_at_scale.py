@@ -23,6 +23,7 @@ from amoe.emulation import cost_model as cm
 from amoe.emulation.batch_means import batch_means_halfwidth
 from amoe.emulation.profiles import HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.simulated import Simulated
+from amoe.emulation.variance import OFF, StepVariance
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
@@ -44,7 +45,7 @@ class AepAtScale:
 
     def __init__(
         self, model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead,
-        concurrency: int, seed: int, *, counts, steps, same_phase: bool = False,
+        concurrency: int, seed: int, *, counts, steps, same_phase: bool = False, variance: StepVariance = OFF,
     ):  # fmt: skip
         # counts (simulate_scale.Counts) and steps (simulate_scale.GroupedSteps over dep's placement) come from the
         # caller (simulate_scale.aep_at_scale), so this module does not import the one that imports it.
@@ -81,6 +82,18 @@ class AepAtScale:
         for experts in hosted:
             one[min(experts, key=model.intermediate_of)] = 1.0
         self.step_min = self.steps(one)[self.gpus]
+        # Step-time variance (docs/emulation.md "Step-time variance at scale"): attention GPU a is device a, expert
+        # GPU g device A + g; each step × the device's speed × a jitter drawn when the step is committed. The
+        # look-ahead takes the least a step can then be.
+        self.variance = variance
+        self.attn_min = self.attn
+        if not variance.is_off:
+            self.a_speed = variance.speeds(0, A)
+            self.e_speed = np.array([variance.speed(A + int(g)) for g in self.gpus])
+            self.jit_rng = variance.jitter_rng(A + dep.num_expert)
+            low = 1.0 - variance.jitter
+            self.step_min = self.step_min * self.e_speed * low
+            self.attn_min = self.attn * float(self.a_speed.min()) * low
         # Each wave starts at a block drawn from the seed (as the one timeline's waves were): per attention GPU, or
         # one draw for all of them (same_phase: the old one timeline).
         rng = np.random.default_rng([seed, 36])
@@ -159,7 +172,7 @@ class AepAtScale:
                         return self._result_of_batches(done)
             # No reply still to be decided comes before ret_min, no dispatch before arr_min.
             ret_min = (e_start + self.step_min).min() + lat
-            arr_min = min(begin.min(), ret_min) + self.attn + lat
+            arr_min = min(begin.min(), ret_min) + self.attn_min + lat
             go_a = np.flatnonzero((r <= ret_min) & (begin < end))
             go_e = np.flatnonzero(e_start < arr_min)
             if len(go_a):
@@ -187,29 +200,49 @@ class AepAtScale:
         lo, hi = self.window
         counted = (begin >= lo) & (begin < hi)
         is_head = self.layer[slot] == self.L
+        # each step's factor (the GPU's speed × its jitter), or none without variance
+        f = None if self.variance.is_off else self.a_speed[gpus] * self.variance.draw(self.jit_rng, len(gpus))
         if is_head.any():
             s, g = slot[is_head], gpus[is_head]
-            self.a_free[g] = begin[is_head] + self.head
+            if f is None:
+                self.a_free[g] = begin[is_head] + self.head
+                self.attn_busy += self.head * int(counted[is_head].sum())
+            else:
+                held = self.head * f[is_head]
+                self.a_free[g] = begin[is_head] + held
+                self.attn_busy += float(held[counted[is_head]].sum())
             self.ready[s], self.layer[s] = self.a_free[g], 0
-            self.attn_busy += self.head * int(counted[is_head].sum())
             if self.bins is not None:
-                self.bins[1] += (
-                    np.bincount(self._batch(begin[is_head & counted]), minlength=self.bins.shape[1])
-                    * self.head
-                )
+                if f is None:
+                    self.bins[1] += (
+                        np.bincount(self._batch(begin[is_head & counted]), minlength=self.bins.shape[1])
+                        * self.head
+                    )
+                else:
+                    self.bins[1] += np.bincount(
+                        self._batch(begin[is_head & counted]), held[counted[is_head]], self.bins.shape[1]
+                    )
         att = ~is_head
         if not att.any():
             return
         s, g, b = slot[att], gpus[att], begin[att]
-        sent = b + self.attn
+        held = self.attn if f is None else self.attn * f[att]
+        sent = b + held
         self.a_free[g] = sent
         # progress: one wave's block (as the event level counts attention-step rows)
         self.done_rows += self.w * int(counted[att].sum())
-        self.attn_busy += self.attn * int(counted[att].sum())
+        if f is None:
+            self.attn_busy += self.attn * int(counted[att].sum())
+        else:
+            self.attn_busy += float(held[counted[att]].sum())
         if self.bins is not None:
             n = np.bincount(self._batch(b[counted[att]]), minlength=self.bins.shape[1])
             self.bins[0] += self.w * n
-            self.bins[1] += self.attn * n
+            self.bins[1] += (
+                self.attn * n
+                if f is None
+                else np.bincount(self._batch(b[counted[att]]), held[counted[att]], self.bins.shape[1])
+            )
         order = np.argsort(sent, kind="stable")
         s, g, t = s[order], g[order], sent[order]
         drawn = self.counts.draw_many(self.layer[s], self.w, float(t[0]))  # [n, ids]
@@ -273,6 +306,8 @@ class AepAtScale:
         self.queue[pick, :, gpus] -= take
         take = np.ascontiguousarray(take.T)  # [nh, G], C order: step_times sums over nh as before
         dur = self.step_times(take, gpus)
+        if not self.variance.is_off:
+            dur = dur * self.e_speed[gpus] * self.variance.draw(self.jit_rng, len(gpus))
         done = start + dur
         self.e_free[gpus] = done
         sent = take.sum(0)

@@ -71,7 +71,7 @@ def simulate(
     for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). AEP with
     `stagger_ranks`: each attention rank starts at its own time (docs/engine.md "The waves rule" item 9);
     `rank_barrier=False`: waves' expert side as before item 9 (the oldest block, no wait; for comparison). Plans past
-    16 GPUs, 16,384 requests or 64 experts a block run in counts (amoe.emulation.simulate_scale), without the
+    16 GPUs, 16,384 requests or 64 experts a block run in counts (amoe.emulation.simulate_scale), with the same
     variance and without EPS-MoE's pipeline (which stays event-level); `batches`: AEP at scale may stop early by
     its batch-means rule (amoe.emulation.aep_at_scale.AepAtScale.run; 0: the whole window)."""
     from amoe.emulation import simulate_scale as scale
@@ -83,18 +83,21 @@ def simulate(
     at_scale = not scale.is_exact(dep, concurrency, model.num_expert_ids)
     if dep.mode == "ep":
         if (at_scale or dep.redundant_experts or dep.two_batch_overlap) and not dep.pipelined:
-            return scale.ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+            return scale.ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed, variance)
         return _simulate_ep(model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps)
     if dep.mode == "pingpong":
         if at_scale:
-            return scale.pingpong(model, dep, routing, mean_context, host, concurrency, duration_s, seed)
+            return scale.pingpong(
+                model, dep, routing, mean_context, host, concurrency, duration_s, seed, variance
+            )
         return _simulate_pingpong(
             model, dep, routing, mean_context, host, concurrency, duration_s, seed, steps
         )
     if at_scale:
         return scale.aep_waves(
-            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed, batches=batches
-        )
+            model, dep, routing, mean_context, host, concurrency, duration_s, warmup_s, seed, batches=batches,
+            variance=variance,
+        )  # fmt: skip
     return _Aep(
         model, dep, routing, mean_context, host, concurrency, scheduler or SchedulerSection(), seed, steps,
         stagger_ranks, rank_barrier,

@@ -25,8 +25,11 @@ ITLs), so at scale the simulation changes its unit, not its language:
   Links: one message set at a time each way, first sent first through; a set is what one GPU sends at one instant
   (a wave's dispatch, an expert step's outputs); sets that leave different GPUs at the same instant share the
   receiving link and arrive together, so with every attention GPU on one phase (`same_phase`) this is the old one
-  timeline but for the pick among queued blocks. Left out: the step-time variance, request-level affinity, the
-  attention runtime's fragmented steps.
+  timeline but for the pick among queued blocks. Left out: request-level affinity, the attention runtime's
+  fragmented steps.
+* **Step-time variance** (docs/emulation.md "Step-time variance at scale"), as the event-level simulation draws
+  it: each GPU a fixed speed (seed, device id), each step a jitter, drawn as arrays; EP's and ping-pong's
+  barriers pay the slowest device of each step, AEP's queues each GPU's own step times. Off: today's figures.
 * **Speed**: conservative rounds vectorised over GPUs (aep_at_scale.AepAtScale.run): about as many rounds as one
   expert GPU runs steps, each ~0.3–3 ms of numpy — up to A times the one timeline's events where steps split.
 
@@ -45,6 +48,7 @@ from amoe.emulation.ep_at_scale import sample_counts
 from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.simulated import Simulated
+from amoe.emulation.variance import OFF, StepVariance
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -201,17 +205,21 @@ class Nics:
 def aep_waves(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
+    variance: StepVariance = OFF,
 ):  # fmt: skip
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.emulation.aep_at_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
-    simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none)."""
-    sim = aep_at_scale(model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase)
+    simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none).
+    `variance`: every GPU's steps × its speed × a jitter each (docs/emulation.md "Step-time variance at scale")."""
+    sim = aep_at_scale(
+        model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase, variance=variance
+    )
     return sim.run(warmup_s, duration_s, batches=batches)
 
 
 def aep_at_scale(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
-    seed: int, same_phase: bool = False,
+    seed: int, same_phase: bool = False, variance: StepVariance = OFF,
 ):  # fmt: skip
     """The own-phase AEP simulation of `dep` (amoe.emulation.aep_at_scale.AepAtScale), with this module's routing
     counts and grouped step costs."""
@@ -220,16 +228,19 @@ def aep_at_scale(
     steps = GroupedSteps(model, gpu_profile(dep.expert_gpu), dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
     return AepAtScale(
-        model, dep, routing, ctx, host, concurrency, seed, counts=counts, steps=steps, same_phase=same_phase
-    )
+        model, dep, routing, ctx, host, concurrency, seed, counts=counts, steps=steps, same_phase=same_phase,
+        variance=variance,
+    )  # fmt: skip
 
 
 def ep(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
-    duration_s: float, seed: int,
+    duration_s: float, seed: int, variance: StepVariance = OFF,
 ):  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
-    counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated."""
+    counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated.
+    `variance`: each device's steps × its speed × a jitter per barrier, the barrier at the slowest
+    (docs/emulation.md "Step-time variance at scale")."""
     from amoe.emulation import ep_at_scale as scale
 
     gpu = gpu_profile(dep.attn_gpu)
@@ -247,10 +258,30 @@ def ep(
     exchange = bounds.ep_exchange_time(model, gpu, rows, dep)
     head = cm.head_time(model, gpu, b, b, host)
     elapsed, iterations, busy = 0.0, 0, 0.0
+    L, halves = model.num_blocks, 2 if overlap else 1
+    varied = not variance.is_off
+    if varied:
+        speed = variance.speeds(0, n)  # [devices]
+        rng = variance.jitter_rng(n)
+        attn_s, head_s = attn * speed, head * speed
     while elapsed < duration_s or iterations < 8:
-        iteration = head
-        for blk in range(model.num_blocks):
+        if varied:
+            # One draw an iteration for every barrier's devices: the head, then per block and micro-batch the
+            # attention and the experts' barrier.
+            jit = variance.draw(rng, (1 + 2 * L * halves) * n).reshape(-1, n)
+            iteration = float((head_s * jit[0]).max())
+            jit = jit[1:].reshape(L, halves, 2, n)
+        else:
+            iteration = head
+        for blk in range(L):
             per_device = steps[blk](counts.draw(blk, int(round(n * rows)), elapsed))
+            if varied:
+                a = (attn_s * jit[blk, :, 0]).max(1)  # [halves] each micro-batch's slowest attention
+                held = per_device * speed * jit[blk, :, 1]  # [halves, devices] each one's grouped GEMM
+                compute = float((a + held.max(1)).sum())
+                iteration += compute + exchange if not overlap else max(compute, 2 * exchange)
+                busy += float(held.mean(1).sum()) / halves
+                continue
             iteration += scale.block_time(attn, float(per_device.max()), exchange, overlap)
             busy += float(per_device.mean())
         elapsed += iteration
@@ -264,10 +295,11 @@ def ep(
 
 def pingpong(
     model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
-    duration_s: float, seed: int,
+    duration_s: float, seed: int, variance: StepVariance = OFF,
 ):  # fmt: skip
     """Ping-pong's lock-step (amoe.emulation.simulate._simulate_pingpong) with counts and every expert GPU's step
-    at once; returns Simulated."""
+    at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed × jitter),
+    each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale")."""
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
@@ -279,25 +311,42 @@ def pingpong(
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
     now, iterations, exp_busy, attn_busy = 0.0, 0, 0.0, 0.0
+    E = steps.where.shape[1]
+    varied = not variance.is_off
+    if varied:
+        a_speed, e_speed = variance.speeds(0, A), variance.speeds(A, E)
+        rng = variance.jitter_rng(A + E)
+        # [L + 1, m] each attention step's length, [L, m, E] each expert GPU's jitter: drawn per iteration
+        kinds = np.concatenate([np.full(L, attn), [head]])
     while now < duration_s or iterations < 8:
+        if varied:
+            # The attention steps of one iteration: block 0's m steps first, then after block b the m steps of
+            # block b + 1 (the head after the last); each the slowest attention GPU's.
+            a_steps = (
+                kinds[:, None, None] * a_speed * variance.draw(rng, (L + 1) * m * A).reshape(L + 1, m, A)
+            )
+            a_steps = a_steps.max(2)
+            e_jit = variance.draw(rng, L * m * E).reshape(L, m, E) * e_speed
         a_free = now + begin
-        e_free = np.full(steps.where.shape[1], a_free)
+        e_free = np.full(E, a_free)
         sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
-        for _ in range(m):
-            a_free += attn
+        for i in range(m):
+            a_free += float(a_steps[0, i]) if varied else attn
             sent.append(a_free)
         for blk in range(L):
             returned = []
             for i in range(m):
                 drawn = counts.draw(blk, rows, now)
                 per_gpu = steps(drawn)
+                if varied:
+                    per_gpu = per_gpu * e_jit[blk, i]
                 into = drawn @ steps.where
                 e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
                 exp_busy += float(per_gpu.sum())
                 returned.append(nics.combine(e_free, into, float(e_free.max())))
             step = attn if blk < L - 1 else head
             for i in range(m):
-                a_free = max(a_free, returned[i]) + step
+                a_free = max(a_free, returned[i]) + (float(a_steps[blk + 1, i]) if varied else step)
                 sent[i] = a_free
         attn_busy += m * (L * attn + head)
         now = a_free
