@@ -5,8 +5,8 @@ each step, AEP's queues each GPU's own step times; off gives the figures the sim
 import pytest
 
 from amoe.emulation import bounds as B
-from amoe.emulation.simulate import simulate
 from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.simulate import simulate
 from amoe.emulation.variance import OFF, SOURCED, StepVariance
 
 ROUTING = "skew-exp:0.0025"
