@@ -15,7 +15,7 @@ CTX = 2000.0
 
 @pytest.fixture(scope="module")
 def model():
-    return model_profile("deepseek-v3:4", 8)  # 257 expert ids a block: always the simulation at scale
+    return model_profile("deepseek-v3:4", 8)  # 256 experts a block (> 64): always the simulation at scale
 
 
 HOST = host_overhead("none")
