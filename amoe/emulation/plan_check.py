@@ -242,7 +242,10 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
     predicted rate until admission holds the plan at its concurrency, measured over the last 40 % of a point about
     a request lifetime long (amoe.bench.compare; ~5× the wall time)."""
     d = check.deployment
-    setup = Setup(d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu)
+    setup = Setup(
+        d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu,
+        policy=p.aep_policy,  # the point's name in the logs (the server runs it: flags)
+    )  # fmt: skip
     pred = plan.prediction
     # Arrivals fill the plan's concurrency in ITL × tokens per request / overload; the measured window (the last
     # 40 % of the point) opens well after that.
