@@ -189,6 +189,7 @@ def _vllm_positionals(args: argparse.Namespace) -> None:
 
 
 def add_plan_command(sub: Any) -> None:
+    from amoe.emulation.commands import add_aep_policy
     from amoe.emulation.routing import DEFAULT_LAMBDA
 
     p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
@@ -216,6 +217,7 @@ def add_plan_command(sub: Any) -> None:
         help="GPUs' speed spread and step jitter the plans assume: sourced | off | SPREAD[,jitter=J][,seed=N]",
     )  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
+    add_aep_policy(p)
     p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
     p.add_argument(

@@ -9,6 +9,7 @@ against the bound. One JSON line per plan. Timing-sensitive: run it under `flock
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -48,9 +49,9 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
     bound = B.predict(model, dep, B.routing_inclusion(model, ROUTING), mean_context("short"),
                       host_overhead("amoe-paper"))  # fmt: skip
     check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
-    preset = dataclass_preset()
+    preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # flags() carries --scheduler POLICY
     scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
-    argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale) + ["--scheduler", policy]
+    argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale)
     setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
     run = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,

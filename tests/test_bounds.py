@@ -250,6 +250,82 @@ def test_amoe_plan_command_prints_json_and_a_table():
     assert bad.returncode != 0 and bad.stderr.startswith("amoe: error: --gpus")
 
 
+def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
+    """`--aep-policy` (default waves, issue 32): the policy AEP plans are simulated with is the one their `amoe
+    serve` command runs (`--scheduler`, the bound's requests per rank as --cache-max-num-seqs, so waves keeps the
+    W waves the simulation had); EP and ping-pong have no scheduler; defrag is amoe serve's default."""
+    from dataclasses import replace
+
+    import amoe.emulation.plan as planner
+    from amoe.cli import build_parser
+
+    assert (
+        planner.AEP_POLICY == "waves" and PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == "waves"
+    )
+    seen = []
+
+    def fake_refine(
+        model,
+        dep,
+        routing,
+        ctx,
+        host,
+        pred=None,
+        itl_slo_ms=None,
+        concurrency=None,
+        variance=None,
+        policy=None,
+    ):
+        seen.append((dep.mode, policy))
+        extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
+        return planner.Plan(dep, replace(pred, extra=extra), None)
+
+    monkeypatch.setattr(planner, "refine", fake_refine)
+    req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:8"), top_k=1, attn_caps=(256,), expert_caps=(512,),
+                      balanced=False, replicate=False, simulate_top=2, simulate_per_mode=1)  # fmt: skip
+    for policy, flag in (
+        ("waves", ["--scheduler", "waves"]),
+        ("mtfs", ["--scheduler", "mtfs"]),
+        ("defrag", []),
+    ):
+        seen.clear()
+        plans = search(replace(req, aep_policy=policy))
+        assert ("aep", policy) in seen and {p for _, p in seen} == {policy}
+        aep = next(p for p in plans if p.deployment.mode == "aep")
+        for emulated in (False, True):
+            argv = serve_command(aep, replace(req, aep_policy=policy), emulated=emulated).split()
+            assert (argv[argv.index("--scheduler") : argv.index("--scheduler") + 2] if flag else []) == flag
+            assert argv.count("--scheduler") == len(flag) // 2
+        config = config_from_args(build_parser().parse_args(argv[1:]))
+        assert config.scheduler.policy == policy and config.parallel.mode == "aep"
+        per_rank = -(-aep.prediction.concurrency // aep.deployment.num_attn)
+        assert config.cache.max_num_seqs == per_rank
+        for other in (p for p in plans if p.deployment.mode != "aep"):
+            assert (
+                "--scheduler"
+                not in serve_command(other, replace(req, aep_policy=policy), emulated=True).split()
+            )
+    with pytest.raises(ConfigError, match="--aep-policy must be one of"):
+        search(replace(req, aep_policy="fifo"))
+
+
+def test_amoe_plan_rejects_an_unknown_aep_policy_and_prints_the_waves_command():
+    cmd = [sys.executable, "-m", "amoe", "plan", "--model-profile", "mixtral-8x7b-mqa", "--gpus", "h100:4",
+           "--top-k", "1", "--simulate-top", "0", "--modes", "aep"]  # fmt: skip
+    bad = subprocess.run([*cmd, "--aep-policy", "fifo"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.startswith("amoe: error: --aep-policy must be one of")
+    assert "Traceback" not in bad.stderr
+    done = subprocess.run([*cmd, "--json", "--top", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (plan,) = json.loads(done.stdout)["plans"]
+    assert "--scheduler waves" in plan["command"] and "--scheduler waves" in plan["emulated_command"]
+    done = subprocess.run([*cmd, "--json", "--top", "1", "--aep-policy", "defrag"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert (
+        done.returncode == 0 and "--scheduler" not in json.loads(done.stdout)["plans"][0]["command"].split()
+    )
+
+
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
     from amoe.emulation.plan import counts
 
@@ -308,7 +384,16 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
     import amoe.emulation.plan as planner
 
     def fake_refine(
-        model, dep, routing, ctx, host, pred=None, itl_slo_ms=None, concurrency=None, variance=None
+        model,
+        dep,
+        routing,
+        ctx,
+        host,
+        pred=None,
+        itl_slo_ms=None,
+        concurrency=None,
+        variance=None,
+        policy=None,
     ):
         if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS
             return planner.Plan(dep, pred, None)
@@ -335,7 +420,16 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
     tried = []
 
     def fake_refine(
-        model, dep, routing, ctx, host, pred=None, itl_slo_ms=None, concurrency=None, variance=None
+        model,
+        dep,
+        routing,
+        ctx,
+        host,
+        pred=None,
+        itl_slo_ms=None,
+        concurrency=None,
+        variance=None,
+        policy=None,
     ):
         tried.append(dep)
         # The first two AEP plans simulate 3× their bound's ITL (over the objective), the others at their bound.

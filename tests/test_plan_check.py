@@ -38,6 +38,46 @@ def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
     assert {c.top_k for c in p.checks} == {1, 2} and p.tolerance <= 0.10
 
 
+def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
+    """plan-check predicts and serves AEP plans with the preset's --aep-policy (default waves, as `amoe plan`):
+    the simulation gets that policy and the command carries `--scheduler POLICY`; EP's command has no scheduler."""
+    import amoe.emulation.plan as planner
+    from amoe.emulation import simulate as sim_module
+
+    p = plan_check.PRESETS["ci"]
+    assert p.aep_policy == "waves"
+    aep, ep = p.checks
+    seen = []
+    real = sim_module.simulate
+
+    def spy(*args, scheduler=None, **kw):
+        seen.append(scheduler.policy if scheduler else None)
+        return real(*args, scheduler=scheduler, **kw)
+
+    monkeypatch.setattr(sim_module, "simulate", spy)
+    for policy in ("waves", "defrag"):
+        preset = dataclasses.replace(p, aep_policy=policy)
+        seen.clear()
+        plan = plan_check.prediction(aep, preset)
+        assert seen and set(seen) == {policy}
+        argv = plan_check.flags(aep, plan, preset, time_scale=25.0)
+        assert argv.count("--scheduler") == (policy != "defrag")  # defrag: amoe serve's default
+        if policy != "defrag":
+            assert argv[argv.index("--scheduler") + 1] == policy
+        ep_argv = plan_check.flags(ep, Plan(ep.deployment, plan.prediction, None), preset, time_scale=25.0)
+        assert "--scheduler" not in ep_argv
+    assert p.aep_policy == planner.AEP_POLICY
+
+
+def test_plan_check_rejects_an_unknown_aep_policy():
+    result = subprocess.run(
+        [sys.executable, "-m", "amoe", "bench", "plan-check", "--preset", "ci", "--aep-policy", "fifo"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--aep-policy must be one of" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_command():
     """The heterogeneous AEP plan's experts run on their own GPU type; a full-depth check that fixes AEP's
     concurrency is predicted at that concurrency and admits exactly that many requests."""

@@ -127,7 +127,7 @@ def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest(
     runtime's is the benchmark's question, `amoe bench plan-check`, never a constant pinned here.)"""
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
-    planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128).prediction
+    planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128, policy="defrag").prediction
     long_run = simulate(model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1)
     assert (
         planned.itl_s > 3 * 128 / _bound(model, dep).tokens_per_s
@@ -148,6 +148,6 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
         model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s
     )
     assert knee.itl_s * 1e3 > slo_ms
-    refined = refine(model, dep, ROUTING, CTX, HOST, pred, slo_ms).prediction
+    refined = refine(model, dep, ROUTING, CTX, HOST, pred, slo_ms, policy="defrag").prediction  # the knee's
     assert refined.extra["simulated"] and refined.itl_s * 1e3 <= slo_ms
     assert refined.concurrency < pred.concurrency

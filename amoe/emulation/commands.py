@@ -35,6 +35,7 @@ def add_bench_plan_check_command(sub: Any) -> None:
         "shrinks the host's scheduling delays against the emulated steps, which a barrier pays (docs/results.md)",
     )  # fmt: skip
     _step_variance(p)
+    add_aep_policy(p)
     p.set_defaults(run=run_plan_check)
 
 
@@ -60,6 +61,14 @@ def add_bench_plan_table_command(sub: Any) -> None:
         help="with --measure: report the points measured.jsonl holds, run none (the rest stay predictions)",
     )  # fmt: skip
     p.add_argument(
+        "--measure-modes", default=None, metavar="MODES",
+        help="with --measure: run only these modes' plans (e.g. aep,ep), the others read from measured.jsonl",
+    )  # fmt: skip
+    p.add_argument(
+        "--measure-rows", default=None, metavar="I,J",
+        help="with --measure: run only these rows (0-based, the table's order), the others read from measured.jsonl",
+    )  # fmt: skip
+    p.add_argument(
         "--plans", default=None, metavar="JSON",
         help="take the rows (and their plans) of this earlier plan_table.json instead of planning them again",
     )  # fmt: skip
@@ -67,6 +76,7 @@ def add_bench_plan_table_command(sub: Any) -> None:
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
     _step_variance(p)
+    add_aep_policy(p)
     p.set_defaults(run=run_plan_table)
 
 
@@ -157,6 +167,16 @@ def add_bench_policies_command(sub: Any) -> None:
     )
     _step_variance(p)
     p.set_defaults(run=run_policies)
+
+
+def add_aep_policy(p: argparse.ArgumentParser) -> None:
+    """`--aep-policy` (amoe.emulation.plan.AEP_POLICY; checked there against amoe.config.POLICIES, so that
+    `--help` imports nothing heavy)."""
+    p.add_argument(
+        "--aep-policy", default="waves", metavar="POLICY",
+        help="the scheduling policy AEP plans are simulated, measured and served with (`amoe serve --scheduler`): "
+        "waves (default) | defrag | mtfs | flfs | wave",
+    )  # fmt: skip
 
 
 def _step_variance(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from amoe.config import POLICIES
 from amoe.emulation import bounds
 from amoe.emulation import cost_model as cm
 from amoe.emulation.profiles import GPUS, host_overhead, model_profile
@@ -35,6 +36,10 @@ from amoe.errors import ConfigError
 ATTN_CAPS = (32, 64, 128, 256, 512, 1024)
 EXPERT_CAPS = (256, 512, 1024)
 MICRO_BATCHES = (2, 3, 4)
+# The scheduling policy the planner simulates, measures and serves AEP plans with (`--aep-policy`): `waves`
+# (docs/engine.md "The waves rule"). Checked against defrag, the runtime's default, on the 100 ms table's AEP plans
+# before the table was rerun with it (docs/results.md "Under a 100 ms ITL target, measured (m32, 2026-11-27)").
+AEP_POLICY = "waves"
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class PlanRequest:
     # many) and two-batch overlap.
     context: float | None = None
     ep_redundant_experts: int = 0
+    # the scheduling policy AEP plans are simulated with and served with (`amoe serve --scheduler`)
+    aep_policy: str = AEP_POLICY
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,7 @@ def _search(req: PlanRequest) -> list[Plan]:
     (up to `refine_retries`) until one meets it."""
     model = bounds.full_depth(plan_profile(req))
     RoutingSpec.parse(req.routing)  # a clear error before any work
+    check_policy(req.aep_policy)
     inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
     ctx = req.context or mean_context(req.workload)
     host = host_overhead(req.host)
@@ -232,8 +240,9 @@ def _search(req: PlanRequest) -> list[Plan]:
 
     def refine_one(plan: Plan) -> bool:
         pred = refine(
-            model, plan.deployment, req.routing, ctx, host, plan.prediction, req.itl_slo_ms, variance=variance
-        ).prediction
+            model, plan.deployment, req.routing, ctx, host, plan.prediction, req.itl_slo_ms, variance=variance,
+            policy=req.aep_policy,
+        ).prediction  # fmt: skip
         if _meets_slo(pred, req):
             refined.append(Plan(plan.deployment, pred, _cost(plan.deployment, pred, req)))
         return _meets_slo(pred, req)
@@ -274,6 +283,13 @@ def plan_profile(req: PlanRequest):
     if not 1 <= req.top_k <= profile.num_experts:
         raise ConfigError(f"top_k must be in [1, {profile.num_experts}] for {req.profile}; got {req.top_k}")
     return replace(profile, top_k=req.top_k)
+
+
+def check_policy(policy: str) -> str:
+    """`policy` if it is a scheduling policy amoe serves with (amoe.config.POLICIES), else a ConfigError."""
+    if policy not in POLICIES:
+        raise ConfigError(f"--aep-policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    return policy
 
 
 def _meets_slo(pred: bounds.Prediction, req: PlanRequest) -> bool:
@@ -317,6 +333,7 @@ def refine(
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
     variance: StepVariance | None = None,
+    policy: str = AEP_POLICY,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.emulation.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
@@ -324,11 +341,14 @@ def refine(
     iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]. With
     `concurrency` (requests of one copy) the simulation runs there and nowhere else (`amoe bench plan-check`'s
     full-depth points, which cannot afford the AEP plan's own concurrency on this host). `variance`: the GPUs'
-    step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to)."""
+    step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to). `policy`: the
+    scheduling policy an AEP plan's runtimes run (its simulation's; the other modes have no scheduler)."""
+    from amoe.config import SchedulerSection
     from amoe.emulation.simulate import simulate
     from amoe.emulation.variance import SOURCED
 
     variance = variance or SOURCED
+    scheduler = SchedulerSection(policy=check_policy(policy))
     if pred is None:
         pred = bounds.predict(
             model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
@@ -349,12 +369,12 @@ def refine(
         itl, cpu = c / bound_tps, time.process_time()
         sim = simulate(
             model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=variance,
-            batches=SIM_BATCHES,
+            batches=SIM_BATCHES, scheduler=scheduler,
         )  # fmt: skip
         if sim.itl_s > 1.5 * itl:
             sim = simulate(
                 model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
-                variance=variance, batches=SIM_BATCHES,
+                variance=variance, batches=SIM_BATCHES, scheduler=scheduler,
             )  # fmt: skip
         logger.info(
             "[plan] simulated %s at %d requests a copy: %.0f tok/s, ITL %.1f ms (%.1f s CPU)", describe(one), c,
@@ -462,6 +482,9 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
     args += ["--cache-max-num-seqs", str(per_rank)]
     if d.mode == "aep":
         args += ["--scheduler-expert-batch-cap", str(d.expert_cap)]
+        if req.aep_policy != "defrag":  # `amoe serve`'s default
+            # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
+            args += ["--scheduler", req.aep_policy]
     if d.mode == "pingpong":
         args += ["--parallel-micro-batches", str(d.micro_batches)]
     if d.expert_map is not None:
@@ -551,6 +574,7 @@ def main(args) -> int:
         gpus_per_node=args.gpus_per_node, modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
         simulate_per_mode=args.simulate_per_mode, model_dir=model_dir, eps=getattr(args, "eps", False),
         step_variance=getattr(args, "step_variance", "sourced"), refine_retries=getattr(args, "refine_retries", 3),
+        aep_policy=check_policy(getattr(args, "aep_policy", AEP_POLICY)),
     )  # fmt: skip
     if req.simulate_top < 0 or req.simulate_per_mode < 0:
         raise ConfigError(

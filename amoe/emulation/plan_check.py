@@ -38,7 +38,16 @@ from amoe.bench.compare import load_point
 from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens
 from amoe.bench.servers import ServerProcess
 from amoe.emulation import bounds
-from amoe.emulation.plan import Plan, PlanRequest, describe, mean_context, refine, serve_command
+from amoe.emulation.plan import (
+    AEP_POLICY,
+    Plan,
+    PlanRequest,
+    check_policy,
+    describe,
+    mean_context,
+    refine,
+    serve_command,
+)
 from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
 from amoe.emulation.variance import StepVariance
@@ -96,6 +105,8 @@ class CheckPreset:
     min_window_s: float = steady.MIN_WINDOW_WALL_S  # wall seconds a steady point is measured over, at least
     # The emulated GPUs' step-time variance (amoe.emulation.variance), in the runs and in the prediction.
     step_variance: str = "sourced"
+    # The scheduling policy of the AEP plans, in the runs (`--scheduler`) and in the prediction (`amoe plan`'s).
+    aep_policy: str = AEP_POLICY
 
 
 PRESETS = {
@@ -194,7 +205,7 @@ def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
     host = host_overhead("amoe-paper")
     return refine(
         model, check.deployment, check.routing, mean_context(workload), host, concurrency=check.concurrency,
-        variance=StepVariance.parse(p.step_variance),
+        variance=StepVariance.parse(p.step_variance), policy=p.aep_policy,
     )  # fmt: skip
 
 
@@ -206,6 +217,7 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
         top_k=check.top_k,
         routing=check.routing,
         step_variance=p.step_variance,
+        aep_policy=p.aep_policy,
     )
     argv = serve_command(plan, req, emulated=True).split()[2:]
     return argv + [
@@ -230,7 +242,10 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
     predicted rate until admission holds the plan at its concurrency, measured over the last 40 % of a point about
     a request lifetime long (amoe.bench.compare; ~5× the wall time)."""
     d = check.deployment
-    setup = Setup(d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu)
+    setup = Setup(
+        d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu,
+        policy=p.aep_policy,  # the point's name in the logs (the server runs it: flags)
+    )  # fmt: skip
     pred = plan.prediction
     # Arrivals fill the plan's concurrency in ITL × tokens per request / overload; the measured window (the last
     # 40 % of the point) opens well after that.
@@ -333,7 +348,10 @@ def main(args) -> int:
         p = dataclasses.replace(SAMPLE, checks=sample_checks(args.seed))
     else:
         p = PRESETS[args.preset]
-    p = dataclasses.replace(p, step_variance=getattr(args, "step_variance", "sourced"))
+    p = dataclasses.replace(
+        p, step_variance=getattr(args, "step_variance", "sourced"),
+        aep_policy=check_policy(getattr(args, "aep_policy", AEP_POLICY)),
+    )  # fmt: skip
     if getattr(args, "time_scale", None) is not None:
         if args.time_scale <= 0:
             raise ConfigError(f"--time-scale must be positive; got {args.time_scale:g}")
@@ -348,6 +366,7 @@ def main(args) -> int:
     within = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) <= p.tolerance]
     summary = {
         "preset": args.preset, "seed": args.seed, "fill": args.fill, "step_variance": p.step_variance,
+        "aep_policy": p.aep_policy,
         "routing": ",".join(sorted({c.routing for c in p.checks})) or ROUTING,  # the checks' own (scale32: λ 0.0025)
         "tolerance": p.tolerance, "plans": len(rows),
         "within": len(within), "ratios": {r["plan"] + f" top{r['top_k']}": r["ratio"] for r in rows}, **host,

@@ -30,24 +30,27 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from amoe.emulation import bounds, plan_check
-from amoe.emulation.plan import Plan, PlanRequest, best_per_mode, describe, search
+from amoe.emulation.plan import AEP_POLICY, Plan, PlanRequest, best_per_mode, check_policy, describe, search
 from amoe.emulation.profiles import model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.errors import ConfigError
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
 PROFILE = "mixtral-8x7b-mqa"
+MODES = ("aep", "ep", "pingpong")
 
 
 def cell(
     gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None,
-    step_variance: str = "sourced",
+    step_variance: str = "sourced", aep_policy: str = AEP_POLICY,
 ) -> dict:  # fmt: skip
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
-    planner's pick."""
+    planner's pick; AEP plans simulated with `aep_policy`."""
     req = PlanRequest(
-        profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms, step_variance=step_variance
-    )
+        profile, {gpu: n}, top_k=top_k, routing=routing, itl_slo_ms=itl_slo_ms, step_variance=step_variance,
+        aep_policy=aep_policy,
+    )  # fmt: skip
     plans = search(req)
     # A mode's best simulated plan where the search simulated one: an unsimulated plan keeps its optimistic bound,
     # and under an ITL objective is what is left of a mode whose simulated plans all missed it (marked "bound only").
@@ -103,6 +106,7 @@ class Measured:
         self.path = path
         self.run = run  # False: report only what the file holds
         self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.emulation.variance)
+        self.aep_policy = AEP_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
         self.points: dict[str, dict] = {}
         if path.exists():
             for line in path.read_text().splitlines():
@@ -111,9 +115,19 @@ class Measured:
                     self.points[entry["key"]] = entry["result"]
 
     @staticmethod
-    def key(profile: str, top_k: int, routing: str, plan: Plan, step_variance: str = "off") -> str:
-        # Points recorded before step-time variance existed ran without it: their keys have no suffix.
+    def key(
+        profile: str,
+        top_k: int,
+        routing: str,
+        plan: Plan,
+        step_variance: str = "off",
+        aep_policy: str = "defrag",
+    ) -> str:
+        # Points recorded before step-time variance existed ran without it, and AEP points recorded before
+        # --aep-policy ran defrag: their keys have no suffix.
         suffix = "" if step_variance == "off" else f" variance {step_variance}"
+        if plan.deployment.mode == "aep" and aep_policy != "defrag":
+            suffix += f" policy {aep_policy}"
         return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
 
     def put(self, key: str, result: dict) -> None:
@@ -151,16 +165,18 @@ def fit_over_two_scrapes(points: dict[str, dict]) -> dict[str, list[float]]:
 
 
 async def measure_plan(
-    profile: str, top_k: int, routing: str, plan: Plan, base_scale: float, probe_s: float, measured: Measured
-) -> dict | None:
+    profile: str, top_k: int, routing: str, plan: Plan, base_scale: float, probe_s: float, measured: Measured,
+    run: bool = True,
+) -> dict | None:  # fmt: skip
     """One copy's plan run on the emulated runtime at full depth (plan_check's steady point), or its
-    earlier run from `measured` (None: not measured, and `measured` runs nothing)."""
-    key = Measured.key(profile, top_k, routing, plan, measured.step_variance)
-    if key not in measured.points and measured.run:
+    earlier run from `measured` (None: not measured, and `measured` or `run` runs nothing)."""
+    key = Measured.key(profile, top_k, routing, plan, measured.step_variance, measured.aep_policy)
+    if key not in measured.points and measured.run and run:
         blocks = bounds.full_depth(model_profile(profile)).num_blocks
         preset = dataclasses.replace(
-            plan_check.PRESETS["depth"], checks=(), blocks=blocks, step_variance=measured.step_variance
-        )
+            plan_check.PRESETS["depth"], checks=(), blocks=blocks, step_variance=measured.step_variance,
+            aep_policy=measured.aep_policy,
+        )  # fmt: skip
         check = plan_check.Check(profile, top_k, plan.deployment, plan.prediction.concurrency, routing)
         got = await plan_check.run_check(check, preset, base_scale, probe_s, repeats=1, plan=plan)
         measured.put(key, got)
@@ -180,21 +196,31 @@ def readings(got: dict, replicas: int, predicted: float) -> dict:
     }  # fmt: skip
 
 
-async def measure_row(row: dict, profile: str, base_scale: float, probe_s: float, measured: Measured) -> None:
+async def measure_row(
+    row: dict, profile: str, base_scale: float, probe_s: float, measured: Measured, run_modes=MODES,
+    itl_slo_ms: float | None = None,
+) -> None:  # fmt: skip
     """Each mode's plan of the row, one copy on the emulated runtime at full depth, its measured throughput times
-    the copies, beside the prediction."""
-    modes = [m for m in ("aep", "ep", "pingpong") if m in row]
+    the copies and its measured ITL (the runs' median mean ITL, emulated ms; against `itl_slo_ms`), beside the
+    prediction. Modes not in `run_modes` are only read from `measured`."""
+    modes = [m for m in MODES if m in row]
     for mode in modes:
         plan = one_copy(row[mode])
-        got = await measure_plan(profile, row["top_k"], row["routing"], plan, base_scale, probe_s, measured)
+        got = await measure_plan(
+            profile, row["top_k"], row["routing"], plan, base_scale, probe_s, measured, run=mode in run_modes
+        )
         if got is None:
             continue
         row[mode].update(readings(got, row[mode]["deployment"]["replicas"], row[mode]["tokens_per_s"]))
         value = row[mode]["measured"]
+        itls = [r["itl_ms"] for r in got["runs"] if r.get("itl_ms")]
         row[mode].update(
             measured_fraction_of_bound=round(value / row[mode]["bound"], 3) if row[mode]["bound"] else None,
+            measured_itl_ms=round(statistics.median(itls), 1) if itls else None,
             measured_runs=got["runs"],
         )  # fmt: skip
+        if itl_slo_ms is not None and itls:
+            row[mode]["measured_meets_itl_slo"] = row[mode]["measured_itl_ms"] <= itl_slo_ms
     if all("measured" in row.get(m, {}) for m in ("aep", "ep")):
         aep, ep = row["aep"], row["ep"]
         row["measured_aep_over_ep"] = round(aep["measured"] / ep["measured"], 3)
@@ -203,12 +229,21 @@ async def measure_row(row: dict, profile: str, base_scale: float, probe_s: float
         row["measured_two_scrapes_of_bounds_ratio"] = round(two_scrapes / row["bounds_aep_over_ep"], 3)
     if all("measured" in row[m] for m in modes):
         row["measured_pick"] = max(modes, key=lambda m: row[m]["measured"])
+        if (
+            itl_slo_ms is not None
+        ):  # the best of the plans whose measured ITL meets the objective (None: none does)
+            within = [m for m in modes if row[m].get("measured_meets_itl_slo")]
+            row["measured_pick_within_slo"] = (
+                max(within, key=lambda m: row[m]["measured"]) if within else None
+            )
 
 
 FIGURE10_PROFILE = "mixtral-8x7b-16e"
 
 
-def figure10(gpu: str, routing: str, workload: str = "short", measure: tuple | None = None) -> dict:
+def figure10(
+    gpu: str, routing: str, workload: str = "short", measure: tuple | None = None, policy: str = AEP_POLICY
+) -> dict:
     """The paper's Figure 10 setup at full depth (32 blocks): the 16-expert model on one 8-GPU host and on two
     (16 GPUs, links between hosts on the critical path), AEP 4 + 4 → 8 + 8 and EP 8 → 16, each refined by the
     simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang). With `measure`
@@ -227,7 +262,7 @@ def figure10(gpu: str, routing: str, workload: str = "short", measure: tuple | N
     }
     got = {}
     for name, dep in deployments.items():
-        plan = refine(model, dep, routing, ctx, host)
+        plan = refine(model, dep, routing, ctx, host, policy=policy)
         pred = plan.prediction
         got[name] = {"plan": describe(dep), "tokens_per_s": round(pred.tokens_per_s),
                      "bound": round(pred.extra.get("bound", pred.tokens_per_s)), "itl_ms": round(pred.itl_s * 1e3, 1),
@@ -282,6 +317,10 @@ def markdown(rows: list[dict]) -> str:
                 text += " bound only"
             if "measured" in m:  # --measure
                 text += f", measured {_k(m['measured'])} ({m['measured_fraction_of_bound']:.2f})"
+                if m.get("measured_itl_ms") is not None:
+                    text += f" at {m['measured_itl_ms']:g} ms" + (
+                        "" if m.get("measured_meets_itl_slo", True) else " ✗"
+                    )
             return text
 
         lines.append(
@@ -293,11 +332,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _row_indices(text: str | None, count: int) -> set[int]:
+    """--measure-rows "0,2" → {0, 2} (indices into the table's rows, in its order); None: every row."""
+    if not text:
+        return set(range(count))
+    try:
+        chosen = {int(i) for i in text.split(",")}
+    except ValueError:
+        raise ConfigError(f"--measure-rows takes row indices, e.g. 0,2; got {text!r}") from None
+    if not chosen <= set(range(count)):
+        raise ConfigError(f"--measure-rows: the table has rows 0-{count - 1}; got {text!r}")
+    return chosen
+
+
 def main(args) -> int:
     """`amoe bench plan-table` (its flags: amoe.emulation.commands)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
     routings = args.routings.split(";") if args.routings else list(ROUTINGS)
+    policy = check_policy(getattr(args, "aep_policy", AEP_POLICY))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measure = None
@@ -306,17 +359,21 @@ def main(args) -> int:
 
         measured = Measured(out / "measured.jsonl", run=not args.report_measured)
         measured.step_variance = args.step_variance
+        measured.aep_policy = policy
         measure = (*(calibrate.scaled(40.0) if measured.run else (40.0, 0.0)), measured)
     if args.figure10:
         for routing in routings:
-            print(json.dumps(figure10(args.gpus.split(",")[0], routing, measure=measure)), flush=True)
+            print(
+                json.dumps(figure10(args.gpus.split(",")[0], routing, measure=measure, policy=policy)),
+                flush=True,
+            )
         return 0
     if args.plans:
         rows = json.loads(Path(args.plans).read_text())["rows"]
     else:
         grid = itertools.product(
             args.gpus.split(","), [int(s) for s in args.sizes.split(",")], [int(s) for s in args.top_k.split(",")],
-            routings, [args.profile], [args.itl_slo_ms], [args.step_variance],
+            routings, [args.profile], [args.itl_slo_ms], [args.step_variance], [policy],
         )  # fmt: skip
         # Each cell is one process's simulations (pure Python, one core); the rows come back in the grid's order.
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
@@ -327,8 +384,14 @@ def main(args) -> int:
         order = sorted(
             rows, key=lambda r: ({ROUTINGS[0]: 0, ROUTINGS[2]: 1}.get(r["routing"], 2), rows.index(r))
         )
+        run_modes = tuple((getattr(args, "measure_modes", None) or ",".join(MODES)).split(","))
+        bad = set(run_modes) - set(MODES)
+        if bad:
+            raise ConfigError(f"--measure-modes takes {', '.join(MODES)}; got {', '.join(sorted(bad))}")
+        chosen = _row_indices(getattr(args, "measure_rows", None), len(rows))
         for row in order:
-            asyncio.run(measure_row(row, args.profile, *measure))
+            here = run_modes if rows.index(row) in chosen else ()
+            asyncio.run(measure_row(row, args.profile, *measure, run_modes=here, itl_slo_ms=args.itl_slo_ms))
             print(
                 json.dumps({k: v for k, v in row.items() if k not in ("aep", "ep", "pingpong")}), flush=True
             )
@@ -341,7 +404,7 @@ def main(args) -> int:
         "profile": args.profile, "cells": len(rows), "picks": picks,
         "aep_fraction_of_bound": sorted(r["aep"]["fraction_of_bound"] for r in rows if "aep" in r),
         "aep_over_ep_of_bounds_min_max": [min(ratios), max(ratios)] if ratios else None,
-        "itl_slo_ms": args.itl_slo_ms, "step_variance": args.step_variance,
+        "itl_slo_ms": args.itl_slo_ms, "step_variance": args.step_variance, "aep_policy": policy,
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
     if args.measure:
@@ -356,6 +419,11 @@ def main(args) -> int:
         summary.update(
             measured_cells=len(done), measured_picks_agree=sum(r["measured_pick"] == r["pick"] for r in done),
             measured_picks={m: sum(r["measured_pick"] == m for r in done) for m in ("aep", "ep", "pingpong")},
+            measured_picks_within_slo_agree=sum(r.get("measured_pick_within_slo") == r["pick"] for r in done),
+            measured_itl_ms={f"{r['gpu']} top{r['top_k']} {m}": r[m].get("measured_itl_ms") for r in rows
+                             for m in MODES if "measured" in r.get(m, {})},
+            measured_itl_misses_slo=sum(not r[m].get("measured_meets_itl_slo", True) for r in rows for m in MODES
+                                        if "measured" in r.get(m, {})),
             measured_over_predicted=sorted(
                 r[m]["measured_over_predicted"] for r in rows for m in ("aep", "ep", "pingpong")
                 if "measured" in r.get(m, {})

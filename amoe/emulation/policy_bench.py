@@ -95,7 +95,9 @@ def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
     dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
     host, ctx = host_overhead("amoe-paper"), mean_context(SETUP.workload)
-    plan = refine(model, dep, ROUTING, ctx, host, variance=StepVariance.parse(step_variance))
+    # defrag's concurrency, as the recorded runs had it (before the planner simulated AEP with --aep-policy waves):
+    # every policy is compared at the same requests.
+    plan = refine(model, dep, ROUTING, ctx, host, variance=StepVariance.parse(step_variance), policy="defrag")
     return math.ceil(plan.prediction.concurrency / SETUP.attn)
 
 
