@@ -264,18 +264,7 @@ def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
     )
     seen = []
 
-    def fake_refine(
-        model,
-        dep,
-        routing,
-        ctx,
-        host,
-        pred=None,
-        itl_slo_ms=None,
-        concurrency=None,
-        variance=None,
-        policy=None,
-    ):
+    def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         seen.append((dep.mode, policy))
         extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
         return planner.Plan(dep, replace(pred, extra=extra), None)
@@ -383,18 +372,7 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
 
     import amoe.emulation.plan as planner
 
-    def fake_refine(
-        model,
-        dep,
-        routing,
-        ctx,
-        host,
-        pred=None,
-        itl_slo_ms=None,
-        concurrency=None,
-        variance=None,
-        policy=None,
-    ):
+    def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS
             return planner.Plan(dep, pred, None)
         extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
@@ -419,18 +397,7 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
 
     tried = []
 
-    def fake_refine(
-        model,
-        dep,
-        routing,
-        ctx,
-        host,
-        pred=None,
-        itl_slo_ms=None,
-        concurrency=None,
-        variance=None,
-        policy=None,
-    ):
+    def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         tried.append(dep)
         # The first two AEP plans simulate 3× their bound's ITL (over the objective), the others at their bound.
         slow = dep.mode == "aep" and sum(d.mode == "aep" for d in tried) <= 2
