@@ -85,9 +85,16 @@ def main() -> None:
     ap.add_argument("--policy", default="waves", choices=POLICIES)
     ap.add_argument("--plans", default="0,1,2", help="indices into PLANS, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--time-scale", type=float, default=None,
+        help="every plan's time scale (before the tokens-per-wall-second floor); default: the preset's, stretched by "
+        "the host probe read once at the start",
+    )  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     base_scale, probe_s = calibrate.scaled(dataclass_preset().time_scale)
+    if args.time_scale is not None:
+        base_scale = args.time_scale
     for i in (int(x) for x in args.plans.split(",")):
         print(json.dumps(asyncio.run(one(i, args.policy, base_scale, probe_s, args.seed))), flush=True)
 
