@@ -40,11 +40,12 @@ PLANS = (
     ("a100-80g", 2, 3, 5, 256, 512),
 )
 BLOCKS = 32
-# One time scale for every plan and invocation (a32, 2026-11-27; docs/results.md "waves ... (a32, 2026-11-27)"). The
-# probe-stretched scale read 62.3 in one invocation and 136.3 in another on the same day (probe 86 / 187 µs), and the
-# same plan (A100 5 + 3 top-1) measured 0.81 of its bound at 62.3 and 0.92 at 136.3: the runtime's own host work
-# (real Python, not the cost model's host term) is a larger part of each emulated step at the lower scale. So every
-# plan runs at the larger of the two, chosen before the runs that use it and not per plan.
+# One time scale for every plan and invocation (a32, 2026-11-27; docs/results.md "waves: why plans 0, 4 and 6 fell
+# short ... (a32, 2026-11-27)"). The probe-stretched scale read 62.3 in one invocation and 136.3 in another on the
+# same day (probe 86 / 187 µs), so plans of one table ran at scales 2.2x apart. Every plan now runs at the larger,
+# chosen before the runs that use it and not per plan. Whether the scale moves a result was not settled: the same
+# plan (A100 5 + 3 top-1) measured 0.81 and 0.90 of its bound at 62.3, 0.92 and 0.88 at 136.3 — within the
+# runs' spread.
 TIME_SCALE = 136.3
 
 
