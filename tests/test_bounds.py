@@ -315,6 +315,33 @@ def test_amoe_plan_rejects_an_unknown_aep_policy_and_prints_the_waves_command():
     )
 
 
+def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_of(monkeypatch):
+    """The simulation at scale models defrag's expert side only: an AEP plan refined there under `waves` records
+    and serves defrag (the scale32 check ran waves against a defrag prediction: 1.30×); event-level, waves."""
+    import amoe.emulation.simulate_scale as scale
+    from amoe.emulation.plan import refine
+
+    model = model_profile("mixtral-8x7b-mqa:2", 1)
+    dep = B.Deployment("aep", "h100", 2, "h100", 2, 64, 256)
+    host = host_overhead("amoe-paper")
+    req = PlanRequest("mixtral-8x7b-mqa:2", {"h100": 4}, top_k=1, aep_policy="waves")
+
+    def served(plan: Plan) -> list[str]:
+        argv = serve_command(plan, req, emulated=True).split()
+        return (
+            argv[argv.index("--scheduler") : argv.index("--scheduler") + 2] if "--scheduler" in argv else []
+        )
+
+    exact = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
+    assert exact.prediction.extra["aep_policy"] == "waves" and served(exact) == ["--scheduler", "waves"]
+    monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # this 2 + 2 plan now takes the at-scale path
+    at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
+    assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == []
+    # a bound-only plan (never refined) serves the policy asked for
+    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    assert served(bound) == ["--scheduler", "waves"]
+
+
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
     from amoe.emulation.plan import counts
 

@@ -408,10 +408,23 @@ def refine(
     ok = [s for s in sims if itl_slo_ms is None or s.itl_s * 1e3 <= itl_slo_ms] or sims[:1]
     most = max(s.tokens_per_s for s in ok)
     sim = next(s for s in ok if s.tokens_per_s >= 0.97 * most)
+    extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
+    if dep.mode == "aep":
+        # The simulation at scale models one expert-side rule, defrag's (amoe.emulation.simulate_scale), whatever
+        # the policy asked: a plan simulated there is served with the policy its figure is of, not with one its
+        # prediction never ran (the 32-runtime check under waves measured 1.30× that defrag prediction).
+        from amoe.emulation.simulate_scale import is_exact
+
+        ran = policy if is_exact(one, sim.concurrency, model.num_expert_ids) else "defrag"
+        if ran != policy:
+            logger.info(
+                "[plan] %s is simulated at scale, where only defrag is modelled: served with it",
+                describe(one),
+            )
+        extra["aep_policy"] = ran
     refined = replace(
         pred, tokens_per_s=sim.tokens_per_s * dep.replicas, itl_s=sim.itl_s,
-        concurrency=sim.concurrency * dep.replicas,
-        extra={**pred.extra, "bound": pred.tokens_per_s, "simulated": True},
+        concurrency=sim.concurrency * dep.replicas, extra=extra,
     )  # fmt: skip
     return Plan(dep, refined, None)
 
@@ -482,9 +495,11 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
     args += ["--cache-max-num-seqs", str(per_rank)]
     if d.mode == "aep":
         args += ["--scheduler-expert-batch-cap", str(d.expert_cap)]
-        if req.aep_policy != "defrag":  # `amoe serve`'s default
+        # The policy the plan's figure was simulated with (refine's record; a bound-only plan: the one asked for).
+        policy = plan.prediction.extra.get("aep_policy", req.aep_policy)
+        if policy != "defrag":  # `amoe serve`'s default
             # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
-            args += ["--scheduler", req.aep_policy]
+            args += ["--scheduler", policy]
     if d.mode == "pingpong":
         args += ["--parallel-micro-batches", str(d.micro_batches)]
     if d.expert_map is not None:
