@@ -126,6 +126,8 @@ class Measured:
         # Points recorded before step-time variance existed ran without it, and AEP points recorded before
         # --aep-policy ran defrag: their keys have no suffix.
         suffix = "" if step_variance == "off" else f" variance {step_variance}"
+        # the policy the plan runs: refine's record where it has one (a plan simulated at scale runs defrag)
+        aep_policy = plan.prediction.extra.get("aep_policy", aep_policy)
         if plan.deployment.mode == "aep" and aep_policy != "defrag":
             suffix += f" policy {aep_policy}"
         return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
@@ -229,9 +231,8 @@ async def measure_row(
         row["measured_two_scrapes_of_bounds_ratio"] = round(two_scrapes / row["bounds_aep_over_ep"], 3)
     if all("measured" in row[m] for m in modes):
         row["measured_pick"] = max(modes, key=lambda m: row[m]["measured"])
-        if (
-            itl_slo_ms is not None
-        ):  # the best of the plans whose measured ITL meets the objective (None: none does)
+        # the best of the plans whose measured ITL meets the objective (None: none does)
+        if itl_slo_ms is not None:
             within = [m for m in modes if row[m].get("measured_meets_itl_slo")]
             row["measured_pick_within_slo"] = (
                 max(within, key=lambda m: row[m]["measured"]) if within else None
