@@ -78,7 +78,7 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
         "measured": round(point["throughput"]), "of_bound": round(point["throughput"] / bound.tokens_per_s, 3),
         "itl_ms": point["itl_ms_mean"], "bound_itl_ms": round(bound.itl_s * 1e3, 1),
         "rows_per_step": point.get("rows_per_step"), "busy": point.get("busy"),
-        "running_mean": point.get("running_mean"), "host_cores": point.get("host_cores"),
+        "running_mean": point.get("running_mean"), "ended": point.get("ended"), "host_cores": point.get("host_cores"),
         "load_average": round(os.getloadavg()[0], 2), "time_scale": round(scale, 2),
         "probe_us": round(probe_s * 1e6, 1), "wall_s": round(time.monotonic() - start, 1),
     }  # fmt: skip

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from amoe.bench.compare_report import busy_summary, throughput_at_itl
-from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, upper_bound
-from amoe.bench.point import busy_fractions, rows_per_step
+from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, time_scale, upper_bound
+from amoe.bench.point import busy_fractions, ended, rows_per_step
 from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
 
@@ -39,9 +39,12 @@ def test_parse_metrics_sums_series_and_quantiles():
             'amoe_runtime_batch_size_rows_count{kind="attn",runtime="1"} 1.0',
             'amoe_runtime_batch_size_rows_sum{kind="expert",runtime="3"} 512.0',
             'amoe_runtime_batch_size_rows_count{kind="expert",runtime="3"} 1.0',
+            'amoe_requests_finished_total{reason="stop"} 7.0',
+            'amoe_requests_finished_total{reason="error"} 0.0',
         ]
     )
     s = parse_metrics(text, t=1.0)
+    assert s.finished == {"stop": 7.0, "error": 0.0}
     # The batches the runtime ran, by step kind over every runtime: rows per step over a window (Issue 35's check).
     assert s.batch_rows == {"attn": [120.0, 3.0], "expert": [512.0, 1.0]}
     later = parse_metrics(text.replace("} 90.0", "} 190.0").replace('"0"} 2.0', '"0"} 4.0'), t=2.0)
@@ -83,10 +86,30 @@ def test_busy_summary_and_host_cpu():
         child.wait()
 
 
+def test_a_point_records_the_requests_the_coordinator_ended():
+    # A point whose load was thinned by timeouts says so: requests ended over the whole point, by reason.
+    first, mid, last = Scrape(0.0), Scrape(1.0), Scrape(2.0)
+    first.finished = {"stop": 5.0, "error": 0.0}
+    mid.finished = {"stop": 9.0, "error": 2.0}
+    last.finished = {"stop": 12.0, "error": 3.0, "length": 1.0}
+    assert ended([first, mid, last]) == {"error": 3, "length": 1, "stop": 7}
+    assert ended([last]) == {}
+
+
 def test_serve_flags_and_bound():
     p = PRESETS["quick"]
     ep = serve_flags(Setup("ep", 8), p, seed=0)
     assert "--expert-ranks" not in ep and ep[ep.index("--parallel") + 1] == "ep"
+    # The coordinator's timeouts count emulated seconds: its defaults stretched by the run's time scale, so a
+    # slow plan's first token at a large scale is not cut off (amoe.bench.compare_setup.emulated_timeouts).
+    from amoe.cli import build_parser
+    from amoe.config import ServerSection, config_from_args
+
+    server = config_from_args(build_parser().parse_args(["serve", *ep])).server
+    scale = time_scale(Setup("ep", 8), p)
+    assert scale > 1
+    assert server.stall_timeout_s == pytest.approx(ServerSection().stall_timeout_s * scale)
+    assert server.request_timeout_s == pytest.approx(ServerSection().request_timeout_s * scale)
     aep = Setup("aep", 4, 4)
     assert upper_bound(aep, p) < upper_bound(aep, p, max_attn_batch=4096)
     assert upper_bound(Setup("ep", 8), p) == upper_bound(aep, p)  # the same 8 GPUs

@@ -117,6 +117,10 @@ def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
     assert int(value["--cache-max-num-seqs"]) * d.num_attn == check.concurrency == 4096
     assert value["--routing"] == check.routing == "skew-exp:0.0025" and value["--executor-top-k"] == "8"
     assert value["--executor-profile"] == "deepseek-v3:4" and value["--time-scale"] == "400"
+    # At 400 wall seconds an emulated second the default 60 s stall timeout would be 0.15 emulated s, under a
+    # plan's first token: the command stretches it (and the request deadline) with the scale.
+    assert float(value["--server-stall-timeout-s"]) == 60 * 400
+    assert float(value["--server-request-timeout-s"]) == 3600 * 400
     # 32 runtimes each import torch: the harness waits longer for them than for an 8-GPU plan.
     assert plan_check.startup_timeout_s(d) > plan_check.startup_timeout_s(
         plan_check.PRESETS["ci"].checks[0].deployment

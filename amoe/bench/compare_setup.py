@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from amoe.config import ServerSection
 from amoe.errors import ConfigError
 
 
@@ -145,6 +146,19 @@ def profile_name(setup: Setup, p: Preset) -> str:
     return setup.profile if p.blocks is None else f"{setup.profile}:{p.blocks}"
 
 
+def emulated_timeouts(scale: float) -> list[str]:
+    """`amoe serve` flags that put the coordinator's request deadline and stall timeout (ServerSection's defaults,
+    which count wall seconds) in emulated seconds: the defaults × the time scale. Why: a slow plan at a large time
+    scale has ITLs of tens of wall seconds (A100 4 + 4 top-2 at 32 blocks: 0.31 emulated s × 136.3 = 42 s), and a
+    new request's first token (its wave's next pass, then one iteration) comes after more than the default 60 s:
+    the coordinator ended it with an error and the point lost part of its load (docs/results.md)."""
+    d = ServerSection()
+    return [
+        "--server-request-timeout-s", f"{d.request_timeout_s * scale:g}",
+        "--server-stall-timeout-s", f"{d.stall_timeout_s * scale:g}",
+    ]  # fmt: skip
+
+
 def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
     """The `amoe serve` command line of one setup (port 0 is added by ServerProcess)."""
     flags = [
@@ -162,6 +176,7 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
         # Decode only, as the paper measures (prefill skipped, KV as if written): the bound counts decode tokens.
         "--executor-decode-only", "true",
         "--transport-timeout-s", "60",
+        *emulated_timeouts(time_scale(setup, p)),
     ]  # fmt: skip
     if setup.mode != "ep":
         flags += ["--expert-ranks", str(setup.experts)]

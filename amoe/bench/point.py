@@ -52,8 +52,22 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
             sum(running) / len(running), 1
         ),  # requests in flight: a steady point's concurrency
         queue=[((s.t - start) / scale, s.queue_tokens) for s in probe.scrapes],
+        ended=ended(probe.scrapes),
     )
     return point
+
+
+# Why a request ended when it did not run to its end: the coordinator cut it (a timeout, a lost runtime) or refused it.
+FAILED = ("error", "rejected")
+
+
+def ended(scrapes) -> dict[str, int]:
+    """Requests ended over the whole point (its first scrape to its last), by the coordinator's reason: the
+    record that a point measured the load it was given, not one thinned by timeouts or refusals (FAILED)."""
+    if len(scrapes) < 2:
+        return {}
+    first, last = scrapes[0].finished, scrapes[-1].finished
+    return {r: round(n - first.get(r, 0.0)) for r, n in sorted(last.items()) if n > first.get(r, 0.0)}
 
 
 def token_rate_fit(series: list[tuple[float, float]], scale: float) -> float | None:

@@ -30,6 +30,7 @@ UPTIME = "amoe_runtime_uptime_seconds_total"
 QUEUE = "amoe_runtime_queue_depth_tokens"
 RUNNING = "amoe_requests_running"
 BATCH_ROWS = "amoe_runtime_batch_size_rows"
+FINISHED = "amoe_requests_finished_total"
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Scrape:
     cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
     # step kind (attn, head, expert) → [rows, steps] summed over the runtimes: the batch sizes the runtime ran
     batch_rows: dict[str, list[float]] = field(default_factory=dict)
+    # why requests ended (stop, length, abort, error, rejected) → how many, since the server started
+    finished: dict[str, float] = field(default_factory=dict)
 
 
 def parse_metrics(text: str, t: float) -> Scrape:
@@ -85,6 +88,8 @@ def parse_metrics(text: str, t: float) -> Scrape:
             kind := dict(_LABEL.findall(labels)).get("kind")
         ):
             s.batch_rows.setdefault(kind, [0.0, 0.0])[name.endswith("_count")] += value
+        elif name == FINISHED and (reason := dict(_LABEL.findall(labels)).get("reason")):
+            s.finished[reason] = s.finished.get(reason, 0.0) + value
     return s
 
 

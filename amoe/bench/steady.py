@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from amoe.bench.compare_setup import Preset, Setup, profile_name, time_scale
-from amoe.bench.point import measure
+from amoe.bench.point import FAILED, measure
 from amoe.bench.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,11 @@ async def steady_point(
         await asyncio.gather(load, return_exceptions=True)
     point = measure(setup, kind, rate, probe, start, window, [], scale)
     point.update(concurrency=concurrency, guessed_itl_ms=itl_s * 1e3, window_itls=window_itls)
+    failed = {r: n for r, n in point["ended"].items() if r in FAILED}
+    if failed:
+        logger.warning(
+            "[steady] %s: requests ended by the coordinator during the point: %s", setup.name, failed
+        )
     if point["running_mean"] < _FULL * concurrency:
         logger.warning(
             "[steady] %s: %.0f of %d requests running in the window",

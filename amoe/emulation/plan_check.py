@@ -35,7 +35,7 @@ from pathlib import Path
 
 from amoe.bench import calibrate, steady
 from amoe.bench.compare import load_point
-from amoe.bench.compare_setup import Preset, Setup, mean_output_tokens
+from amoe.bench.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
 from amoe.bench.servers import ServerProcess
 from amoe.emulation import bounds
 from amoe.emulation.plan import (
@@ -222,6 +222,7 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
     argv = serve_command(plan, req, emulated=True).split()[2:]
     return argv + [
         "--time-scale", f"{time_scale:g}", "--server-max-waiting", "1000000", "--transport-timeout-s", "60",
+        *emulated_timeouts(time_scale),
     ]  # fmt: skip
 
 
