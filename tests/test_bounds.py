@@ -342,6 +342,43 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
     assert served(bound) == ["--scheduler", "waves"]
 
 
+def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(monkeypatch):
+    """`--aep-policy best`: an AEP plan is refined with waves and with defrag and keeps (and serves) the one whose
+    simulation gives more; the same two plans at two caps go different ways here, so neither is a default. A plan
+    simulated at scale (defrag only modelled) is simulated once; a bound-only plan serves waves."""
+    import amoe.emulation.plan as planner
+    import amoe.emulation.simulate_scale as scale
+    from amoe.cli import build_parser
+    from amoe.emulation.plan import refine
+
+    model = model_profile("mixtral-8x7b-mqa:4", 1)
+    host = host_overhead("amoe-paper")
+    req = PlanRequest("mixtral-8x7b-mqa:4", {"h100": 4}, top_k=1, aep_policy="best")
+    winners = set()
+    for cap in (128, 256):
+        dep = B.Deployment("aep", "h100", 2, "h100", 2, cap, 512)
+        ran = {
+            p: refine(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy=p).prediction
+            for p in ("waves", "defrag", "best")
+        }
+        winner = max(("waves", "defrag"), key=lambda p: ran[p].tokens_per_s)
+        winners.add(winner)
+        assert ran["best"].extra["aep_policy"] == winner
+        assert ran["best"].tokens_per_s == ran[winner].tokens_per_s
+        argv = serve_command(Plan(dep, ran["best"], None), req, emulated=True).split()
+        assert config_from_args(build_parser().parse_args(argv[1:])).scheduler.policy == winner
+    assert winners == {"waves", "defrag"}
+    calls = []
+    real = planner.refine
+    monkeypatch.setattr(planner, "refine", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # at scale: defrag whatever was asked, one simulation
+    at_scale = real(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy="best")
+    assert at_scale.prediction.extra["aep_policy"] == "defrag" and calls == ["waves"]
+    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    argv = serve_command(bound, req, emulated=True).split()
+    assert argv[argv.index("--scheduler") + 1] == "waves"
+
+
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
     from amoe.emulation.plan import counts
 

@@ -175,7 +175,8 @@ def add_aep_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--aep-policy", default="waves", metavar="POLICY",
         help="the scheduling policy AEP plans are simulated, measured and served with (`amoe serve --scheduler`): "
-        "waves (default) | defrag | mtfs | flfs | wave",
+        "waves (default) | defrag | mtfs | flfs | wave | best (each plan simulated with waves and with defrag, served "
+        "with the one that gives more within --itl-slo-ms)",
     )  # fmt: skip
 
 

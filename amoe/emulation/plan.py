@@ -40,6 +40,11 @@ MICRO_BATCHES = (2, 3, 4)
 # (docs/engine.md "The waves rule"). Checked against defrag, the runtime's default, on the 100 ms table's AEP plans
 # before the table was rerun with it (docs/results.md "Under a 100 ms ITL target, measured (m32, 2026-11-27)").
 AEP_POLICY = "waves"
+# `--aep-policy best`: each AEP plan refined with each of these and served with the one whose simulation gives more
+# within the ITL objective (ties: the first). Why per plan: under 100 ms waves was the better on 3 of the 100 ms
+# table's 4 AEP plans and defrag on the fourth (A100 top-1, where a rank holds less than one wave of requests).
+BEST = "best"
+BEST_OF = ("waves", "defrag")
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +291,9 @@ def plan_profile(req: PlanRequest):
 
 
 def check_policy(policy: str) -> str:
-    """`policy` if it is a scheduling policy amoe serves with (amoe.config.POLICIES), else a ConfigError."""
-    if policy not in POLICIES:
-        raise ConfigError(f"--aep-policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    """`policy` if it is a scheduling policy amoe serves with (amoe.config.POLICIES) or BEST, else a ConfigError."""
+    if policy not in (*POLICIES, BEST):
+        raise ConfigError(f"--aep-policy must be one of {', '.join((*POLICIES, BEST))}; got {policy!r}")
     return policy
 
 
@@ -342,13 +347,18 @@ def refine(
     `concurrency` (requests of one copy) the simulation runs there and nowhere else (`amoe bench plan-check`'s
     full-depth points, which cannot afford the AEP plan's own concurrency on this host). `variance`: the GPUs'
     step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to). `policy`: the
-    scheduling policy an AEP plan's runtimes run (its simulation's; the other modes have no scheduler)."""
+    scheduling policy an AEP plan's runtimes run (its simulation's; the other modes have no scheduler); BEST: each
+    of BEST_OF, keeping the one that gives more within the objective (extra["aep_policy"] names it)."""
     from amoe.config import SchedulerSection
     from amoe.emulation.simulate import simulate
     from amoe.emulation.variance import SOURCED
 
+    if check_policy(policy) == BEST:
+        if dep.mode == "aep":
+            return _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance)
+        policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
-    scheduler = SchedulerSection(policy=check_policy(policy))
+    scheduler = SchedulerSection(policy=policy)
     if pred is None:
         pred = bounds.predict(
             model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
@@ -429,6 +439,31 @@ def refine(
     return Plan(dep, refined, None)
 
 
+def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance) -> Plan:
+    """refine() with each policy of BEST_OF; the plan whose simulation meets the ITL objective with the most
+    tokens/s (ties and misses: the earlier policy). A plan simulated at scale models defrag only (refine's record):
+    one run is then all there is to compare."""
+    tried: list[Plan] = []
+    for policy in BEST_OF:
+        plan = refine(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance, policy)
+        tried.append(plan)
+        if plan.prediction.extra.get("aep_policy", policy) != policy:
+            break  # simulated at scale: served with defrag whatever was asked
+
+    def score(plan: Plan) -> tuple[bool, float]:
+        p = plan.prediction
+        return (itl_slo_ms is None or p.itl_s * 1e3 <= itl_slo_ms, p.tokens_per_s)
+
+    best = max(tried, key=score)  # the first of equals
+    if len(tried) > 1:
+        logger.info(
+            "[plan] %s: %s", describe(dep),
+            ", ".join(f"{p.prediction.extra['aep_policy']} {p.prediction.tokens_per_s:.0f} tok/s at "
+                      f"{p.prediction.itl_s * 1e3:.1f} ms" for p in tried),
+        )  # fmt: skip
+    return best
+
+
 def _max_requests(model, dep: bounds.Deployment, ctx: float) -> int:
     """The most requests refine's doublings take one copy to: SIM_MAX_REQUESTS where the simulation is event-level,
     else what the attention GPUs' KV cache holds at the mean context."""
@@ -496,7 +531,9 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
     if d.mode == "aep":
         args += ["--scheduler-expert-batch-cap", str(d.expert_cap)]
         # The policy the plan's figure was simulated with (refine's record; a bound-only plan: the one asked for).
-        policy = plan.prediction.extra.get("aep_policy", req.aep_policy)
+        policy = plan.prediction.extra.get(
+            "aep_policy", AEP_POLICY if req.aep_policy == BEST else req.aep_policy
+        )
         if policy != "defrag":  # `amoe serve`'s default
             # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
             args += ["--scheduler", policy]
