@@ -76,6 +76,9 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
         "deployment": describe(dep), "bound": round(bound.tokens_per_s), "concurrency": bound.concurrency,
         "waves": bound.extra["waves"], "wave_rows": bound.extra["wave_rows"],
         "measured": round(point["throughput"]), "of_bound": round(point["throughput"] / bound.tokens_per_s, 3),
+        # the counter's least-squares slope over every scrape of the window (amoe.bench.point.token_rate_fit): the
+        # counter moves in bursts of a wave's tokens, which two scrapes read one more or less of
+        "fit_of_bound": round(point["throughput_fit"] / bound.tokens_per_s, 3) if point.get("throughput_fit") else None,
         "itl_ms": point["itl_ms_mean"], "bound_itl_ms": round(bound.itl_s * 1e3, 1),
         "rows_per_step": point.get("rows_per_step"), "busy": point.get("busy"),
         "running_mean": point.get("running_mean"), "ended": point.get("ended"), "host_cores": point.get("host_cores"),
