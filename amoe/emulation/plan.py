@@ -458,8 +458,8 @@ def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, 
     if len(tried) > 1:
         logger.info(
             "[plan] %s: %s", describe(dep),
-            ", ".join(f"{p.prediction.extra['aep_policy']} {p.prediction.tokens_per_s:.0f} tok/s at "
-                      f"{p.prediction.itl_s * 1e3:.1f} ms" for p in tried),
+            ", ".join(f"{name} {p.prediction.tokens_per_s:.0f} tok/s at {p.prediction.itl_s * 1e3:.1f} ms"
+                      for name, p in zip(BEST_OF, tried)),
         )  # fmt: skip
     return best
 
