@@ -151,3 +151,54 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
     refined = refine(model, dep, ROUTING, CTX, HOST, pred, slo_ms, policy="defrag").prediction  # the knee's
     assert refined.extra["simulated"] and refined.itl_s * 1e3 <= slo_ms
     assert refined.concurrency < pred.concurrency
+
+
+def test_an_attention_steps_rows_reach_each_expert_gpu_as_one_message(monkeypatch):
+    """The engine sends an attention step's rows for one expert runtime as one message (cpp/engine.cpp send_grouped),
+    so under `waves` an expert GPU's grouped step takes all of them or none. The simulation once sent one message per
+    hosted expert, one after another on the link: item 9's hold for a rank ended at the first, the block was served
+    with part of the wave and the rest went in a later step — a wave split in two that held its attention rank back
+    (docs/results.md "One message per expert GPU"). Every attention step's rows for a GPU land in one expert step."""
+    from amoe.config import SchedulerSection
+    from amoe.emulation import simulate as sim
+
+    sent, served = [], []  # (gpu, block, token ids) per attention step; (gpu, block, ids) per expert step
+    attn_done, exp_done = sim._Aep._attn_done, sim._Aep._exp_done
+
+    def record_attn(self, r, block, tokens):
+        step = {}  # gpu -> this step's token ids sent there, over however many messages
+
+        def at(t, fn, *args):
+            if fn.__name__ == "_enqueue_exp":
+                rows = args[2] if isinstance(args[2], list) else [(args[2], args[3])]  # (column, parts)
+                step.setdefault(args[0], set()).update(int(t) for _, parts in rows for t in parts)
+            sim._Aep._at(self, t, fn, *args)
+
+        self._at = at
+        try:
+            attn_done(self, r, block, tokens)
+        finally:
+            del self._at
+        sent.extend((g, block, frozenset(ids), self.now) for g, ids in step.items())
+
+    def record_exp(self, g, block, parts):
+        served.append((g, block, frozenset(int(t) for t in parts), self.now))
+        exp_done(self, g, block, parts)
+
+    monkeypatch.setattr(sim._Aep, "_attn_done", record_attn)
+    monkeypatch.setattr(sim._Aep, "_exp_done", record_exp)
+    model = model_profile("mixtral-8x7b-mqa:8", 2)
+    dep = bounds.Deployment("aep", "h100", 4, "h100", 3, attn_cap=64, expert_cap=1024)
+    bound = _bound(model, dep)
+    simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency, warmup_s=2 * bound.itl_s, duration_s=4 * bound.itl_s,
+             scheduler=SchedulerSection(policy="waves", attn_batch_cap=64, expert_batch_cap=1024),
+             stagger_ranks=True)  # fmt: skip
+    steps = {}
+    for g, b, ids, _ in served:
+        steps.setdefault((g, b), []).append(ids)
+    # Messages sent in the run's last ITL may still be on the link or queued when it ends: not counted.
+    end = max(t for *_, t in served) - bound.itl_s
+    messages = [(g, b, ids) for g, b, ids, t in sent if ids and t < end]
+    assert len(messages) > 500
+    split = [m for m in messages if not any(m[2] <= ids for ids in steps.get((m[0], m[1]), ()))]
+    assert not split, f"{len(split)} of {len(messages)} steps' rows for a GPU split over expert steps"

@@ -234,9 +234,11 @@ class _Aep:
             self.attn_sched[r].add(layer, int(col), len(mine))
         self._wake(("a", r))
 
-    def _enqueue_exp(self, g: int, block: int, col: int, parts: np.ndarray, rank: int) -> None:
-        self.exp_q[g][block][col].append(parts)
-        self.exp_sched[g].add(block, col, len(parts))
+    def _enqueue_exp(self, g: int, block: int, cols: list, rank: int) -> None:
+        """One message: an attention step's rows for expert GPU g, a (column, parts) per hosted expert routed."""
+        for col, parts in cols:
+            self.exp_q[g][block][col].append(parts)
+            self.exp_sched[g].add(block, col, len(parts))
         if self.exp_sched[g].barrier_ranks:
             self.exp_sched[g].arrived(block, rank, self.now)
         self._wake(("e", g))
@@ -339,13 +341,15 @@ class _Aep:
         self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k, int(self.wave[tokens[0]]))
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)
+        # One message per expert GPU, as the engine's send_grouped sends one per destination runtime: its
+        # rows arrive together (a message per hosted expert ended a rank's wait at its first, item 9, and split
+        # the wave over two steps).
         for g in np.unique(self.gpu_of[flat]):
             mask = self.gpu_of[flat] == g
-            for col in np.unique(self.col_of[flat[mask]]):
-                sel = mask & (self.col_of[flat] == col)
-                parts = owner[sel]
-                t = self._arrival(self.in_free_e, int(g), len(parts), self.link_e)
-                self._at(t, self._enqueue_exp, int(g), block, int(col), parts, r)
+            col = self.col_of[flat]
+            cols = [(int(c), owner[mask & (col == c)]) for c in np.unique(col[mask])]
+            t = self._arrival(self.in_free_e, int(g), int(mask.sum()), self.link_e)
+            self._at(t, self._enqueue_exp, int(g), block, cols, r)
 
     def _exp_done(self, g: int, block: int, parts: np.ndarray) -> None:
         self._at(self.now, self._start, ("e", g))
