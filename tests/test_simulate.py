@@ -162,7 +162,7 @@ def test_an_attention_steps_rows_reach_each_expert_gpu_as_one_message(monkeypatc
     from amoe.config import SchedulerSection
     from amoe.emulation import simulate as sim
 
-    sent, served = [], []  # (gpu, block, token ids) per attention step; (gpu, block, ids) per expert step
+    sent, served = [], []  # (gpu, block, token ids, time): per attention step and GPU; per expert step
     attn_done, exp_done = sim._Aep._attn_done, sim._Aep._exp_done
 
     def record_attn(self, r, block, tokens):

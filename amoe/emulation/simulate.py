@@ -344,9 +344,9 @@ class _Aep:
         # One message per expert GPU, as the engine's send_grouped sends one per destination runtime: its
         # rows arrive together (a message per hosted expert ended a rank's wait at its first, item 9, and split
         # the wave over two steps).
-        for g in np.unique(self.gpu_of[flat]):
-            mask = self.gpu_of[flat] == g
-            col = self.col_of[flat]
+        gpu, col = self.gpu_of[flat], self.col_of[flat]
+        for g in np.unique(gpu):
+            mask = gpu == g
             cols = [(int(c), owner[mask & (col == c)]) for c in np.unique(col[mask])]
             t = self._arrival(self.in_free_e, int(g), int(mask.sum()), self.link_e)
             self._at(t, self._enqueue_exp, int(g), block, cols, r)
