@@ -135,8 +135,10 @@ def test_the_emulated_clock_holds_each_gpu_at_its_speed():
 
 
 def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
-    """EP waits at two barriers a block for the slowest device; AEP's attention GPUs each go at their own speed.
-    On an attention-bound AEP plan variance costs AEP nothing, on EP it costs every block."""
+    """EP waits at two barriers a block for the slowest device, jitter included. AEP's ranks whose waves meet at
+    every expert step go at the slowest attention GPU's pace, but no step's jitter holds them: on an attention-bound
+    AEP plan variance costs exactly what the slowest attention GPU's speed costs (the bound does not let faster
+    ranks run ahead while their waves share steps with the slowest)."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
     q = B.routing_inclusion(model, "skew-exp:0.08")
     ep = B.Deployment("ep", "h100", 8, attn_cap=256)
@@ -146,7 +148,9 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
         off, on = (B.predict(model, dep, q, CTX, HOST, variance=v).tokens_per_s for v in (OFF, SOURCED))
         loss[dep.mode] = 1 - on / off
     assert 0.02 < loss["ep"] < 0.06
-    assert abs(loss["aep"]) < 0.01
+    slowest = float(SOURCED.speeds(0, aep.num_attn).max())
+    assert slowest > 1.02  # the draw has a slow attention GPU, so the test can fail
+    assert loss["aep"] == pytest.approx(1 - 1 / slowest, abs=1e-3)
     # The simulation pays it too: EP's iterations wait for this step's slowest device.
     small = model_profile("mixtral-8x7b-mqa:4", 1)
     ep2 = B.Deployment("ep", "h100", 4, attn_cap=64)

@@ -32,7 +32,8 @@ Step-time variance (amoe.emulation.variance; sourced by default, `variance=OFF` 
 fixed speed (GPU i of the deployment: attention GPUs first, then expert GPUs; EP: device i) and each step jitters. A
 barrier pays the slowest: EP's blocks and ping-pong's micro-batch steps wait for `expected_max` over the devices, and
 so does an AEP wave's critical path at the expert GPUs of a block. A queue does not: each AEP GPU works at its own
-speed, the slowest expert GPU sets the expert side's rate, and each attention GPU's requests go at its own.
+speed and the slowest expert GPU sets the expert side's rate; but attention GPUs whose waves meet at every block's
+expert step go at the slowest one's pace (`_aep`).
 """
 
 from __future__ import annotations
@@ -331,10 +332,13 @@ def _aep(
     groups with the same m at every block are a restriction of the search (docs/emulation.md "Bounds": where it
     is a model); extra["group_waves"] is the chosen m.
 
-    With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown): rank r's requests
-    see ITL_r = max(path_r, W · attention work · s_r, the slowest expert GPU's work), the path waiting at each
-    block for the expected slowest of the expert GPUs its group reached (jitter included); throughput is the sum
-    over ranks of W · w / ITL_r and the reported ITL its Little's-law mean.
+    With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown). A group waits at
+    each block for the expected slowest of the expert GPUs it reached (jitter included), and — since every rank's
+    group meets at each block's expert step — for the slowest attention GPU's steps: ranks whose waves share every
+    expert step cannot run at different speeds, so all go at the slowest rank's pace (lock-step, as ping-pong's
+    micro-batches; a rank kept apart would run at its own speed but pay its own expert steps, docs/emulation.md
+    "Merged ranks move at the slowest rank's pace"): ITL = max(path at s_max, W · attention work · s_max, the
+    slowest expert GPU's work, link).
 
     Links (issue 35): each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
     times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
@@ -345,7 +349,11 @@ def _aep(
     share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
     hottest = share.max(axis=1)  # [blocks] the busiest receiver of each block sets its transfers
     per_iteration = float(share.sum(axis=0).max())  # the busiest expert GPU's rows per token and iteration
-    s_attn = variance.speeds(0, A)  # [A]
+    s_own = variance.speeds(0, A)  # [A] each attention GPU's own speed
+    # Every rank at the slowest one's: the ranks' groups meet at every block's expert step (the docstring), so the
+    # step waits for the slowest rank's attention and the others idle the difference. The per-rank arrays stay
+    # (alike) so the search below reads as the per-rank sum it is.
+    s_attn = np.full(A, s_own.max())
     s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
     slowest = float(s_attn.max())
     key = steps_key(model, ge, placed, q, dep.expert_cap, host)
@@ -408,7 +416,7 @@ def _aep(
             points.append(
                 Prediction(
                     tokens_per_s=tps, itl_s=itl, concurrency=concurrency, bottleneck=side,
-                    attention_tokens_per_s=float(np.sum(w / (attn_busy * s_attn))),
+                    attention_tokens_per_s=float(np.sum(w / (attn_busy * s_own))),
                     expert_tokens_per_s=concurrency / experts,
                     expert_skew=float(per_gpu.max() / per_gpu.mean()),
                     extra={"waves": W, "wave_rows": w, "group_waves": group, "critical_path_s": path,

@@ -312,7 +312,17 @@ def _rank(plans: list[Plan], req: PlanRequest) -> None:
     if req.prices:
         plans.sort(key=lambda p: (p.cost_per_mtok, -p.prediction.tokens_per_s))
     else:
-        plans.sort(key=lambda p: (-p.prediction.tokens_per_s, p.deployment.num_gpus, p.prediction.itl_s))
+        # Bounds that tie (an attention-bound AEP plan's expert caps and placements all reach the same figure):
+        # the one with the most slack on its critical path first, since a schedule's shortfall shows first on a
+        # path that has none (the lock-step modes' path is their ITL).
+        plans.sort(
+            key=lambda p: (
+                -p.prediction.tokens_per_s,
+                p.deployment.num_gpus,
+                p.prediction.itl_s,
+                p.prediction.extra.get("critical_path_s", p.prediction.itl_s),
+            )
+        )
 
 
 # Doublings of concurrency the simulation tries above the bound's operating point (AEP): the bound's point fills
