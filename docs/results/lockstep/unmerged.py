@@ -71,7 +71,9 @@ def unmerged(model, dep, slo_s=None, variance=SOURCED):
             while m <= W:
                 steps = B._grouped_steps(model, ge, placed, q, m * w, dep.expert_cap, host) * s_exp
                 wait = float(np.sum(expected_max(steps, variance.jitter)))
-                own = np.maximum(moves + m * attn_busy * s_attn + wait, np.maximum(W * attn_busy * s_attn, W * link_1))
+                own = np.maximum(
+                    moves + m * attn_busy * s_attn + wait, np.maximum(W * attn_busy * s_attn, W * link_1)
+                )
                 c = (W // m) * float(steps.sum(axis=0).max())
                 tps = W * w * min(float(np.sum(1 / own)), 1 / c)
                 itl = A * W * w / tps
