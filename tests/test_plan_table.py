@@ -178,3 +178,14 @@ def test_measure_runs_the_chosen_modes_and_reports_the_measured_itl_against_the_
     for bad in ("4", "x"):
         with pytest.raises(plan_table.ConfigError, match="--measure-rows"):
             plan_table._row_indices(bad, 4)
+
+
+def test_a_time_scale_that_is_not_positive_is_a_clear_error_before_anything_runs(tmp_path, capsys):
+    """`amoe bench plan-table --measure --time-scale 0`: one clear line and a user-error exit, nothing measured."""
+    from amoe.cli import EXIT_USER_ERROR
+    from amoe.cli import main as cli_main
+
+    out = tmp_path / "t"
+    assert cli_main(["bench", "plan-table", "--measure", "--time-scale", "0", "--out", str(out)]) == EXIT_USER_ERROR
+    assert "--time-scale must be positive" in capsys.readouterr().err
+    assert not (out / "measured.jsonl").exists()

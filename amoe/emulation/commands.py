@@ -75,6 +75,11 @@ def add_bench_plan_table_command(sub: Any) -> None:
     p.add_argument(
         "--figure10", action="store_true", help="only the Figure 10 setup (16 experts, 8 vs 16 GPUs)"
     )
+    p.add_argument(
+        "--time-scale", type=float, default=40.0,
+        help="with --measure: the time scale on the reference host, stretched by the host probe (default 40); a "
+        "larger one shrinks the host's own delays against the emulated steps, at that many times the wall time",
+    )  # fmt: skip
     _step_variance(p)
     add_aep_policy(p)
     p.set_defaults(run=run_plan_table)

@@ -361,7 +361,10 @@ def main(args) -> int:
         measured = Measured(out / "measured.jsonl", run=not args.report_measured)
         measured.step_variance = args.step_variance
         measured.aep_policy = policy
-        measure = (*(calibrate.scaled(40.0) if measured.run else (40.0, 0.0)), measured)
+        base = getattr(args, "time_scale", 40.0)
+        if not base > 0:
+            raise ConfigError(f"--time-scale must be positive; got {base:g}")
+        measure = (*(calibrate.scaled(base) if measured.run else (base, 0.0)), measured)
     if args.figure10:
         for routing in routings:
             print(
