@@ -186,6 +186,9 @@ def test_a_time_scale_that_is_not_positive_is_a_clear_error_before_anything_runs
     from amoe.cli import main as cli_main
 
     out = tmp_path / "t"
-    assert cli_main(["bench", "plan-table", "--measure", "--time-scale", "0", "--out", str(out)]) == EXIT_USER_ERROR
+    assert (
+        cli_main(["bench", "plan-table", "--measure", "--time-scale", "0", "--out", str(out)])
+        == EXIT_USER_ERROR
+    )
     assert "--time-scale must be positive" in capsys.readouterr().err
     assert not (out / "measured.jsonl").exists()
