@@ -3,7 +3,7 @@ pace"): each attention rank's groups are expert steps of their own, so each rank
 expert GPUs' time is shared among the ranks. Not in the code: it checks that the merged bound (amoe.emulation.bounds
 `_aep`) is the larger at the tables' operating points. Run from the repository root (seconds):
 
-    PYTHONPATH=. .venv/bin/python docs/results/lockstep/unmerged.py [--itl-slo-ms 100]
+    PYTHONPATH=.:bench .venv/bin/python docs/results/lockstep/unmerged.py [--itl-slo-ms 100]
 
 For every (w, W, m) as `_aep` searches them: rank r's ITL is at least own_r = max(its path with its own group's step,
 W · attention work · s_r, link), and the busiest expert GPU spends c = (W / m) · Σ_blocks grouped(m · w rows) per
@@ -15,6 +15,8 @@ import argparse
 import json
 
 import numpy as np
+from waves_emulated import PLANS as WAVES32  # bench/waves_emulated.py's seven plans (PYTHONPATH=.:bench)
+from waves_emulated import ROUTING
 
 from amoe.emulation import bounds as B
 from amoe.emulation import cost_model as cm
@@ -22,22 +24,12 @@ from amoe.emulation.plan import balanced_map, mean_context
 from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.emulation.variance import SOURCED, expected_max
 
-ROUTING = "skew-exp:0.08"
-# The 100 ms table's AEP plans (docs/results/lockstep/100/plan_table.json), then bench/waves_emulated.py's seven.
+# The 100 ms table's AEP plans (docs/results/lockstep/100/plan_table.json).
 TABLE = (
     ("a100-80g", 1, 4, 4, 512, 512, True),
     ("a100-80g", 2, 4, 4, 256, 512, True),
     ("h100", 1, 6, 2, 512, 1024, False),
     ("h100", 2, 5, 3, 512, 1024, False),
-)
-WAVES32 = (
-    ("a100-80g", 1, 5, 3, 128, 1024),
-    ("h100", 2, 4, 3, 256, 1024),
-    ("h100", 1, 4, 4, 256, 512),
-    ("a100-80g", 2, 4, 4, 256, 512),
-    ("h100", 1, 6, 2, 256, 512),
-    ("h100", 2, 5, 3, 256, 512),
-    ("a100-80g", 2, 3, 5, 256, 512),
 )
 
 
