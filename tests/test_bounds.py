@@ -538,3 +538,20 @@ def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     assert bound.extra["group_waves"] == max(by_m, key=by_m.get) == 2  # neither unmerged nor all merged
     old = tokens_per_s(attention + moves + steps(A * w).max(axis=1).sum(), steps(A * W * w).sum(axis=0).max())
     assert old > 1.03 * bound.tokens_per_s
+
+
+def test_plans_whose_bounds_tie_go_to_the_most_critical_path_slack():
+    """With every merged rank at the slowest one's pace, an attention-bound AEP split's expert caps and placements
+    reach one bound (A100 top-1 4 + 4 under 100 ms). The planner simulates its shape's first plan, so of those it
+    must put first the one with the most slack on its critical path, not the candidate order's first (expert cap
+    256, its path within 1 % of its ITL, which the simulation put under a 2 + 2 ×2 plan)."""
+    req = PlanRequest(
+        profile="mixtral-8x7b-mqa", gpus={"a100-80g": 8}, top_k=1, itl_slo_ms=100.0, simulate_top=0
+    )
+    split = [p for p in search(req) if shape(p.deployment) == ("aep", "a100-80g", 4, "a100-80g", 4, 1, 1)]
+    best = split[0].prediction.tokens_per_s
+    tied = [p for p in split if p.prediction.tokens_per_s == best]
+    assert len(tied) > 1  # the tie the rule is for
+    paths = [p.prediction.extra["critical_path_s"] for p in tied]
+    assert paths[0] == min(paths) < max(paths)
+    assert split[0].deployment.expert_cap > 256
