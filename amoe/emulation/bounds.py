@@ -353,9 +353,9 @@ def _aep(
     # Every rank at the slowest one's: the ranks' groups meet at every block's expert step (the docstring), so the
     # step waits for the slowest rank's attention and the others idle the difference. The per-rank arrays stay
     # (alike) so the search below reads as the per-rank sum it is.
-    s_attn = np.full(A, s_own.max())
+    slowest = float(s_own.max())
+    s_attn = np.full(A, slowest)
     s_exp = variance.speeds(A, len(placed))  # [expert GPUs]
-    slowest = float(s_attn.max())
     key = steps_key(model, ge, placed, q, dep.expert_cap, host)
     points = []
     for w in _doublings(1, b):
@@ -423,7 +423,7 @@ def _aep(
                            "link_s": link},
                 )
             )  # fmt: skip
-            if W * attn_busy * float(s_attn.min()) >= max(path, experts, link):
+            if W * attn_busy * slowest >= max(path, experts, link):
                 break  # attention-bound on every rank: more waves only lengthen ITL
     # Under an ITL objective only the points that meet it (none: the best, which the planner then drops).
     points = [p for p in points if itl_slo_s is None or p.itl_s <= itl_slo_s] or points
