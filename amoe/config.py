@@ -154,9 +154,16 @@ class SchedulerSection:
     # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
     # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
     group_experts: bool = True
+    # waves, expert side (docs/engine.md "The waves rule" item 13): the waves of each attention rank that make one
+    # group, which an expert runtime serves as one (block, group) step once every rank's waves of the group are
+    # in. 0: the expert side gathers per rank (items 9-10). A plan sets its bound's group (`amoe plan` prints
+    # it): the right size depends on the expert GPU's cost of a step, which the serving config does not know.
+    wave_group: int = 0
 
     def __post_init__(self) -> None:
         _choice("scheduler.policy", self.policy, POLICIES)
+        if self.wave_group < 0:
+            raise ConfigError(f"scheduler.wave_group must be >= 0; got {self.wave_group}")
         if self.lookahead < 0:
             raise ConfigError(f"scheduler.lookahead must be >= 0; got {self.lookahead}")
         if not 0.0 <= self.decay <= 1.0:

@@ -73,6 +73,7 @@ def engine_config(
     if sched.policy == "waves":  # attention: its waves; experts: how far back block 0 waits (item 10)
         requests = CacheSection().max_num_seqs if max_requests is None else max_requests
         cfg.num_waves = max(1, -(-requests // sched.attn_batch_cap))
+        cfg.wave_group = sched.wave_group  # expert side: its groups of those waves (item 13)
     cfg.validate()
     return cfg
 

@@ -50,7 +50,9 @@ BLOCKS = 32
 TIME_SCALE = 136.3
 
 
-async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, seed: int) -> dict:
+async def one(
+    plan_index: int, policy: str, base_scale: float, probe_s: float, seed: int, group: int = -1
+) -> dict:
     gpu, k, a, e, cap, ecap = PLANS[plan_index]
     model = model_profile(f"mixtral-8x7b-mqa:{BLOCKS}", k)
     dep = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
@@ -60,6 +62,11 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
     preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # flags() carries --scheduler POLICY
     scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
     argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale)
+    # waves: the plan's command carries the bound's wave group (docs/engine.md "The waves rule" item 13); a later
+    # flag wins, so --wave-group N serves the same plan with N instead (0: items 9-10, per rank).
+    wave_group = B.wave_group(bound.extra, cap) if group < 0 else group
+    if policy == "waves" and group >= 0:
+        argv += ["--scheduler-wave-group", str(group)]
     setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
     run = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,
@@ -73,6 +80,7 @@ async def one(plan_index: int, policy: str, base_scale: float, probe_s: float, s
         )
     return {
         "plan": f"aep {a}+{e} {gpu} top{k} cap {cap}/{ecap}", "policy": policy, "blocks": BLOCKS,
+        "wave_group": wave_group if policy == "waves" else None,
         "deployment": describe(dep), "bound": round(bound.tokens_per_s), "concurrency": bound.concurrency,
         "waves": bound.extra["waves"], "wave_rows": bound.extra["wave_rows"],
         "measured": round(point["throughput"]), "of_bound": round(point["throughput"] / bound.tokens_per_s, 3),
@@ -98,6 +106,11 @@ def main() -> None:
     ap.add_argument("--plans", default="0,1,2", help="indices into PLANS, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--wave-group", type=int, default=-1,
+        help="waves: the expert side's wave group (docs/engine.md item 13); -1 (default): the bound's, as the plan's "
+        "command sets it; 0: per rank (items 9-10)",
+    )  # fmt: skip
+    ap.add_argument(
         "--time-scale", type=float, default=TIME_SCALE,
         help="every plan's time scale (before the tokens-per-wall-second floor), the same in every invocation; 0: "
         "the preset's, stretched by the host probe read once at the start (as before a32)",
@@ -108,7 +121,10 @@ def main() -> None:
     if args.time_scale > 0:
         base_scale = args.time_scale
     for i in (int(x) for x in args.plans.split(",")):
-        print(json.dumps(asyncio.run(one(i, args.policy, base_scale, probe_s, args.seed))), flush=True)
+        print(
+            json.dumps(asyncio.run(one(i, args.policy, base_scale, probe_s, args.seed, args.wave_group))),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

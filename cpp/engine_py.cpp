@@ -64,10 +64,11 @@ Message message_from_arrays(const at::Tensor& request_id, const at::Tensor& kind
 
 py::dict message_meta(const Message& m) {
   const int64_t n = static_cast<int64_t>(m.rows.size());
-  const char* names[] = {"request_id",  "kind",      "block", "index",     "position",
-                         "chunk_start", "chunk_len", "slot",  "expert_id", "attn_rank"};
+  const char* names[] = {"request_id", "kind",  "block",     "index",     "position", "chunk_start",
+                         "chunk_len",  "slot",  "expert_id", "attn_rank", "wave"};
+  constexpr int kCols = sizeof(names) / sizeof(names[0]);
   std::vector<at::Tensor> cols;
-  for (int c = 0; c < 10; ++c) cols.push_back(at::empty({n}, at::kLong));
+  for (int c = 0; c < kCols; ++c) cols.push_back(at::empty({n}, at::kLong));
   auto w = at::empty({n}, at::kFloat);
   for (int64_t i = 0; i < n; ++i) {
     const RowMeta& r = m.rows[i];
@@ -80,12 +81,13 @@ py::dict message_meta(const Message& m) {
                          r.chunk_len,
                          r.slot,
                          r.expert_id,
-                         r.attn_rank};
-    for (int c = 0; c < 10; ++c) cols[c].data_ptr<int64_t>()[i] = v[c];
+                         r.attn_rank,
+                         r.wave};
+    for (int c = 0; c < kCols; ++c) cols[c].data_ptr<int64_t>()[i] = v[c];
     w.data_ptr<float>()[i] = r.weight;
   }
   py::dict d;
-  for (int c = 0; c < 10; ++c) d[names[c]] = cols[c];
+  for (int c = 0; c < kCols; ++c) d[names[c]] = cols[c];
   d["weight"] = w;
   return d;
 }
@@ -229,6 +231,7 @@ void register_engine(py::module_& m) {
       .def_readwrite("expert_cap", &EngineConfig::expert_cap)
       .def_readwrite("track_requests", &EngineConfig::track_requests)
       .def_readwrite("num_waves", &EngineConfig::num_waves)
+      .def_readwrite("wave_group", &EngineConfig::wave_group)
       .def("validate", &EngineConfig::validate);
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch",

@@ -34,12 +34,16 @@ struct RowMeta {
   int32_t expert_id;    // the expert of this slot (-1 for slot 0)
   float weight;         // top-k weight of this slot (0 for slot 0)
   int32_t attn_rank;    // attention DP rank that holds the request
+  // Under `waves`: the request's wave on its attention rank (-1: none), which the expert side groups by
+  // (docs/engine.md "The waves rule" item 13). Set by the attention runtime; carried back unread.
+  int32_t wave = -1;
+  int32_t reserved = 0;  // explicit padding: every byte on the wire is defined
 };
 
 // Metadata travels as a header followed by num_rows RowMeta, memcpy-able as they are (little endian).
 // The tensor plane carries data: [num_rows, hidden] of dtype, or int64 [num_rows] token ids.
 constexpr uint32_t kMessageMagic = 0x454f4d41;  // "AMOE"
-constexpr uint16_t kMessageVersion = 1;
+constexpr uint16_t kMessageVersion = 2;  // 2: RowMeta::wave
 
 struct MessageHeader {
   uint32_t magic = kMessageMagic;
@@ -53,7 +57,7 @@ struct MessageHeader {
 
 static_assert(std::is_trivially_copyable<RowMeta>::value, "RowMeta must be memcpy-able");
 static_assert(sizeof(LayerId) == 12, "LayerId layout is part of the wire format");
-static_assert(sizeof(RowMeta) == 48, "RowMeta layout is part of the wire format");
+static_assert(sizeof(RowMeta) == 56, "RowMeta layout is part of the wire format");
 static_assert(sizeof(MessageHeader) == 32, "MessageHeader layout is part of the wire format");
 
 // The communicator's envelope (cpp/zmq_comm.h): first bytes of the first ZeroMQ frame of every transfer.

@@ -21,6 +21,7 @@ void EngineConfig::validate() const {
           (group_experts == 0 || group_experts == 1) && max_wave_hold_s > 0,
       "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
   AMOE_CHECK_ARG(num_waves >= 1, "num_waves must be >= 1, got " << num_waves);
+  AMOE_CHECK_ARG(wave_group >= 0, "wave_group must be >= 0, got " << wave_group);
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
                    "attn_rank " << attn_rank << " has no entry in attn_runtime");
@@ -30,10 +31,21 @@ void EngineConfig::validate() const {
   }
 }
 
+namespace {
+
+// Item 13: an expert runtime under waves groups its columns by wave group (wave_group > 0).
+int wave_groups(const EngineConfig& cfg) {
+  if (cfg.is_attention || cfg.policy != "waves" || cfg.wave_group <= 0) return 1;
+  return (std::max(1, cfg.num_waves) + cfg.wave_group - 1) / cfg.wave_group;
+}
+
+}  // namespace
+
 LayerQueues::LayerQueues(const EngineConfig& cfg)
     : cfg_(cfg),
       num_cols_(cfg.is_attention ? (cfg.policy == "waves" ? std::max(1, cfg.num_waves) : 1)
-                                 : static_cast<int>(cfg.experts.size())),
+                                 : static_cast<int>(cfg.experts.size()) * wave_groups(cfg)),
+      groups_(wave_groups(cfg)),
       expert_col_(cfg.num_experts, -1),
       scheduler_(cfg.is_attention ? cfg.num_blocks + 1 : cfg.num_blocks, num_cols_, parse_policy(cfg.policy),
                  cfg.lookahead, cfg.decay) {
@@ -47,6 +59,9 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   if (rank_barrier_)
     scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
                                 (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
+  // Item 13: the columns are (group, hosted expert); the notes per (rank, wave).
+  if (rank_barrier_ && cfg.wave_group > 0)
+    scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group, static_cast<int>(cfg.experts.size()));
   for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
     AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
     expert_col_[cfg.experts[c]] = c;
@@ -55,8 +70,9 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   pool_.reserve(4096);
   for (int b = 0; b < scheduler_.num_blocks(); ++b) {
     for (int c = 0; c < num_cols_; ++c) {
+      const int local = cfg.is_attention ? 0 : c % static_cast<int>(cfg.experts.size());
       queues_[b * num_cols_ + c].layer =
-          cfg.is_attention ? LayerId{kAttn, b, cfg.attn_rank} : LayerId{kExpert, b, cfg.experts[c]};
+          cfg.is_attention ? LayerId{kAttn, b, cfg.attn_rank} : LayerId{kExpert, b, cfg.experts[local]};
     }
   }
 }
@@ -71,6 +87,11 @@ int LayerQueues::queue_index(const LayerId& l) const {
     return -1;
   const int c = expert_col_[l.index];
   return c < 0 ? -1 : l.block * num_cols_ + c;
+}
+
+int LayerQueues::group_of(int32_t wave) const {
+  if (groups_ == 1 || wave < 0 || wave >= cfg_.num_waves) return 0;
+  return wave / cfg_.wave_group;
 }
 
 double LayerQueues::clock_s() const {
@@ -121,14 +142,20 @@ void LayerQueues::ingest(Message&& msg) {
       continue;
     }
     if (m.layer.kind == kExpert) {
-      // Expert rows are independent: ready as soon as they arrive.
-      MuQueue& mq = queues_[q];
+      // Expert rows are independent: ready as soon as they arrive (in their wave's group, item 13).
+      const int qg = q + group_of(m.wave) * static_cast<int>(cfg_.experts.size());
+      MuQueue& mq = queues_[qg];
       mq.rows.push_back(ExpertRow{m, TensorRef{msg.data, i}});
       ++mq.depth;
-      scheduler_.add(q / num_cols_, q % num_cols_, 1);
-      if (rank_barrier_) scheduler_.arrived(q / num_cols_, m.attn_rank, now);
+      scheduler_.add(qg / num_cols_, qg % num_cols_, 1);
+      if (rank_barrier_) scheduler_.arrived(qg / num_cols_, m.attn_rank, now, m.wave);
+    } else if (waves_) {
+      // The row's wave travels with its expert parts (item 13): the expert side groups by it.
+      RowMeta mw = m;
+      mw.wave = wave_of(m.request_id);
+      ingest_attention_row(q * num_cols_ + mw.wave, mw, msg.data, i);
     } else {
-      ingest_attention_row(waves_ ? q * num_cols_ + wave_of(m.request_id) : q, m, msg.data, i);
+      ingest_attention_row(q, m, msg.data, i);
     }
   }
 }
@@ -282,19 +309,27 @@ bool LayerQueues::drain(Drained* out, bool force) {
   out->layer = picked.layer;
   if (picked.layer.kind == kExpert) {
     if (cfg_.group_experts == 1) {
-      // The block's every hosted expert in one step: one host step and one kernel sequence for all of them.
-      for (int c = 0; c < num_cols_; ++c) out->num_rows += take_expert_rows(b, c, out);
+      // The block's every hosted expert in one step: one host step and one kernel sequence for all of them
+      // (of the picked column's wave group, item 13).
+      const int per = static_cast<int>(cfg_.experts.size()), first = (col / per) * per;
+      for (int c = first; c < first + per; ++c) out->num_rows += take_expert_rows(b, c, out);
     } else {
       out->num_rows = take_expert_rows(b, col, out);
     }
     if (rank_barrier_) {
-      // Each attention rank served here is on its way to the next block (item 9); a rank once per step.
-      std::vector<char> seen(cfg_.attn_runtime.size(), 0);
+      // Each attention rank (wave, with groups) served here is on its way to the next block (items 9, 13);
+      // each once per step.
+      const int waves = cfg_.wave_group > 0 ? std::max(1, cfg_.num_waves) : 1;
+      std::vector<char> seen(cfg_.attn_runtime.size() * waves, 0);
       for (const ExpertRow& r : out->rows) {
         const int rank = r.meta.attn_rank;
-        if (rank < 0 || rank >= static_cast<int>(seen.size()) || seen[rank]) continue;
-        seen[rank] = 1;
-        scheduler_.served(b, rank, now);
+        const int wave = waves > 1 ? r.meta.wave : 0;
+        if (rank < 0 || rank >= static_cast<int>(cfg_.attn_runtime.size()) || wave < 0 || wave >= waves)
+          continue;
+        char& s = seen[static_cast<size_t>(rank) * waves + wave];
+        if (s) continue;
+        s = 1;
+        scheduler_.served(b, rank, now, r.meta.wave);
       }
     }
     return true;

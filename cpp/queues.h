@@ -53,6 +53,9 @@ struct EngineConfig {
   // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert
   // runtime's block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
   int num_waves = 1;
+  // waves, expert side (item 13): the waves of each attention rank that make one group, which an expert
+  // runtime serves as one (block, group) step and gathers over the ranks; 0: per rank (items 9-10).
+  int wave_group = 0;
 
   void validate() const;
 };
@@ -243,9 +246,12 @@ class LayerQueues {
 
   EngineConfig cfg_;
   int num_cols_;
-  std::vector<int> expert_col_;  // [num_experts] local column or -1
+  int groups_ = 1;               // expert runtime under waves with wave_group > 0: wave groups (item 13)
+  std::vector<int> expert_col_;  // [num_experts] local column or -1 (a column of group 0)
   Scheduler scheduler_;
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
+  // Item 13: the group of an expert row's wave (0 without groups or for a wave outside the attention ranks').
+  int group_of(int32_t wave) const;
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests
   bool waves_ = false;                      // the columns are waves (policy waves, attention runtime)

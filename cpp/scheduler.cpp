@@ -101,6 +101,7 @@ void Scheduler::set(int block, int col, int64_t d) {
   cell = d;
   block_total_[block] += d - old;
   total_ += d - old;
+  if (groups_ > 0) cell_total_[static_cast<size_t>(block) * groups_ + col / cols_per_group_] += d - old;
   // waves: a wave whose cell at its position is drained empty has left that block (it is out to the next
   // one): rows arriving there later (new requests at block 0) are behind it and wait for its next pass.
   if (policy_ == Policy::kWaves && wave_cols_ && d == 0 && old > 0 && pos_[col] == block)
@@ -143,7 +144,8 @@ bool Scheduler::pick(int* block, int* col, bool force) {
     case Policy::kFlfs:
       return pick_flfs(block, col);
     case Policy::kWaves:
-      return wave_cols_ ? pick_waves(block, col, force) : pick_oldest_block(block, col, force);
+      if (wave_cols_) return pick_waves(block, col, force);
+      return groups_ > 0 ? pick_oldest_group(block, col, force) : pick_oldest_block(block, col, force);
   }
   return false;
 }
@@ -280,6 +282,9 @@ void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span
   AMOE_CHECK_ARG(max_hold_s > 0, "max_hold_s must be > 0, got " << max_hold_s);
   AMOE_CHECK_ARG(meet_span >= 1, "meet_span must be >= 1, got " << meet_span);
   num_ranks_ = num_ranks;
+  groups_ = 0;  // per rank until set_wave_groups (item 13)
+  cell_total_.clear();
+  cell_stamp_.clear();
   // Block 0's span never reaches block 0 itself (a wave served there is a whole iteration away).
   meet_span_ = std::min(meet_span, std::max(1, num_blocks_ - 1));
   max_hold_s_ = max_hold_s;
@@ -289,22 +294,52 @@ void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span
   turn_.assign(num_ranks, -1.0);
 }
 
-// A row of `rank` arrived at `block`: if the rank was on its way here (served at the block before since its
-// rows last arrived here), this is its turn-around.
-void Scheduler::arrived(int block, int rank, double now) {
+void Scheduler::set_wave_groups(int num_waves, int group_waves, int cols_per_group) {
+  AMOE_CHECK_ARG(num_ranks_ > 0, "set_wave_groups needs set_rank_barrier first");
+  AMOE_CHECK_ARG(num_waves >= 1 && group_waves >= 1 && cols_per_group >= 1,
+                 "wave groups need num_waves, group_waves and cols_per_group >= 1");
+  const int groups = (num_waves + group_waves - 1) / group_waves;
+  AMOE_CHECK_ARG(groups * cols_per_group == num_cols_,
+                 "wave groups: " << groups << " groups of " << cols_per_group << " columns do not make the "
+                                 << num_cols_ << " columns of the grid");
+  AMOE_CHECK_ARG(total_ == 0, "set_wave_groups on a grid that holds rows");
+  num_waves_ = num_waves;
+  group_waves_ = group_waves;
+  groups_ = groups;
+  cols_per_group_ = cols_per_group;
+  const double never = -std::numeric_limits<double>::infinity();
+  const size_t notes = static_cast<size_t>(num_ranks_) * num_waves;
+  served_at_.assign(notes * num_blocks_, never);
+  arrived_at_.assign(notes * num_blocks_, never);
+  turn_.assign(notes, -1.0);
+  cell_total_.assign(static_cast<size_t>(num_blocks_) * groups, 0);
+  cell_stamp_.assign(static_cast<size_t>(num_blocks_) * groups, -1);
+}
+
+int Scheduler::note(int rank, int wave) const {
+  if (rank < 0 || rank >= num_ranks_) return -1;
+  if (groups_ == 0) return rank;
+  return wave >= 0 && wave < num_waves_ ? rank * num_waves_ + wave : -1;
+}
+
+// A row of `rank` (and `wave`, with groups) arrived at `block`: if it was on its way here (served at the block
+// before since its rows last arrived here), this is its turn-around.
+void Scheduler::arrived(int block, int rank, double now, int wave) {
   now_ = now;
-  if (rank < 0 || rank >= num_ranks_ || block < 0 || block >= num_blocks_) return;  // not tracked
+  const int v = note(rank, wave);
+  if (v < 0 || block < 0 || block >= num_blocks_) return;  // not tracked
   const int prev = (block + num_blocks_ - 1) % num_blocks_;
-  const double served = served_at_[static_cast<size_t>(rank) * num_blocks_ + prev];
-  double& arrived = arrived_at_[static_cast<size_t>(rank) * num_blocks_ + block];
-  if (served > arrived) turn_[rank] = std::max(0.0, now - served);
+  const double served = served_at_[static_cast<size_t>(v) * num_blocks_ + prev];
+  double& arrived = arrived_at_[static_cast<size_t>(v) * num_blocks_ + block];
+  if (served > arrived) turn_[v] = std::max(0.0, now - served);
   arrived = now;
 }
 
-void Scheduler::served(int block, int rank, double now) {
+void Scheduler::served(int block, int rank, double now, int wave) {
   now_ = now;
-  if (rank < 0 || rank >= num_ranks_ || block < 0 || block >= num_blocks_) return;
-  served_at_[static_cast<size_t>(rank) * num_blocks_ + block] = now;
+  const int v = note(rank, wave);
+  if (v < 0 || block < 0 || block >= num_blocks_) return;
+  served_at_[static_cast<size_t>(v) * num_blocks_ + block] = now;
 }
 
 // Block b waits for every rank on its way to it (served at the block before after its rows last arrived here,
@@ -326,6 +361,68 @@ double Scheduler::waits_until(int b) const {
     }
   }
   return until;
+}
+
+// Item 13: cell (b, g) waits for each wave of group g on its way to b: served at the block before since its rows
+// last arrived here — at block 0 at any block before (a group meets there once an iteration, wherever its waves
+// are) — until twice its turn-around per block still to pass, at most max_hold_s_ after that serving.
+double Scheduler::group_waits_until(int b, int g) const {
+  const int span = b == 0 ? num_blocks_ - 1 : 1;
+  double until = -std::numeric_limits<double>::infinity();
+  const int last = std::min(num_waves_, (g + 1) * group_waves_);
+  for (int r = 0; r < num_ranks_; ++r) {
+    for (int w = g * group_waves_; w < last; ++w) {
+      const int v = r * num_waves_ + w;
+      if (turn_[v] < 0) continue;
+      const double arrived = arrived_at_[static_cast<size_t>(v) * num_blocks_ + b];
+      for (int d = 1; d <= span; ++d) {
+        const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
+        const double served = served_at_[static_cast<size_t>(v) * num_blocks_ + prev];
+        if (!(served > arrived)) continue;
+        until = std::max(until, served + std::min(2.0 * d * turn_[v], max_hold_s_));
+        break;
+      }
+    }
+  }
+  return until;
+}
+
+// Item 13: the (block, group) cell whose rows have waited longest among those whose group has no wave on its
+// way (stamped in the first pick that sees the cell non-empty, in (block, group) order); the step takes that
+// group's columns. None ready: hold, or when forced take the oldest cell.
+bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
+  int best = -1, oldest = -1;
+  release_at_ = std::numeric_limits<double>::infinity();
+  const int cells = num_blocks_ * groups_;
+  for (int c = 0; c < cells; ++c) {
+    if (cell_total_[c] == 0) {
+      cell_stamp_[c] = -1;
+      continue;
+    }
+    if (cell_stamp_[c] < 0) cell_stamp_[c] = next_stamp_++;
+    if (oldest < 0 || cell_stamp_[c] < cell_stamp_[oldest]) oldest = c;
+    const double until = group_waits_until(c / groups_, c % groups_);
+    if (until > now_) {
+      release_at_ = std::min(release_at_, until);
+      continue;
+    }
+    if (best < 0 || cell_stamp_[c] < cell_stamp_[best]) best = c;
+  }
+  if (oldest < 0) return false;
+  if (best < 0) {
+    if (!force) {
+      holding_ = true;
+      return false;
+    }
+    best = oldest;
+  }
+  const int b = best / groups_, first = (best % groups_) * cols_per_group_;
+  int argmax = first;  // the group's deepest column (the grouped step takes all of them anyway)
+  for (int c = first; c < first + cols_per_group_; ++c)
+    if (depth(b, c) > depth(b, argmax)) argmax = c;
+  *block = b;
+  *col = argmax;
+  return true;
 }
 
 // Waves, expert side: the block whose rows have waited longest (stamped in the first pick that sees it
@@ -419,11 +516,19 @@ void register_scheduler(py::module_& m) {
            "waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md "
            "\"The waves rule\" items 9-10; block 0 for ranks served up to meet_span blocks before it), each "
            "wait at most max_hold_s.")
-      .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"),
-           "Rank barrier: a row of attention rank `rank` arrived at `block` at time `now` (seconds).")
-      .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"),
-           "Rank barrier: a step served rows of attention rank `rank` at `block` at time `now` (seconds).")
-      .def("turn_around", &Scheduler::turn_around, py::arg("rank"))
+      .def("set_wave_groups", &Scheduler::set_wave_groups, py::arg("num_waves"), py::arg("group_waves"),
+           py::arg("cols_per_group"),
+           "waves, expert side, after set_rank_barrier (docs/engine.md \"The waves rule\" item 13): notes per "
+           "(rank, wave); the columns are groups of cols_per_group (group g = waves g*group_waves ..); a step "
+           "takes one (block, group) cell, which waits for its group's waves on their way (block 0: anywhere).")
+      .def_property_readonly("num_groups", &Scheduler::num_groups)
+      .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"), py::arg("wave") = 0,
+           "Rank barrier: a row of attention rank `rank` (of `wave`, with groups) arrived at `block` at time "
+           "`now` (seconds).")
+      .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"), py::arg("wave") = 0,
+           "Rank barrier: a step served rows of attention rank `rank` (of `wave`, with groups) at `block` at "
+           "time `now` (seconds).")
+      .def("turn_around", &Scheduler::turn_around, py::arg("rank"), py::arg("wave") = 0)
       .def_property_readonly("barrier_ranks", &Scheduler::barrier_ranks)
       .def_property_readonly("release_at", &Scheduler::release_at,
                              "Holding under the rank barrier: the earliest time a block's wait ends.")

@@ -51,13 +51,23 @@ class Scheduler {
   // rank, in seconds on one clock.
   void set_rank_barrier(int num_ranks, double max_hold_s, int meet_span = 1);
   int barrier_ranks() const { return num_ranks_; }
-  void arrived(int block, int rank, double now);
-  void served(int block, int rank, double now);
+  // Item 13 (wave groups), after set_rank_barrier: the notes are per (rank, wave) of `num_waves` waves a rank;
+  // the columns are `groups` groups of `cols_per_group` (group g = waves g*group_waves ..), a cell is (block,
+  // group) and a step takes one cell; a cell waits for its group's waves on their way to it, block 0 for them
+  // wherever they are on the ring. `wave` of arrived / served is the row's wave (ignored without groups).
+  void set_wave_groups(int num_waves, int group_waves, int cols_per_group);
+  int num_groups() const { return groups_; }
+  void arrived(int block, int rank, double now, int wave = 0);
+  void served(int block, int rank, double now, int wave = 0);
   void set_now(double now) { now_ = now; }
   // When holding under the rank barrier: the earliest time a held block's wait ends (else +inf).
   double release_at() const { return release_at_; }
-  // Rank r's last measured turn-around (served at a block -> its rows arrived at the next), or -1.
-  double turn_around(int rank) const { return turn_[rank]; }
+  // Rank r's (wave's, with groups) last measured turn-around (served at a block -> its rows arrived at
+  // the next), or -1.
+  double turn_around(int rank, int wave = 0) const {
+    const int v = note(rank, wave);
+    return v < 0 ? -1.0 : turn_[v];
+  }
 
   // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
   // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
@@ -78,8 +88,13 @@ class Scheduler {
   bool pick_wave(int* block, int* col, bool force);
   bool pick_waves(int* block, int* col, bool force);
   bool pick_oldest_block(int* block, int* col, bool force);
+  bool pick_oldest_group(int* block, int* col, bool force);
   // The time block b stops waiting for ranks on their way (<= now_ when none is), under the rank barrier.
   double waits_until(int b) const;
+  // Item 13: the time cell (b, group g) stops waiting for its group's waves on their way.
+  double group_waits_until(int b, int g) const;
+  // The note index of (rank, wave): the rank alone without groups; -1 when not tracked.
+  int note(int rank, int wave) const;
 
   int num_blocks_, num_cols_;
   Policy policy_;
@@ -108,6 +123,9 @@ class Scheduler {
   int meet_span_ = 1;
   double max_hold_s_ = 0.0;
   std::vector<double> served_at_, arrived_at_, turn_;
+  // item 13: waves a rank, waves a group, groups, columns a group; each (block, group) cell's rows and stamp
+  int num_waves_ = 1, group_waves_ = 1, groups_ = 0, cols_per_group_ = 0;
+  std::vector<int64_t> cell_total_, cell_stamp_;
   double now_ = 0.0;
   double release_at_ = std::numeric_limits<double>::infinity();
 };

@@ -90,7 +90,7 @@ def bad_frames() -> dict[str, list[list[bytes]]]:
         "inconsistent": [
             [f0, data + b"x"],
             [f0, data, b"extra"],
-            [f0 + b"\0" * 48, data],  # a row record more than num_rows
+            [f0 + b"\0" * 56, data],  # a row record more than num_rows
             [patched(f0, 24, "<Q", len(data) + 4), data],  # byte length vs shape
             [patched(f0, 44, "<i", 99), data],  # dtype
             [patched(f0, 44, "<i", 0), data],  # uint8: the byte count no longer matches

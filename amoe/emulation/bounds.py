@@ -431,6 +431,14 @@ def _aep(
     return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
 
 
+def wave_group(extra: dict, attn_cap: int) -> int:
+    """The runtime's `scheduler.wave_group` for an AEP bound (its `extra`): the bound's group is m waves of w rows
+    of every rank, the runtime's waves have `attn_cap` rows (docs/engine.md "The waves rule" item 1), so a group is
+    m · w / attn_cap of them (at least one)."""
+    m, w = int(extra.get("group_waves", 1)), int(extra.get("wave_rows", attn_cap))
+    return max(1, m * w // attn_cap)
+
+
 def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list, jitter: float) -> int:
     """The group size (index into `ok`) with the most throughput Σ_r rows / max(base_r + wait, rest_r), the
     smallest of equals. A size's wait (expected_max over each block's expert GPUs, summed; cached in `waits`) is

@@ -368,11 +368,12 @@ def refine(
             return _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance)
         policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
-    scheduler = SchedulerSection(policy=policy)
     if pred is None:
         pred = bounds.predict(
             model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
         )
+    # waves: the expert side gathers the bound's group of waves (docs/engine.md "The waves rule" item 13)
+    scheduler = SchedulerSection(policy=policy, wave_group=bounds.wave_group(pred.extra, dep.attn_cap))
     per_copy = concurrency or pred.concurrency // dep.replicas
     if pred.tokens_per_s <= 0:
         return Plan(dep, pred, None)
@@ -547,6 +548,8 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         if policy != "defrag":  # `amoe serve`'s default
             # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
             args += ["--scheduler", policy]
+        if policy == "waves":  # the expert side's groups of those waves, the bound's (item 13)
+            args += ["--scheduler-wave-group", str(bounds.wave_group(plan.prediction.extra, d.attn_cap))]
     if d.mode == "pingpong":
         args += ["--parallel-micro-batches", str(d.micro_batches)]
     if d.expert_map is not None:

@@ -174,19 +174,30 @@ class _Aep:
                 self.attn_sched[r].wave_cols = True
                 for t in np.flatnonzero(self.rank_of == r):
                     self.wave[t] = self.attn_sched[r].admit(dep.attn_cap)
+        # waves, item 13: an expert GPU's columns are (wave group, hosted expert), as the engine's are, when the
+        # expert side gathers by wave group; one group otherwise.
+        W = max(cols)
+        self.wave_group = sched.wave_group if waves and rank_barrier else 0
+        self.groups = -(-W // self.wave_group) if self.wave_group else 1
         self.exp_sched = [
-            new(self.blocks, max(1, len(p)), sched.policy, sched.lookahead, sched.decay) for p in placed
+            new(self.blocks, max(1, len(p)) * self.groups, sched.policy, sched.lookahead, sched.decay)
+            for p in placed
         ]
         # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
-        # block 0 for waves up to ceil(blocks / W) back.
+        # block 0 for waves up to ceil(blocks / W) back. Item 13: per (rank, wave), a (block, group) cell for its
+        # group's waves, block 0 for them wherever they are.
         if waves and rank_barrier:
-            for es in self.exp_sched:
-                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S, -(-self.blocks // max(cols)))
+            for es, p in zip(self.exp_sched, placed):
+                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S, -(-self.blocks // W))
+                if self.wave_group:
+                    es.set_wave_groups(W, self.wave_group, len(p))
         # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
         self.attn_q = [
             [[deque() for _ in range(max(1, cols[r]))] for _ in range(self.blocks + 1)] for r in range(A)
         ]
-        self.exp_q = [[[deque() for _ in p] for _ in range(self.blocks)] for p in placed]
+        self.exp_q = [
+            [[deque() for _ in range(len(p) * self.groups)] for _ in range(self.blocks)] for p in placed
+        ]
         self.busy = {("a", r): False for r in range(A)} | {("e", g): False for g in range(E)}
         self.events: list = []
         self.seq = itertools.count()
@@ -235,12 +246,15 @@ class _Aep:
         self._wake(("a", r))
 
     def _enqueue_exp(self, g: int, block: int, cols: list, rank: int) -> None:
-        """One message: an attention step's rows for expert GPU g, a (column, parts) per hosted expert routed."""
+        """One message: an attention step's rows for expert GPU g, a (column, parts) per hosted expert routed; the
+        step's one wave (waves) names their group's columns (item 13)."""
+        wave = int(self.wave[cols[0][1][0]])
+        shift = wave // self.wave_group * len(self.placed[g]) if self.wave_group else 0
         for col, parts in cols:
-            self.exp_q[g][block][col].append(parts)
-            self.exp_sched[g].add(block, col, len(parts))
+            self.exp_q[g][block][shift + col].append(parts)
+            self.exp_sched[g].add(block, shift + col, len(parts))
         if self.exp_sched[g].barrier_ranks:
-            self.exp_sched[g].arrived(block, rank, self.now)
+            self.exp_sched[g].arrived(block, rank, self.now, wave)
         self._wake(("e", g))
 
     @staticmethod
@@ -293,19 +307,27 @@ class _Aep:
         else:
             # Grouped (the runtime's default): every hosted expert's queue of the block in one step, as the
             # engine drains it (cpp/queues.cpp LayerQueues::drain); else the picked queue alone.
-            cols = range(len(self.placed[i])) if self.group_experts else (col,)
+            per = len(self.placed[i])
+            first = col // per * per  # the picked column's wave group (item 13; group 0 without groups)
+            cols = range(first, first + per) if self.group_experts else (col,)
             taken = []
             for c in cols:
                 if n := min(self.dep.expert_cap, sched.depth(block, c)):
                     taken.append((c, self._take(self.exp_q[i][block][c], n)))
                     sched.add(block, c, -n)
-            experts = [self.placed[i][c] for c, _ in taken]
+            experts = [self.placed[i][c % per] for c, _ in taken]
             t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
             t = self.steps.time(self.dep.num_attn + i, t)
             parts = np.concatenate([p for _, p in taken])
-            if sched.barrier_ranks:  # the ranks served here are on their way to the next block (item 9)
-                for r in np.unique(self.rank_of[parts]):
-                    sched.served(block, int(r), self.now)
+            if (
+                sched.barrier_ranks
+            ):  # the ranks (waves) served here are on their way to the next block (9, 13)
+                if self.wave_group:
+                    for r, w in set(zip(self.rank_of[parts].tolist(), self.wave[parts].tolist())):
+                        sched.served(block, r, self.now, w)
+                else:
+                    for r in np.unique(self.rank_of[parts]):
+                        sched.served(block, int(r), self.now)
             self._count("exp", len(parts), t)
             self._at(self.now + t, self._exp_done, i, block, parts)
 
