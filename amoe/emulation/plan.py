@@ -429,7 +429,7 @@ def refine(
     ok = [s for s in sims if itl_slo_ms is None or s.itl_s * 1e3 <= itl_slo_ms] or sims[:1]
     most = max(s.tokens_per_s for s in ok)
     sim = next(s for s in ok if s.tokens_per_s >= 0.97 * most)
-    extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
+    extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True, "wave_group": scheduler.wave_group}
     if dep.mode == "aep":
         # The simulation at scale models one expert-side rule, defrag's (amoe.emulation.simulate_scale), whatever
         # the policy asked: a plan simulated there is served with the policy its figure is of, not with one its
@@ -548,8 +548,14 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         if policy != "defrag":  # `amoe serve`'s default
             # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
             args += ["--scheduler", policy]
-        if policy == "waves":  # the expert side's groups of those waves, the bound's (item 13)
-            args += ["--scheduler-wave-group", str(bounds.wave_group(plan.prediction.extra, d.attn_cap))]
+        if (
+            policy == "waves"
+        ):  # the expert side's groups of those waves: the simulated plan's, else the bound's
+            extra = plan.prediction.extra
+            args += [
+                "--scheduler-wave-group",
+                str(extra.get("wave_group") or bounds.wave_group(extra, d.attn_cap)),
+            ]
     if d.mode == "pingpong":
         args += ["--parallel-micro-batches", str(d.micro_batches)]
     if d.expert_map is not None:

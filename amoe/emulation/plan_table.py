@@ -66,6 +66,8 @@ def cell(
             "simulated": bool(pred.extra.get("simulated")), "bottleneck": pred.bottleneck,
             "deployment": dataclasses.asdict(plan.deployment),
         }  # fmt: skip
+        if "wave_group" in pred.extra:  # how --measure serves it under waves (docs/engine.md item 13)
+            modes[mode]["wave_group"] = pred.extra["wave_group"]
     row = {
         "gpu": gpu,
         "gpus": n,
@@ -92,7 +94,10 @@ def one_copy(mode_row: dict) -> Plan:
     pred = bounds.Prediction(
         tokens_per_s=mode_row["tokens_per_s"] / n, itl_s=mode_row["itl_ms"] / 1e3,
         concurrency=mode_row["concurrency"] // n, bottleneck=mode_row.get("bottleneck", ""),
-        extra={"bound": mode_row["bound"] / n, "simulated": mode_row.get("simulated", False)},
+        extra={
+            "bound": mode_row["bound"] / n, "simulated": mode_row.get("simulated", False),
+            **({"wave_group": mode_row["wave_group"]} if "wave_group" in mode_row else {}),
+        },
     )  # fmt: skip
     return Plan(dataclasses.replace(d, replicas=1), pred, None)
 

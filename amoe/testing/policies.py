@@ -53,7 +53,8 @@ class Waves:
     rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
     cell is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
     otherwise (an expert runtime) the oldest non-empty block is run — with `set_rank_barrier`, the oldest block no
-    attention rank is on its way to (items 9-10: `arrived` / `served` notes, `now` in seconds)."""
+    attention rank is on its way to (items 9-10: `arrived` / `served` notes, `now` in seconds); with
+    `set_wave_groups` too, the oldest (block, group) cell none of its group's waves is on its way to (item 13)."""
 
     def __init__(self, num_blocks: int, num_cols: int, wave_cols: bool) -> None:
         self.num_blocks, self.num_cols, self.wave_cols = num_blocks, num_cols, wave_cols
@@ -65,40 +66,69 @@ class Waves:
         self.next_stamp = 0
         self.holding = False
         self.num_ranks, self.max_hold_s, self.now = 0, 0.0, 0.0
+        self.groups = 0  # item 13's wave groups (set_wave_groups)
         self.release_at = float("inf")
 
     def set_rank_barrier(self, num_ranks: int, max_hold_s: float, meet_span: int = 1) -> None:
-        never = float("-inf")
         self.num_ranks, self.max_hold_s = num_ranks, max_hold_s
         self.meet_span = min(meet_span, max(1, self.num_blocks - 1))  # block 0 looks this far back (item 10)
-        self.served_at = [[never] * self.num_blocks for _ in range(num_ranks)]
-        self.arrived_at = [[never] * self.num_blocks for _ in range(num_ranks)]
-        self.turn = [-1.0] * num_ranks
+        self.groups, self.num_waves, self.group_waves, self.per_group = 0, 1, 1, 0
+        self._notes(num_ranks)
 
-    def arrived(self, b: int, r: int, now: float) -> None:
-        self.now = now
-        if 0 <= r < self.num_ranks:
-            served = self.served_at[r][(b - 1) % self.num_blocks]
-            if served > self.arrived_at[r][b]:  # it was on its way here: its turn-around
-                self.turn[r] = max(0.0, now - served)
-            self.arrived_at[r][b] = now
+    def set_wave_groups(self, num_waves: int, group_waves: int, cols_per_group: int) -> None:
+        """Item 13: notes per (rank, wave); the columns are groups of `cols_per_group`; a pick is a (block, group)
+        cell waiting for its group's waves on their way (block 0: served anywhere before it)."""
+        self.num_waves, self.group_waves, self.per_group = num_waves, group_waves, cols_per_group
+        self.groups = -(-num_waves // group_waves)
+        self.cell_stamp = [[None] * self.groups for _ in range(self.num_blocks)]
+        self._notes(self.num_ranks * num_waves)
 
-    def served(self, b: int, r: int, now: float) -> None:
+    def _notes(self, n: int) -> None:
+        never = float("-inf")
+        self.served_at = [[never] * self.num_blocks for _ in range(n)]
+        self.arrived_at = [[never] * self.num_blocks for _ in range(n)]
+        self.turn = [-1.0] * n
+
+    def _note(self, r: int, wave: int) -> int | None:
+        if not 0 <= r < self.num_ranks:
+            return None
+        if not self.groups:
+            return r
+        return r * self.num_waves + wave if 0 <= wave < self.num_waves else None
+
+    def arrived(self, b: int, r: int, now: float, wave: int = 0) -> None:
         self.now = now
-        if 0 <= r < self.num_ranks:
-            self.served_at[r][b] = now
+        if (v := self._note(r, wave)) is not None:
+            served = self.served_at[v][(b - 1) % self.num_blocks]
+            if served > self.arrived_at[v][b]:  # it was on its way here: its turn-around
+                self.turn[v] = max(0.0, now - served)
+            self.arrived_at[v][b] = now
+
+    def served(self, b: int, r: int, now: float, wave: int = 0) -> None:
+        self.now = now
+        if (v := self._note(r, wave)) is not None:
+            self.served_at[v][b] = now
+
+    def _wait(self, v: int, b: int, span: int) -> float:
+        """Until when block b waits for note v: the nearest of the `span` blocks before b that served it since it
+        last arrived at b."""
+        if self.turn[v] < 0:
+            return float("-inf")
+        for d in range(1, span + 1):
+            served = self.served_at[v][(b - d) % self.num_blocks]
+            if served > self.arrived_at[v][b]:
+                return served + min(2.0 * d * self.turn[v], self.max_hold_s)
+        return float("-inf")
 
     def waits_until(self, b: int) -> float:
-        until = float("-inf")
-        for r in range(self.num_ranks):
-            if self.turn[r] < 0:
-                continue
-            for d in range(1, (self.meet_span if b == 0 else 1) + 1):  # the nearest block that served r since
-                served = self.served_at[r][(b - d) % self.num_blocks]
-                if served > self.arrived_at[r][b]:
-                    until = max(until, served + min(2.0 * d * self.turn[r], self.max_hold_s))
-                    break
-        return until
+        span = self.meet_span if b == 0 else 1
+        return max((self._wait(r, b, span) for r in range(self.num_ranks)), default=float("-inf"))
+
+    def group_waits_until(self, b: int, g: int) -> float:
+        span = self.num_blocks - 1 if b == 0 else 1
+        waves = range(g * self.group_waves, min(self.num_waves, (g + 1) * self.group_waves))
+        notes = [r * self.num_waves + w for r in range(self.num_ranks) for w in waves]
+        return max((self._wait(v, b, span) for v in notes), default=float("-inf"))
 
     def add(self, b: int, c: int, delta: int) -> None:
         old = self.depths[b][c]
@@ -116,6 +146,22 @@ class Waves:
             stamps[i] = self.next_stamp
             self.next_stamp += 1
 
+    def _pick_group(self, force: bool) -> tuple[int, int] | None:
+        per = self.per_group
+        cells = [(b, g) for b in range(self.num_blocks) for g in range(self.groups)]
+        for b, g in cells:
+            self._stamp(self.cell_stamp[b], g, any(self.depths[b][g * per : (g + 1) * per]))
+        live = [(b, g) for b, g in cells if self.cell_stamp[b][g] is not None]
+        waits = {cell: self.group_waits_until(*cell) for cell in live}
+        ready = [cell for cell in live if waits[cell] <= self.now]
+        self.release_at = min((w for w in waits.values() if w > self.now), default=float("inf"))
+        if not ready and not force:
+            self.holding = True
+            return None
+        b, g = min(ready or live, key=lambda cell: self.cell_stamp[cell[0]][cell[1]])
+        row = self.depths[b]
+        return b, max(range(g * per, (g + 1) * per), key=lambda c: (row[c], -c))
+
     def pick(self, force: bool = False, now: float | None = None) -> tuple[int, int] | None:
         self.holding = False
         if now is not None:
@@ -123,6 +169,8 @@ class Waves:
         depths, pending = self.depths, self.pending
         if not any(map(any, depths)):
             return None
+        if not self.wave_cols and self.groups:
+            return self._pick_group(force)
         if not self.wave_cols:
             for b, row in enumerate(depths):
                 self._stamp(self.block_stamp, b, any(row))
