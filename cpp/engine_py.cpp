@@ -64,8 +64,8 @@ Message message_from_arrays(const at::Tensor& request_id, const at::Tensor& kind
 
 py::dict message_meta(const Message& m) {
   const int64_t n = static_cast<int64_t>(m.rows.size());
-  const char* names[] = {"request_id", "kind",  "block",     "index",     "position", "chunk_start",
-                         "chunk_len",  "slot",  "expert_id", "attn_rank", "wave"};
+  const char* names[] = {"request_id", "kind", "block",     "index",     "position", "chunk_start",
+                         "chunk_len",  "slot", "expert_id", "attn_rank", "wave"};
   constexpr int kCols = sizeof(names) / sizeof(names[0]);
   std::vector<at::Tensor> cols;
   for (int c = 0; c < kCols; ++c) cols.push_back(at::empty({n}, at::kLong));

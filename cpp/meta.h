@@ -43,7 +43,7 @@ struct RowMeta {
 // Metadata travels as a header followed by num_rows RowMeta, memcpy-able as they are (little endian).
 // The tensor plane carries data: [num_rows, hidden] of dtype, or int64 [num_rows] token ids.
 constexpr uint32_t kMessageMagic = 0x454f4d41;  // "AMOE"
-constexpr uint16_t kMessageVersion = 2;  // 2: RowMeta::wave
+constexpr uint16_t kMessageVersion = 2;         // 2: RowMeta::wave
 
 struct MessageHeader {
   uint32_t magic = kMessageMagic;

@@ -61,7 +61,8 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
                                 (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
   // Item 13: the columns are (group, hosted expert); the notes per (rank, wave).
   if (rank_barrier_ && cfg.wave_group > 0)
-    scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group, static_cast<int>(cfg.experts.size()));
+    scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group,
+                               static_cast<int>(cfg.experts.size()));
   for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
     AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
     expert_col_[cfg.experts[c]] = c;

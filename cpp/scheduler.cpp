@@ -322,8 +322,8 @@ int Scheduler::note(int rank, int wave) const {
   return wave >= 0 && wave < num_waves_ ? rank * num_waves_ + wave : -1;
 }
 
-// A row of `rank` (and `wave`, with groups) arrived at `block`: if it was on its way here (served at the block
-// before since its rows last arrived here), this is its turn-around.
+// A row of `rank` (and `wave`, with groups) arrived at `block`: if it was on its way here (served at the
+// block before since its rows last arrived here), this is its turn-around.
 void Scheduler::arrived(int block, int rank, double now, int wave) {
   now_ = now;
   const int v = note(rank, wave);
@@ -363,9 +363,10 @@ double Scheduler::waits_until(int b) const {
   return until;
 }
 
-// Item 13: cell (b, g) waits for each wave of group g on its way to b: served at the block before since its rows
-// last arrived here — at block 0 at any block before (a group meets there once an iteration, wherever its waves
-// are) — until twice its turn-around per block still to pass, at most max_hold_s_ after that serving.
+// Item 13: cell (b, g) waits for each wave of group g on its way to b: served at the block before since its
+// rows last arrived here — at block 0 at any block before (a group meets there once an iteration, wherever
+// its waves are) — until twice its turn-around per block still to pass, at most max_hold_s_ after that
+// serving.
 double Scheduler::group_waits_until(int b, int g) const {
   const int span = b == 0 ? num_blocks_ - 1 : 1;
   double until = -std::numeric_limits<double>::infinity();
@@ -516,16 +517,20 @@ void register_scheduler(py::module_& m) {
            "waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md "
            "\"The waves rule\" items 9-10; block 0 for ranks served up to meet_span blocks before it), each "
            "wait at most max_hold_s.")
-      .def("set_wave_groups", &Scheduler::set_wave_groups, py::arg("num_waves"), py::arg("group_waves"),
-           py::arg("cols_per_group"),
-           "waves, expert side, after set_rank_barrier (docs/engine.md \"The waves rule\" item 13): notes per "
-           "(rank, wave); the columns are groups of cols_per_group (group g = waves g*group_waves ..); a step "
-           "takes one (block, group) cell, which waits for its group's waves on their way (block 0: anywhere).")
+      .def(
+          "set_wave_groups", &Scheduler::set_wave_groups, py::arg("num_waves"), py::arg("group_waves"),
+          py::arg("cols_per_group"),
+          "waves, expert side, after set_rank_barrier (docs/engine.md \"The waves rule\" item 13): notes per "
+          "(rank, wave); the columns are groups of cols_per_group (group g = waves g*group_waves ..); a step "
+          "takes one (block, group) cell, which waits for its group's waves on their way (block 0: "
+          "anywhere).")
       .def_property_readonly("num_groups", &Scheduler::num_groups)
-      .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"), py::arg("wave") = 0,
+      .def("arrived", &Scheduler::arrived, py::arg("block"), py::arg("rank"), py::arg("now"),
+           py::arg("wave") = 0,
            "Rank barrier: a row of attention rank `rank` (of `wave`, with groups) arrived at `block` at time "
            "`now` (seconds).")
-      .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"), py::arg("wave") = 0,
+      .def("served", &Scheduler::served, py::arg("block"), py::arg("rank"), py::arg("now"),
+           py::arg("wave") = 0,
            "Rank barrier: a step served rows of attention rank `rank` (of `wave`, with groups) at `block` at "
            "time `now` (seconds).")
       .def("turn_around", &Scheduler::turn_around, py::arg("rank"), py::arg("wave") = 0)

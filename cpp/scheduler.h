@@ -51,10 +51,11 @@ class Scheduler {
   // rank, in seconds on one clock.
   void set_rank_barrier(int num_ranks, double max_hold_s, int meet_span = 1);
   int barrier_ranks() const { return num_ranks_; }
-  // Item 13 (wave groups), after set_rank_barrier: the notes are per (rank, wave) of `num_waves` waves a rank;
-  // the columns are `groups` groups of `cols_per_group` (group g = waves g*group_waves ..), a cell is (block,
-  // group) and a step takes one cell; a cell waits for its group's waves on their way to it, block 0 for them
-  // wherever they are on the ring. `wave` of arrived / served is the row's wave (ignored without groups).
+  // Item 13 (wave groups), after set_rank_barrier: the notes are per (rank, wave) of `num_waves` waves a
+  // rank; the columns are `groups` groups of `cols_per_group` (group g = waves g*group_waves ..), a cell is
+  // (block, group) and a step takes one cell; a cell waits for its group's waves on their way to it, block 0
+  // for them wherever they are on the ring. `wave` of arrived / served is the row's wave (ignored without
+  // groups).
   void set_wave_groups(int num_waves, int group_waves, int cols_per_group);
   int num_groups() const { return groups_; }
   void arrived(int block, int rank, double now, int wave = 0);
