@@ -342,6 +342,17 @@ void Scheduler::served(int block, int rank, double now, int wave) {
   served_at_[static_cast<size_t>(v) * num_blocks_ + block] = now;
 }
 
+double Scheduler::note_waits_until(int v, int b, int span) const {
+  if (turn_[v] < 0) return -std::numeric_limits<double>::infinity();
+  const double arrived = arrived_at_[static_cast<size_t>(v) * num_blocks_ + b];
+  for (int d = 1; d <= span; ++d) {
+    const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
+    const double served = served_at_[static_cast<size_t>(v) * num_blocks_ + prev];
+    if (served > arrived) return served + std::min(2.0 * d * turn_[v], max_hold_s_);
+  }
+  return -std::numeric_limits<double>::infinity();
+}
+
 // Block b waits for every rank on its way to it (served at the block before after its rows last arrived here,
 // with a turn-around measured) until twice that turn-around, at most max_hold_s_, after the serving. Block 0
 // (item 10) looks meet_span_ blocks back: the nearest block that served the rank since, and twice the blocks
@@ -349,17 +360,7 @@ void Scheduler::served(int block, int rank, double now, int wave) {
 double Scheduler::waits_until(int b) const {
   const int span = b == 0 ? meet_span_ : 1;
   double until = -std::numeric_limits<double>::infinity();
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (turn_[r] < 0) continue;
-    const double arrived = arrived_at_[static_cast<size_t>(r) * num_blocks_ + b];
-    for (int d = 1; d <= span; ++d) {
-      const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
-      const double served = served_at_[static_cast<size_t>(r) * num_blocks_ + prev];
-      if (!(served > arrived)) continue;
-      until = std::max(until, served + std::min(2.0 * d * turn_[r], max_hold_s_));
-      break;
-    }
-  }
+  for (int r = 0; r < num_ranks_; ++r) until = std::max(until, note_waits_until(r, b, span));
   return until;
 }
 
@@ -371,43 +372,30 @@ double Scheduler::group_waits_until(int b, int g) const {
   const int span = b == 0 ? num_blocks_ - 1 : 1;
   double until = -std::numeric_limits<double>::infinity();
   const int last = std::min(num_waves_, (g + 1) * group_waves_);
-  for (int r = 0; r < num_ranks_; ++r) {
-    for (int w = g * group_waves_; w < last; ++w) {
-      const int v = r * num_waves_ + w;
-      if (turn_[v] < 0) continue;
-      const double arrived = arrived_at_[static_cast<size_t>(v) * num_blocks_ + b];
-      for (int d = 1; d <= span; ++d) {
-        const int prev = ((b - d) % num_blocks_ + num_blocks_) % num_blocks_;
-        const double served = served_at_[static_cast<size_t>(v) * num_blocks_ + prev];
-        if (!(served > arrived)) continue;
-        until = std::max(until, served + std::min(2.0 * d * turn_[v], max_hold_s_));
-        break;
-      }
-    }
-  }
+  for (int r = 0; r < num_ranks_; ++r)
+    for (int w = g * group_waves_; w < last; ++w)
+      until = std::max(until, note_waits_until(r * num_waves_ + w, b, span));
   return until;
 }
 
-// Item 13: the (block, group) cell whose rows have waited longest among those whose group has no wave on its
-// way (stamped in the first pick that sees the cell non-empty, in (block, group) order); the step takes that
-// group's columns. None ready: hold, or when forced take the oldest cell.
-bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
+template <typename Total, typename Until>
+bool Scheduler::pick_oldest(int n, std::vector<int64_t>& stamps, Total total, Until until, bool force,
+                            int* out) {
   int best = -1, oldest = -1;
   release_at_ = std::numeric_limits<double>::infinity();
-  const int cells = num_blocks_ * groups_;
-  for (int c = 0; c < cells; ++c) {
-    if (cell_total_[c] == 0) {
-      cell_stamp_[c] = -1;
+  for (int i = 0; i < n; ++i) {
+    if (total(i) == 0) {
+      stamps[i] = -1;
       continue;
     }
-    if (cell_stamp_[c] < 0) cell_stamp_[c] = next_stamp_++;
-    if (oldest < 0 || cell_stamp_[c] < cell_stamp_[oldest]) oldest = c;
-    const double until = group_waits_until(c / groups_, c % groups_);
-    if (until > now_) {
-      release_at_ = std::min(release_at_, until);
+    if (stamps[i] < 0) stamps[i] = next_stamp_++;
+    if (oldest < 0 || stamps[i] < stamps[oldest]) oldest = i;
+    const double u = until(i);
+    if (u > now_) {
+      release_at_ = std::min(release_at_, u);
       continue;
     }
-    if (best < 0 || cell_stamp_[c] < cell_stamp_[best]) best = c;
+    if (best < 0 || stamps[i] < stamps[best]) best = i;
   }
   if (oldest < 0) return false;
   if (best < 0) {
@@ -417,6 +405,18 @@ bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
     }
     best = oldest;
   }
+  *out = best;
+  return true;
+}
+
+// Item 13: the (block, group) cell whose rows have waited longest among those whose group has no wave on its
+// way (stamped in the first pick that sees the cell non-empty, in (block, group) order); the step takes that
+// group's columns. None ready: hold, or when forced take the oldest cell.
+bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
+  int best = -1;
+  const auto total = [this](int c) { return cell_total_[c]; };
+  const auto until = [this](int c) { return group_waits_until(c / groups_, c % groups_); };
+  if (!pick_oldest(num_blocks_ * groups_, cell_stamp_, total, until, force, &best)) return false;
   const int b = best / groups_, first = (best % groups_) * cols_per_group_;
   int argmax = first;  // the group's deepest column (the grouped step takes all of them anyway)
   for (int c = first; c < first + cols_per_group_; ++c)
@@ -431,32 +431,12 @@ bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
 // anyway). Under the rank barrier (item 9) only blocks no rank is on its way to are ready; with none ready
 // hold (release_at(): the earliest end of a wait), or when forced take the oldest block.
 bool Scheduler::pick_oldest_block(int* block, int* col, bool force) {
-  int best = -1, oldest = -1;
-  release_at_ = std::numeric_limits<double>::infinity();
-  for (int b = 0; b < num_blocks_; ++b) {
-    if (block_total_[b] == 0) {
-      block_stamp_[b] = -1;
-      continue;
-    }
-    if (block_stamp_[b] < 0) block_stamp_[b] = next_stamp_++;
-    if (oldest < 0 || block_stamp_[b] < block_stamp_[oldest]) oldest = b;
-    if (num_ranks_ > 0) {
-      const double until = waits_until(b);
-      if (until > now_) {
-        release_at_ = std::min(release_at_, until);
-        continue;
-      }
-    }
-    if (best < 0 || block_stamp_[b] < block_stamp_[best]) best = b;
-  }
-  if (oldest < 0) return false;
-  if (best < 0) {
-    if (!force) {
-      holding_ = true;
-      return false;
-    }
-    best = oldest;
-  }
+  int best = -1;
+  const auto total = [this](int b) { return block_total_[b]; };
+  const auto until = [this](int b) {
+    return num_ranks_ > 0 ? waits_until(b) : -std::numeric_limits<double>::infinity();
+  };
+  if (!pick_oldest(num_blocks_, block_stamp_, total, until, force, &best)) return false;
   if (block_dirty_[best]) refresh_block(best);
   *block = best;
   *col = block_argmax_[best];

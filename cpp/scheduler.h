@@ -90,10 +90,20 @@ class Scheduler {
   bool pick_waves(int* block, int* col, bool force);
   bool pick_oldest_block(int* block, int* col, bool force);
   bool pick_oldest_group(int* block, int* col, bool force);
+  // Of `n` cells (`total(i)` rows; `until(i)` when its wait ends), the one whose rows have waited longest
+  // among those not waiting (`stamps`: set the first time a pick sees a cell non-empty, in index order); none
+  // ready: hold (false, release_at() the earliest end of a wait), or when forced the oldest. False when all
+  // are empty.
+  template <typename Total, typename Until>
+  bool pick_oldest(int n, std::vector<int64_t>& stamps, Total total, Until until, bool force, int* out);
   // The time block b stops waiting for ranks on their way (<= now_ when none is), under the rank barrier.
   double waits_until(int b) const;
   // Item 13: the time cell (b, group g) stops waiting for its group's waves on their way.
   double group_waits_until(int b, int g) const;
+  // Until when block b waits for note v: the nearest of the `span` blocks before b that served it since it
+  // last arrived at b, plus twice its turn-around per block between, at most max_hold_s_ (-inf: not waited
+  // for).
+  double note_waits_until(int v, int b, int span) const;
   // The note index of (rank, wave): the rank alone without groups; -1 when not tracked.
   int note(int rank, int wave) const;
 

@@ -355,7 +355,7 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     host = host_overhead("amoe-paper")
     req = PlanRequest("mixtral-8x7b-mqa:4", {"h100": 4}, top_k=1, aep_policy="best")
     winners = set()
-    for cap in (128, 256):
+    for cap in (128, 512):
         dep = B.Deployment("aep", "h100", 2, "h100", 2, cap, 512)
         ran = {
             p: refine(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy=p).prediction
