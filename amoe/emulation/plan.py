@@ -548,14 +548,11 @@ def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", em
         if policy != "defrag":  # `amoe serve`'s default
             # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
             args += ["--scheduler", policy]
-        if (
-            policy == "waves"
-        ):  # the expert side's groups of those waves: the simulated plan's, else the bound's
+        # the expert side's groups of those waves: the simulated plan's, else the bound's (item 13)
+        if policy == "waves":
             extra = plan.prediction.extra
-            args += [
-                "--scheduler-wave-group",
-                str(extra.get("wave_group") or bounds.wave_group(extra, d.attn_cap)),
-            ]
+            group = extra.get("wave_group") or bounds.wave_group(extra, d.attn_cap)
+            args += ["--scheduler-wave-group", str(group)]
     if d.mode == "pingpong":
         args += ["--parallel-micro-batches", str(d.micro_batches)]
     if d.expert_map is not None:

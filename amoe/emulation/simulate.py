@@ -319,9 +319,8 @@ class _Aep:
             t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
             t = self.steps.time(self.dep.num_attn + i, t)
             parts = np.concatenate([p for _, p in taken])
-            if (
-                sched.barrier_ranks
-            ):  # the ranks (waves) served here are on their way to the next block (9, 13)
+            # the ranks (waves) served here are on their way to the next block (items 9, 13)
+            if sched.barrier_ranks:
                 if self.wave_group:
                     for r, w in set(zip(self.rank_of[parts].tolist(), self.wave[parts].tolist())):
                         sched.served(block, r, self.now, w)
