@@ -9,27 +9,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_waves import BARRIER_OPS  # (kind, block, column, rank) ops: the rank barrier's, here with waves
 
 from amoe import core
 from amoe.config import ConfigError, SchedulerSection
 from amoe.placement import Placement
 from amoe.testing import policies
 
-GROUP_OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["arrive", "arrive", "arrive", "pick", "pick", "force", "wait"]),
-        st.integers(0, 60),
-        st.integers(0, 60),
-        st.integers(0, 60),
-    ),
-    max_size=80,
-)
-
 
 @settings(max_examples=150, deadline=None)
 @given(
     blocks=st.integers(1, 5), experts=st.integers(1, 3), ranks=st.integers(1, 3), waves=st.integers(1, 4),
-    group=st.integers(1, 3), ops=GROUP_OPS,
+    group=st.integers(1, 3), ops=BARRIER_OPS,
 )  # fmt: skip
 def test_expert_wave_groups_match_the_oracle(blocks, experts, ranks, waves, group, ops):
     """Rows of (rank, wave) arrive in their group's columns, each step takes one (block, group) and serves its
