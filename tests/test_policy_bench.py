@@ -153,3 +153,38 @@ def test_each_run_reports_its_interval_and_the_spread_its_own(tmp_path):
     path.write_text(json.dumps({"summary": {"loads": [0.5, 1.3], "duration_s": 4.0}, "runs": runs}))
     waves = policy_bench.report(path)["policies"]["waves"]
     assert waves["itl_ci_runs"][1] is None and waves["itl_spread_ci"] is None
+
+
+def test_waves_is_served_with_the_bounds_wave_group_and_the_others_without(monkeypatch):
+    """`amoe bench policies` runs waves as `amoe plan` would serve it: with the bound's wave group (docs/engine.md
+    item 13; 4 waves of 64 on the 4-block 2 + 2 A100 setup); before, it served items 9-10, which cannot tell a
+    rank's waves apart. The other policies have no group to set."""
+    import asyncio
+
+    flags: dict[str, list[str]] = {}
+
+    class Server:
+        def __init__(self, args):
+            self.args = args
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    async def point(server, setup, p, seed, rate, kind, **kw):
+        flags[setup.policy] = server.args
+        return {"kind": kind}
+
+    monkeypatch.setattr(policy_bench, "ServerProcess", Server)
+    monkeypatch.setattr(policy_bench, "load_point", point)
+    p = policy_bench._preset(4, (0.5,), 4.0, 40.0)
+    group = policy_bench.wave_group(p)
+    assert group == 4
+    for policy in ("waves", "defrag"):
+        asyncio.run(policy_bench._policy_points(policy, p, 0, group=group))
+    waves = flags["waves"]
+    assert waves[waves.index("--scheduler-wave-group") + 1] == "4"
+    assert waves[waves.index("--scheduler") + 1] == "waves"
+    assert "--scheduler-wave-group" not in flags["defrag"]

@@ -85,20 +85,40 @@ def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale
     )  # fmt: skip
 
 
-def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
-    """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
+def _plan_inputs(p: Preset):
+    """The setup's model profile, AEP deployment, host and mean context, as the planner sees them."""
     from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context, refine
+    from amoe.emulation.plan import mean_context
     from amoe.emulation.profiles import host_overhead, model_profile
-    from amoe.emulation.variance import StepVariance
 
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
     dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
-    host, ctx = host_overhead("amoe-paper"), mean_context(SETUP.workload)
+    return model, dep, host_overhead("amoe-paper"), mean_context(SETUP.workload)
+
+
+def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
+    """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
+    from amoe.emulation.plan import refine
+    from amoe.emulation.variance import StepVariance
+
+    model, dep, host, ctx = _plan_inputs(p)
     # defrag's concurrency, as the recorded runs had it (before the planner simulated AEP with --aep-policy waves):
     # every policy is compared at the same requests.
     plan = refine(model, dep, ROUTING, ctx, host, variance=StepVariance.parse(step_variance), policy="defrag")
     return math.ceil(plan.prediction.concurrency / SETUP.attn)
+
+
+def wave_group(p: Preset, step_variance: str = "sourced") -> int:
+    """The expert side's wave group `waves` is served with: the bound's (docs/engine.md "The waves rule" item 13),
+    as `amoe plan` prints it for this deployment. Without it waves ran items 9-10, which note arrivals per rank and
+    cannot tell a rank's waves apart (the runs before stop 51)."""
+    from amoe.emulation import bounds
+    from amoe.emulation.variance import StepVariance
+
+    model, dep, host, ctx = _plan_inputs(p)
+    inclusion = bounds.routing_inclusion(model, ROUTING)
+    pred = bounds.predict(model, dep, inclusion, ctx, host, variance=StepVariance.parse(step_variance))
+    return bounds.wave_group(pred.extra, p.attn_cap)
 
 
 async def _policy_points(
@@ -108,10 +128,13 @@ async def _policy_points(
     step_variance: str = "sourced",
     seqs: int | None = None,
     half_duration_s: float = HALF_DURATION_S,
+    group: int = 0,
 ) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
     extra = ["--step-variance", step_variance] + (["--cache-max-num-seqs", str(seqs)] if seqs else [])
+    if policy == "waves" and group:
+        extra += ["--scheduler-wave-group", str(group)]
     server = ServerProcess(serve_flags(setup, p, seed) + extra)  # the later flag wins
     with server:
         points = []
@@ -227,7 +250,8 @@ def main(args) -> int:
     scale, probe_s = calibrate.scaled(args.time_scale)
     p = _preset(args.blocks, loads, args.duration, scale)
     seqs = max_seqs(p, args.step_variance) if args.max_num_seqs is None else args.max_num_seqs
-    logger.info("[policies] each rank holds at most %d requests", seqs)
+    group = wave_group(p, args.step_variance) if "waves" in policies else 0
+    logger.info("[policies] each rank holds at most %d requests; waves' wave group %d", seqs, group)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.monotonic()
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
@@ -235,7 +259,7 @@ def main(args) -> int:
         seed = args.seed + i
         for policy in policies:  # interleaved, so a change in the host's load falls on every policy alike
             points = asyncio.run(
-                _policy_points(policy, p, seed, args.step_variance, seqs or None, args.half_duration)
+                _policy_points(policy, p, seed, args.step_variance, seqs or None, args.half_duration, group)
             )
             runs[policy].append({"seed": seed, **_summary(points, loads), "points": _slim(points)})
             logger.info(
@@ -247,7 +271,7 @@ def main(args) -> int:
     rows = {policy: _median(r) for policy, r in runs.items()}
     summary = {
         "setup": SETUP.name.replace("-defrag", ""), "gpu": SETUP.gpu, "blocks": args.blocks, "loads": loads, "repeats": args.repeats, "seed": args.seed, "step_variance": args.step_variance,
-        "max_num_seqs_per_rank": seqs, "duration_s": args.duration, "half_duration_s": args.half_duration,
+        "max_num_seqs_per_rank": seqs, "wave_group": group, "duration_s": args.duration, "half_duration_s": args.half_duration,
         "half_warmup_s": HALF_WARMUP_S, "half_batches": HALF_BATCHES, "max_batches": MAX_BATCHES,
         "time_scale": round(scale, 2), "probe_us": round(probe_s * 1e6, 1), "policies": rows,
         "wall_s": round(time.monotonic() - started, 1),
