@@ -15,7 +15,8 @@ the least concurrency within 3 % of the most it simulates); arrivals beyond wait
 replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
 its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
 draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
-arrivals").
+arrivals"). `waves` is served with the bound's wave group, as `amoe plan` prints it (`wave_group`; before stop 51
+it ran without one, the expert side's items 9-10, and its half-load ITL did not repeat).
 
 The half-load point (decided 2026-11-27 from its traces, docs/results.md "Why the half-load ITL differed between
 runs", before the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
