@@ -192,3 +192,75 @@ def test_a_time_scale_that_is_not_positive_is_a_clear_error_before_anything_runs
     )
     assert "--time-scale must be positive" in capsys.readouterr().err
     assert not (out / "measured.jsonl").exists()
+
+
+def test_a_close_call_is_measured_again_at_a_larger_time_scale_and_decided_by_the_means(
+    tmp_path, monkeypatch
+):
+    """Two modes within the simulation's resolution (3 %) at the table's time scale: every mode of the row runs
+    three more times at 2.5x the scale, the modes in turn within each run, and the row reads the means (here the
+    order flips); a second invocation finds those points in the file; a row 5 % apart runs nothing more, and a row
+    not chosen to run keeps its pick and says the close call was not measured."""
+    import asyncio
+
+    def mode(plan, tps):
+        dep = {"mode": plan, "attn_gpu": "h100", "num_attn": 6, "expert_gpu": "h100", "num_expert": 2,
+               "attn_cap": 512, "expert_cap": 1024, "micro_batches": 2, "replicas": 1, "expert_map": None,
+               "gpus_per_node": 8}  # fmt: skip
+        return {"plan": plan, "tokens_per_s": tps, "bound": tps, "fraction_of_bound": 1.0, "itl_ms": 90.0,
+                "concurrency": 6000, "simulated": True, "deployment": dep}  # fmt: skip
+
+    def row_of(pingpong_tps):
+        return {"gpu": "h100", "gpus": 8, "top_k": 1, "routing": "skew-exp:0.08", "pick": "aep",
+                "bounds_aep_over_ep": 1.0, "aep": mode("aep", 6000), "ep": mode("ep", 5000),
+                "pingpong": mode("pingpong", pingpong_tps)}  # fmt: skip
+
+    # Requests over the ITL (Little's law): at the table's scale ping-pong leads by 1 %; at 2.5x AEP by 1 %, 2 %, 0 %
+    itl = {("aep", 40.0): 1.01, ("pingpong", 40.0): 1.0, ("ep", 40.0): 1.2, ("ep", 100.0): 1.2}
+    aep_runs = iter([0.99, 0.98, 1.0])
+    ran = []
+
+    async def fake_run_check(check, p, base_scale, probe_s, repeats, plan=None):
+        m = check.deployment.mode
+        ran.append((m, base_scale))
+        s = itl.get((m, base_scale)) or (next(aep_runs) if m == "aep" else 1.0)
+        return {"measured": 1.0, "runs": [{"itl_ms": s * 1e3, "running_mean": 6000}]}
+
+    monkeypatch.setattr(plan_table.plan_check, "run_check", fake_run_check)
+    measured = plan_table.Measured(tmp_path / "measured.jsonl")
+    row = row_of(5900)
+    asyncio.run(plan_table.measure_row(row, "mixtral-8x7b-mqa", 40.0, 55e-6, measured, itl_slo_ms=100))
+    assert ran[:3] == [("aep", 40.0), ("ep", 40.0), ("pingpong", 40.0)]
+    assert ran[3:] == [("aep", 100.0), ("ep", 100.0), ("pingpong", 100.0)] * 3
+    call = row["close_call"]
+    assert call["pick_at_table_scale"] == "pingpong" and call["at_table_scale"]["aep"] == 5941
+    assert call["each_run"]["aep"] == [6061, 6122, 6000] and call["each_run"]["pingpong"] == [6000] * 3
+    assert (
+        row["measured_pick"] == "aep"
+        and row["aep"]["measured"] == 6061
+        and len(row["aep"]["measured_runs"]) == 3
+    )
+    assert row["aep"]["measured_itl_ms"] == 990.0 and row["measured_pick_within_slo"] is None
+    again = row_of(5900)
+    asyncio.run(
+        plan_table.measure_row(again, "mixtral-8x7b-mqa", 40.0, 55e-6, plan_table.Measured(measured.path))
+    )
+    assert len(ran) == 12 and again["measured_pick"] == "aep"  # all twelve points read from the file
+
+    far = row_of(5900)
+    itl[("pingpong", 40.0)] = 1.07  # 5 % behind AEP: not a close call
+    fresh = plan_table.Measured(tmp_path / "far.jsonl")
+    asyncio.run(plan_table.measure_row(far, "mixtral-8x7b-mqa", 40.0, 55e-6, fresh))
+    assert len(ran) == 15 and "close_call" not in far and far["measured_pick"] == "aep"
+
+    # A row not chosen to run (--measure-rows) whose file holds only the table-scale points: nothing runs
+    first_three = measured.path.read_text().splitlines()[:3]
+    (tmp_path / "table_scale.jsonl").write_text("\n".join(first_three) + "\n")
+    not_run = row_of(5900)
+    asyncio.run(
+        plan_table.measure_row(
+            not_run, "mixtral-8x7b-mqa", 40.0, 55e-6, plan_table.Measured(tmp_path / "table_scale.jsonl"), ()
+        )
+    )
+    assert len(ran) == 15 and not_run["measured_pick"] == "pingpong"
+    assert not_run["close_call"] == {"runs": 0, "pick_at_table_scale": "pingpong"}
