@@ -218,7 +218,8 @@ def readings(got: dict, replicas: int, predicted: float) -> dict:
 # there, and on eight emulated runtimes AEP's measured 2-3 % under its simulation at scale ~64 and at it at 2.5x
 # that (docs/results.md "Headroom"). So every mode of the row runs CLOSE_CALL_RUNS more times, in turn within each
 # run, at CLOSE_CALL_SCALE times the time scale (the host's own delays that much smaller against every emulated
-# step), and the row reads the means. Written down (2026-11-28) before the runs that first applied it.
+# step), and the row reads the means. The rule was written down before the runs that first applied it
+# (docs/results/headroom/100_row2_scale100_runs/RULE.md), then coded as it stands.
 CLOSE_CALL_SCALE = 2.5
 CLOSE_CALL_RUNS = 3
 
