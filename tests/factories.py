@@ -187,3 +187,25 @@ def server_in_thread(config, start_timeout_s: float = 90.0):
     finally:
         srv.request_exit()
         thread.join(30)
+
+
+# ---- streams of several choices, as a client assembles them
+
+
+def streamed_choices(events: list[dict]) -> dict[int, list[dict]]:
+    """The chunks of an SSE stream's choices by index (`events`: its data payloads in order, [DONE] left out),
+    checked for what a client that assembles choices by index relies on. OpenAI and vLLM interleave choices in
+    no promised order; what they do promise: a choice's finish_reason comes once, on its last chunk, and the usage
+    chunk, if any, comes last, after every choice has finished."""
+    chunks: dict[int, list[dict]] = {}
+    for at, payload in enumerate(events):
+        if not payload["choices"]:
+            assert payload.get("usage") and at == len(events) - 1, "usage comes once, last"
+            continue
+        (choice,) = payload["choices"]
+        mine = chunks.setdefault(choice["index"], [])
+        assert not (mine and mine[-1]["finish_reason"]), f"choice {choice['index']} went on after its finish"
+        mine.append(choice)
+    unfinished = [index for index, mine in chunks.items() if not mine[-1]["finish_reason"]]
+    assert not unfinished, f"choices {unfinished} never finished"
+    return chunks
