@@ -28,7 +28,7 @@ from amoe.curve import ClusterKeys, load_secret
 from amoe.errors import ConfigError, TransportError
 from amoe.hostaddr import route_ip
 from amoe.rendezvous import Rendezvous
-from coordinator.launcher import LocalLauncher, exit_text
+from coordinator.cluster.launcher import LocalLauncher, exit_text
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from amoe.runtime.report import BATCH_ROWS_BUCKETS
-from coordinator.backend import RankKV
+from coordinator.requests.backend import RankKV
 
 REPO = Path(__file__).resolve().parent.parent
 

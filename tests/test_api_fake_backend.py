@@ -12,9 +12,9 @@ from factories import streamed_choices
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError
 from amoe.logprobs import Logprobs
-from coordinator.api_server import create_app
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.validation import ModelInfo
+from coordinator.api.app import create_app
+from coordinator.api.validation import ModelInfo
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 MODEL = "fake"
 BLOCK = 16

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from amoe.errors import RequestError
-from coordinator.backend import RankKV
-from coordinator.load_balancer import LoadBalancer, OverloadedError
+from coordinator.requests.backend import RankKV
+from coordinator.requests.load_balancer import LoadBalancer, OverloadedError
 
 BLOCK = 16
 

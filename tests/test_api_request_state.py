@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from amoe.logprobs import Logprobs
 from amoe.request_rules import StopMatcher
-from coordinator.request_state import RequestState
+from coordinator.requests.request_state import RequestState
 
 
 class CharDetokenizer:

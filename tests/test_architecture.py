@@ -165,8 +165,10 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_the_api_server_and_import_amoe_leave_torch_out():
-    loaded = _modules_after("import amoe, coordinator.api_server, coordinator.cluster_backend, amoe.serve")
-    assert "coordinator.api_server" in loaded and "amoe" in loaded
+    loaded = _modules_after(
+        "import amoe, coordinator.api.app, coordinator.requests.cluster_backend, amoe.serve"
+    )
+    assert "coordinator.api.app" in loaded and "amoe" in loaded
     assert "torch" not in loaded
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError, RequestFailed
-from coordinator.api_server import abort_all, create_app
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.protocol import CompletionRequest
-from coordinator.validation import ModelInfo, prepare_completion
+from coordinator.api.app import abort_all, create_app
+from coordinator.api.protocol import CompletionRequest
+from coordinator.api.validation import ModelInfo, prepare_completion
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 MODEL = "fake"
 BLOCK = 16

@@ -17,7 +17,7 @@ from typing import Any
 
 from amoe.engine.request import EngineOutput
 from amoe.errors import AmoeError, EngineDeadError, RequestFailed
-from coordinator.backend import Backend, RankKV, TokenDelta
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -228,7 +228,7 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
 
 # Wall seconds a runtime's start-up may take on a busy host: each imports torch and the runtime (2.3 CPU-s measured
 # here), so 32 runtimes need ~75 CPU-s of a 2-core host's, past the harness's default 180 s when other work shares
-# it. The coordinator's own limit (300 s, coordinator.cluster) names a runtime that never came up.
+# it. The coordinator's own limit (300 s, coordinator.cluster.manager) names a runtime that never came up.
 STARTUP_S_PER_RUNTIME = 10.0
 
 

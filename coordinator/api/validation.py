@@ -10,9 +10,10 @@ from typing import Any, Protocol
 from amoe.errors import RequestError
 from amoe.logprobs import MAX_LOGPROBS
 from amoe.sampling_params import SamplingParams
-from coordinator.openai_errors import ApiError, bad_request
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest
-from coordinator.sampling_options import sampling_options
+from coordinator.api.openai_errors import ApiError, bad_request
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.api.sampling_options import sampling_options
+from coordinator.requests.prepared import PreparedRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -24,7 +25,7 @@ MAX_PROMPTS = 256
 # Parameters OpenAI or vLLM accept that amoe does not implement, each with the values that ask for nothing (what
 # SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends use_beam_search false): those are
 # accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored. (The sampling
-# options amoe implements are typed fields of coordinator/protocol.py, read by coordinator/sampling_options.py.)
+# options amoe implements are typed fields of coordinator/api/protocol.py, read by coordinator/api/sampling_options.py.)
 UNSUPPORTED: dict[str, tuple] = {
     "echo": (None, False),  # chat's (repeat the last message); completions declare theirs
     "logprob_token_ids": (None,),
@@ -69,21 +70,6 @@ class ModelInfo:
     grammars: Any = None  # amoe.structured.Grammars of the served tokenizer (None: no structured output)
     # --generation-config's defaults (amoe.generation_config): what a request leaves unset; max_tokens also caps
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: int  # the one id of the request from here to the runtimes' wire (unique per server)
-    response_id: str  # what the client sees as the response's "id" (OpenAI style: "cmpl-...", "chatcmpl-...")
-    prompt_token_ids: list[int]
-    max_tokens: int
-    sampling_params: Any  # amoe.sampling_params.SamplingParams
-    stop: list[str]
-    # Its prompt's place in the request's list of prompts: its choices are prompt_index * n + i, i < n.
-    prompt_index: int = 0
-    echo: bool = False  # completions: the prompt (text, and tokens in logprobs) leads the choice
-    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its one generated token is not shown)
-    prompt_text: str = ""  # what echo shows: the prompt as given, or its token ids decoded
 
 
 def prepare_completions(
@@ -300,7 +286,7 @@ def _options(
     logprobs: tuple[int | None, int | None],
 ) -> dict[str, Any]:
     """SamplingParams options beyond the core set: log-probabilities (per output token, per prompt token) and
-    coordinator/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
+    coordinator/api/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
     try:
         options = sampling_options(req, tokenizer, model.vocab_size, model.grammars)
     except RequestError as exc:

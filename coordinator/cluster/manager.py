@@ -1,10 +1,10 @@
 """Cluster manager: starts the runtimes of the placement, wires them (peer table, Reconnect), reads what they say,
 and stops them all at the end. Its parts, each in its own module:
 
-- coordinator/launcher.py: how runtimes are started (child processes, node agents, Ray actors), behind `Launch`;
-- coordinator/control_plane.py: the ROUTER socket every runtime and agent connects to; sends that never block and
+- coordinator/cluster/launcher.py: how runtimes are started (child processes, node agents, Ray actors), behind `Launch`;
+- coordinator/cluster/control_plane.py: the ROUTER socket every runtime and agent connects to; sends that never block and
   are never lost in silence;
-- coordinator/health.py: the watchdog: loss (death, silence, a wedged loop, undeliverable messages), replacement
+- coordinator/cluster/health.py: the watchdog: loss (death, silence, a wedged loop, undeliverable messages), replacement
   within the restart budget, or the cluster's failure.
 
 What is left here is the router: each message is checked (it must come from the runtime it names, in its role) and
@@ -35,10 +35,10 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
 from amoe.placement import runtime_roles
-from coordinator.control_plane import ControlPlane
-from coordinator.health import RuntimeWatch
-from coordinator.launcher import Launch, open_launch
-from coordinator.runtimes import ClusterEvents, RestartBudget, RuntimeProc
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.health import RuntimeWatch
+from coordinator.cluster.launcher import Launch, open_launch
+from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 

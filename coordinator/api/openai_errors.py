@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from amoe.errors import AmoeError, EngineDeadError, RequestError, RequestFailed
-from coordinator.load_balancer import OverloadedError
-from coordinator.protocol import ErrorInfo, ErrorResponse
+from coordinator.api.protocol import ErrorInfo, ErrorResponse
+from coordinator.requests.load_balancer import OverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Runs one prepared request: admission by the load balancer, the backend's token stream, detokenization, stop
-strings, its deadline and stall watchdog. Its RequestLifetime (coordinator/lifetime.py) owns how it ends: every
+strings, its deadline and stall watchdog. Its RequestLifetime (coordinator/requests/lifetime.py) owns how it ends: every
 path out of here ends it, and so may the API layer (client gone) or a drain, at any time."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from amoe.errors import AmoeError
-from coordinator.backend import Backend, TokenDelta
-from coordinator.lifetime import RequestLifetime
-from coordinator.load_balancer import LoadBalancer
+from coordinator.api.openai_errors import ApiError, internal_error
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.openai_errors import ApiError, internal_error
-from coordinator.request_state import Detokenizer, OutputChunk, RequestState
-from coordinator.validation import PreparedRequest
+from coordinator.requests.backend import Backend, TokenDelta
+from coordinator.requests.lifetime import RequestLifetime
+from coordinator.requests.load_balancer import LoadBalancer
+from coordinator.requests.prepared import PreparedRequest
+from coordinator.requests.request_state import Detokenizer, OutputChunk, RequestState
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout

@@ -7,8 +7,8 @@ Three ways, picked by `open_launch` from the config:
   WorkerSpec on stdin), from the event loop's thread, which lives as long as they do: their PR_SET_PDEATHSIG is
   tied to the thread that forked them.
 - `MultiNodeLaunch` (`--nnodes N`): node 0's runtimes as child processes, the others through their node's agent
-  (coordinator/nodes.py), which joins the control plane over CURVE.
-- `RayLaunch` (`--distributed-backend ray`): every runtime a Ray actor (coordinator/ray_launcher.py).
+  (coordinator/cluster/nodes.py), which joins the control plane over CURVE.
+- `RayLaunch` (`--distributed-backend ray`): every runtime a Ray actor (coordinator/cluster/ray_launcher.py).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.curve import ClusterKeys
-from coordinator.control_plane import ControlPlane
-from coordinator.nodes import Nodes
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.nodes import Nodes
 
 if TYPE_CHECKING:  # Ray is an optional extra: imported only when --distributed-backend ray asks for it
-    from coordinator.ray_launcher import RayLauncher
+    from coordinator.cluster.ray_launcher import RayLauncher
 
 logger = logging.getLogger(__name__)
 
 
 class RuntimeHandle(Protocol):
     """A started runtime as the cluster manager holds it: a child process (subprocess.Popen), a runtime on another
-    node (coordinator.nodes.RemoteProc) or a Ray actor (coordinator.ray_launcher.RayProc)."""
+    node (coordinator.cluster.nodes.RemoteProc) or a Ray actor (coordinator.cluster.ray_launcher.RayProc)."""
 
     pid: int
 
@@ -221,7 +221,7 @@ def open_launch(
     if not config.dist.multi_node:
         return Launch(local())
     if config.dist.backend == "ray":
-        from coordinator.ray_launcher import RayLauncher
+        from coordinator.cluster.ray_launcher import RayLauncher
 
         ray = RayLauncher(config, model_dir, "", num_runtimes, startup_timeout_s)
         nodes = Nodes(

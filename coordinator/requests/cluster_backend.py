@@ -38,9 +38,9 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError, RequestFailed
 from amoe.request_rules import SeedSource, sequence_seed
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.cluster import ClusterManager
-from coordinator.runtimes import RuntimeProc
+from coordinator.cluster.manager import ClusterManager
+from coordinator.cluster.runtimes import RuntimeProc
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ class Backend(abc.ABC):
         """Stop a request and free its KV blocks; its stream, if still read, ends with finish_reason "abort".
 
         Unknown or finished ids are ignored: the coordinator calls it directly whenever a request ends early
-        (coordinator/lifetime.py), whether or not its stream was closed too.
+        (coordinator/requests/lifetime.py), whether or not its stream was closed too.
         """
 
     def abort_sequence(self, request_id: int, index: int) -> None:

@@ -14,9 +14,9 @@ import logging
 import subprocess
 import time
 
-from coordinator.control_plane import ControlPlane
-from coordinator.launcher import Launch, exit_text
-from coordinator.runtimes import ClusterEvents, RestartBudget, RuntimeProc
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.launcher import Launch, exit_text
+from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 

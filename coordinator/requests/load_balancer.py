@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from amoe.errors import AmoeError, RequestError
-from coordinator.backend import RankKV
+from coordinator.requests.backend import RankKV
 
 logger = logging.getLogger(__name__)
 
