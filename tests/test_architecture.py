@@ -1,6 +1,6 @@
 """The shape of the house, checked from the source: no import circles in amoe/ and coordinator/, the coordinator
-reaches no model code and no torch (however indirectly), production code never imports the test harnesses, and
-the light entry points (the API server, `amoe --help`, `import amoe`) really leave torch unloaded."""
+reaches no model code and no torch (however indirectly) and its rooms import one way, production code never imports
+the test harnesses, and the light entry points (the API server, `amoe --help`, `import amoe`) really leave torch unloaded."""
 
 from __future__ import annotations
 
@@ -202,3 +202,66 @@ def test_finding_the_demo_model_leaves_torch_out(tmp_path):
     )
     loaded = _modules_after(code)
     assert "amoe.model.make" in loaded and "torch" not in loaded
+
+
+# The coordinator's rooms (docs/serve.md, "The coordinator"), from the top: each may import the rooms below it.
+ROOMS = ("coordinator.api", "coordinator.requests", "coordinator.cluster")
+COORDINATOR_LEAVES = ("coordinator", "coordinator.metrics")  # beside the rooms: every room may use them
+
+
+def test_every_coordinator_module_is_in_a_room():
+    loose = [
+        m
+        for m in graph(lazy_exports=True)
+        if is_under(m, ("coordinator",)) and m not in COORDINATOR_LEAVES and not is_under(m, ROOMS)
+    ]
+    assert not loose, "outside the rooms: " + ", ".join(loose)
+
+
+def room_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from a coordinator room (or leaf) into a room above it."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        if module in COORDINATOR_LEAVES:
+            above: tuple[str, ...] = ROOMS
+        elif is_under(module, ROOMS):
+            room = next(r for r in ROOMS if is_under(module, (r,)))
+            above = ROOMS[: ROOMS.index(room)]
+        else:
+            continue
+        bad += [f"{module} imports {w}" for w in sorted(targets) if is_under(w, above)]
+    return bad
+
+
+def test_the_coordinator_rooms_import_one_way():
+    """api → requests → cluster, counting imports inside functions; the leaves import no room."""
+    bad = room_violations(graph(lazy_exports=True))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_room_rules_catch_an_arrow_back_up():
+    edges = {
+        "coordinator.cluster.x": {"coordinator.requests.y", "amoe.wire"},
+        "coordinator.requests.y": {"coordinator.api.z", "coordinator.cluster.x"},
+        "coordinator.metrics": {"coordinator.cluster.x"},
+        "coordinator.api.z": {"coordinator.requests.y", "coordinator.cluster.x", "coordinator.metrics"},
+    }
+    assert room_violations(edges) == [
+        "coordinator.cluster.x imports coordinator.requests.y",
+        "coordinator.metrics imports coordinator.cluster.x",
+        "coordinator.requests.y imports coordinator.api.z",
+    ]
+
+
+def test_the_request_and_cluster_rooms_speak_no_http():
+    """Their failures are their own errors; only the API room turns them into statuses and response bodies."""
+    edges = graph(lazy_exports=True)
+    http = ("fastapi", "starlette", "pydantic", "uvicorn")
+    bad = [
+        f"{m} imports {w}"
+        for m, targets in sorted(edges.items())
+        if is_under(m, ROOMS[1:])
+        for w in sorted(targets)
+        if is_under(w, http)
+    ]
+    assert not bad, "\n".join(bad)

@@ -15,9 +15,11 @@ import pytest
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError, RequestFailed
 from coordinator.api.app import abort_all, create_app
+from coordinator.api.openai_errors import from_exception
 from coordinator.api.protocol import CompletionRequest
 from coordinator.api.validation import ModelInfo, prepare_completion
 from coordinator.requests.backend import Backend, RankKV, TokenDelta
+from coordinator.requests.errors import InternalError, Overloaded, TimedOut
 
 MODEL = "fake"
 BLOCK = 16
@@ -671,3 +673,17 @@ def test_ending_a_request_twice_aborts_and_counts_it_once():
         h.assert_ended_once("aborted", "abort", stopped=True, reached=True)
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "code", "message"),
+    [
+        (Overloaded("queue full"), 503, "server_error", "overloaded", "queue full"),
+        (TimedOut("no token for 1 s"), 504, "server_error", "timeout", "no token for 1 s"),
+        (InternalError(KeyError("x")), 500, "server_error", None, "internal server error: KeyError: 'x'"),
+    ],
+)
+def test_the_api_gives_each_request_error_its_status(error, status, kind, code, message):
+    """The request room raises its own errors; the API alone turns each into an OpenAI-shaped response."""
+    api = from_exception(error)
+    assert (api.status, api.info.type, api.info.code, api.info.message) == (status, kind, code, message)
