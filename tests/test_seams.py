@@ -1,5 +1,6 @@
 """The typed seams are kept by every implementation, checked from the classes themselves (no process started): the
-cluster manager's `Launcher` by the local, node-agent and Ray launchers."""
+control plane's `Runtime` by the AEP and the synchronous runtime, the cluster manager's `Launcher` by the local,
+node-agent and Ray launchers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import typing
 
 import pytest
 
+from amoe.runtime.aep_runtime import AepRuntime
+from amoe.runtime.interface import Runtime
+from amoe.runtime.sync_runtime import SyncRuntime
 from coordinator.cluster.agent_launcher import AgentLauncher
 from coordinator.cluster.launcher import Launcher
 from coordinator.cluster.local_launcher import LocalLauncher
@@ -69,6 +73,24 @@ def resolves(cls: type) -> None:
         function = member.fget if isinstance(member, property) else member
         if inspect.isfunction(function):
             typing.get_type_hints(function)
+
+
+@pytest.mark.parametrize("runtime", [AepRuntime, SyncRuntime])
+def test_every_runtime_offers_what_the_control_plane_asks(runtime):
+    assert protocol_gaps(runtime, Runtime) == []
+    resolves(runtime)
+
+
+def test_a_runtime_without_one_of_the_control_planes_methods_is_found_out():
+    class Unlinked(AepRuntime):
+        linked = None  # what serve_commands polls before it says Ready
+
+    class Mute(SyncRuntime):
+        def stats(self, verbose):  # a heartbeat asks for stats() with no argument
+            return {}
+
+    assert protocol_gaps(Unlinked, Runtime) == ["method linked()"]
+    assert [gap.split(",")[0] for gap in protocol_gaps(Mute, Runtime)] == ["method stats(self"]
 
 
 @pytest.mark.parametrize("launcher", [LocalLauncher, AgentLauncher, RayLauncher])

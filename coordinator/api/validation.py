@@ -300,7 +300,7 @@ def _sampling_params(
     stop: list[str],
     model: ModelInfo,
     options: dict[str, Any],
-) -> Any:
+) -> SamplingParams:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= model.vocab_size), None)
     if bad is not None:

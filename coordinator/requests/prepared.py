@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from amoe.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class PreparedRequest:
     response_id: str  # what the client sees as the response's "id" (OpenAI style: "cmpl-...", "chatcmpl-...")
     prompt_token_ids: list[int]
     max_tokens: int
-    sampling_params: Any  # amoe.sampling_params.SamplingParams
+    sampling_params: SamplingParams
     stop: list[str]
     # Its prompt's place in the request's list of prompts: its choices are prompt_index * n + i, i < n.
     prompt_index: int = 0
