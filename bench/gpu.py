@@ -34,10 +34,10 @@ from amoe.model.presets import preset
 GPU0 = torch.device("cuda", 0)
 
 
-class Timer:
+class CudaTimer:
     """Wall seconds of a block, the GPU's queued work included (the host only enqueues kernels)."""
 
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> CudaTimer:
         torch.cuda.synchronize()
         self.wall = time.perf_counter()
         return self
@@ -57,7 +57,7 @@ def run_amoe(model_dir: Path, prompts, new_tokens: int, dtype: str) -> tuple[flo
     llm = LLM(model_dir, device="cuda", dtype=dtype, max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up: kernels, allocator
-    with Timer() as timer:
+    with CudaTimer() as timer:
         outs = llm.generate(prompts, params)
     del llm
     _free_gpu()
@@ -68,7 +68,7 @@ def run_hf(model_dir: Path, prompts, new_tokens: int, dtype: str) -> tuple[float
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(GPU0).eval()
-    timer, tokens = hf_generate(model, prompts, new_tokens, Timer, GPU0)
+    timer, tokens = hf_generate(model, prompts, new_tokens, CudaTimer, GPU0)
     del model
     _free_gpu()
     return timer.wall, tokens
@@ -76,7 +76,7 @@ def run_hf(model_dir: Path, prompts, new_tokens: int, dtype: str) -> tuple[float
 
 def run_served(model_dir: Path, prompts, new_tokens: int, dtype: str, attn: int, experts: int) -> float:
     """Wall seconds from sending every request at once to the last response, on a warm server."""
-    from amoe.bench.servers import ServerProcess
+    from amoe.testing.servers import ServerProcess
 
     flags = ["--model", str(model_dir), "--device", "cuda", "--transport", "auto", "--model-dtype", dtype]
     flags += ["--attn-ranks", str(attn), "--expert-ranks", str(experts)]

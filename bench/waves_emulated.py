@@ -18,12 +18,12 @@ import time
 
 from amoe.bench import calibrate, steady
 from amoe.bench.compare_setup import Preset, Setup
-from amoe.bench.servers import ServerProcess
 from amoe.config import POLICIES
 from amoe.emulation import bounds as B
 from amoe.emulation import plan_check
 from amoe.emulation.plan import Plan, describe, mean_context
 from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.testing.servers import ServerProcess
 
 ROUTING = "skew-exp:0.08"
 # bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 
 import pytest
+from factories import CharDetokenizer, CharTokenizer
 
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError, RequestFailed
@@ -25,27 +26,6 @@ MODEL = "fake"
 BLOCK = 16
 TOTAL_BLOCKS = 8
 BLOCKER = -1  # a reservation made straight on the load balancer, to keep a request waiting for KV
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
-
-    def encode_chat(self, messages, add_generation_prompt=True):
-        return self.encode("".join(m["content"] for m in messages), add_special_tokens=False)
-
-
-class CharDetokenizer:
-    def __init__(self, fail_on: str | None = None) -> None:
-        self.fail_on = fail_on
-
-    def add(self, token_id):
-        if chr(token_id) == self.fail_on:
-            raise RuntimeError("detokenizer bug")
-        return chr(token_id)
-
-    def flush(self):
-        return ""
 
 
 class GatedBackend(Backend):
@@ -227,7 +207,7 @@ class Harness:
         self.model = ModelInfo(MODEL, 64, 100_000)
         self.app = create_app(
             self.backend,
-            CharTokenizer(),
+            CharTokenizer(roles=False),
             self.model,
             lambda ids: detokenizer or CharDetokenizer(),
             server=ServerSection(**server),
@@ -466,7 +446,9 @@ def test_the_token_wait_does_not_lose_a_cancellation_that_comes_with_a_token(off
     async def scenario():
         h = Harness()
         body = CompletionRequest(model=MODEL, prompt="hi", max_tokens=50)
-        lifetime = h.runner.open(prepare_completion(body, CharTokenizer(), h.model, 1), "completions")
+        lifetime = h.runner.open(
+            prepare_completion(body, CharTokenizer(roles=False), h.model, 1), "completions"
+        )
         await h.runner.admit(lifetime)
 
         async def read():

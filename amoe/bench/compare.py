@@ -29,8 +29,8 @@ from amoe.bench.compare_setup import (
     upper_bound,
 )
 from amoe.bench.point import measure
-from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from amoe.bench.compare_setup import Preset, Setup, profile_name, time_scale
 from amoe.bench.point import FAILED, measure
-from amoe.bench.servers import ServerProcess
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 

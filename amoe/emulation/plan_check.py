@@ -36,7 +36,6 @@ from pathlib import Path
 from amoe.bench import calibrate, steady
 from amoe.bench.compare import load_point
 from amoe.bench.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
-from amoe.bench.servers import ServerProcess
 from amoe.emulation import bounds
 from amoe.emulation.plan import (
     AEP_POLICY,
@@ -52,6 +51,7 @@ from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.routing import DEFAULT_LAMBDA
 from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger("plan_check")
 

@@ -61,8 +61,8 @@ from amoe.bench.compare_setup import (
     serve_flags,
     upper_bound,
 )
-from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 

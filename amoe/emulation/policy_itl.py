@@ -48,9 +48,9 @@ async def trace_point(
     )
     from amoe.bench.probe import MetricsProbe
     from amoe.bench.serve import run_requests
-    from amoe.bench.servers import ServerProcess
     from amoe.bench.workloads import make_requests, make_workload
     from amoe.emulation.policy_bench import SETUP, _preset, max_seqs
+    from amoe.testing.servers import ServerProcess
 
     scale, probe_s = calibrate.scaled(25.0)
     p = _preset(blocks, (load,), duration_s, scale)
@@ -147,9 +147,9 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""
     from amoe.bench import calibrate
     from amoe.bench.compare_setup import serve_flags
-    from amoe.bench.servers import ServerProcess
     from amoe.bench.steady import steady_point
     from amoe.emulation.policy_bench import SETUP, _preset, max_seqs
+    from amoe.testing.servers import ServerProcess
 
     scale, _ = calibrate.scaled(25.0)
     p = _preset(blocks, (0.5,), 4.0, scale)

@@ -44,8 +44,8 @@ from coordinator.api.protocol import (
 )
 from coordinator.api.responses import Responder, event
 from coordinator.api.validation import (
+    ApiTokenizer,
     ModelInfo,
-    Tokenizer,
     check_text,
     prepare_chat,
     prepare_completions,
@@ -79,7 +79,7 @@ class _Served:
     """What every route needs; one per app."""
 
     runner: RequestRunner
-    tokenizer: Tokenizer
+    tokenizer: ApiTokenizer
     model: ModelInfo
     created: int
     request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
@@ -89,7 +89,7 @@ class _Served:
 
 def create_app(
     backend: Backend,
-    tokenizer: Tokenizer,
+    tokenizer: ApiTokenizer,
     model: ModelInfo,
     make_detokenizer: Callable[[list[int]], Detokenizer],
     *,

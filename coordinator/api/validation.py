@@ -50,7 +50,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class Tokenizer(Protocol):
+class ApiTokenizer(Protocol):
     """Prompt token ids as the checkpoint's own tokenizer gives them (amoe.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -73,7 +73,7 @@ class ModelInfo:
 
 
 def prepare_completions(
-    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, next_id: Callable[[], int]
+    req: CompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, next_id: Callable[[], int]
 ) -> list[PreparedRequest]:
     """One prepared request per prompt of `prompt` (a string, token ids, or a list of either), in order, sharing
     the response's id; `next_id()` gives each its request id."""
@@ -106,7 +106,7 @@ def prepare_completions(
 
 
 def prepare_completion(
-    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+    req: CompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, request_id: int
 ) -> PreparedRequest:
     """The request of a one-prompt completions body."""
     prepared = prepare_completions(req, tokenizer, model, iter([request_id]).__next__)
@@ -114,7 +114,7 @@ def prepare_completion(
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+    req: ChatCompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, request_id: int
 ) -> PreparedRequest:
     _check_common(req, model)
     if not req.messages:
@@ -189,7 +189,7 @@ def _same(value: Any, noop: Any) -> bool:
 
 
 def _completion_prompts(
-    prompt: Any, tokenizer: Tokenizer, model: ModelInfo
+    prompt: Any, tokenizer: ApiTokenizer, model: ModelInfo
 ) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, and its text if it came as text."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -199,7 +199,9 @@ def _completion_prompts(
     return [_completion_prompt(prompt, tokenizer, model)]
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> tuple[list[int], str | None]:
+def _completion_prompt(
+    prompt: Any, tokenizer: ApiTokenizer, model: ModelInfo
+) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
         return tokenizer.encode(prompt), prompt  # with the special tokens the checkpoint's tokenizer adds
@@ -281,7 +283,7 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 
 def _options(
     req: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
+    tokenizer: ApiTokenizer,
     model: ModelInfo,
     logprobs: tuple[int | None, int | None],
 ) -> dict[str, Any]:
