@@ -143,16 +143,19 @@ def kv_budget(
     activation_bytes: int,
     max_blocks: int,
     blocks_per_request: int,
+    unfilled_bytes: int = 0,
 ) -> KVBudget:
     """KV blocks from memory, as vLLM sizes them: this runtime may use `utilization` of the device (of the host's
-    RAM on the CPU, divided among the node's `share` runtimes); what its weights already hold and an activation
-    reserve come off, and the rest, never more than is free now, holds blocks. No more than `max_blocks` (what
-    max_num_seqs requests of max_model_len tokens can use): a CPU budget of gigabytes would otherwise commit the
-    whole of it for a small model."""
+    RAM on the CPU, divided among the node's `share` runtimes); what its weights already hold, what it has set
+    aside and not yet filled (`unfilled_bytes`: an offload store's slots) and an activation reserve come off, and
+    the rest, never more than is free now, holds blocks. No more than `max_blocks` (what max_num_seqs requests of
+    max_model_len tokens can use): a CPU budget of gigabytes would otherwise commit the whole of it for a small
+    model."""
     used, total = device.memory()
+    used += unfilled_bytes
     share = 1 if device.is_cuda else max(share, 1)  # a GPU is its runtime's own; the host's RAM is shared
     budget = int(utilization * total / share) - used - activation_bytes
-    budget = min(budget, device.free_bytes() - activation_bytes)
+    budget = min(budget, device.free_bytes() - unfilled_bytes - activation_bytes)
     blocks = min(budget // block_bytes, max_blocks) if budget > 0 else 0
     if blocks < 1:
         raise ConfigError(
