@@ -25,6 +25,7 @@ import pwd
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,11 +33,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_COMMAND = "make serve SERVE_ARGS='--port 0'"  # port 0: the server reports the port it was given
 LISTENING = re.compile(r"amoe serve: listening on (http://\S+)$")
+MAKEFILE_NO_APT = "[install] going on without the optional system packages"  # a non-root user's install
 SERVE_STARTED = re.compile(r"^\S*bin/amoe serve\b")  # make echoes the serve recipe once `install` is done
 # What setup.py looks for (the header) and what a build could otherwise find libzmq's development files by.
 ZMQ_DEV_FILES = (
@@ -46,6 +49,7 @@ ZMQ_DEV_FILES = (
     "/usr/local/include/zmq_utils.h",
 )
 _DEV_PACKAGE = "libzmq3-dev"
+DPKG_STATUS = "/var/lib/dpkg/status"
 _PR_SET_PDEATHSIG = 1
 _STOP_TIMEOUT_S = 120.0
 
@@ -82,9 +86,10 @@ def _check(stack: contextlib.ExitStack, args: argparse.Namespace, report: dict) 
     report["user"] = user.name
     report["commit"] = clone_head(REPO, user.home / "amoe", user.name)
     report["pip_config"] = carry_pip_config(user)
-    hidden = hidden_dev_files()
-    report["hidden"] = hidden
-    serve = stack.enter_context(ServeRun(user, hidden, args.timeout_s))
+    hiding = plan_hiding()
+    report["hidden"] = hiding.files
+    report["dpkg_entry_hidden"] = hiding.dpkg_status is not None
+    serve = stack.enter_context(ServeRun(user, hiding, args.timeout_s))
     serve.wait_for(serve.started)
     report["install_s"] = round(serve.started_at - serve.t0, 1)
     serve.wait_for(serve.listening)
@@ -94,6 +99,7 @@ def _check(stack: contextlib.ExitStack, args: argparse.Namespace, report: dict) 
     status, text = complete(serve.url, args.request_timeout_s)
     report["completion"] = {"status": status, "text_chars": len(text)}
     report["stop"] = serve.stop()
+    report["makefile_said"] = serve.makefile_said
     problems = _problems(report, status, text)
     report["result"] = "fail" if problems else "pass"
     if problems:
@@ -106,6 +112,8 @@ def _problems(report: dict, status: int, text: str) -> list[str]:
         problems.append(f"completion answered {status} with {len(text)} characters of text")
     if report.get("libzmq") != "pyzmq":
         problems.append(f"the extension links {report.get('libzmq_path')}, not pyzmq's libzmq")
+    if report["makefile_said"] is None:
+        problems.append("the Makefile did not say it goes on without libzmq3-dev")
     if report["stop"]["exit_code"] != 0:
         problems.append(f"`make serve` exited {report['stop']['exit_code']} on SIGINT")
     return problems
@@ -210,30 +218,56 @@ def carry_pip_config(user: ThrowawayUser) -> list[str]:
     return carried
 
 
-def hidden_dev_files() -> list[str]:
-    """libzmq's development files present here: the headers setup.py looks for and, when the Debian package is
-    installed, its files under /usr/include and /usr/lib (the .so link, the static library, the pkg-config file)."""
+@dataclass
+class Hiding:
+    """What the user's namespace hides of libzmq's development package, so that neither the build nor the
+    Makefile's dpkg check can tell it is installed."""
+
+    files: list[str]  # whited out
+    dpkg_status: str | None  # dpkg's database without the package (None: it is not installed)
+
+
+def plan_hiding() -> Hiding:
+    """libzmq's development files present here — the headers setup.py looks for and, when the Debian package is
+    installed, its files under /usr/include and /usr/lib (the .so link, the static library, the pkg-config file) —
+    and dpkg's entry for it."""
     candidates = set(ZMQ_DEV_FILES)
     listed = subprocess.run(["dpkg", "-L", _DEV_PACKAGE], capture_output=True, text=True)
     if listed.returncode == 0:
         candidates.update(p for p in listed.stdout.split() if p.startswith(("/usr/include/", "/usr/lib/")))
-    return sorted(p for p in candidates if os.path.lexists(p) and not os.path.isdir(p))
+    files = sorted(p for p in candidates if os.path.lexists(p) and not os.path.isdir(p))
+    status = Path(DPKG_STATUS).read_text() if Path(DPKG_STATUS).is_file() else ""
+    return Hiding(files, status_without(status, _DEV_PACKAGE))
 
 
-def namespace_script(user: str, hidden: list[str], scratch: str) -> str:
+def status_without(status: str, package: str) -> str | None:
+    """dpkg's status file without `package`'s paragraphs; None when it has none."""
+    paragraphs = status.split("\n\n")
+    kept = [p for p in paragraphs if p.lstrip("\n").split("\n", 1)[0] != f"Package: {package}"]
+    return None if len(kept) == len(paragraphs) else "\n\n".join(kept).rstrip("\n") + "\n"
+
+
+def namespace_script(user: str, files: list[str], scratch: str, dpkg_status: str | None = None) -> str:
     """The shell that runs as root inside the new mount namespace: one overlay per directory holding hidden files,
-    each file whited out (a 0/0 character device in the upper layer), a check that none is visible any more, then
-    the user's login shell running the plain `make serve` in the fresh clone."""
+    each file whited out (a 0/0 character device in the upper layer), dpkg's status file replaced by `dpkg_status`
+    (a path), a check that none of it shows any more, then the user's login shell running the plain `make serve`
+    in the fresh clone."""
     q = shlex.quote
-    lines = ["set -e", f"mount -t tmpfs amoe-hide {q(scratch)}"]
-    for i, directory in enumerate(sorted({os.path.dirname(p) for p in hidden})):
-        upper, work = f"{scratch}/upper{i}", f"{scratch}/work{i}"
-        names = [os.path.basename(p) for p in hidden if os.path.dirname(p) == directory]
+    layers = f"{scratch}/layers"
+    lines = ["set -e", f"mkdir {q(layers)}", f"mount -t tmpfs amoe-hide {q(layers)}"]
+    for i, directory in enumerate(sorted({os.path.dirname(p) for p in files})):
+        upper, work = f"{layers}/upper{i}", f"{layers}/work{i}"
+        names = [os.path.basename(p) for p in files if os.path.dirname(p) == directory]
         lines.append(f"mkdir {q(upper)} {q(work)}")
         lines += [f"mknod {q(os.path.join(upper, name))} c 0 0" for name in names]
         options = f"lowerdir={directory},upperdir={upper},workdir={work}"
         lines.append(f"mount -t overlay overlay -o {q(options)} {q(directory)}")
-    lines += [f"[ ! -e {q(p)} ] || {{ echo still visible: {q(p)}; exit 97; }}" for p in hidden]
+    lines += [f"[ ! -e {q(p)} ] || {{ echo still visible: {q(p)}; exit 97; }}" for p in files]
+    if dpkg_status is not None:
+        lines.append(f"mount --bind {q(dpkg_status)} {DPKG_STATUS}")
+        lines.append(
+            f"! dpkg -s {_DEV_PACKAGE} >/dev/null 2>&1 || {{ echo dpkg still lists {_DEV_PACKAGE}; exit 97; }}"
+        )
     lines.append(f"exec runuser -l {q(user)} -c {q('cd ~/amoe && exec ' + SERVE_COMMAND)}")
     return "\n".join(lines)
 
@@ -241,21 +275,35 @@ def namespace_script(user: str, hidden: list[str], scratch: str) -> str:
 class ServeRun:
     """The user's `make serve` in its own mount and PID namespaces, its output echoed and watched for markers."""
 
-    def __init__(self, user: ThrowawayUser, hidden: list[str], timeout_s: float) -> None:
-        self.user, self.hidden, self.timeout_s = user, hidden, timeout_s
+    def __init__(self, user: ThrowawayUser, hiding: Hiding, timeout_s: float) -> None:
+        self.user, self.hiding, self.timeout_s = user, hiding, timeout_s
         self.started, self.listening = threading.Event(), threading.Event()
         self.started_at = self.listening_at = 0.0
         self.url = ""
+        self.makefile_said: str | None = None
         self.lines: list[str] = []
 
     def __enter__(self) -> ServeRun:
-        self.scratch = Path(
-            f"/tmp/{self.user.name}-hide"
-        )  # a tmpfs is mounted here inside the namespace only
+        self.scratch = Path(f"/tmp/{self.user.name}-hide")  # root's only: mode 0700
         self.scratch.mkdir(mode=0o700)
+        try:
+            return self._start()
+        except BaseException:
+            shutil.rmtree(self.scratch)
+            raise
+
+    def _start(self) -> ServeRun:
+        status = None
+        if self.hiding.dpkg_status is not None:
+            status = self.scratch / "dpkg-status"
+            status.write_text(self.hiding.dpkg_status)
+            status.chmod(0o644)
+        script = namespace_script(
+            self.user.name, self.hiding.files, str(self.scratch), status and str(status)
+        )
         # --kill-child: unshare's death kills the namespace's first process, and with it every process inside.
         cmd = ["unshare", "--mount", "--propagation", "private", "--pid", "--kill-child", "--mount-proc"]
-        cmd += ["sh", "-c", namespace_script(self.user.name, self.hidden, str(self.scratch))]
+        cmd += ["sh", "-c", script]
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -270,6 +318,8 @@ class ServeRun:
             line = line.rstrip("\n")
             self.lines.append(line)
             print(f"[{self.user.name}] {line}", file=sys.stderr, flush=True)
+            if self.makefile_said is None and MAKEFILE_NO_APT in line:
+                self.makefile_said = line
             if not self.started.is_set() and SERVE_STARTED.search(line):
                 self.started_at = time.monotonic()
                 self.started.set()
@@ -308,7 +358,7 @@ class ServeRun:
             self.proc.kill()  # unshare: its --kill-child takes the whole namespace down
         self.proc.wait()
         self.reader.join(10)
-        self.scratch.rmdir()  # the tmpfs on it was the namespace's own and went with it
+        shutil.rmtree(self.scratch)  # the tmpfs on its layers/ was the namespace's own and went with it
 
 
 def _die_with_parent() -> None:
