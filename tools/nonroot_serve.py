@@ -66,19 +66,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"check": "nonroot_serve", "result": "skipped", "reason": "needs root"}))
         return 0
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)  # turned into SystemExit so every cleanup below still runs
+        signal.signal(sig, _interrupt)  # raised where the check is, so every cleanup below still runs
     report = {"check": "nonroot_serve", "result": "fail", "command": SERVE_COMMAND}
     try:
         with contextlib.ExitStack() as stack:
             _check(stack, args, report)
-    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # reported in the JSON line, after the cleanup
+    except (Exception, KeyboardInterrupt, Interrupted) as exc:  # reported in the JSON line, after the cleanup
         report["reason"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(report), flush=True)
     return 0 if report["result"] == "pass" else 1
 
 
-def _exit_on_signal(sig: int, frame) -> None:
-    raise SystemExit(128 + sig)
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived: like KeyboardInterrupt, not caught by the check's own error handling."""
+
+
+def _interrupt(sig: int, frame) -> None:
+    raise Interrupted(signal.Signals(sig).name)
 
 
 def _check(stack: contextlib.ExitStack, args: argparse.Namespace, report: dict) -> None:
