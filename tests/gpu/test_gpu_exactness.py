@@ -101,6 +101,21 @@ def test_every_family_s_float32_greedy_tokens_equal_transformers(tmp_path, famil
     _assert_same(_amoe_greedy(model_dir, prompts, "float32"), want, logits, prompts, family)
 
 
+@pytest.mark.timeout(300)
+def test_forked_sequences_copy_their_kv_on_the_gpu(make_checkpoint):
+    """n > 1: the sequences fork after one prefill, each with a copy of its parent's KV blocks on the GPU; greedy,
+    every one of them is the single sequence's tokens."""
+    model_dir = make_checkpoint(seed=11)
+    prompts = _prompts((5, 37), seed=5)
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    single = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, single)]
+    forked = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3))
+    del llm
+    torch.cuda.empty_cache()
+    assert [[c.token_ids for c in o.outputs] for o in forked] == [[w] * 3 for w in want]
+
+
 @pytest.mark.timeout(600)
 def test_bfloat16_top1_agreement_with_transformers_is_reported(make_checkpoint, record_property):
     """Teacher forcing: transformers reads amoe's own greedy sequences in one forward pass, and at each generated
