@@ -14,7 +14,7 @@ PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.amoe-installed
 CPP_SOURCES := $(wildcard cpp/*.cpp cpp/*.h)
 
-.PHONY: install serve test test-busy test-gpu lint format bench bench-gpu clean gpu-wheels gpu-check
+.PHONY: install serve test test-busy test-gpu lint format bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -78,6 +78,7 @@ bench-gpu: install
 # dependencies and no network. gpu-wheels (here, with pip's index at hand) puts them in .whl/ as CPython 3.12 x86-64
 # wheels and checks their size; gpu-check (there, with that machine's plain python3: no venv) installs them, builds
 # the extension and runs tests/gpu and bench/gpu.py, each step time-boxed, into one JSON file.
+.PHONY: gpu-wheels gpu-check
 gpu-wheels:
 	$(PYTHON) tools/gpu_wheels.py
 
