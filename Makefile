@@ -83,5 +83,19 @@ bench-gpu: install
 test-nonroot:
 	$(PYTHON) tools/nonroot_serve.py
 
+# The GPU check (docs/gpu.md "The one-command GPU check"), for a GPU machine that has torch but not amoe's other
+# dependencies and no network. gpu-wheels (here, with pip's index at hand) puts them in .whl/ as CPython 3.12 x86-64
+# wheels and checks their size; gpu-check (there, with that machine's plain python3: no venv) installs them, builds
+# the extension and runs tests/gpu and bench/gpu.py, each step time-boxed, into one JSON file.
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	$(PYTHON) tools/gpu_wheels.py
+
+# Here, the rehearsal: make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--rehearse
+GPU_CHECK_OUT   ?= $(if $(OUT),$(OUT),build)/gpu_check.json
+GPU_CHECK_FLAGS ?=
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_FLAGS)
+
 clean:
 	rm -rf build *.egg-info amoe/*.so
