@@ -190,7 +190,7 @@ def _vllm_positionals(args: argparse.Namespace) -> None:
 
 def add_plan_command(sub: Any) -> None:
     from amoe.emulation.commands import add_aep_policy
-    from amoe.emulation.routing import DEFAULT_LAMBDA
+    from amoe.perf.model.routing import DEFAULT_LAMBDA
 
     p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
     which = p.add_mutually_exclusive_group(required=True)

@@ -33,16 +33,17 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import cost_model
-from amoe.emulation.executor import Emulation
-from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec
-from amoe.emulation.profiles import GB, PCIE4_X16, gpu_profile, model_profile
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
 from amoe.offload.baselines import NextBlockTopK
 from amoe.offload.eam import EAMC
 from amoe.offload.policy import LFU, LRU
 from amoe.offload.trace import TaskRouting, read_routing, stats
+from amoe.perf.model import cost_model
+from amoe.perf.model.gpus import GB, PCIE4_X16, gpu_profile
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.offload_tiers import EmulatedTiers, OffloadSpec
+from amoe.runtime.emulated import Emulation
 
 A5000 = gpu_profile("a5000")
 # The paper's models as shapes: MoE blocks, experts, top-k, bytes per expert (FP32 as its memory figures imply:

@@ -15,9 +15,11 @@ import sys
 
 from amoe.config import POLICIES, SchedulerSection
 from amoe.emulation import bounds as B
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.workloads import mean_context
 
 host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
 args = sys.argv[1:]
@@ -32,7 +34,7 @@ for gpu, k, a, e, cap, ecap in (
 ):
     m = B.full_depth(model_profile("mixtral-8x7b-mqa", k))
     d = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
-    bound = B.predict(m, d, B.routing_inclusion(m, routing), ctx, host)
+    bound = B.predict(m, d, routing_inclusion(m, routing), ctx, host)
     for mult in (1, 2):
         c = mult * bound.concurrency
         for policy in chosen:

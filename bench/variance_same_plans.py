@@ -17,10 +17,11 @@ import time
 from amoe.emulation import bounds as B
 from amoe.emulation.frontier import TABLE_CONTEXT
 from amoe.emulation.plan import balanced_map
-from amoe.emulation.profiles import host_overhead, model_profile
-from amoe.emulation.routing import DEFAULT_LAMBDA
 from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import OFF, SOURCED
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
+from amoe.perf.model.variance import OFF, SOURCED
 
 
 def parse(text: str, q) -> B.Deployment:
@@ -58,7 +59,7 @@ def main(path: str) -> None:
             continue
         model = model_profile(cell["profile"])
         routing = f"skew-exp:{DEFAULT_LAMBDA * 8 / model.num_experts:g}"
-        dep = parse(cell["plan"], B.routing_inclusion(model, routing))
+        dep = parse(cell["plan"], routing_inclusion(model, routing))
         one = dataclasses.replace(dep, replicas=1)
         requests, itl = cell["concurrency"] // dep.replicas, cell["itl_ms"] / 1e3
         out = {k: cell[k] for k in ("profile", "gpus", "mode", "itl_slo_ms", "plan")} | {

@@ -22,8 +22,11 @@ from amoe.bench.servers import ServerProcess
 from amoe.config import POLICIES
 from amoe.emulation import bounds as B
 from amoe.emulation import plan_check
-from amoe.emulation.plan import Plan, describe, mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.plan import Plan, describe
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.workloads import mean_context
 
 ROUTING = "skew-exp:0.08"
 # bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
@@ -56,7 +59,7 @@ async def one(
     gpu, k, a, e, cap, ecap = PLANS[plan_index]
     model = model_profile(f"mixtral-8x7b-mqa:{BLOCKS}", k)
     dep = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
-    bound = B.predict(model, dep, B.routing_inclusion(model, ROUTING), mean_context("short"),
+    bound = B.predict(model, dep, routing_inclusion(model, ROUTING), mean_context("short"),
                       host_overhead("amoe-paper"))  # fmt: skip
     check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
     preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # flags() carries --scheduler POLICY

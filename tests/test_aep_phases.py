@@ -8,8 +8,9 @@ import pytest
 from amoe.emulation import bounds
 from amoe.emulation import simulate_scale as scale
 from amoe.emulation.aep_at_scale import _fifo
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.workloads import mean_context
 
 ROUTING = "skew-exp:0.0025"
 

@@ -100,7 +100,7 @@ def test_steady_state_requests_are_a_running_deployments_snapshot():
     """A deployment in steady state runs length-biased requests part-way through: the contexts (prompt plus what
     was generated) average the cost model's steady-state decode context, and the tokens left sum a request's
     output. Decode-only emulation takes the generated part as prompt, so these are what the server is sent."""
-    from amoe.emulation.cost_model import mean_decode_context
+    from amoe.perf.model.cost_model import mean_decode_context
 
     workload = make_workload("short")
     requests = steady_state_requests(workload, 20_000, seed=3)

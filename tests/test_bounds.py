@@ -14,7 +14,6 @@ import pytest
 from amoe.bench.workloads import PAPER_WORKLOADS
 from amoe.config import AmoeConfig, config_from_args
 from amoe.emulation import bounds as B
-from amoe.emulation import cost_model as cm
 from amoe.emulation.plan import (
     Plan,
     PlanRequest,
@@ -27,15 +26,20 @@ from amoe.emulation.plan import (
     serve_command,
     shape,
 )
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import (
+from amoe.errors import ConfigError
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.links import all_to_all_time
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import (
     RouterOverride,
     RoutingSpec,
     inclusion_probabilities,
     popularity_by_rank,
+    routing_inclusion,
 )
-from amoe.emulation.variance import OFF
-from amoe.errors import ConfigError
+from amoe.perf.model.variance import OFF
 from amoe.placement import Placement
 
 HOST = host_overhead("amoe-paper")
@@ -44,7 +48,7 @@ A100 = "a100-80g"
 
 
 def _q(model, routing="skew-exp:0.4"):
-    return B.routing_inclusion(model, routing)
+    return routing_inclusion(model, routing)
 
 
 def test_inclusion_probability_is_exact_not_popularity_times_k():
@@ -94,9 +98,9 @@ def test_ep_pays_all_to_alls_and_one_grouped_gemm_per_device():
         cm.expert_layer_time(model, gpu, 64, HOST)
     )
     # The all-to-all: tens of µs on NVLink, more across hosts, nothing for one device.
-    one_node = B.all_to_all_time(model, gpu, 256, 8, 8)
-    two_nodes = B.all_to_all_time(model, gpu, 256, 16, 8)
-    assert B.all_to_all_time(model, gpu, 256, 1, 8) == 0.0
+    one_node = all_to_all_time(model, gpu, 256, 8, 8)
+    two_nodes = all_to_all_time(model, gpu, 256, 16, 8)
+    assert all_to_all_time(model, gpu, 256, 1, 8) == 0.0
     assert 20e-6 < one_node < 100e-6 and two_nodes > 1.5 * one_node
     ep = B.predict(model, B.Deployment("ep", A100, 8, attn_cap=256), _q(model), CTX, HOST)
     assert ep.extra["all_to_all_s_per_block"] == pytest.approx(2 * one_node)
@@ -257,8 +261,8 @@ def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
     W waves the simulation had); EP and ping-pong have no scheduler; defrag is amoe serve's default."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
     from amoe.cli import build_parser
+    from amoe.emulation import plan as planner
 
     assert (
         planner.AEP_POLICY == "waves" and PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == "waves"
@@ -339,7 +343,7 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
     at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == []
     # a bound-only plan (never refined) serves the policy asked for
-    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
     assert served(bound) == ["--scheduler", "waves"]
 
 
@@ -347,9 +351,9 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     """`--aep-policy best`: an AEP plan is refined with waves and with defrag and keeps (and serves) the one whose
     simulation gives more; the same two plans at two caps go different ways here, so neither is a default. A plan
     simulated at scale (defrag only modelled) is simulated once; a bound-only plan serves waves."""
-    import amoe.emulation.plan as planner
     import amoe.emulation.simulate_scale as scale
     from amoe.cli import build_parser
+    from amoe.emulation import plan as planner
     from amoe.emulation.plan import refine
 
     model = model_profile("mixtral-8x7b-mqa:4", 1)
@@ -375,7 +379,7 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # at scale: defrag whatever was asked, one simulation
     at_scale = real(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy="best")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and calls == ["waves"]
-    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
     argv = serve_command(bound, req, emulated=True).split()
     assert argv[argv.index("--scheduler") + 1] == "waves"
 
@@ -435,7 +439,7 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
     bound must not outrank the simulated figures of the plans it was chosen with."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
+    from amoe.emulation import plan as planner
 
     def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS
@@ -458,7 +462,7 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
     the bound of a plan nobody simulated."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
+    from amoe.emulation import plan as planner
 
     tried = []
 

@@ -4,8 +4,10 @@ the calibrated block reproduces that ratio, and nothing outside that block sees 
 
 import pytest
 
-from amoe.emulation import cost_model, eps_paper
-from amoe.emulation.profiles import gpu_profile, model_profile
+from amoe.emulation import eps_paper
+from amoe.perf.model import cost_model
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.models import model_profile
 
 H800, V2 = gpu_profile("h800"), model_profile("deepseek-v2")
 

@@ -6,14 +6,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from amoe.emulation import bounds, ep_at_scale
-from amoe.emulation import cost_model as cm
+from amoe.emulation import bounds
 from amoe.emulation import simulate_scale as scale
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec, inclusion_probabilities, popularity_by_rank
 from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import OFF
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_scale as ep_at_scale
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import (
+    RouterOverride,
+    RoutingSpec,
+    inclusion_probabilities,
+    popularity_by_rank,
+    routing_inclusion,
+)
+from amoe.perf.model.variance import OFF
+from amoe.perf.model.workloads import mean_context
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
@@ -81,7 +90,7 @@ def test_eplb_splits_hot_experts_and_evens_the_devices():
 
 def test_two_batch_overlap_hides_the_exchange_when_it_dominates():
     model = model_profile("deepseek-v3")
-    q = bounds.routing_inclusion(model, "uniform")
+    q = routing_inclusion(model, "uniform")
     plain = bounds.Deployment("ep", "h800", 64, attn_cap=128)
     overlapped = bounds.replace(plain, two_batch_overlap=True)
     none = host_overhead("none")
@@ -94,7 +103,7 @@ def test_two_batch_overlap_hides_the_exchange_when_it_dominates():
 
 
 def test_inclusion_sampled_once_by_rank_is_each_blocks_permutation(monkeypatch):
-    import amoe.emulation.routing as routing
+    from amoe.perf.model import routing
 
     monkeypatch.setattr(routing, "_EXACT_LIMIT", 10)  # sample where DeepSeek-V3's 256 experts would (cheaply)
     router = RouterOverride(RoutingSpec.parse("skew-exp:0.3"), 8, 2, 3, seed=4)
@@ -123,7 +132,7 @@ def test_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run(
         fast = (scale.ep if dep.mode == "ep" else scale.pingpong)(model, dep, ROUTING, CTX, HOST, c, 0.25, 0)
         assert fast.tokens_per_s == pytest.approx(exact.tokens_per_s, rel=0.01), dep.mode
     dep = bounds.Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, variance=OFF)
+    bound = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, variance=OFF)
     c = 4 * bound.concurrency
     itl = c / bound.tokens_per_s
     event = simulate(model, dep, ROUTING, CTX, HOST, c, warmup_s=4 * itl, duration_s=8 * itl, variance=OFF)
@@ -141,7 +150,7 @@ def test_plans_past_16_gpus_or_16384_requests_are_simulated_at_scale():
         "ep", "h800", 144, attn_cap=128, redundant_experts=32, two_batch_overlap=True, gpus_per_node=8
     )
     none = host_overhead("none")
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, "uniform"), 4989, none)
+    bound = bounds.predict(model, dep, routing_inclusion(model, "uniform"), 4989, none)
     # EP as deployed's bound (bounds._ep_at_scale) charges no step-time variance, so it is compared with the
     # simulation without it; with the sourced variance (simulate()'s default, at scale since v35) each micro-batch's
     # barriers wait for the slowest device: a loss, and no more than the slowest speed and jitter together.

@@ -9,10 +9,12 @@ import json
 import pytest
 
 from amoe.emulation import bounds, chrome_trace
-from amoe.emulation import cost_model as cm
 from amoe.emulation import frontier_trace as ft
 from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
 
 # One step of a toy decode trace on device 0: 2 MoE blocks x 2 micro-batches, µs. Device 1's kernels and the CPU
 # ops must be ignored.
@@ -128,7 +130,7 @@ def test_breakdown_step_is_the_bounds(run):
             "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
             redundant_experts=case.redundant_experts, two_batch_overlap=True,
         )  # fmt: skip
-        q = ft.inclusion(ROUTING)  # bounds.routing_inclusion, cached: the sampling is the test's cost
+        q = ft.inclusion(ROUTING)  # routing.routing_inclusion, cached: the sampling is the test's cost
         bound = bounds.predict(model, dep, q, case.kv_length, host_overhead("none"))
         got = result["model"][f"{case.name} (as predicted)"]
         assert got["step_ms"] == pytest.approx(bound.itl_s * 1e3, rel=1e-9)

@@ -9,8 +9,11 @@ import pytest
 
 from amoe.emulation import bounds
 from amoe.emulation import simulate_scale as scale
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.variance import OFF
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF
 
 NONE = host_overhead("none")
 CTX = 2000.0
@@ -28,7 +31,7 @@ def _link_limited_tokens_per_s(model, expert_gpus: int) -> float:
 @pytest.fixture(scope="module")
 def ds():
     model = model_profile("deepseek-v3")
-    return model, bounds.routing_inclusion(model, "uniform")
+    return model, routing_inclusion(model, "uniform")
 
 
 def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_gpus_nic(ds):

@@ -5,9 +5,11 @@ each step, AEP's queues each GPU's own step times; off gives the figures the sim
 import pytest
 
 from amoe.emulation import bounds as B
-from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import OFF, SOURCED, StepVariance
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF, SOURCED, StepVariance
 
 ROUTING = "skew-exp:0.0025"
 CTX = 2000.0
@@ -89,7 +91,7 @@ def test_ep_at_scale_loses_what_the_bounds_expected_max_charges_its_barriers(mod
     (each one's spread ~j/√n of a step) to well under a tenth of the loss; measured over three variance seeds
     (EP 16 at cap 64, EP 64 at cap 128): within 0.25 percentage points of a 2.3–4.1 % loss."""
     dep = B.Deployment("ep", "h800", n, attn_cap=64)
-    q = B.routing_inclusion(model, ROUTING)
+    q = routing_inclusion(model, ROUTING)
     bound_loss = 1 - (
         B.predict(model, dep, q, CTX, HOST, variance=SOURCED).tokens_per_s
         / B.predict(model, dep, q, CTX, HOST, variance=OFF).tokens_per_s
@@ -160,7 +162,7 @@ def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_o
     AEP 4 + 4 with large waves within 3 % (test_frontier's tolerance for AEP in waves without variance; measured
     0.1–0.9 %)."""
     from amoe.emulation import simulate_scale as scale
-    from amoe.emulation.plan import mean_context
+    from amoe.perf.model.workloads import mean_context
 
     ctx, host, routing = mean_context("short"), host_overhead("amoe-paper"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:2", 2)
@@ -175,7 +177,7 @@ def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_o
         assert fast.tokens_per_s < 0.99 * run(model, dep, routing, ctx, host, c, 0.25, 0, OFF).tokens_per_s
     model = model_profile("mixtral-8x7b-mqa:16", 2)
     dep = B.Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
-    bound = B.predict(model, dep, B.routing_inclusion(model, routing), ctx, host, variance=OFF)
+    bound = B.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=OFF)
     c = 4 * bound.concurrency
     itl = c / bound.tokens_per_s
     event = simulate(

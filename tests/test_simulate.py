@@ -7,9 +7,12 @@ from __future__ import annotations
 import pytest
 
 from amoe.emulation import bounds
-from amoe.emulation.plan import mean_context, refine
-from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.emulation.plan import refine
 from amoe.emulation.simulate import simulate
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.workloads import mean_context
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
@@ -17,7 +20,7 @@ ROUTING = "skew-exp:0.08"
 
 
 def _bound(model, dep, routing=ROUTING):
-    return bounds.predict(model, dep, bounds.routing_inclusion(model, routing), CTX, HOST)
+    return bounds.predict(model, dep, routing_inclusion(model, routing), CTX, HOST)
 
 
 def test_aep_reaches_its_critical_path_bound_at_the_bounds_own_concurrency():
@@ -142,7 +145,7 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = bounds.Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     slo_ms = 6.5  # the knee simulates at 6.9-7.3 ms over seeds (7.0 sat inside that spread)
-    pred = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, slo_ms / 1e3)
+    pred = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, slo_ms / 1e3)
     assert pred.itl_s * 1e3 <= slo_ms
     knee = simulate(
         model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s

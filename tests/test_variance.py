@@ -9,22 +9,17 @@ import pytest
 from amoe import core
 from amoe.config import AmoeConfig, ExecutorSection, config_from_args
 from amoe.emulation import bounds as B
-from amoe.emulation import check_executor
-from amoe.emulation.clock import EmulatedClock
-from amoe.emulation.executor import Emulation
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
 from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import (
-    OFF,
-    SOURCED,
-    SOURCED_JITTER,
-    SOURCED_SPREAD,
-    StepVariance,
-    expected_max,
-)
 from amoe.errors import ConfigError
+from amoe.perf.model.check import check_executor
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF, SOURCED, SOURCED_JITTER, SOURCED_SPREAD, StepVariance, expected_max
+from amoe.perf.model.workloads import mean_context
 from amoe.placement import Placement
+from amoe.runtime.emulated import Emulation
+from amoe.runtime.emulated_clock import EmulatedClock
 
 CTX, HOST = mean_context("short"), host_overhead("amoe-paper")
 
@@ -140,7 +135,7 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
     AEP plan variance costs exactly what the slowest attention GPU's speed costs (the bound does not let faster
     ranks run ahead while their waves share steps with the slowest)."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
-    q = B.routing_inclusion(model, "skew-exp:0.08")
+    q = routing_inclusion(model, "skew-exp:0.08")
     ep = B.Deployment("ep", "h100", 8, attn_cap=256)
     aep = B.Deployment("aep", "h100", 4, "h100", 4)
     loss = {}

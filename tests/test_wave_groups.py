@@ -146,13 +146,16 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     """`amoe plan`'s command for an AEP plan under waves sets the expert side's group to the bound's m waves of w
     rows in waves of the attention cap (A100 5 + 3 top-1, caps 128 / 1024: m = 2, w = 128 -> 2)."""
     from amoe.emulation import bounds
-    from amoe.emulation.plan import Plan, PlanRequest, mean_context, serve_command
-    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.emulation.plan import Plan, PlanRequest, serve_command
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
 
     model = model_profile("mixtral-8x7b-mqa:32", 1)
     dep = bounds.Deployment("aep", "a100-80g", 5, "a100-80g", 3, 128, 1024)
     pred = bounds.predict(
-        model, dep, bounds.routing_inclusion(model, "skew-exp:0.08"), mean_context("short"),
+        model, dep, routing_inclusion(model, "skew-exp:0.08"), mean_context("short"),
         host_overhead("amoe-paper"),
     )  # fmt: skip
     assert (pred.extra["group_waves"], pred.extra["wave_rows"]) == (2, 128)
@@ -171,14 +174,16 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
     group one wave of every rank), ranks started out of phase: per rank (items 9-10) a rank's wave that fell one
     step behind is run alone every block, at ~0.76 of the bound; the bound's groups reach it."""
     from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
-    from amoe.emulation.profiles import host_overhead, model_profile
     from amoe.emulation.simulate import simulate
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
 
     host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:32", 1)
     dep = bounds.Deployment("aep", "h100", 6, "h100", 2, 256, 512)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+    bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
     assert (bound.concurrency, bound.extra["waves"], bounds.wave_group(bound.extra, 256)) == (3072, 2, 1)
     got = {
         group: simulate(

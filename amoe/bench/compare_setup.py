@@ -142,7 +142,7 @@ def time_scale(setup: Setup, p: Preset) -> float:
 
 
 def profile_name(setup: Setup, p: Preset) -> str:
-    """The emulated profile the setup runs: `NAME:N` when the preset keeps N blocks (see profiles.model_profile)."""
+    """The emulated profile the setup runs: `NAME:N` when the preset keeps N blocks (see models.model_profile)."""
     return setup.profile if p.blocks is None else f"{setup.profile}:{p.blocks}"
 
 
@@ -187,16 +187,18 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
 
 def _bound(setup: Setup, p: Preset, deployment, full: bool = False) -> float:
     from amoe.bench.workloads import PAPER_WORKLOADS
-    from amoe.emulation import bounds, cost_model, profiles
+    from amoe.emulation import bounds
+    from amoe.perf.model import cost_model
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
 
-    model = profiles.model_profile(profile_name(setup, p), setup.top_k)
+    model = model_profile(profile_name(setup, p), setup.top_k)
     if full:
         model = bounds.full_depth(model)
-    inclusion = bounds.routing_inclusion(model, ROUTING)
+    inclusion = routing_inclusion(model, ROUTING)
     ctx = cost_model.mean_decode_context(*PAPER_WORKLOADS[setup.workload])
-    return bounds.predict(
-        model, deployment, inclusion, ctx, profiles.host_overhead("amoe-paper")
-    ).tokens_per_s
+    return bounds.predict(model, deployment, inclusion, ctx, host_overhead("amoe-paper")).tokens_per_s
 
 
 def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full: bool = False) -> float:

@@ -19,11 +19,13 @@ import numpy as np
 
 from amoe.config import SchedulerSection
 from amoe.emulation import bounds
-from amoe.emulation import cost_model as cm
 from amoe.emulation.batch_means import batch_means_halfwidth
-from amoe.emulation.profiles import HostOverhead, ModelProfile, gpu_profile
 from amoe.emulation.simulated import Simulated
-from amoe.emulation.variance import OFF, StepVariance
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
+from amoe.perf.model.variance import OFF, StepVariance
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:

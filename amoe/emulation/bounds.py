@@ -43,53 +43,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from amoe.emulation import cost_model as cm
-from amoe.emulation import eps
-from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec
-from amoe.emulation.variance import SOURCED, StepVariance, expected_max
-
-# ---- the EP exchange's latency (docs/emulation.md "EP's all-to-all", with sources)
-
-# Assumed, within the issue's "tens of µs" for an NCCL all-to-all of small messages among the 8 GPUs of an NVLink
-# node: a fixed cost per collective on top of its bytes at NVLink speed.
-A2A_FIXED_NVLINK_S = 20e-6
-# DeepEP (github.com/deepseek-ai/DeepEP README, "Low-latency kernels with pure RDMA": H800, one CX7 400 Gb/s NIC
-# (~50 GB/s) per GPU, 128 tokens, hidden 7168, top-8, FP8 dispatch / BF16 combine): dispatch 77 / 118 / 155 / 173 /
-# 192 / 194 µs at EP 8 / 16 / 32 / 64 / 128 / 256, i.e. 98 / 63 / 48 / 43 / 39 / 39 GB/s per GPU. Across hosts
-# an all-to-all therefore reaches this fraction of the NIC's bandwidth at each EP size (EP 8 beats the NIC: its
-# peers share a node), and its fixed cost is small against the bytes at that size.
-DEEPEP_RDMA_GBPS = {8: 98, 16: 63, 32: 48, 64: 43, 128: 39, 256: 39}
-DEEPEP_NIC_GBPS = 50.0
-# Assumed: the fixed part of a cross-host all-to-all (NCCL or DeepEP's normal kernels: one RDMA round trip plus the
-# kernel), what remains of DeepEP's latencies once their bytes are paid.
-A2A_FIXED_NETWORK_S = 30e-6
-
-
-def all_to_all_time(
-    model: ModelProfile,
-    gpu: GpuProfile,
-    rows: float,
-    devices: int,
-    gpus_per_node: int,
-    bytes_per_element: int | None = None,
-) -> float:
-    """One dispatch (or combine) all-to-all of an EP step: every device sends `rows` × top-k hidden rows spread
-    evenly over the `devices` (its own share stays). Peers on its node go over NVLink, the others over the NIC at
-    DeepEP's measured fraction of it; the slower of the two paths sets the time. `bytes_per_element`: the rows'
-    precision (default the model's activations; an FP8 dispatch passes model.dispatch_bytes)."""
-    if devices <= 1 or rows <= 0:
-        return 0.0
-    width = bytes_per_element or model.bytes_per_activation
-    per_peer = rows * model.experts_per_token * model.hidden_size * width / devices
-    node = devices if gpus_per_node <= 0 else min(gpus_per_node, devices)
-    local = per_peer * (node - 1) / gpu.nvlink.usable_bandwidth
-    if node == devices:
-        return A2A_FIXED_NVLINK_S + local
-    remote_fraction = _deepep_fraction(devices)
-    remote = per_peer * (devices - node) / (gpu.network.bandwidth * remote_fraction)
-    return A2A_FIXED_NETWORK_S + max(local, remote)
-
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_block
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.links import all_to_all_time
+from amoe.perf.model.models import ModelProfile
+from amoe.perf.model.variance import SOURCED, StepVariance, expected_max
 
 # ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links (issue 35, incast)
 
@@ -142,12 +102,6 @@ def expert_shares(placed: list[list[int]], q: np.ndarray) -> np.ndarray:
     for g, experts in enumerate(placed):
         where[experts, g] = 1.0
     return q @ where
-
-
-def _deepep_fraction(devices: int) -> float:
-    sizes = sorted(DEEPEP_RDMA_GBPS)
-    size = next((s for s in sizes if s >= devices), sizes[-1])
-    return min(1.0, DEEPEP_RDMA_GBPS[size] / DEEPEP_NIC_GBPS)
 
 
 # ---- deployments and predictions
@@ -228,18 +182,6 @@ def full_depth(model: ModelProfile) -> ModelProfile:
     if model.full_blocks is None:
         return model
     return replace(model, name=model.name.partition(":")[0], num_blocks=model.full_blocks, full_blocks=None)
-
-
-def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.ndarray:
-    """q [blocks, expert ids]: each expert's probability of being among a token's top-k, per block, under the
-    routing override `routing` (seeded as the emulated runtimes seed it), and 1 for the shared expert. Request
-    affinity does not change it."""
-    spec = RoutingSpec.parse(routing)
-    if not spec.is_override:
-        spec = RoutingSpec("uniform")
-    router = RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed)
-    q = router.inclusion_at(0)
-    return np.concatenate([q, np.ones((model.num_blocks, model.num_shared_experts))], axis=1)
 
 
 def predict(
@@ -623,7 +565,7 @@ def _ep(
     iteration, stall, skew = head, 0.0, []
     stall += attn - attn_1 * float(speeds.mean())  # per block: the dispatch waits for the slowest attention
     stall *= model.num_blocks
-    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
+    pn = ep_block.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
     table = _block_steps(model, gpu, local, q, tokens, host)
     slowests = expected_max(table * speeds, jitter)  # [blocks]: every block's barrier in one call
     for blk in range(model.num_blocks):
@@ -633,7 +575,9 @@ def _ep(
         skew.append(float(per_device.max() / per_device.mean()))
         if dep.pipelined:  # the all-to-alls and experts as PN chunks (the barrier stall as computed above)
             rows = [[tokens * q[blk, e] for e in es] for es in local]
-            iteration += attn + eps.ep_block_moe_time(model, gpu, host, rows, local, b, pn, dep.ep_kernel)
+            iteration += attn + ep_block.ep_block_moe_time(
+                model, gpu, host, rows, local, b, pn, dep.ep_kernel
+            )
             continue
         iteration += attn + a2a + slowest
     tps = tokens / iteration
@@ -647,7 +591,7 @@ def _ep(
 def ep_placements(model: ModelProfile, dep: Deployment, q: np.ndarray) -> list[list[list[tuple[int, float]]]]:
     """Per block, per device, its (expert id, share) copies: EPLB's per-layer placement with redundant experts,
     else the deployment's own placement (each expert whole on one device)."""
-    from amoe.emulation.ep_at_scale import eplb_placement
+    from amoe.perf.model.ep_scale import eplb_placement
 
     if dep.redundant_experts:
         return [
@@ -668,7 +612,7 @@ def ep_exchange_time(model: ModelProfile, gpu: GpuProfile, rows: float, dep: Dep
 def _ep_at_scale(model, dep, q, gpu, b, mean_context, host) -> Prediction:
     """EP with EPLB and/or two-batch overlap (amoe.emulation.ep_at_scale): per block the slowest device of the
     expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on."""
-    from amoe.emulation import ep_at_scale as scale
+    from amoe.perf.model import ep_scale as scale
 
     ctx, n = int(round(mean_context)), dep.num_attn
     rows = b / 2 if dep.two_batch_overlap else b  # one micro-batch's rows per device

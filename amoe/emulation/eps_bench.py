@@ -16,13 +16,18 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from amoe.emulation import bounds, eps, eps_paper
-from amoe.emulation.plan import PlanRequest, mean_context, plan_profile, search
+from amoe.emulation import bounds, eps_paper
+from amoe.emulation.plan import PlanRequest, plan_profile, search
 from amoe.emulation.plan_table import PROFILE, ROUTINGS
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+from amoe.perf.model import ep_block, eps, kernels
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.workloads import mean_context
 
 
-def table2(curves: eps.EpsCurves) -> dict:
+def table2(curves: kernels.EpsCurves) -> dict:
     gpu = gpu_profile("h800")
     cells, best = [], {}
     for row in eps_paper.TABLE2:
@@ -69,7 +74,7 @@ def table3() -> dict:
 
 def closed_form() -> list[dict]:
     gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
-    curves = eps.curves_for(gpu)
+    curves = kernels.curves_for(gpu)
     out = []
     for tokens in (256, 1024, 4096, 8192, 16384):
         layer = eps.model_layer(model, 8, tokens)
@@ -100,7 +105,7 @@ def decode(gpus: list[str], sizes: list[int], top_ks: list[int]) -> list[dict]:
                         continue
                     dep = replace(plans[0].deployment, replicas=1)
                     model = bounds.full_depth(plan_profile(req))
-                    q = bounds.routing_inclusion(model, routing, req.seed)
+                    q = routing_inclusion(model, routing, req.seed)
                     ctx = mean_context(req.workload)
                     top = max(1, min(len(es) for es in dep.experts_on(model.num_expert_ids)))
 
@@ -135,7 +140,7 @@ def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
     for name, n in WIDE_MODELS:
         model = bounds.full_depth(model_profile(name))
         for routing in WIDE_ROUTINGS:
-            q = bounds.routing_inclusion(model, routing)
+            q = routing_inclusion(model, routing)
             for host_name in WIDE_HOSTS:
                 host = host_overhead(host_name)
                 for cap in WIDE_CAPS:
@@ -165,11 +170,11 @@ def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
 def d_auto_pn(dep: bounds.Deployment, model, host, q) -> int:
     """The PN `auto` picks at the deployment's operating point (its batch cap on every device)."""
     gpu = gpu_profile(dep.attn_gpu)
-    return eps.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host, q)
+    return ep_block.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host, q)
 
 
 def main(args) -> int:
-    curves = eps.CURVES["h800"]
+    curves = kernels.CURVES["h800"]
     if args.fit:
         curves = eps_paper.fit_table2(gpu_profile("h800"))
         # then the interference, from Table IV alone, on the refitted curves (it does not enter the PN 1 rows)

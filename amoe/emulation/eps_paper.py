@@ -13,19 +13,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from amoe.emulation.eps import (
-    A2A_FIXED_S,
-    GPU_SMS,
-    EpLayer,
-    EpsCurves,
-    KernelCurve,
-    curves_for,
-    experts_time,
-    layer_chunks,
-    layer_time,
-    model_layer,
-)
-from amoe.emulation.profiles import GpuProfile, ModelProfile
+from amoe.perf.model.eps import EpLayer, layer_chunks, layer_time, model_layer
+from amoe.perf.model.gpus import GpuProfile
+from amoe.perf.model.kernels import A2A_FIXED_S, GPU_SMS, EpsCurves, KernelCurve, curves_for, experts_time
+from amoe.perf.model.models import ModelProfile
 
 # ---- the paper's Table II (4 x H800, one MoE layer of Gate+Up+Down, ms)
 # Columns: (hidden, intermediate) x m, m the tokens per expert (as the paper defines m for its Fig. 5). The paper
@@ -282,7 +273,7 @@ def prefill_block(
     experts in PN chunks and picks each chunk's kernel by load (Fig. 9b, Algorithm 1). The attention is the cost
     model's times `attention_factor` (None: PREFILL_ATTENTION_FACTOR's for the model and GPU, Table I's
     calibration; 1 where it has none)."""
-    from amoe.emulation import cost_model as cm
+    from amoe.perf.model import cost_model as cm
 
     if attention_factor is None:
         attention_factor = PREFILL_ATTENTION_FACTOR.get((model.name, gpu.name), 1.0)

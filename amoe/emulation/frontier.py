@@ -3,7 +3,7 @@ sample (issue 35).
 
 The calibration is fixed before any prediction and is the one the model already had: compute at 0.60 and HBM at
 0.85 of the datasheet peaks (fitted to the AMoE paper's A100 figures, docs/emulation.md "Calibration"), links at
-0.80, DeepEP's low-latency RDMA bandwidths (bounds.DEEPEP_RDMA_GBPS), FP8 GEMMs at twice the BF16 peak (Hopper
+0.80, DeepEP's low-latency RDMA bandwidths (links.DEEPEP_RDMA_GBPS), FP8 GEMMs at twice the BF16 peak (Hopper
 datasheet), and host overhead "none": both systems run decode under CUDA graphs. Nothing below is fitted to the
 published throughputs; a miss is reported with its reason (docs/results.md "Frontier deployments").
 
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from amoe.emulation import bounds
-from amoe.emulation.profiles import host_overhead, model_profile
-from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
 
 CALIBRATION = {
     "compute_efficiency": 0.60,
@@ -113,7 +114,7 @@ def predict(case: Published, seed: int = 0) -> dict:
         "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
         redundant_experts=case.redundant_experts, two_batch_overlap=True,
     )  # fmt: skip
-    q = bounds.routing_inclusion(model, ROUTING, seed)
+    q = routing_inclusion(model, ROUTING, seed)
     bound = bounds.predict(model, dep, q, case.kv_length, host)
     concurrency = case.devices * case.batch_per_gpu
     t0 = time.time()

@@ -26,11 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from amoe.emulation import bounds
-from amoe.emulation import cost_model as cm
-from amoe.emulation import ep_at_scale as scale
 from amoe.emulation.chrome_trace import CATEGORIES, read_trace, trace_breakdown
 from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
-from amoe.emulation.profiles import GpuProfile, ModelProfile, gpu_profile, host_overhead, model_profile
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_scale as scale
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.links import all_to_all_time
+from amoe.perf.model.models import ModelProfile, model_profile
+from amoe.perf.model.routing import routing_inclusion
 
 # SGLang's blog figure "Decode Time Breakdown" (lmsys.org/blog/2025-05-05-large-scale-ep, image
 # public/images/blog/large_scale_ep/profile-decode.png of lm-sys/lm-sys.github.io; read from the copy in
@@ -150,9 +154,9 @@ def attention_parts(model: ModelProfile, gpu: GpuProfile, requests: int, queries
 
 @functools.lru_cache(maxsize=4)
 def inclusion(routing: str) -> np.ndarray:
-    """bounds.routing_inclusion for DeepSeek-V3, seed 0 (as `amoe bench frontier`), once per routing: sampling
+    """routing.routing_inclusion for DeepSeek-V3, seed 0 (as `amoe bench frontier`), once per routing: sampling
     256 experts' inclusion is most of a breakdown's time."""
-    return bounds.routing_inclusion(model_profile("deepseek-v3"), routing, 0)
+    return routing_inclusion(model_profile("deepseek-v3"), routing, 0)
 
 
 def model_breakdown(w: Workload) -> dict:
@@ -167,8 +171,8 @@ def model_breakdown(w: Workload) -> dict:
     mb_requests, rows = w.requests // 2, w.rows / 2  # one micro-batch
     attn = attention_parts(model, gpu, mb_requests, w.queries, w.kv_length)
     attn_s = sum(attn.values())
-    dispatch = bounds.all_to_all_time(model, gpu, rows, w.devices, 8, model.dispatch_bytes)
-    combine = bounds.all_to_all_time(model, gpu, rows, w.devices, 8)
+    dispatch = all_to_all_time(model, gpu, rows, w.devices, 8, model.dispatch_bytes)
+    combine = all_to_all_time(model, gpu, rows, w.devices, 8)
     experts, blocks = [], []
     for blk, placement in enumerate(bounds.ep_placements(model, dep, q)):
         slowest, _ = scale.slowest_device(
@@ -195,8 +199,8 @@ def model_breakdown(w: Workload) -> dict:
         "exchange_ms": 2 * (dispatch + combine) * model.num_blocks / MODEL_LAYERS * 1e3,
         # The whole batch's exchange in one go (no overlap): what SGLang's TBO ablation exposes.
         "exchange_no_tbo_ms": (
-            bounds.all_to_all_time(model, gpu, 2 * rows, w.devices, 8, model.dispatch_bytes)
-            + bounds.all_to_all_time(model, gpu, 2 * rows, w.devices, 8)
+            all_to_all_time(model, gpu, 2 * rows, w.devices, 8, model.dispatch_bytes)
+            + all_to_all_time(model, gpu, 2 * rows, w.devices, 8)
         ) * model.num_blocks / MODEL_LAYERS * 1e3,
         "block_us": {"attention": attn_s * 1e6, "mla_core": attn["attention_core"] * 1e6,
                      "experts": float(np.mean(experts)) * 1e6, "dispatch": dispatch * 1e6, "combine": combine * 1e6,

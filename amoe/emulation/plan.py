@@ -27,11 +27,14 @@ from threadpoolctl import threadpool_limits
 
 from amoe.config import POLICIES
 from amoe.emulation import bounds
-from amoe.emulation import cost_model as cm
-from amoe.emulation.profiles import GPUS, host_overhead, model_profile
-from amoe.emulation.routing import DEFAULT_LAMBDA, RoutingSpec
-from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import GPUS
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import DEFAULT_LAMBDA, RoutingSpec, routing_inclusion
+from amoe.perf.model.variance import StepVariance
+from amoe.perf.model.workloads import mean_context
 
 ATTN_CAPS = (32, 64, 128, 256, 512, 1024)
 EXPERT_CAPS = (256, 512, 1024)
@@ -226,7 +229,7 @@ def _search(req: PlanRequest) -> list[Plan]:
     model = bounds.full_depth(plan_profile(req))
     RoutingSpec.parse(req.routing)  # a clear error before any work
     check_policy(req.aep_policy)
-    inclusion = bounds.routing_inclusion(model, req.routing, req.seed)
+    inclusion = routing_inclusion(model, req.routing, req.seed)
     ctx = req.context or mean_context(req.workload)
     host = host_overhead(req.host)
     variance = StepVariance.parse(req.step_variance)
@@ -281,8 +284,8 @@ def plan_profile(req: PlanRequest):
     family; no weights are read)."""
     if req.model_dir is None:
         return model_profile(req.profile, req.top_k)
-    from amoe.emulation.shapes import profile_of
     from amoe.model.config import load_model_config
+    from amoe.perf.model.shapes import profile_of
 
     profile = profile_of(load_model_config(req.model_dir), name=req.profile)
     if req.top_k is None or req.top_k == profile.top_k:
@@ -386,7 +389,7 @@ def refine(
     of BEST_OF, keeping the one that gives more within the objective (extra["aep_policy"] names it)."""
     from amoe.config import SchedulerSection
     from amoe.emulation.simulate import simulate
-    from amoe.emulation.variance import SOURCED
+    from amoe.perf.model.variance import SOURCED
 
     if check_policy(policy) == BEST:
         if dep.mode == "aep":
@@ -394,9 +397,7 @@ def refine(
         policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
     if pred is None:
-        pred = bounds.predict(
-            model, dep, bounds.routing_inclusion(model, routing), ctx, host, variance=variance
-        )
+        pred = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=variance)
     # waves: the expert side gathers the bound's group of waves (docs/engine.md "The waves rule" item 13)
     scheduler = SchedulerSection(policy=policy, wave_group=bounds.wave_group(pred.extra, dep.attn_cap))
     per_copy = concurrency or pred.concurrency // dep.replicas
@@ -510,14 +511,6 @@ def _max_requests(model, dep: bounds.Deployment, ctx: float) -> int:
     gpu = GPUS[dep.attn_gpu]
     kv = cm.kv_capacity_tokens(gpu, model, cm.attention_rank_weight_bytes(model))
     return max(SIM_MAX_REQUESTS, dep.num_attn * int(kv // max(ctx, 1.0)))
-
-
-def mean_context(workload: str) -> float:
-    from amoe.bench.workloads import PAPER_WORKLOADS
-
-    if workload not in PAPER_WORKLOADS:
-        raise ConfigError(f"--workload must be one of {', '.join(PAPER_WORKLOADS)}; got {workload!r}")
-    return cm.mean_decode_context(*PAPER_WORKLOADS[workload])
 
 
 def best_per_mode(plans: list[Plan]) -> dict[str, Plan]:

@@ -38,20 +38,13 @@ from amoe.bench.compare import load_point
 from amoe.bench.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
 from amoe.bench.servers import ServerProcess
 from amoe.emulation import bounds
-from amoe.emulation.plan import (
-    AEP_POLICY,
-    Plan,
-    PlanRequest,
-    check_policy,
-    describe,
-    mean_context,
-    refine,
-    serve_command,
-)
-from amoe.emulation.profiles import host_overhead, model_profile
-from amoe.emulation.routing import DEFAULT_LAMBDA
-from amoe.emulation.variance import StepVariance
+from amoe.emulation.plan import AEP_POLICY, Plan, PlanRequest, check_policy, describe, refine, serve_command
 from amoe.errors import ConfigError
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import DEFAULT_LAMBDA
+from amoe.perf.model.variance import StepVariance
+from amoe.perf.model.workloads import mean_context
 
 logger = logging.getLogger("plan_check")
 

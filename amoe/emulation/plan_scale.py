@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from amoe.emulation.plan import PlanRequest, describe, search
-from amoe.emulation.routing import DEFAULT_LAMBDA
+from amoe.perf.model.routing import DEFAULT_LAMBDA
 
 SIZES = (8, 16, 32, 64, 128, 256)
 

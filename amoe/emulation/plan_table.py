@@ -40,9 +40,9 @@ from amoe.emulation.plan import (
     describe,
     search,
 )
-from amoe.emulation.profiles import model_profile
-from amoe.emulation.routing import DEFAULT_LAMBDA
 from amoe.errors import ConfigError
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import DEFAULT_LAMBDA
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
@@ -321,8 +321,9 @@ def figure10(
     simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang). With `measure`
     (base scale, probe seconds, Measured) each also runs on the emulated runtime, and the ratios are given on the
     measured throughputs too."""
-    from amoe.emulation.plan import mean_context, refine
-    from amoe.emulation.profiles import host_overhead
+    from amoe.emulation.plan import refine
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.workloads import mean_context
 
     model = bounds.full_depth(model_profile(FIGURE10_PROFILE, 1))
     ctx, host = mean_context(workload), host_overhead("amoe-paper")

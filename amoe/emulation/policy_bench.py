@@ -89,8 +89,9 @@ def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale
 def _plan_inputs(p: Preset):
     """The setup's model profile, AEP deployment, host and mean context, as the planner sees them."""
     from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
-    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.workloads import mean_context
 
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
     dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
@@ -100,7 +101,7 @@ def _plan_inputs(p: Preset):
 def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
     """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
     from amoe.emulation.plan import refine
-    from amoe.emulation.variance import StepVariance
+    from amoe.perf.model.variance import StepVariance
 
     model, dep, host, ctx = _plan_inputs(p)
     # defrag's concurrency, as the recorded runs had it (before the planner simulated AEP with --aep-policy waves):
@@ -114,10 +115,11 @@ def wave_group(p: Preset, step_variance: str = "sourced") -> int:
     as `amoe plan` prints it for this deployment. Without it waves ran items 9-10, which note arrivals per rank and
     cannot tell a rank's waves apart (the runs before stop 51)."""
     from amoe.emulation import bounds
-    from amoe.emulation.variance import StepVariance
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.variance import StepVariance
 
     model, dep, host, ctx = _plan_inputs(p)
-    inclusion = bounds.routing_inclusion(model, ROUTING)
+    inclusion = routing_inclusion(model, ROUTING)
     pred = bounds.predict(model, dep, inclusion, ctx, host, variance=StepVariance.parse(step_variance))
     return bounds.wave_group(pred.extra, p.attn_cap)
 

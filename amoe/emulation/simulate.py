@@ -19,7 +19,7 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   rank's next queue when the last of its k parts is back. A message takes its time on the sender's link, and each
   GPU's link in takes one message at a time, so messages into one GPU queue (issue 35: many attention GPUs into
   few expert GPUs).
-* **EP**: per iteration and block, every device attends its b rows, the all-to-alls take bounds.all_to_all_time,
+* **EP**: per iteration and block, every device attends its b rows, the all-to-alls take links.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
 * **Ping-pong**: the lock-step of amoe/runtime/sync/pingpong.py step by step: a BEGIN barrier per iteration, then
   every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
@@ -42,12 +42,15 @@ from collections import deque
 import numpy as np
 
 from amoe.config import SchedulerSection
-from amoe.emulation import bounds, eps
-from amoe.emulation import cost_model as cm
-from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec
+from amoe.emulation import bounds
 from amoe.emulation.simulated import Simulated
-from amoe.emulation.variance import SOURCED, StepVariance
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_block
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
+from amoe.perf.model.routing import RouterOverride, RoutingSpec, routing_inclusion
+from amoe.perf.model.variance import SOURCED, StepVariance
 
 
 def simulate(
@@ -429,8 +432,8 @@ def _simulate_ep(
     a2a = bounds.ep_exchange_time(model, gpu, b, dep)
     head = cm.head_time(model, gpu, b, b, host)
     rid = np.arange(tokens)
-    q = bounds.routing_inclusion(model, routing, seed) if dep.pipelined and not dep.ep_pipelines else None
-    pn = eps.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
+    q = routing_inclusion(model, routing, seed) if dep.pipelined and not dep.ep_pipelines else None
+    pn = ep_block.ep_pipelines_for(dep.ep_pipelines, model, gpu, n, tokens, host, q) if dep.pipelined else 1
     elapsed, iterations, position = 0.0, 0, 0
     while elapsed < duration_s or iterations < 8:
         iteration = float(steps.times(0, np.full(n, head)).max())
@@ -443,7 +446,7 @@ def _simulate_ep(
             attn_wait = float(steps.times(0, np.full(n, attn)).max())
             if dep.pipelined:  # EPS-MoE's chunks (amoe.emulation.eps), the runtime's PN and kernel choice
                 rows = [counts[es].tolist() for es in local]
-                iteration += attn_wait + eps.ep_block_moe_time(
+                iteration += attn_wait + ep_block.ep_block_moe_time(
                     model, gpu, host, rows, local, b, pn, dep.ep_kernel
                 )
                 continue

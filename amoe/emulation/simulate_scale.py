@@ -43,12 +43,14 @@ from __future__ import annotations
 import numpy as np
 
 from amoe.emulation import bounds
-from amoe.emulation import cost_model as cm
-from amoe.emulation.ep_at_scale import sample_counts
-from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile, gpu_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec
 from amoe.emulation.simulated import Simulated
-from amoe.emulation.variance import OFF, StepVariance
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.ep_scale import sample_counts
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
+from amoe.perf.model.routing import RouterOverride, RoutingSpec
+from amoe.perf.model.variance import OFF, StepVariance
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -241,7 +243,7 @@ def ep(
     counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated.
     `variance`: each device's steps × its speed × a jitter per barrier, the barrier at the slowest
     (docs/emulation.md "Step-time variance at scale")."""
-    from amoe.emulation import ep_at_scale as scale
+    from amoe.perf.model import ep_scale as scale
 
     gpu = gpu_profile(dep.attn_gpu)
     n, overlap = dep.num_attn, dep.two_batch_overlap

@@ -17,16 +17,19 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import check_executor, cost_model, eps
-from amoe.emulation.clock import EmulatedClock
-from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTracker, build_tiers
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec
-from amoe.emulation.shapes import model_config_of, profile_of
-from amoe.emulation.variance import StepVariance
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
 from amoe.model.logprobs import HeadSample
+from amoe.perf.model import cost_model, kernels
+from amoe.perf.model.check import check_executor
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTracker, build_tiers
+from amoe.perf.model.routing import RouterOverride, RoutingSpec
+from amoe.perf.model.shapes import model_config_of, profile_of
+from amoe.perf.model.variance import StepVariance
+from amoe.runtime.emulated_clock import EmulatedClock
 
 # Width of the placeholder rows emulated runtimes exchange: costs always use the profile's real hidden size, so
 # a narrow wire only saves the host's copies (16 floats = 64 bytes per row instead of 16 kB for Mixtral).
@@ -178,13 +181,13 @@ class EmulatedExpertExecutor:
         torch executor runs it, whatever the chunk's kernel), plus one host step."""
         rows = [b.num_rows for b in batches]
         model, gpu = self.em.profile, self.em.expert_gpu
-        curves = eps.curves_for(gpu)
+        curves = kernels.curves_for(gpu)
         by_gemm: dict[tuple[str, int], list[int]] = {}  # (kernel, width) -> rows of its experts
         for b in batches:
             k = kernel if b.index < model.num_experts else "dense"
             by_gemm.setdefault((k, model.intermediate_of(b.index)), []).append(b.num_rows)
         t = sum(
-            eps.experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
+            kernels.experts_time(gpu, curves.curve(k), k, r, model.hidden_size, inter)
             for (k, inter), r in by_gemm.items()
         )
         if sum(rows):

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from amoe.emulation.profiles import HOSTS, GpuProfile, HostOverhead, LinkProfile, ModelProfile
+from amoe.perf.model.gpus import GpuProfile, LinkProfile
+from amoe.perf.model.hosts import HOSTS, HostOverhead
+from amoe.perf.model.models import ModelProfile
 
 NO_HOST = HOSTS["none"]
 

@@ -4,8 +4,8 @@ validation reads and which must stay free of model code.)"""
 
 from __future__ import annotations
 
-from amoe.emulation.profiles import ModelProfile, gqa_attention
 from amoe.model.config import ModelConfig
+from amoe.perf.model.models import ModelProfile, gqa_attention
 
 
 def model_config_of(profile: ModelProfile) -> ModelConfig:

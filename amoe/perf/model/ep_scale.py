@@ -21,8 +21,10 @@ import math
 
 import numpy as np
 
-from amoe.emulation import cost_model as cm
-from amoe.emulation.profiles import GpuProfile, HostOverhead, ModelProfile
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import GpuProfile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
 
 
 def eplb_placement(load: np.ndarray, num_devices: int, redundant: int) -> list[list[tuple[int, float]]]:

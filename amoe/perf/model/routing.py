@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from amoe.errors import ConfigError
+from amoe.perf.model.models import ModelProfile
 
 ROUTING_MODES = ("model", "uniform", "skew-exp")
 DEFAULT_LAMBDA = 0.08  # the median of Mixtral-8x7B's measured first-choice skew (module docstring)
@@ -305,3 +306,15 @@ def _splitmix64(x: np.ndarray | np.uint64) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
+
+
+def routing_inclusion(model: ModelProfile, routing: str, seed: int = 0) -> np.ndarray:
+    """q [blocks, expert ids]: each expert's probability of being among a token's top-k, per block, under the
+    routing override `routing` (seeded as the emulated runtimes seed it), and 1 for the shared expert. Request
+    affinity does not change it."""
+    spec = RoutingSpec.parse(routing)
+    if not spec.is_override:
+        spec = RoutingSpec("uniform")
+    router = RouterOverride(spec, model.num_experts, model.top_k, model.num_blocks, seed)
+    q = router.inclusion_at(0)
+    return np.concatenate([q, np.ones((model.num_blocks, model.num_shared_experts))], axis=1)

@@ -19,10 +19,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from amoe.emulation import cost_model
-from amoe.emulation.profiles import NVME_GEN4, PCIE4_X16, LinkProfile
 from amoe.errors import ConfigError
 from amoe.offload.policy import Key, Policy
+from amoe.perf.model import cost_model
+from amoe.perf.model.gpus import NVME_GEN4, PCIE4_X16, LinkProfile
 
 logger = logging.getLogger(__name__)
 
