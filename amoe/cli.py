@@ -241,7 +241,7 @@ def add_plan_command(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from amoe.emulation.plan import main as plan_main
+    from amoe.perf.plan.report import main as plan_main
 
     return plan_main(args)
 

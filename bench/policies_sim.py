@@ -14,12 +14,13 @@ import json
 import sys
 
 from amoe.config import POLICIES, SchedulerSection
-from amoe.emulation import bounds as B
-from amoe.emulation.simulate import simulate
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import simulate
 
 host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
 args = sys.argv[1:]
@@ -33,7 +34,7 @@ for gpu, k, a, e, cap, ecap in (
     ("h100", 1, 4, 4, 256, 512),
 ):
     m = B.full_depth(model_profile("mixtral-8x7b-mqa", k))
-    d = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
+    d = Deployment("aep", gpu, a, gpu, e, cap, ecap)
     bound = B.predict(m, d, routing_inclusion(m, routing), ctx, host)
     for mult in (1, 2):
         c = mult * bound.concurrency

@@ -14,17 +14,17 @@ import re
 import sys
 import time
 
-from amoe.emulation import bounds as B
 from amoe.emulation.frontier import TABLE_CONTEXT
-from amoe.emulation.plan import balanced_map
-from amoe.emulation.simulate import simulate
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
 from amoe.perf.model.variance import OFF, SOURCED
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.search import balanced_map
+from amoe.perf.plan.simulate import simulate
 
 
-def parse(text: str, q) -> B.Deployment:
+def parse(text: str, q) -> Deployment:
     """The deployment `amoe.emulation.plan.describe` printed as `text` (H800s, as the tables run)."""
     rep = re.search(r" x(\d+) replicas", text)
     replicas = int(rep.group(1)) if rep else 1
@@ -32,7 +32,7 @@ def parse(text: str, q) -> B.Deployment:
     if text.startswith("ep "):
         n = int(re.match(r"ep (\d+)x", text).group(1))
         red = re.search(r"eplb\+(\d+)", text)
-        return B.Deployment(
+        return Deployment(
             "ep", "h800", n, attn_cap=cap, replicas=replicas, redundant_experts=int(red.group(1)) if red else 0,
             two_batch_overlap=" tbo" in text,
         )  # fmt: skip
@@ -41,11 +41,11 @@ def parse(text: str, q) -> B.Deployment:
     emap = balanced_map(q, e) if text.endswith("balanced") else None
     if mode == "aep":
         ecap = int(re.search(r"ecap (\d+)", text).group(1))
-        return B.Deployment(
+        return Deployment(
             "aep", "h800", a, "h800", e, attn_cap=cap, expert_cap=ecap, replicas=replicas, expert_map=emap
         )
     mb = int(re.search(r"m=(\d+)", text).group(1))
-    return B.Deployment(
+    return Deployment(
         "pingpong", "h800", a, "h800", e, attn_cap=cap, micro_batches=mb, replicas=replicas, expert_map=emap
     )
 

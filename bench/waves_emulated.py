@@ -20,13 +20,15 @@ from amoe.bench import calibrate, steady
 from amoe.bench.compare_setup import Preset, Setup
 from amoe.bench.servers import ServerProcess
 from amoe.config import POLICIES
-from amoe.emulation import bounds as B
 from amoe.emulation import plan_check
-from amoe.emulation.plan import Plan, describe
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.bound_pools import wave_group as bound_wave_group
+from amoe.perf.plan.deployment import Deployment, describe
+from amoe.perf.plan.request import Plan
 
 ROUTING = "skew-exp:0.08"
 # bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
@@ -58,7 +60,7 @@ async def one(
 ) -> dict:
     gpu, k, a, e, cap, ecap = PLANS[plan_index]
     model = model_profile(f"mixtral-8x7b-mqa:{BLOCKS}", k)
-    dep = B.Deployment("aep", gpu, a, gpu, e, cap, ecap)
+    dep = Deployment("aep", gpu, a, gpu, e, cap, ecap)
     bound = B.predict(model, dep, routing_inclusion(model, ROUTING), mean_context("short"),
                       host_overhead("amoe-paper"))  # fmt: skip
     check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
@@ -67,7 +69,7 @@ async def one(
     argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale)
     # waves: the plan's command carries the bound's wave group (docs/engine.md "The waves rule" item 13); a later
     # flag wins, so --wave-group N serves the same plan with N instead (0: items 9-10, per rank).
-    wave_group = B.wave_group(bound.extra, cap) if group < 0 else group
+    wave_group = bound_wave_group(bound.extra, cap) if group < 0 else group
     if policy == "waves" and group >= 0:
         argv += ["--scheduler-wave-group", str(group)]
     setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)

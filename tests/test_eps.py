@@ -232,12 +232,13 @@ def test_decode_auto_is_within_2pct_of_the_best_fixed_pn_where_a_pipeline_can_wi
     """DeepSeek-V3 on 32 h800s (8 experts a device), an ideal host: under uniform routing PN 3 beats PN 1 by 16 %,
     under skew-exp:0.4 PN 1 is best (each chunk waits for its own slowest device) — an `auto` pricing uniform
     rows there picks PN 3 and loses 38 %. Both cells: `auto` within 2 % of the best fixed PN."""
-    from amoe.emulation import bounds
     from amoe.perf.model.routing import routing_inclusion
     from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
 
     model = bounds.full_depth(model_profile("deepseek-v3"))
-    dep = bounds.Deployment("ep", "h800", 32, attn_cap=256)
+    dep = Deployment("ep", "h800", 32, attn_cap=256)
     host, ctx = host_overhead("none"), mean_context("medium")
     best = {}
     for routing in ("uniform", "skew-exp:0.4"):
@@ -257,16 +258,18 @@ def test_decode_auto_is_within_2pct_of_the_best_fixed_pn_where_a_pipeline_can_wi
 def test_decode_auto_settles_a_close_call_on_every_block(monkeypatch):
     """Qwen3-30B-A3B on 8 h800s, skew-exp:0.4, cap 1,024, an ideal host: priced on 8 of the 48 blocks, PN 1 looks
     best and loses 2.5 % to PN 2; the PNs within ep_block.CHOOSER_REFINE of the best are priced again on every block."""
-    from amoe.emulation import bounds
     from amoe.perf.model.routing import routing_inclusion
     from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.prediction import Prediction
 
     model = bounds.full_depth(model_profile("qwen3-30b-a3b"))
-    dep = bounds.Deployment("ep", "h800", 8, attn_cap=1024)
+    dep = Deployment("ep", "h800", 8, attn_cap=1024)
     q = routing_inclusion(model, "skew-exp:0.4")
     host, ctx = host_overhead("none"), mean_context("medium")
 
-    def run(pn: int) -> bounds.Prediction:
+    def run(pn: int) -> Prediction:
         return bounds.predict(model, replace(dep, ep_pipelines=pn, ep_kernel="auto"), q, ctx, host)
 
     fixed = {pn: run(pn).tokens_per_s for pn in (1, 2)}

@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 from amoe import device as devices
 from amoe.config import ExecutorSection
-from amoe.emulation.plan import PlanRequest, search, serve_command
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
@@ -26,6 +25,9 @@ from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.shapes import profile_of
+from amoe.perf.plan.report import serve_command
+from amoe.perf.plan.request import PlanRequest
+from amoe.perf.plan.search import search
 from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster

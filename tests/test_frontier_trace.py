@@ -8,13 +8,15 @@ import json
 
 import pytest
 
-from amoe.emulation import bounds, chrome_trace
+from amoe.emulation import chrome_trace
 from amoe.emulation import frontier_trace as ft
 from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment
 
 # One step of a toy decode trace on device 0: 2 MoE blocks x 2 micro-batches, µs. Device 1's kernels and the CPU
 # ops must be ignored.
@@ -126,7 +128,7 @@ def test_breakdown_step_is_the_bounds(run):
     for case in DEPLOYMENTS:
         if case.name == "deepseek-day6":
             continue  # the same code path as the profile's; one compute-bound and one exchange-bound case suffice
-        dep = bounds.Deployment(
+        dep = Deployment(
             "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
             redundant_experts=case.redundant_experts, two_batch_overlap=True,
         )  # fmt: skip

@@ -11,12 +11,13 @@ import sys
 import pytest
 
 from amoe.bench import calibrate
-from amoe.emulation import bounds, plan_check
-from amoe.emulation.plan import Plan
+from amoe.emulation import plan_check
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds
+from amoe.perf.plan.request import Plan
 
 
 def test_the_commands_preset_names_are_plan_checks():
@@ -44,8 +45,8 @@ def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
 def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
     """plan-check predicts and serves AEP plans with the preset's --aep-policy (default waves, as `amoe plan`):
     the simulation gets that policy and the command carries `--scheduler POLICY`; EP's command has no scheduler."""
-    from amoe.emulation import plan as planner
-    from amoe.emulation import simulate as sim_module
+    from amoe.perf.plan import simulate as sim_module
+    from amoe.perf.plan.request import AEP_POLICY
 
     p = plan_check.PRESETS["ci"]
     assert p.aep_policy == "waves"
@@ -69,7 +70,7 @@ def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
             assert argv[argv.index("--scheduler") + 1] == policy
         ep_argv = plan_check.flags(ep, Plan(ep.deployment, plan.prediction, None), preset, time_scale=25.0)
         assert "--scheduler" not in ep_argv
-    assert p.aep_policy == planner.AEP_POLICY
+    assert p.aep_policy == AEP_POLICY
 
 
 def test_plan_check_rejects_an_unknown_aep_policy():

@@ -112,7 +112,7 @@ def _series(itls_ms: list[float], running: list[float], tokens_per_batch: int = 
 
 
 def test_batch_means_give_the_windows_itl_and_an_interval_from_the_batches_spread():
-    from amoe.emulation.batch_means import batch_means, t95
+    from amoe.perf.plan.simulate.batch_means import batch_means, t95
 
     series = _series([10.0, 12.0, 10.0, 12.0], [400, 400, 400, 400])
     got = batch_means(series, 0.0, 4.0, 4)

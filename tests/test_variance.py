@@ -8,8 +8,6 @@ import pytest
 
 from amoe import core
 from amoe.config import AmoeConfig, ExecutorSection, config_from_args
-from amoe.emulation import bounds as B
-from amoe.emulation.simulate import simulate
 from amoe.errors import ConfigError
 from amoe.perf.model.check import check_executor
 from amoe.perf.model.hosts import host_overhead
@@ -17,6 +15,9 @@ from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.variance import OFF, SOURCED, SOURCED_JITTER, SOURCED_SPREAD, StepVariance, expected_max
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import simulate
 from amoe.placement import Placement
 from amoe.runtime.emulated import Emulation
 from amoe.runtime.emulated_clock import EmulatedClock
@@ -136,8 +137,8 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
     ranks run ahead while their waves share steps with the slowest)."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
     q = routing_inclusion(model, "skew-exp:0.08")
-    ep = B.Deployment("ep", "h100", 8, attn_cap=256)
-    aep = B.Deployment("aep", "h100", 4, "h100", 4)
+    ep = Deployment("ep", "h100", 8, attn_cap=256)
+    aep = Deployment("aep", "h100", 4, "h100", 4)
     loss = {}
     for dep in (ep, aep):
         off, on = (B.predict(model, dep, q, CTX, HOST, variance=v).tokens_per_s for v in (OFF, SOURCED))
@@ -148,7 +149,7 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
     assert loss["aep"] == pytest.approx(1 - 1 / slowest, abs=1e-3)
     # The simulation pays it too: EP's iterations wait for this step's slowest device.
     small = model_profile("mixtral-8x7b-mqa:4", 1)
-    ep2 = B.Deployment("ep", "h100", 4, attn_cap=64)
+    ep2 = Deployment("ep", "h100", 4, attn_cap=64)
     off, on = (
         simulate(small, ep2, "uniform", CTX, HOST, 256, variance=v).tokens_per_s for v in (OFF, SOURCED)
     )

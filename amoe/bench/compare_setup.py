@@ -187,11 +187,11 @@ def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
 
 def _bound(setup: Setup, p: Preset, deployment, full: bool = False) -> float:
     from amoe.bench.workloads import PAPER_WORKLOADS
-    from amoe.emulation import bounds
     from amoe.perf.model import cost_model
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.plan import bounds
 
     model = model_profile(profile_name(setup, p), setup.top_k)
     if full:
@@ -206,7 +206,7 @@ def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full
     the routing's skew on the expert side (amoe.emulation.bounds): every GPU busy at its most efficient batch
     within the deployment's caps, KV capacity respected. `full`: at the model's full depth (the ratio between
     deployments is the same either way: a truncated profile pays its share of the head)."""
-    from amoe.emulation.bounds import Deployment
+    from amoe.perf.plan.deployment import Deployment
 
     attn = setup.attn if setup.mode != "ep" else setup.attn // 2
     dep = Deployment(
@@ -220,7 +220,7 @@ def ep_upper_bound(setup: Setup, p: Preset, seed: int = 0, full: bool = False) -
     """The cost model's best case for barrier-synchronised EP on the setup's GPUs (amoe.emulation.bounds: the
     all-to-alls' latency and one grouped GEMM per device) under the routing the bench runs, each device batching
     up to the attention cap. With upper_bound it says what AEP / EP ratio the GPUs alone allow."""
-    from amoe.emulation.bounds import Deployment
+    from amoe.perf.plan.deployment import Deployment
 
     dep = Deployment(
         "ep",

@@ -16,8 +16,7 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from amoe.emulation import bounds, eps_paper
-from amoe.emulation.plan import PlanRequest, plan_profile, search
+from amoe.emulation import eps_paper
 from amoe.emulation.plan_table import PROFILE, ROUTINGS
 from amoe.perf.model import ep_block, eps, kernels
 from amoe.perf.model.gpus import gpu_profile
@@ -25,6 +24,10 @@ from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.request import PlanRequest, plan_profile
+from amoe.perf.plan.search import search
 
 
 def table2(curves: kernels.EpsCurves) -> dict:
@@ -144,7 +147,7 @@ def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
             for host_name in WIDE_HOSTS:
                 host = host_overhead(host_name)
                 for cap in WIDE_CAPS:
-                    dep = bounds.Deployment("ep", gpu, n, attn_cap=cap)
+                    dep = Deployment("ep", gpu, n, attn_cap=cap)
                     top = max(1, min(len(es) for es in dep.experts_on(model.num_expert_ids)))
 
                     def run(pn: int, model=model, dep=dep, q=q, host=host):
@@ -167,7 +170,7 @@ def decode_wide(gpu: str = "h800", workload: str = "medium") -> list[dict]:
     return out
 
 
-def d_auto_pn(dep: bounds.Deployment, model, host, q) -> int:
+def d_auto_pn(dep: Deployment, model, host, q) -> int:
     """The PN `auto` picks at the deployment's operating point (its batch cap on every device)."""
     gpu = gpu_profile(dep.attn_gpu)
     return ep_block.ep_pipelines_for(0, model, gpu, dep.num_attn, dep.num_attn * dep.attn_cap, host, q)

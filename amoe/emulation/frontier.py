@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from amoe.emulation import bounds
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment
 
 CALIBRATION = {
     "compute_efficiency": 0.60,
@@ -106,11 +107,11 @@ DEPLOYMENTS = (
 
 def predict(case: Published, seed: int = 0) -> dict:
     """One deployment's bound and simulation, per node (8 GPUs)."""
-    from amoe.emulation.simulate import simulate
+    from amoe.perf.plan.simulate import simulate
 
     model = model_profile("deepseek-v3")
     host = host_overhead("none")
-    dep = bounds.Deployment(
+    dep = Deployment(
         "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
         redundant_experts=case.redundant_experts, two_batch_overlap=True,
     )  # fmt: skip
@@ -163,7 +164,9 @@ TABLE_CONTEXT = 2000.0
 
 def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float) -> dict:
     """The best plan of `mode` on n GPUs under the ITL objective, refined by the simulation."""
-    from amoe.emulation.plan import PlanRequest, describe, search
+    from amoe.perf.plan.deployment import describe
+    from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.search import search
 
     experts = model_profile(profile).num_experts
     req = PlanRequest(

@@ -7,7 +7,7 @@ Three things side by side, per layer of one decode step (both micro-batches, ms)
   DeepSeek's own profile (github.com/deepseek-ai/profile-data decode.json: EP128, 128 requests a GPU, 4K context,
   two micro-batches, balanced routing) and on SGLang's 96-H100 deployment, read off its figure (PUBLISHED below);
 * **the model**: the same categories recomputed from the cost model (cost_model.attention_layer_time's terms,
-  ep_at_scale.slowest_device, bounds.ep_exchange_time) for the workload each system really ran, and for the one
+  ep_at_scale.slowest_device, bound_ep.ep_exchange_time) for the workload each system really ran, and for the one
   `amoe bench frontier` predicted (its step reproduces bounds.predict's exactly: tests/test_frontier_trace.py);
 * **a trace** (`--trace FILE`, optional): a Chrome trace as the PyTorch profiler writes it, its GPU kernels summed
   by category (KERNEL_CATEGORIES) per MoE block. Nothing is downloaded: decode.json is not in this repository.
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from amoe.emulation import bounds
 from amoe.emulation.chrome_trace import CATEGORIES, read_trace, trace_breakdown
 from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
 from amoe.perf.model import cost_model as cm
@@ -35,6 +34,8 @@ from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.links import all_to_all_time
 from amoe.perf.model.models import ModelProfile, model_profile
 from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.plan.bound_ep import ep_placements
+from amoe.perf.plan.deployment import Deployment
 
 # SGLang's blog figure "Decode Time Breakdown" (lmsys.org/blog/2025-05-05-large-scale-ep, image
 # public/images/blog/large_scale_ep/profile-decode.png of lm-sys/lm-sys.github.io; read from the copy in
@@ -163,7 +164,7 @@ def model_breakdown(w: Workload) -> dict:
     """The model's decode step for `w`, per category: ms per layer (both micro-batches, the step's total over the
     61 layers), the exchange's wire time, the block (max of the two streams) and the step."""
     model, gpu, host = model_profile("deepseek-v3"), gpu_profile(w.gpu), host_overhead("none")
-    dep = bounds.Deployment(
+    dep = Deployment(
         "ep", w.gpu, w.devices, attn_cap=w.rows, gpus_per_node=8, redundant_experts=w.redundant_experts,
         two_batch_overlap=True,
     )  # fmt: skip
@@ -174,7 +175,7 @@ def model_breakdown(w: Workload) -> dict:
     dispatch = all_to_all_time(model, gpu, rows, w.devices, 8, model.dispatch_bytes)
     combine = all_to_all_time(model, gpu, rows, w.devices, 8)
     experts, blocks = [], []
-    for blk, placement in enumerate(bounds.ep_placements(model, dep, q)):
+    for blk, placement in enumerate(ep_placements(model, dep, q)):
         slowest, _ = scale.slowest_device(
             model, gpu, scale.device_rows(placement, w.devices * rows * q[blk]), host
         )

@@ -37,14 +37,16 @@ from amoe.bench import calibrate, steady
 from amoe.bench.compare import load_point
 from amoe.bench.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
 from amoe.bench.servers import ServerProcess
-from amoe.emulation import bounds
-from amoe.emulation.plan import AEP_POLICY, Plan, PlanRequest, check_policy, describe, refine, serve_command
 from amoe.errors import ConfigError
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 from amoe.perf.model.variance import StepVariance
 from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan.deployment import Deployment, describe
+from amoe.perf.plan.refine import refine
+from amoe.perf.plan.report import serve_command
+from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
 
 logger = logging.getLogger("plan_check")
 
@@ -64,7 +66,7 @@ class Check:
 
     profile: str
     top_k: int
-    deployment: bounds.Deployment
+    deployment: Deployment
     concurrency: int | None = (
         None  # requests in flight (AEP); None: the plan's own (amoe.emulation.plan.refine)
     )
@@ -75,16 +77,16 @@ def _aep(
     gpu, a, e, top_k, profile="mixtral-8x7b-mqa", cap=256, ecap=512, concurrency=None, expert_gpu=None,
     routing=ROUTING,
 ):  # fmt: skip
-    dep = bounds.Deployment("aep", gpu, a, expert_gpu or gpu, e, attn_cap=cap, expert_cap=ecap)
+    dep = Deployment("aep", gpu, a, expert_gpu or gpu, e, attn_cap=cap, expert_cap=ecap)
     return Check(profile, top_k, dep, concurrency, routing)
 
 
 def _ep(gpu, n, top_k, profile="mixtral-8x7b-mqa", cap=256):
-    return Check(profile, top_k, bounds.Deployment("ep", gpu, n, attn_cap=cap))
+    return Check(profile, top_k, Deployment("ep", gpu, n, attn_cap=cap))
 
 
 def _pingpong(gpu, a, e, m, top_k, profile="mixtral-8x7b-mqa", cap=256):
-    return Check(profile, top_k, bounds.Deployment("pingpong", gpu, a, gpu, e, attn_cap=cap, micro_batches=m))
+    return Check(profile, top_k, Deployment("pingpong", gpu, a, gpu, e, attn_cap=cap, micro_batches=m))
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
 STARTUP_S_PER_RUNTIME = 10.0
 
 
-def startup_timeout_s(d: bounds.Deployment) -> float:
+def startup_timeout_s(d: Deployment) -> float:
     """How long the harness waits for the plan's server to listen: ServerProcess's default, or 10 s a runtime."""
     return max(180.0, STARTUP_S_PER_RUNTIME * (d.num_attn + d.num_expert))
 

@@ -16,8 +16,10 @@ import json
 import time
 from pathlib import Path
 
-from amoe.emulation.plan import PlanRequest, describe, search
 from amoe.perf.model.routing import DEFAULT_LAMBDA
+from amoe.perf.plan.deployment import describe
+from amoe.perf.plan.request import PlanRequest
+from amoe.perf.plan.search import search
 
 SIZES = (8, 16, 32, 64, 128, 256)
 

@@ -29,20 +29,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from amoe.emulation import bounds, plan_check
-from amoe.emulation.plan import (
-    AEP_POLICY,
-    RESOLUTION,
-    Plan,
-    PlanRequest,
-    best_per_mode,
-    check_policy,
-    describe,
-    search,
-)
+from amoe.emulation import plan_check
 from amoe.errors import ConfigError
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment, describe
+from amoe.perf.plan.prediction import Prediction
+from amoe.perf.plan.refine import RESOLUTION
+from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.plan.search import best_per_mode, search
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
@@ -98,9 +94,9 @@ def one_copy(mode_row: dict) -> Plan:
     dep = dict(mode_row["deployment"])
     if dep.get("expert_map") is not None:
         dep["expert_map"] = tuple(dep["expert_map"])
-    d = bounds.Deployment(**dep)
+    d = Deployment(**dep)
     n = d.replicas
-    pred = bounds.Prediction(
+    pred = Prediction(
         tokens_per_s=mode_row["tokens_per_s"] / n, itl_s=mode_row["itl_ms"] / 1e3,
         concurrency=mode_row["concurrency"] // n, bottleneck=mode_row.get("bottleneck", ""),
         extra={
@@ -321,17 +317,17 @@ def figure10(
     simulation: AEP's scaling and AEP / EP on 16, against the paper's 1.92× and 3× (over SGLang). With `measure`
     (base scale, probe seconds, Measured) each also runs on the emulated runtime, and the ratios are given on the
     measured throughputs too."""
-    from amoe.emulation.plan import refine
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan.refine import refine
 
     model = bounds.full_depth(model_profile(FIGURE10_PROFILE, 1))
     ctx, host = mean_context(workload), host_overhead("amoe-paper")
     deployments = {
-        "aep8": bounds.Deployment("aep", gpu, 4, gpu, 4),
-        "aep16": bounds.Deployment("aep", gpu, 8, gpu, 8),
-        "ep8": bounds.Deployment("ep", gpu, 8),
-        "ep16": bounds.Deployment("ep", gpu, 16),
+        "aep8": Deployment("aep", gpu, 4, gpu, 4),
+        "aep16": Deployment("aep", gpu, 8, gpu, 8),
+        "ep8": Deployment("ep", gpu, 8),
+        "ep16": Deployment("ep", gpu, 16),
     }
     got = {}
     for name, dep in deployments.items():

@@ -88,20 +88,20 @@ def _preset(blocks: int, loads: tuple[float, ...], duration_s: float, time_scale
 
 def _plan_inputs(p: Preset):
     """The setup's model profile, AEP deployment, host and mean context, as the planner sees them."""
-    from amoe.emulation import bounds
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan.deployment import Deployment
 
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
-    dep = bounds.Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
+    dep = Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
     return model, dep, host_overhead("amoe-paper"), mean_context(SETUP.workload)
 
 
 def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
     """Requests each attention rank holds: the planner's concurrency for this deployment (module docstring)."""
-    from amoe.emulation.plan import refine
     from amoe.perf.model.variance import StepVariance
+    from amoe.perf.plan.refine import refine
 
     model, dep, host, ctx = _plan_inputs(p)
     # defrag's concurrency, as the recorded runs had it (before the planner simulated AEP with --aep-policy waves):
@@ -114,14 +114,15 @@ def wave_group(p: Preset, step_variance: str = "sourced") -> int:
     """The expert side's wave group `waves` is served with: the bound's (docs/engine.md "The waves rule" item 13),
     as `amoe plan` prints it for this deployment. Without it waves ran items 9-10, which note arrivals per rank and
     cannot tell a rank's waves apart (the runs before stop 51)."""
-    from amoe.emulation import bounds
     from amoe.perf.model.routing import routing_inclusion
     from amoe.perf.model.variance import StepVariance
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.bound_pools import wave_group as bound_wave_group
 
     model, dep, host, ctx = _plan_inputs(p)
     inclusion = routing_inclusion(model, ROUTING)
     pred = bounds.predict(model, dep, inclusion, ctx, host, variance=StepVariance.parse(step_variance))
-    return bounds.wave_group(pred.extra, p.attn_cap)
+    return bound_wave_group(pred.extra, p.attn_cap)
 
 
 async def _policy_points(
@@ -181,7 +182,7 @@ def _interval(pt: dict | None, batches: int, little: bool) -> dict:
     """A point's 95 % interval by batch means over its window (amoe.emulation.batch_means): the
     half-width relative to its figure and the batch figures' lag-1 autocorrelation; {} for a point recorded
     without its series or too short for the batches."""
-    from amoe.emulation.batch_means import batch_means
+    from amoe.perf.plan.simulate.batch_means import batch_means
 
     series = (pt or {}).get("series")
     if not series:

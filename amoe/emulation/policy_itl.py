@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from amoe.emulation.batch_means import batch_means
+from amoe.perf.plan.simulate.batch_means import batch_means
 
 logger = logging.getLogger(__name__)
 

@@ -158,6 +158,15 @@ def kv_capacity_tokens(gpu: GpuProfile, model: ModelProfile, weight_bytes: float
     return max(0, int(free // (model.kv_bytes_per_token * model.num_blocks)))
 
 
+def attention_batch(
+    model: ModelProfile, gpu: GpuProfile, cap: int, weights: float, mean_context: float
+) -> int:
+    """Rows an attention GPU batches: its cap, or fewer where its KV cache (beside `weights` bytes) holds fewer
+    requests of `mean_context` tokens."""
+    kv = kv_capacity_tokens(gpu, model, weights)
+    return max(0, min(cap, int(kv // max(mean_context, 1.0))))
+
+
 def expert_knee_rows(model: ModelProfile, gpu: GpuProfile) -> int:
     """The smallest batch at which an expert layer's GEMMs turn compute-bound (Figure 3's knee)."""
     lo, hi = 1, 1 << 16

@@ -18,14 +18,15 @@ import math
 import numpy as np
 
 from amoe.config import SchedulerSection
-from amoe.emulation import bounds
-from amoe.emulation.batch_means import batch_means_halfwidth
-from amoe.emulation.simulated import Simulated
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.variance import OFF, StepVariance
+from amoe.perf.plan.bound_pools import pool_links
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
+from amoe.perf.plan.simulate.result import Simulated
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
@@ -46,7 +47,7 @@ class AepAtScale:
     the middle axis (contiguous over GPUs: numpy's fast case) and a GPU's queue mask broadcasts over its experts."""
 
     def __init__(
-        self, model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead,
+        self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead,
         concurrency: int, seed: int, *, counts, steps, same_phase: bool = False, variance: StepVariance = OFF,
     ):  # fmt: skip
         # counts (simulate_scale.Counts) and steps (simulate_scale.GroupedSteps over dep's placement) come from the
@@ -74,7 +75,7 @@ class AepAtScale:
         )
         sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
-        self.lk = bounds.pool_links(model, dep)
+        self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
         self.attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
         self.head = cm.head_time(model, ga, w, host=host)

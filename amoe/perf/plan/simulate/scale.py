@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from amoe.emulation import bounds
-from amoe.emulation.simulated import Simulated
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.ep_scale import sample_counts
 from amoe.perf.model.gpus import GpuProfile, gpu_profile
@@ -51,6 +49,10 @@ from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.routing import RouterOverride, RoutingSpec
 from amoe.perf.model.variance import OFF, StepVariance
+from amoe.perf.plan.bound_ep import ep_exchange_time, ep_placements
+from amoe.perf.plan.bound_pools import pool_link, pool_links
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate.result import Simulated
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -59,7 +61,7 @@ EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the pl
 EXACT_MAX_EXPERTS = 64
 
 
-def is_exact(dep: bounds.Deployment, concurrency: int, num_expert_ids: int = 0) -> bool:
+def is_exact(dep: Deployment, concurrency: int, num_expert_ids: int = 0) -> bool:
     """Whether simulate() runs `dep` event by event (True) or at scale (amoe.emulation.simulate_scale)."""
     return (
         dep.num_attn + dep.num_expert <= EXACT_MAX_GPUS
@@ -180,8 +182,8 @@ class Nics:
     the sender's whenever each expert GPU receives no more than one attention GPU sends (A ≤ E and no hot GPU):
     those plans keep the times they had."""
 
-    def __init__(self, model: ModelProfile, dep: bounds.Deployment, rows: int, num_expert: int) -> None:
-        self.links = bounds.pool_links(model, dep)
+    def __init__(self, model: ModelProfile, dep: Deployment, rows: int, num_expert: int) -> None:
+        self.links = pool_links(model, dep)
         self.copies = rows * model.experts_per_token
         self.a_out = self.a_in = 0.0
         self.e_in, self.e_out = np.zeros(num_expert), np.zeros(num_expert)
@@ -205,7 +207,7 @@ class Nics:
 
 
 def aep_waves(
-    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
     variance: StepVariance = OFF,
 ):  # fmt: skip
@@ -220,12 +222,12 @@ def aep_waves(
 
 
 def aep_at_scale(
-    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     seed: int, same_phase: bool = False, variance: StepVariance = OFF,
 ):  # fmt: skip
     """The own-phase AEP simulation of `dep` (amoe.emulation.aep_at_scale.AepAtScale), with this module's routing
     counts and grouped step costs."""
-    from amoe.emulation.aep_at_scale import AepAtScale
+    from amoe.perf.plan.simulate.aep_scale import AepAtScale
 
     steps = GroupedSteps(model, gpu_profile(dep.expert_gpu), dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
@@ -236,7 +238,7 @@ def aep_at_scale(
 
 
 def ep(
-    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
 ):  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
@@ -251,13 +253,13 @@ def ep(
     tokens = n * b
     rows = b / 2 if overlap else b  # one micro-batch's rows per device
     counts = Counts(model, routing, seed)
-    placements = bounds.ep_placements(model, dep, counts.inclusion(0.0))
+    placements = ep_placements(model, dep, counts.inclusion(0.0))
     unique = {
         id(p): GroupedSteps(model, gpu, share_matrix(model.num_expert_ids, p), host) for p in placements
     }
     steps = [unique[id(p)] for p in placements]
     attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), int(round(ctx)), host)
-    exchange = bounds.ep_exchange_time(model, gpu, rows, dep)
+    exchange = ep_exchange_time(model, gpu, rows, dep)
     head = cm.head_time(model, gpu, b, b, host)
     elapsed, iterations, busy = 0.0, 0, 0.0
     L, halves = model.num_blocks, 2 if overlap else 1
@@ -296,7 +298,7 @@ def ep(
 
 
 def pingpong(
-    model: ModelProfile, dep: bounds.Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
 ):  # fmt: skip
     """Ping-pong's lock-step (amoe.emulation.simulate._simulate_pingpong) with counts and every expert GPU's step
@@ -309,7 +311,7 @@ def pingpong(
     steps = GroupedSteps(model, ge, dep.experts_on(model.num_expert_ids), host)
     counts = Counts(model, routing, seed)
     nics = Nics(model, dep, micro, steps.where.shape[1])
-    begin = cm.transfer_time(64, bounds.pool_link(ga, dep))
+    begin = cm.transfer_time(64, pool_link(ga, dep))
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)
     head = cm.head_time(model, ga, micro, host=host)
     now, iterations, exp_busy, attn_busy = 0.0, 0, 0.0, 0.0
