@@ -76,7 +76,7 @@ def run_hf(model_dir: Path, prompts, new_tokens: int, dtype: str) -> tuple[float
 
 def run_served(model_dir: Path, prompts, new_tokens: int, dtype: str, attn: int, experts: int) -> float:
     """Wall seconds from sending every request at once to the last response, on a warm server."""
-    from amoe.bench.servers import ServerProcess
+    from amoe.testing.servers import ServerProcess
 
     flags = ["--model", str(model_dir), "--device", "cuda", "--transport", "auto", "--model-dtype", dtype]
     flags += ["--attn-ranks", str(attn), "--expert-ranks", str(experts)]

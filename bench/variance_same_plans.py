@@ -14,7 +14,6 @@ import re
 import sys
 import time
 
-from amoe.emulation.frontier import TABLE_CONTEXT
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
@@ -22,6 +21,7 @@ from amoe.perf.model.variance import OFF, SOURCED
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.search import balanced_map
 from amoe.perf.plan.simulate import simulate
+from amoe.perf.studies.frontier import TABLE_CONTEXT
 
 
 def parse(text: str, q) -> Deployment:

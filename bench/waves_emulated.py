@@ -16,11 +16,7 @@ import logging
 import os
 import time
 
-from amoe.bench import calibrate, steady
-from amoe.bench.compare_setup import Preset, Setup
-from amoe.bench.servers import ServerProcess
 from amoe.config import POLICIES
-from amoe.emulation import plan_check
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -29,6 +25,9 @@ from amoe.perf.plan import bounds as B
 from amoe.perf.plan.bound_pools import wave_group as bound_wave_group
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.request import Plan
+from amoe.perf.studies import calibrate, plan_check, steady
+from amoe.perf.studies.compare_setup import Preset, Setup
+from amoe.testing.servers import ServerProcess
 
 ROUTING = "skew-exp:0.08"
 # bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the

@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("amoe", "coordinator")
 # What the coordinator must never reach: model code and the runtime (docs/serve.md, "The coordinator").
 MODEL_CODE = ("amoe.runtime", "amoe.model", "amoe.engine", "amoe.backends", "amoe.core", "amoe.device")
+# Who may import the test harnesses (amoe.testing): themselves, and the studies, which drive servers as tests do.
+HARNESS_USERS = ("amoe.testing", "amoe.perf.studies")
 
 
 def module_files() -> dict[str, Path]:
@@ -134,18 +136,19 @@ def test_the_coordinator_reaches_no_model_code_and_no_torch():
 
 
 def test_the_serving_config_does_not_reach_the_modelling():
-    """amoe.emulation (cost model, simulation, planner) uses the config; the config never imports it back."""
+    """amoe.perf (cost model, simulation, planner) uses the config; the config never imports it back."""
     found = reachable(graph(lazy_exports=True), "amoe.config")
-    bad = [f"{m} (imported by {via})" for m, via in found.items() if is_under(m, ("amoe.emulation",))]
+    bad = [f"{m} (imported by {via})" for m, via in found.items() if is_under(m, ("amoe.perf",))]
     assert not bad, "\n".join(bad)
 
 
 def test_production_code_does_not_import_the_test_harnesses():
+    """The studies (amoe.perf.studies) start servers and in-process clusters as the tests do; the product never."""
     edges = graph(lazy_exports=True)
     bad = [
         f"{m} imports {w}"
         for m, targets in edges.items()
-        if not is_under(m, ("amoe.testing",))
+        if not is_under(m, HARNESS_USERS)
         for w in targets
         if is_under(w, ("amoe.testing",))
     ]

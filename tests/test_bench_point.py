@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from amoe.bench.point import token_rate_fit
+from amoe.perf.studies.point import token_rate_fit
 
 ITL = 1.0  # wall seconds between a lock-step deployment's bursts
 BURST = 1000  # tokens per burst: one per request in flight

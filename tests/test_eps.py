@@ -11,13 +11,13 @@ from factories import hf_greedy, reference_tokens, transformers_checkpoint
 
 from amoe.cli import main
 from amoe.config import ParallelSection
-from amoe.emulation import eps_paper
 from amoe.errors import ConfigError
 from amoe.model.config import load_model_config
 from amoe.perf.model import ep_block, eps, kernels
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
+from amoe.perf.studies import eps_paper
 from amoe.placement import Placement
 from amoe.runtime.sync.eps import ExpertPipeline, expert_groups, fewest_hosted, split_routed
 from amoe.runtime.sync.moe import Routed

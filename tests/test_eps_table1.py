@@ -4,10 +4,10 @@ the calibrated block reproduces that ratio, and nothing outside that block sees 
 
 import pytest
 
-from amoe.emulation import eps_paper
 from amoe.perf.model import cost_model
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.models import model_profile
+from amoe.perf.studies import eps_paper
 
 H800, V2 = gpu_profile("h800"), model_profile("deepseek-v2")
 

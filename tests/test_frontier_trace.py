@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from amoe.emulation import chrome_trace
-from amoe.emulation import frontier_trace as ft
-from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment
+from amoe.perf.studies import chrome_trace
+from amoe.perf.studies import frontier_trace as ft
+from amoe.perf.studies.frontier import DEPLOYMENTS, ROUTING
 
 # One step of a toy decode trace on device 0: 2 MoE blocks x 2 micro-batches, µs. Device 1's kernels and the CPU
 # ops must be ignored.
@@ -92,7 +92,7 @@ def test_trace_errors(tmp_path):
 
 
 def test_cli_bad_trace_is_one_line(tmp_path):
-    from amoe.emulation.commands import run_frontier
+    from amoe.perf.studies.commands import run_frontier
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

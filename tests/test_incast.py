@@ -99,7 +99,7 @@ def test_the_frontier_table_names_a_bad_mode(tmp_path):
     leaves EP's cells as they were); an unknown one is a one-line error before any cell runs."""
     import argparse
 
-    from amoe.emulation import frontier
+    from amoe.perf.studies import frontier
 
     args = argparse.Namespace(
         out=str(tmp_path), sizes="16", profiles="deepseek-v3", gpu="h800", modes="aep,foo"

@@ -10,18 +10,17 @@ import sys
 
 import pytest
 
-from amoe.bench import calibrate
-from amoe.emulation import plan_check
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.workloads import mean_context
 from amoe.perf.plan import bounds
 from amoe.perf.plan.request import Plan
+from amoe.perf.studies import calibrate, plan_check
 
 
 def test_the_commands_preset_names_are_plan_checks():
-    from amoe.emulation.commands import PLAN_CHECK_PRESETS
+    from amoe.perf.studies.commands import PLAN_CHECK_PRESETS
 
     assert tuple(sorted(plan_check.PRESETS)) == PLAN_CHECK_PRESETS
 

@@ -4,7 +4,7 @@ simulation (one copy of it), and never claims more than its bound; the table and
 
 import argparse
 
-from amoe.emulation import plan_scale
+from amoe.perf.studies import plan_scale
 
 
 def test_the_best_plan_is_simulated_one_copy_at_a_time_and_stays_under_its_bound():

@@ -1,7 +1,7 @@
 """`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
 numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
 
-from amoe.emulation import plan_table
+from amoe.perf.studies import plan_table
 
 
 def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():

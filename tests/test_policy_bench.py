@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from amoe.emulation import policy_bench
 from amoe.errors import ConfigError
+from amoe.perf.studies import policy_bench
 
 
 def _point(kind: str, throughput: float, running: float, itl_ms: float | None) -> dict:

@@ -205,10 +205,10 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
 def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
     """`amoe bench plan-table --measure` serves a row's plan from the table's JSON: the group the simulation ran
     (refine's extra["wave_group"]) goes into the row and back into the command, not the default of one."""
-    from amoe.emulation.plan_table import one_copy
     from amoe.perf.plan.deployment import Deployment
     from amoe.perf.plan.report import serve_command
     from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.studies.plan_table import one_copy
 
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 128, 256, replicas=2)
     row = {

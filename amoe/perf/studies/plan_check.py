@@ -33,10 +33,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from amoe.bench import calibrate, steady
-from amoe.bench.compare import load_point
-from amoe.bench.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
-from amoe.bench.servers import ServerProcess
 from amoe.errors import ConfigError
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
@@ -47,6 +43,10 @@ from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.refine import refine
 from amoe.perf.plan.report import serve_command
 from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.studies import calibrate, steady
+from amoe.perf.studies.compare import load_point
+from amoe.perf.studies.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger("plan_check")
 

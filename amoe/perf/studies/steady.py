@@ -30,9 +30,9 @@ import math
 import time
 from typing import Any
 
-from amoe.bench.compare_setup import Preset, Setup, profile_name, time_scale
-from amoe.bench.point import FAILED, measure
-from amoe.bench.servers import ServerProcess
+from amoe.perf.studies.compare_setup import Preset, Setup, profile_name, time_scale
+from amoe.perf.studies.point import FAILED, measure
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ async def steady_point(
 
     from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
-    from amoe.bench.probe import MetricsProbe
     from amoe.bench.serve import run_requests
     from amoe.bench.workloads import make_requests, make_workload, steady_state_requests
+    from amoe.perf.studies.probe import MetricsProbe
 
     scale = time_scale(setup, p)
     itl_wall = itl_s * scale

@@ -16,8 +16,6 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from amoe.emulation import eps_paper
-from amoe.emulation.plan_table import PROFILE, ROUTINGS
 from amoe.perf.model import ep_block, eps, kernels
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
@@ -28,6 +26,8 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.request import PlanRequest, plan_profile
 from amoe.perf.plan.search import search
+from amoe.perf.studies import eps_paper
+from amoe.perf.studies.plan_table import PROFILE, ROUTINGS
 
 
 def table2(curves: kernels.EpsCurves) -> dict:

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from amoe.bench.compare_setup import (
+from amoe.errors import ConfigError
+from amoe.perf.studies.compare_setup import (
     Preset,
     Setup,
     mean_output_tokens,
@@ -28,9 +29,8 @@ from amoe.bench.compare_setup import (
     time_scale,
     upper_bound,
 )
-from amoe.bench.point import measure
-from amoe.bench.servers import ServerProcess
-from amoe.errors import ConfigError
+from amoe.perf.studies.point import measure
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -39,35 +39,8 @@ _WARMUP_FRACTION = 0.6
 _SCRAPES_PER_POINT = 40
 
 
-def add_bench_compare_command(sub: Any) -> None:
-    p = sub.add_parser(
-        "compare", help="AEP vs EP (and scheduler policies) on emulated GPUs: sweeps, plots, ratios"
-    )
-    p.add_argument("--preset", default="quick", help="ci (~1 min) | quick (< 10 min) | full (default: quick)")
-    p.add_argument("--out", default="compare-results", metavar="DIR", help="results.json and PNGs go here")
-    p.add_argument(
-        "--time-scale", type=float, help="wall seconds per emulated second (default: the preset's)"
-    )
-    p.add_argument("--duration", type=float, help="emulated seconds of arrivals per load point (preset's)")
-    p.add_argument("--blocks", type=int, help="keep this many blocks of the model profile (preset's)")
-    p.add_argument("--attn-cap", type=int, help="attention batch cap in rows (preset's)")
-    p.add_argument(
-        "--loads", help="comma-separated load points as fractions of the upper bound's rate (preset's)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
-    p.add_argument(
-        "--repeats", type=int, default=1,
-        help="run the preset N times; each headline figure is the median, with its spread (default: 1)",
-    )  # fmt: skip
-    p.add_argument(
-        "--groups",
-        help="run only these comma-separated setup groups of the preset (main, top2, medium, 16gpu)",
-    )
-    p.set_defaults(run=run_bench_compare)
-
-
 def run_bench_compare(args: argparse.Namespace) -> int:
-    from amoe.bench import calibrate
+    from amoe.perf.studies import calibrate
 
     p = preset(args.preset)
     # The preset's scale is for the host it was chosen on; a slower host's Python gets proportionally more wall
@@ -86,7 +59,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1; got {args.repeats}")
     started = time.perf_counter()
-    from amoe.bench.compare_report import headline, median_headline, table, write_outputs
+    from amoe.perf.studies.compare_report import headline, median_headline, table, write_outputs
 
     runs = []
     for i in range(args.repeats):
@@ -163,7 +136,7 @@ async def _steady_points(p: Preset, seed: int, points: list[dict[str, Any]]) -> 
     aep = next((s for s in p.sweeps if s.mode == "aep"), None)
     if aep is None or "ep" not in best or not best["ep"]["itl_ms_mean"]:
         return out
-    from amoe.bench.compare_report import throughput_at_itl
+    from amoe.perf.studies.compare_report import throughput_at_itl
 
     target = best["ep"]["itl_ms_mean"]
     curve = [pt for pt in points + out if pt["config"] == aep.name]
@@ -184,7 +157,7 @@ async def _steady(
     setup: Setup, p: Preset, seed: int, requests: int, itl_ms: float, kind: str
 ) -> dict[str, Any]:
     """One steady point on a fresh server: `requests` in flight from their steady state, ITL guessed at itl_ms."""
-    from amoe.bench.steady import steady_point
+    from amoe.perf.studies.steady import steady_point
 
     server = ServerProcess(serve_flags(setup, p, seed))
     with server:
@@ -255,9 +228,9 @@ async def load_point(
 
     from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
-    from amoe.bench.probe import MetricsProbe
     from amoe.bench.serve import run_requests
     from amoe.bench.workloads import make_requests, make_workload
+    from amoe.perf.studies.probe import MetricsProbe
 
     scale = time_scale(setup, p)
     duration_s = duration_s or p.duration_s
@@ -311,7 +284,7 @@ async def _finish(load: asyncio.Future, grace_s: float) -> list:
 async def _drain(http, timeout_s: float = 120.0) -> None:
     """Wait until the server runs no request and its queues are empty (aborted requests' rows still in flight
     end at their next head step), so the next point starts from an idle deployment."""
-    from amoe.bench.probe import MetricsProbe
+    from amoe.perf.studies.probe import MetricsProbe
 
     probe, deadline = MetricsProbe(http, 0.2), time.monotonic() + timeout_s
     while time.monotonic() < deadline:

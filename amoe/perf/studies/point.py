@@ -11,8 +11,8 @@ from typing import Any
 def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, Any]:
     """A point's figures from the scrapes inside `window` (wall times): throughput, ITL, TTFT, busy fractions, host
     CPU; `start` is the queue-depth series' origin."""
-    from amoe.bench import calibrate
-    from amoe.bench.probe import histogram_quantile
+    from amoe.perf.studies import calibrate
+    from amoe.perf.studies.probe import histogram_quantile
 
     point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
     point["time_scale"] = scale

@@ -1,15 +1,52 @@
-"""`amoe bench plan-check | plan-table | plan-scale | policies`: the planner's predictions, tabled and checked
-against the emulated runtime, and the scheduling policies compared on it. Only argparse-level code here (`amoe
---help` stays light); each command imports its module when it runs."""
+"""Every command of the modelling wing, registered from here (`add_commands`): `amoe plan`, and the studies under
+`amoe bench` — compare, plan-check, plan-table, plan-scale, policies, eps, frontier and the others: the planner's
+predictions, tabled and checked against the emulated runtime, the scheduling policies compared on it, published
+figures reproduced. Only argparse-level code here (`amoe --help` stays light, no torch); each command imports its
+module when it runs."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from amoe.perf.model.routing import DEFAULT_LAMBDA
+
 # amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
 PLAN_CHECK_PRESETS = ("ci", "depth", "full", "scale32", "variance")
 OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
+
+
+def add_bench_compare_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare", help="AEP vs EP (and scheduler policies) on emulated GPUs: sweeps, plots, ratios"
+    )
+    p.add_argument("--preset", default="quick", help="ci (~1 min) | quick (< 10 min) | full (default: quick)")
+    p.add_argument("--out", default="compare-results", metavar="DIR", help="results.json and PNGs go here")
+    p.add_argument(
+        "--time-scale", type=float, help="wall seconds per emulated second (default: the preset's)"
+    )
+    p.add_argument("--duration", type=float, help="emulated seconds of arrivals per load point (preset's)")
+    p.add_argument("--blocks", type=int, help="keep this many blocks of the model profile (preset's)")
+    p.add_argument("--attn-cap", type=int, help="attention batch cap in rows (preset's)")
+    p.add_argument(
+        "--loads", help="comma-separated load points as fractions of the upper bound's rate (preset's)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="routing, arrivals and workload seed (default: 0)")
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="run the preset N times; each headline figure is the median, with its spread (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--groups",
+        help="run only these comma-separated setup groups of the preset (main, top2, medium, 16gpu)",
+    )
+    p.set_defaults(run=run_compare)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from amoe.perf.studies import compare
+
+    return compare.run_bench_compare(args)
 
 
 def add_bench_plan_check_command(sub: Any) -> None:
@@ -129,13 +166,13 @@ def add_bench_frontier_command(sub: Any) -> None:
 
 def run_frontier(args: argparse.Namespace) -> int:
     if args.breakdown or args.trace:
-        from amoe.emulation import frontier_trace
+        from amoe.perf.studies import frontier_trace
 
         try:
             return frontier_trace.main(args)
         except ValueError as exc:
             raise SystemExit(f"amoe bench frontier: {exc}") from None
-    from amoe.emulation import frontier
+    from amoe.perf.studies import frontier
 
     return frontier.main(args)
 
@@ -194,25 +231,25 @@ def _step_variance(p: argparse.ArgumentParser) -> None:
 
 
 def run_policies(args: argparse.Namespace) -> int:
-    from amoe.emulation import policy_bench
+    from amoe.perf.studies import policy_bench
 
     return policy_bench.main(args)
 
 
 def run_plan_check(args: argparse.Namespace) -> int:
-    from amoe.emulation import plan_check
+    from amoe.perf.studies import plan_check
 
     return plan_check.main(args)
 
 
 def run_plan_table(args: argparse.Namespace) -> int:
-    from amoe.emulation import plan_table
+    from amoe.perf.studies import plan_table
 
     return plan_table.main(args)
 
 
 def run_plan_scale(args: argparse.Namespace) -> int:
-    from amoe.emulation import plan_scale
+    from amoe.perf.studies import plan_scale
 
     return plan_scale.main(args)
 
@@ -229,12 +266,68 @@ def add_bench_eps_command(sub: Any) -> None:
 
 
 def run_eps(args: argparse.Namespace) -> int:
-    from amoe.emulation import eps_bench
+    from amoe.perf.studies import eps_bench
 
     return eps_bench.main(args)
 
 
-PLAN_BENCH_SUBCOMMANDS = (
+def add_plan_command(sub: Any) -> None:
+    p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model-profile", metavar="P", help="named model shapes (mixtral-8x7b-mqa, ...)")
+    which.add_argument(
+        "--model", metavar="DIR", help="a checkpoint: the shapes of its config.json (any family)"
+    )
+    p.add_argument(
+        "--gpus", required=True, metavar="TYPE:N[,...]", help="GPUs at hand, e.g. a100-80g:8,h100:4"
+    )
+    p.add_argument(
+        "--price", metavar="TYPE=$/h[,...]", help="$ per GPU-hour: rank by cost per million tokens"
+    )
+    p.add_argument(
+        "--workload", default="short", help="short | medium | reasonable | random (default: short)"
+    )
+    p.add_argument("--top-k", type=int, help="override the profile's top-k")
+    p.add_argument(
+        "--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}", help="skew the plan assumes (skew-exp:λ[,rho=ρ])"
+    )
+    p.add_argument("--itl-slo-ms", type=float, help="drop deployments whose ITL exceeds this")
+    p.add_argument(
+        "--step-variance", default="sourced", metavar="V",
+        help="GPUs' speed spread and step jitter the plans assume: sourced | off | SPREAD[,jitter=J][,seed=N]",
+    )  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
+    add_aep_policy(p)
+    p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
+    p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
+    p.add_argument(
+        "--simulate-top", type=int, default=3,
+        help="refine this many of the best plans by simulation (default: 3; 0: bounds only, no refinement at all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--simulate-per-mode", type=int, default=3,
+        help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--refine-retries", type=int, default=3,
+        help="of a mode whose refined plans all miss --itl-slo-ms, refine up to N of its next plans (default: 3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--eps", action="store_true",
+        help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from amoe.perf.plan.report import main as plan_main
+
+    return plan_main(args)
+
+
+BENCH_STUDIES = (
+    add_bench_compare_command,
     add_bench_plan_check_command,
     add_bench_plan_table_command,
     add_bench_plan_scale_command,
@@ -242,3 +335,11 @@ PLAN_BENCH_SUBCOMMANDS = (
     add_bench_eps_command,
     add_bench_frontier_command,
 )
+
+
+def add_commands(top: Any, bench: Any) -> None:
+    """`amoe plan` on the top-level subcommands `top`, every study on `amoe bench`'s subcommands `bench` (amoe.cli
+    calls this once, after `amoe bench serve`, the load generator's own command)."""
+    for add in BENCH_STUDIES:
+        add(bench)
+    add_plan_command(top)

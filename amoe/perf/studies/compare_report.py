@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from amoe.bench.compare_setup import Preset, Setup, ep_upper_bound, upper_bound
+from amoe.perf.studies.compare_setup import Preset, Setup, ep_upper_bound, upper_bound
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def write_outputs(
 ) -> None:  # fmt: skip
     """results.json (the table and plots of the first run, the headline: the runs' medians, and each run's
     headline), throughput_vs_itl.png, queue_depth.png."""
-    from amoe.bench.plots import plot_queue_depth, plot_throughput_vs_itl
+    from amoe.perf.studies.plots import plot_queue_depth, plot_throughput_vs_itl
 
     out.mkdir(parents=True, exist_ok=True)
     record = {

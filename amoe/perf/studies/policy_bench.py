@@ -50,9 +50,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from amoe.bench import calibrate
-from amoe.bench.compare import load_point
-from amoe.bench.compare_setup import (
+from amoe.errors import ConfigError
+from amoe.perf.studies import calibrate
+from amoe.perf.studies.compare import load_point
+from amoe.perf.studies.compare_setup import (
     ROUTING,
     Preset,
     Setup,
@@ -61,8 +62,7 @@ from amoe.bench.compare_setup import (
     serve_flags,
     upper_bound,
 )
-from amoe.bench.servers import ServerProcess
-from amoe.errors import ConfigError
+from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 

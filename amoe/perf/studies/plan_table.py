@@ -29,7 +29,6 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from amoe.emulation import plan_check
 from amoe.errors import ConfigError
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
@@ -39,6 +38,7 @@ from amoe.perf.plan.prediction import Prediction
 from amoe.perf.plan.refine import RESOLUTION
 from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
 from amoe.perf.plan.search import best_per_mode, search
+from amoe.perf.studies import plan_check
 
 # The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
@@ -424,7 +424,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     measure = None
     if args.measure:
-        from amoe.bench import calibrate
+        from amoe.perf.studies import calibrate
 
         measured = Measured(out / "measured.jsonl", run=not args.report_measured)
         measured.step_variance = args.step_variance

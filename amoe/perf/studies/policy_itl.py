@@ -36,21 +36,21 @@ async def trace_point(
     every `period_s` emulated seconds scraped; waits for every request to finish. Times in emulated seconds."""
     import httpx
 
-    from amoe.bench import calibrate
     from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
-    from amoe.bench.compare_setup import (
+    from amoe.bench.serve import run_requests
+    from amoe.bench.workloads import make_requests, make_workload
+    from amoe.perf.studies import calibrate
+    from amoe.perf.studies.compare_setup import (
         mean_output_tokens,
         profile_name,
         serve_flags,
         time_scale,
         upper_bound,
     )
-    from amoe.bench.probe import MetricsProbe
-    from amoe.bench.serve import run_requests
-    from amoe.bench.servers import ServerProcess
-    from amoe.bench.workloads import make_requests, make_workload
-    from amoe.emulation.policy_bench import SETUP, _preset, max_seqs
+    from amoe.perf.studies.policy_bench import SETUP, _preset, max_seqs
+    from amoe.perf.studies.probe import MetricsProbe
+    from amoe.testing.servers import ServerProcess
 
     scale, probe_s = calibrate.scaled(25.0)
     p = _preset(blocks, (load,), duration_s, scale)
@@ -145,11 +145,11 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     fresh server a point: the curve ITL(N) that Little's law N = rate × tokens × ITL meets at half load. Where its
     elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""
-    from amoe.bench import calibrate
-    from amoe.bench.compare_setup import serve_flags
-    from amoe.bench.servers import ServerProcess
-    from amoe.bench.steady import steady_point
-    from amoe.emulation.policy_bench import SETUP, _preset, max_seqs
+    from amoe.perf.studies import calibrate
+    from amoe.perf.studies.compare_setup import serve_flags
+    from amoe.perf.studies.policy_bench import SETUP, _preset, max_seqs
+    from amoe.perf.studies.steady import steady_point
+    from amoe.testing.servers import ServerProcess
 
     scale, _ = calibrate.scaled(25.0)
     p = _preset(blocks, (0.5,), 4.0, scale)

@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from amoe.emulation.chrome_trace import CATEGORIES, read_trace, trace_breakdown
-from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model import ep_scale as scale
 from amoe.perf.model.gpus import GpuProfile, gpu_profile
@@ -36,6 +34,8 @@ from amoe.perf.model.models import ModelProfile, model_profile
 from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.plan.bound_ep import ep_placements
 from amoe.perf.plan.deployment import Deployment
+from amoe.perf.studies.chrome_trace import CATEGORIES, read_trace, trace_breakdown
+from amoe.perf.studies.frontier import DEPLOYMENTS, ROUTING
 
 # SGLang's blog figure "Decode Time Breakdown" (lmsys.org/blog/2025-05-05-large-scale-ep, image
 # public/images/blog/large_scale_ep/profile-decode.png of lm-sys/lm-sys.github.io; read from the copy in
