@@ -13,6 +13,10 @@ class ModelLoadError(AmoeError):
     """A model directory, file or tensor cannot be used."""
 
 
+class UnsupportedTokenizerError(ModelLoadError):
+    """A tokenizer a feature cannot use: its decoder gives tokens no bytes of their own, which a grammar needs."""
+
+
 class TransportError(AmoeError):
     """A message or tensor could not be moved between runtimes."""
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from amoe.errors import RequestError
+from amoe.errors import RequestError, UnsupportedTokenizerError
+from amoe.token_bytes import ByteVocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer = None
+        self._unavailable: str | None = None  # why this tokenizer serves no structured output, once known
         self._lock = threading.Lock()  # control threads check grammars while the loop thread makes matchers
 
     @classmethod
@@ -107,16 +109,18 @@ class Grammars:
         text = path.read_text(encoding="utf-8") if path is not None and path.exists() else None
         return cls(text, vocab_size, eos_token_ids)
 
-    def _llg_tokenizer(self):
+    def _llg_tokenizer(self, param: str):
+        """llguidance's tokenizer; RequestError naming `param` if this model's tokenizer cannot serve grammars."""
         with self._lock:
-            if self._tokenizer is None:
-                if self._json is None:
-                    raise RequestError("this model has no tokenizer.json: structured output is unavailable",
-                                       "structured_outputs")  # fmt: skip
-                import llguidance
-
-                self._tokenizer = llguidance.LLTokenizer(
-                    self._json, n_vocab=self.vocab_size, eos_token=self._eos
+            if self._tokenizer is None and self._unavailable is None:
+                try:
+                    self._tokenizer = _build_llg_tokenizer(self._json, self.vocab_size, self._eos)
+                except UnsupportedTokenizerError as exc:
+                    self._unavailable = str(exc)
+                    logger.warning("[structured] this model serves no structured output: %s", exc)
+            if self._unavailable is not None:
+                raise RequestError(
+                    f"structured output is unavailable for this model: {self._unavailable}", param
                 )
             return self._tokenizer
 
@@ -124,19 +128,51 @@ class Grammars:
         """RequestError naming `param` unless the grammar compiles for this tokenizer."""
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer(param))
         if error and not error.startswith("WARNING"):
-            raise RequestError(f"invalid structured output format: {error.splitlines()[0]}", param)
+            raise RequestError(f"invalid structured output format: {_first_line(error)}", param)
 
     def matcher(self, grammar: str) -> GrammarState:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer("structured_outputs"), grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(
                 f"invalid structured output format: {matcher.get_error()}", "structured_outputs"
             )
         return GrammarState(matcher, self.vocab_size)
+
+
+def _build_llg_tokenizer(tokenizer_json: str | None, vocab_size: int, eos: list[int]):
+    """llguidance's tokenizer from each token's bytes as the decoder writes them (amoe.token_bytes), for every
+    tokenizer shape: llguidance's own tokenizer.json reader knows ByteLevel and ByteFallback decoders only."""
+    import llguidance
+
+    if tokenizer_json is None:
+        raise UnsupportedTokenizerError("it has no tokenizer.json")
+    vocabulary = ByteVocabulary(tokenizer_json, vocab_size)
+    try:
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_LLGuidanceVocabulary(vocabulary, eos)), eos_token=eos or None
+        )
+    except ValueError as exc:  # llguidance's word on a table it cannot use (an eos id outside it, ...)
+        raise UnsupportedTokenizerError(f"llguidance refuses its tokenizer ({exc})") from None
+
+
+class _LLGuidanceVocabulary:
+    """What llguidance.TokenizerWrapper reads of a tokenizer: the token bytes, special ids, eos and an encoder."""
+
+    def __init__(self, vocabulary: ByteVocabulary, eos: list[int]) -> None:
+        self.tokens = vocabulary.tokens
+        self.special_token_ids = vocabulary.special_ids
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None  # llguidance keeps it but never reads it
+        self._vocabulary = vocabulary
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("the encoder takes text")  # TokenizerWrapper then passes text, never bytes
+        return self._vocabulary.encode(text)
 
 
 class GrammarState:
@@ -145,10 +181,19 @@ class GrammarState:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._dead_end = False  # reported once that no token continues the grammar
 
     def allowed(self) -> np.ndarray:
         """[V] bool: the tokens that keep the output inside the grammar."""
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)  # little-endian int32 words
+        if not self._dead_end and self._matcher.is_error():
+            # A grammar asking for text no token writes (a character outside a vocabulary without byte
+            # fallback): llguidance allows only the end from here, as in vLLM; say why the output stops short.
+            self._dead_end = True
+            logger.warning(
+                "[structured] the output ends short of its grammar: %s",
+                _first_line(self._matcher.get_error()),
+            )
         return np.unpackbits(words, bitorder="little")[: self._vocab_size].view(bool)
 
     def accept(self, token: int) -> None:
@@ -162,3 +207,7 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         return GrammarState(self._matcher.deep_copy(), self._vocab_size)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""

@@ -367,12 +367,17 @@ def _token_text(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def byte_tokens(backend: tokenizers.Tokenizer) -> dict[int, int]:
+    """Id → byte of each of sentencepiece's <0x00>..<0xFF> tokens the vocabulary holds."""
+    ids = {byte: backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256)}
+    return {token_id: byte for byte, token_id in ids.items() if token_id is not None}
+
+
 def _byte_fallback_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
     """Ids of sentencepiece's <0x00>..<0xFF> tokens, if the model falls back to bytes."""
     if not getattr(backend.model, "byte_fallback", False):
         return frozenset()
-    ids = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
-    return frozenset(i for i in ids if i is not None)
+    return frozenset(byte_tokens(backend))
 
 
 def _int_or_none(value: Any) -> int | None:

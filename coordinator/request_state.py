@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from amoe.logprobs import Logprobs, concat
@@ -14,6 +15,23 @@ class Detokenizer(Protocol):
     def add(self, token_id: int) -> str: ...
 
     def flush(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """What one sequence has to send, fixed when it was taken: a consumer may hold it while the sequence goes on
+    (the prompts of one API call run in tasks of their own), so nothing here may be read from the live state."""
+
+    index: int  # which of the request's sequences
+    text: str
+    finish_reason: str | None  # set on the sequence's last chunk only
+    logprobs: Logprobs  # of the tokens whose text this is (empty when not asked)
+    prompt_logprobs: Logprobs | None
+    state: RequestState  # the sequence's output as it goes on: its whole text and counts once it has finished
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class RequestState:
@@ -89,6 +107,15 @@ class RequestState:
         self._unsent.append(new)
         self._length += len(new)
 
+    def take_chunk(self) -> OutputChunk | None:
+        """The new text that can be sent now, with those tokens' log-probabilities and, once finished, the finish
+        reason; None while nothing can (the new text may be a stop string's start): the log-probabilities wait."""
+        text = self.take_text()
+        if not text and not self.is_finished:
+            return None
+        logprobs = self._take_logprobs()
+        return OutputChunk(self.index, text, self.finish_reason, logprobs, self.prompt_logprobs, self)
+
     def take_text(self) -> str:
         """New text that can be sent now: all of it once finished, else all but a possible stop-string prefix."""
         end = self._length if self.is_finished else self._length - self._stops.pending
@@ -110,7 +137,7 @@ class RequestState:
         """The log-probabilities of every output token so far (empty if not asked)."""
         return concat(self._logprobs)
 
-    def take_logprobs(self) -> Logprobs:
+    def _take_logprobs(self) -> Logprobs:
         """Those not handed out yet: they go with the text a stream sends now."""
         unsent, self._unsent_logprobs = self._unsent_logprobs, []
         return concat(unsent)

@@ -93,8 +93,8 @@ class Responder:
     async def _finals(self, lifetimes: list[RequestLifetime]) -> list[list[RequestState]]:
         """Every prompt's request run to its end: per prompt (in order), its sequences' final states by index."""
         finals: list[dict[int, RequestState]] = [{} for _ in lifetimes]
-        async for p, _, state in self.runner.run_all(lifetimes):
-            finals[p][state.index] = state
+        async for p, chunk in self.runner.run_all(lifetimes):
+            finals[p][chunk.index] = chunk.state
         out = []
         for lifetime, states in zip(lifetimes, finals):
             num_seqs = lifetime.req.sampling_params.num_sequences
@@ -111,31 +111,31 @@ class Responder:
         started: set[int] = set()  # choices with a chunk sent
         offsets: dict[int, int] = {}  # per choice, its next text_offset: its tokens' texts so far, end to end
         finals: list[dict[int, RequestState]] = [{} for _ in lifetimes]
-        async for p, text, state in self.runner.run_all(lifetimes):
+        async for p, chunk in self.runner.run_all(lifetimes):
             req = lifetimes[p].req
-            index = _choice_index(req, state.index)
+            index = _choice_index(req, chunk.index)
             echo_now = req.echo and index not in started  # each choice starts with the prompt
             started.add(index)
-            output = state.take_logprobs()
+            text, output = chunk.text, chunk.logprobs
             if req.echo_only:  # the prompt alone: its generated token is not shown
                 text, output = "", None
             if echo_now:
                 text = req.prompt_text + text
             logprobs = None
             if req.sampling_params.logprobs is not None:
-                echoed_at = echoed(req.prompt_token_ids, state.prompt_logprobs) if echo_now else ()
+                echoed_at = echoed(req.prompt_token_ids, chunk.prompt_logprobs) if echo_now else ()
                 at = itertools.chain(echoed_at, positions(output))
                 logprobs = completion_logprobs(self.texts, at, offset=offsets.get(index, 0))
                 if logprobs.tokens:  # the next chunk's tokens go on from there, as in the whole response
                     offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             choice = CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=state.finish_reason
+                index=index, text=text, logprobs=logprobs, finish_reason=chunk.finish_reason
             )
-            chunk = CompletionResponse(
+            body = CompletionResponse(
                 id=first.response_id, created=created, model=self.model, choices=[choice]
             )
-            yield event(chunk.model_dump(exclude={"usage"}) | usage_field)
-            finals[p][state.index] = state
+            yield event(body.model_dump(exclude={"usage"}) | usage_field)
+            finals[p][chunk.index] = chunk.state
         if include_usage and any(finals):
             usage = _usage([list(states.values()) for states in finals if states])
             final = CompletionResponse(
@@ -159,22 +159,18 @@ class Responder:
             )  # as OpenAI: absent, not null
             return event(payload)
 
-        def pending(state: RequestState):
-            """The log-probabilities of the tokens not yet sent, to go with this chunk (if asked)."""
-            if not asked:
-                return None
-            logprobs = state.take_logprobs()
-            return chat_logprobs(self.texts, logprobs) if len(logprobs) else None
-
         for index in range(req.sampling_params.n):  # OpenAI opens every choice of a chat stream with the role
             yield chunk(DeltaMessage(role="assistant", content=""), index)
         states: dict[int, RequestState] = {}
-        async for _, text, state in self.runner.run_all(lifetimes):
-            states[state.index] = state
-            if text:
-                yield chunk(DeltaMessage(content=text), state.index, logprobs=pending(state))
-            if state.is_finished:
-                yield chunk(DeltaMessage(), state.index, state.finish_reason, pending(state))
+        async for _, out in self.runner.run_all(lifetimes):
+            states[out.index] = out.state
+            # Its tokens' log-probabilities go with its text, or with its end when it has none.
+            logprobs = chat_logprobs(self.texts, out.logprobs) if asked and len(out.logprobs) else None
+            if out.text:
+                yield chunk(DeltaMessage(content=out.text), out.index, logprobs=logprobs)
+                logprobs = None
+            if out.is_finished:
+                yield chunk(DeltaMessage(), out.index, out.finish_reason, logprobs)
         if include_usage and states:
             final = ChatCompletionChunk(
                 id=req.response_id, created=created, model=self.model, choices=[],

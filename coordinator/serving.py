@@ -17,7 +17,7 @@ from coordinator.lifetime import RequestLifetime
 from coordinator.load_balancer import LoadBalancer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_errors import ApiError, internal_error
-from coordinator.request_state import Detokenizer, RequestState
+from coordinator.request_state import Detokenizer, OutputChunk, RequestState
 from coordinator.validation import PreparedRequest
 
 if sys.version_info >= (3, 11):
@@ -113,9 +113,9 @@ class RequestRunner:
             for index in range(params.num_sequences)
         ]
 
-    async def run(self, lifetime: RequestLifetime) -> AsyncIterator[tuple[str, RequestState]]:
-        """Yield (new text, state of its sequence) per backend delta of an admitted request; each sequence's
-        last with its state finished, and the request's end after every sequence's. However this ends —
+    async def run(self, lifetime: RequestLifetime) -> AsyncIterator[OutputChunk]:
+        """Yield what each backend delta of an admitted request has to send, as a chunk of its sequence; each
+        sequence's last chunk finishes it, and the request ends after every sequence's. However this ends —
         finished, stop string, closed early, timeout, failure — the lifetime ends with it."""
         req = lifetime.req
         states = self._states(req)
@@ -123,7 +123,7 @@ class RequestRunner:
         if not lifetime.start():  # ended before it ran (the server drains): its output ends with "abort"
             for state in states:
                 state.append([], "abort")
-                yield "", state
+                yield state.take_chunk()
             return
         reason, cause = "abort", "its stream was closed before its end"  # unless set below
         try:
@@ -150,9 +150,8 @@ class RequestRunner:
                         lifetime.end(state.finish_reason)
                     elif state.is_finished and delta.finish_reason is None:  # a stop string ended this one
                         self.backend.abort_sequence(req.request_id, state.index)
-                    text = state.take_text()
-                    if text or state.is_finished:
-                        yield text, state
+                    if (chunk := state.take_chunk()) is not None:
+                        yield chunk
                     if done:
                         return
             reason, cause = "error", "the backend's stream ended without a finish reason"
@@ -167,37 +166,37 @@ class RequestRunner:
         finally:
             lifetime.end(reason, cause)
 
-    async def run_all(self, lifetimes: list[RequestLifetime]) -> AsyncIterator[tuple[int, str, RequestState]]:
-        """(prompt index, new text, state of its sequence) of every prompt's request as they come (`run`), the
-        requests of one API call; a failure of one fails the lot. One prompt's request is admitted already; with
-        several, each is admitted as it starts: waiting for all first could hold KV for some while the others
-        wait for it, and deadlock."""
+    async def run_all(self, lifetimes: list[RequestLifetime]) -> AsyncIterator[tuple[int, OutputChunk]]:
+        """(prompt index, chunk) of every prompt's request as they come (`run`), the requests of one API call; a
+        failure of one fails the lot. One prompt's request is admitted already; with several, each is admitted
+        as it starts: waiting for all first could hold KV for some while the others wait for it, and deadlock.
+        Each prompt runs in a task of its own, ahead of the reader: what it hands over is a fixed chunk."""
         if len(lifetimes) == 1:  # the common case, without a task in between
-            async for text, state in self.run(lifetimes[0]):
-                yield 0, text, state
+            async for chunk in self.run(lifetimes[0]):
+                yield 0, chunk
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, lifetime: RequestLifetime) -> None:
             try:
                 await self.admit(lifetime)
-                async for text, state in self.run(lifetime):
-                    queue.put_nowait((index, text, state))
-                queue.put_nowait((index, None, None))
+                async for chunk in self.run(lifetime):
+                    queue.put_nowait((index, chunk))
+                queue.put_nowait((index, None))
             except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
-                queue.put_nowait((index, exc, None))
+                queue.put_nowait((index, exc))
 
         tasks = [asyncio.ensure_future(pump(i, lifetime)) for i, lifetime in enumerate(lifetimes)]
         try:
             running = len(tasks)
             while running:
-                index, text, state = await queue.get()
-                if isinstance(text, Exception):
-                    raise text
-                if text is None:
+                index, chunk = await queue.get()
+                if isinstance(chunk, Exception):
+                    raise chunk
+                if chunk is None:
                     running -= 1
                     continue
-                yield index, text, state
+                yield index, chunk
         finally:
             end_all(lifetimes, "another prompt of its request ended early")  # no-op for those that finished
             for task in tasks:

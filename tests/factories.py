@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -187,3 +188,87 @@ def server_in_thread(config, start_timeout_s: float = 90.0):
     finally:
         srv.request_exit()
         thread.join(30)
+
+
+# ---- streams of several choices, as a client assembles them
+
+
+def streamed_choices(events: list[dict]) -> dict[int, list[dict]]:
+    """The chunks of an SSE stream's choices by index (`events`: its data payloads in order, [DONE] left out),
+    checked for what a client that assembles choices by index relies on. OpenAI and vLLM interleave choices in
+    no promised order; what they do promise: a choice's finish_reason comes once, on its last chunk, and the usage
+    chunk, if any, comes last, after every choice has finished."""
+    chunks: dict[int, list[dict]] = {}
+    for at, payload in enumerate(events):
+        if not payload["choices"]:
+            assert payload.get("usage") and at == len(events) - 1, "usage comes once, last"
+            continue
+        (choice,) = payload["choices"]
+        mine = chunks.setdefault(choice["index"], [])
+        assert not (mine and mine[-1]["finish_reason"]), f"choice {choice['index']} went on after its finish"
+        mine.append(choice)
+    unfinished = [index for index, mine in chunks.items() if not mine[-1]["finish_reason"]]
+    assert not unfinished, f"choices {unfinished} never finished"
+    return chunks
+
+
+def sentencepiece_tokenizer_json(style: str) -> str:
+    """A small sentencepiece-like BPE with byte fallback (<unk> <s> </s>, <0x00>..<0xFF>, then ~340 pieces),
+    laid out as Mixtral's tokenizer.json: `prepend` (a Prepend normalizer, Mixtral-8x7B) and `metaspace` (a
+    Metaspace pre-tokenizer, later Mistral releases) decode with Replace + ByteFallback + Fuse + Strip;
+    `metaspace-decoder` decodes with Metaspace, as `tokenizers` converts a sentencepiece model (its <0xNN> pieces
+    then decode as written)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from amoe.tokenizer import _corpus
+
+    trained = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=70, show_progress=False
+    )
+    trained.train_from_iterator(_corpus().splitlines(), trainer)
+    spec = json.loads(trained.to_str())
+    # Mixtral's id layout: <unk> <s> </s>, then <0x00>..<0xFF>, then the pieces.
+    pieces = sorted((i, p) for p, i in spec["model"]["vocab"].items() if i >= 3)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab.update({p: len(vocab) + n for n, (_, p) in enumerate(pieces)})
+    spec["model"]["vocab"] = vocab
+    if style == "prepend":  # Mixtral-8x7B (tokenizers 0.15 era)
+        spec["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        }
+        spec["pre_tokenizer"] = None
+    else:  # later Mistral releases, and as `tokenizers` converts sentencepiece
+        spec["normalizer"] = None
+        spec["pre_tokenizer"] = {
+            "type": "Metaspace",
+            "replacement": "▁",
+            "prepend_scheme": "first",
+            "split": False,
+        }
+    if style == "metaspace-decoder":
+        spec["decoder"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    else:
+        spec["decoder"] = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        }
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+    }
+    return json.dumps(spec, ensure_ascii=False)

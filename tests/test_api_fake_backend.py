@@ -1,13 +1,17 @@
-"""The API layer against a scripted backend: API keys, the 503 queue bound, engine death, stop-string aborts."""
+"""The API layer against a scripted backend: API keys, the 503 queue bound, engine death, stop-string aborts, the
+order of a stream's choices."""
 
 import asyncio
+import json
 import re
 
 import httpx
 import pytest
+from factories import streamed_choices
 
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError
+from amoe.logprobs import Logprobs
 from coordinator.api_server import create_app
 from coordinator.backend import Backend, RankKV, TokenDelta
 from coordinator.validation import ModelInfo
@@ -24,6 +28,9 @@ class CharTokenizer:
         return self.encode(
             "".join(f"<{m['role']}>{m['content']}" for m in messages), add_special_tokens=False
         )
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
 
 
 class CharDetokenizer:
@@ -210,6 +217,61 @@ def test_a_stop_string_aborts_the_backend_request():
 
     run(scenario())
     assert len(backend.aborted) == 2 and not backend.active
+
+
+class BurstBackend(ScriptedBackend):
+    """Sequence i of a request makes lengths[i] tokens (ending "length" at max_tokens, else "stop"): the script from
+    place len(prompt) + i on, each with its log-probability. A request's deltas come all at once, round-robin over
+    its running sequences, with nothing awaited between them: an engine step, or a backlog, that outran the API's
+    loop."""
+
+    def __init__(self, lengths: list[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lengths = lengths
+
+    async def generate(self, request_id, prompt_token_ids, sampling_params, rank=0):
+        max_tokens = sampling_params.max_tokens
+        lengths = [min(n, max_tokens) for n in self.lengths[: sampling_params.num_sequences]]
+        for t in range(max(lengths)):
+            for i, length in enumerate(lengths):
+                if t >= length:
+                    continue
+                token = ord(self.script[(len(prompt_token_ids) + i + t) % len(self.script)])
+                end = ("length" if length == max_tokens else "stop") if t + 1 == length else None
+                logprobs = Logprobs([token], [-0.5 - t], [1], [[token]], [[-0.5 - t]])
+                yield TokenDelta([token], end, i, logprobs if sampling_params.logprobs is not None else None)
+
+
+@pytest.mark.timeout(20)
+def test_each_streamed_choice_of_a_list_of_prompts_ends_once_after_all_its_text():
+    """n=2 over two prompts, each prompt's deltas all there before the API sends its first chunk, sequence 1 ending
+    ("stop") before sequence 0 ("length"): each choice's finish_reason comes once, on its last chunk; each chunk
+    carries the log-probabilities of its own text; the stream adds up to the whole response, usage last."""
+    backend = BurstBackend([4, 2], total_blocks=8, script="abcdefghijklmnop")
+    body = completion(prompt=["ab", "abcd"], n=2, logprobs=1)
+
+    async def scenario():
+        async with make_client(backend) as client:
+            whole = await client.post("/v1/completions", json=body)
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            streamed = await client.post("/v1/completions", json=stream)
+        return whole.json(), streamed.text
+
+    whole, text = run(scenario())
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "defg", "length"), (1, "ef", "stop"), (2, "fghi", "length"), (3, "gh", "stop"),
+    ]  # fmt: skip
+    lines = [line for line in text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    chunks = streamed_choices(events)
+    assert sorted(chunks) == [0, 1, 2, 3]
+    for choice in whole["choices"]:
+        mine = chunks[choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"], choice["index"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"], choice["index"]
+        assert all("".join(c["logprobs"]["tokens"]) == c["text"] for c in mine), mine
+    assert events[-1]["usage"] == whole["usage"]
 
 
 # ---- parameters amoe does not implement: refused by name, their no-op values accepted

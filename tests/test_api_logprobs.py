@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 import transformers
-from factories import LOGPROB_TOL, check_echo_choice, hf_greedy, server_in_thread
+from factories import LOGPROB_TOL, check_echo_choice, hf_greedy, server_in_thread, streamed_choices
 
 from amoe.config import AmoeConfig
 from amoe.logprobs import MAX_LOGPROBS
@@ -156,14 +156,14 @@ def test_a_list_of_prompts_gets_a_choice_each_in_order(http):
         assert choice["logprobs"]["tokens"] == one["choices"][0]["logprobs"]["tokens"]
     assert together["usage"]["completion_tokens"] == 12
     assert together["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
-    # Streamed: each chunk names its prompt's choice; every choice finishes once.
+    # Streamed: each chunk names its prompt's choice; every choice finishes once, on its last chunk.
     with http.stream("POST", "/v1/completions", json={**body, "prompt": prompts, "stream": True}) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
-    assert sorted(finished) == [0, 1, 2]
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = streamed_choices(events)
+    assert sorted(chunks) == [0, 1, 2]
     for i, one in enumerate(alone):
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
-        assert text == one["choices"][0]["text"]
+        assert "".join(c["text"] for c in chunks[i]) == one["choices"][0]["text"]
+        assert chunks[i][-1]["finish_reason"] == one["choices"][0]["finish_reason"]
 
 
 def _close(x: float | None, y: float | None) -> bool:
@@ -217,10 +217,11 @@ def test_n_sequences_of_a_list_of_prompts_are_choices_p_times_n_plus_i_with_thei
     stream["stream_options"] = {"include_usage": True}
     with http.stream("POST", "/v1/completions", json=stream) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    chunks = [e["choices"][0] for e in events if e["choices"]]
-    assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1, 2, 3]
+    chunks = streamed_choices(events)  # in no order across choices; each ends once, on its last chunk
+    assert sorted(chunks) == [0, 1, 2, 3]
     for index, choice in enumerate(choices):
-        mine = [c for c in chunks if c["index"] == index]
+        mine = chunks[index]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"], index
         parts = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for chunk in mine:
             for key, values in chunk["logprobs"].items():

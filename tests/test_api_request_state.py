@@ -3,6 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from amoe.logprobs import Logprobs
 from amoe.request_rules import StopMatcher
 from coordinator.request_state import RequestState
 
@@ -61,6 +62,28 @@ def test_engine_finish_reason_kept_when_no_stop_string_matches():
     state = RequestState(CharDetokenizer(), ["zz"], num_prompt_tokens=1)
     state.append(ids("abz"), "stop")  # eos
     assert state.finish_reason == "stop" and state.take_text() == "abz"
+
+
+def scored(text: str) -> Logprobs:
+    return Logprobs(
+        ids(text), [-1.0] * len(text), [1] * len(text), [[t] for t in ids(text)], [[-1.0]] * len(text)
+    )
+
+
+def test_a_chunk_is_fixed_when_taken_and_its_log_probabilities_wait_for_their_text():
+    state = RequestState(CharDetokenizer(), ["END"], num_prompt_tokens=1)
+    state.append(ids("ab"), None, scored("ab"))
+    first = state.take_chunk()
+    assert (first.text, first.finish_reason, first.logprobs.token_ids) == ("ab", None, ids("ab"))
+    for token in "EN":  # may start "END": held back, nothing to send; their log-probabilities wait for them
+        state.append(ids(token), None, scored(token))
+        assert state.take_chunk() is None
+    state.append(ids("x"), "length", scored("x"))
+    last = state.take_chunk()
+    assert (last.text, last.finish_reason, last.logprobs.token_ids) == ("ENx", "length", ids("ENx"))
+    # What was taken earlier stays as it was taken, however the sequence went on.
+    assert (first.text, first.finish_reason, first.logprobs.token_ids) == ("ab", None, ids("ab"))
+    assert first.state is state and state.text == "abENx"
 
 
 # ---- the stop check is one automaton step per new character; it must agree with the plain definition

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -203,11 +205,12 @@ def test_a_killed_node_agent_is_noticed_and_its_runtimes_return_with_it(
 )
 @pytest.mark.timeout(300)
 def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
-    hosts, model_dir, reference, tmp_path
+    hosts, model_dir, reference, tmp_path, bystander
 ):
     """Ray's head on one namespaced host, a worker node on another: `--distributed-backend ray` places the three
     runtimes as actors over both, serves the reference, and a runtime whose process is killed comes back through
-    the self-healing path (a new actor on the same bundle) with the requests finishing exactly."""
+    the self-healing path (a new actor on the same bundle) with the requests finishing exactly. Closing the Ray
+    nodes ends every process of theirs, and only those."""
     secret = write_secret(tmp_path / "secret", "r" * 64)
     with RayNodes(hosts, count=2) as ray_nodes:
         flags = [
@@ -257,6 +260,18 @@ def test_the_ray_backend_places_runtimes_as_actors_and_replaces_a_lost_one(
             assert head.proc.wait(60) == 0, head.log()
         finally:
             head.kill_all()
+    assert bystander.poll() is None, "closing the harness's Ray ended a Ray process it had not started"
+    assert ray_nodes.processes.running() == []  # the nodes' daemons, workers and actors
+
+
+@pytest.fixture()
+def bystander(tmp_path):
+    """A process named as Ray's raylet that no harness started (`ray stop` would end it)."""
+    os.symlink(shutil.which("sleep"), tmp_path / "raylet")  # a process's name is the file it was started from
+    proc = subprocess.Popen([str(tmp_path / "raylet"), "600"])
+    yield proc
+    proc.kill()
+    proc.wait(10)
 
 
 def _serve(*argv: str) -> subprocess.Popen:

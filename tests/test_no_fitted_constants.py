@@ -1,5 +1,5 @@
 """The performance model's constants are frozen, not fitted: no number in the model or its tests is (within 1 %) a
-throughput the emulated runtime measured and docs/results records. A prediction checked against a measurement it
+throughput the emulated runtime measured and experiments/ records. A prediction checked against a measurement it
 was tuned to reproduce says nothing (issue 32: a test pinned the simulation to "the runtime's two measurements'
 mean"); the out-of-sample check (`amoe bench plan-check --preset sample`) is where predictions meet measurements."""
 
@@ -21,7 +21,7 @@ MODEL_TESTS = [REPO / "tests" / n for n in ("test_simulate.py", "test_bounds.py"
 
 
 def measured_values() -> set[float]:
-    """Every number recorded under a key that starts with "measured" in docs/results (JSON and JSON lines)."""
+    """Every number recorded under a key that starts with "measured" in experiments/ (JSON and JSON lines)."""
     found: set[float] = set()
 
     def walk(node) -> None:
@@ -38,7 +38,7 @@ def measured_values() -> set[float]:
             for value in node:
                 walk(value)
 
-    for path in (REPO / "docs" / "results").rglob("*.json*"):
+    for path in (REPO / "experiments").rglob("*.json*"):
         text = path.read_text()
         docs = [text] if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
         for doc in docs:
@@ -67,7 +67,7 @@ def literals(path: Path) -> list[tuple[float, int]]:
 
 def test_no_model_constant_is_a_recorded_measurement():
     measured = sorted(measured_values())
-    assert measured, "docs/results records no measurements: the check would pass vacuously"
+    assert measured, "experiments/ records no measurements: the check would pass vacuously"
     fitted = [
         f"{path.relative_to(REPO)}:{line}: {value:g} is within 1 % of the measured {m:g}"
         for path in MODEL_CODE + MODEL_TESTS

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import tokenizers
-from tokenizers import models, pre_tokenizers, trainers
+from factories import sentencepiece_tokenizer_json
 
 from amoe.errors import ModelLoadError, RequestError
 from amoe.tokenizer import IncrementalDetokenizer, Tokenizer, write_tokenizer
@@ -49,7 +48,7 @@ def tok(tok_dir) -> Tokenizer:
 def sp_dir(request, tmp_path_factory) -> Path:
     """A Mistral-style tokenizer: sentencepiece BPE with byte fallback, as in Mixtral's tokenizer.json."""
     out = tmp_path_factory.mktemp(f"sp-{request.param}")
-    (out / "tokenizer.json").write_text(_sentencepiece_style_json(request.param), encoding="utf-8")
+    (out / "tokenizer.json").write_text(sentencepiece_tokenizer_json(request.param), encoding="utf-8")
     config = {  # Mixtral's tokenizer_config.json, with AddedToken dicts and the generic fast class
         "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
         "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
@@ -239,55 +238,3 @@ def test_without_config_no_named_specials_and_no_template(tok_dir, tmp_path):
     assert tok.encode("hi")[0] == 1
     with pytest.raises(RequestError, match="no chat_template"):
         tok.apply_chat_template(CHAT)
-
-
-def _sentencepiece_style_json(style: str) -> str:
-    """Train a small sentencepiece-like BPE, then lay it out as Mixtral's tokenizer.json does."""
-    from amoe.tokenizer import _corpus
-
-    trained = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=70, show_progress=False
-    )
-    trained.train_from_iterator(_corpus().splitlines(), trainer)
-    spec = json.loads(trained.to_str())
-    # Mixtral's id layout: <unk> <s> </s>, then <0x00>..<0xFF>, then the pieces.
-    pieces = sorted((i, p) for p, i in spec["model"]["vocab"].items() if i >= 3)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    vocab.update({p: len(vocab) + n for n, (_, p) in enumerate(pieces)})
-    spec["model"]["vocab"] = vocab
-    if style == "prepend":  # Mixtral-8x7B (tokenizers 0.15 era)
-        spec["normalizer"] = {
-            "type": "Sequence",
-            "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-            ],
-        }
-        spec["pre_tokenizer"] = None
-    else:  # later Mistral releases
-        spec["normalizer"] = None
-        spec["pre_tokenizer"] = {
-            "type": "Metaspace",
-            "replacement": "▁",
-            "prepend_scheme": "first",
-            "split": False,
-        }
-    spec["decoder"] = {
-        "type": "Sequence",
-        "decoders": [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-        ],
-    }
-    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
-    spec["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
-    }
-    return json.dumps(spec, ensure_ascii=False)

@@ -22,6 +22,8 @@ import uuid
 
 import psutil
 
+from amoe.testing.processes import TaggedProcesses, tagged
+
 SUBNET = "10.77"
 
 
@@ -67,14 +69,7 @@ class Node:
         return "\n".join(self.lines[-60:])
 
     def tagged(self) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get("AMOE_TEST_TAG") == self.tag and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return tagged(self.tag)
 
     def kill_all(self) -> None:
         for proc in self.tagged():
@@ -188,13 +183,16 @@ class Hosts:
 
 class RayNodes:
     """A Ray cluster over the first `count` of `hosts`: the head on host 0, a worker node on each other one
-    (`ray start`, as a user would), `cpus` each; `ray stop` on close. Needs the optional `ray` package."""
+    (`ray start`, as a user would), `cpus` each. Every process of it — the nodes' daemons, the workers and actors
+    they start, what those start — carries this cluster's tag, and close stops those alone (`ray stop` would end
+    every Ray process on the machine). Needs the optional `ray` package."""
 
     def __init__(self, hosts: Hosts, count: int = 2, cpus: int = 2) -> None:
         self.hosts = hosts
+        self.processes = TaggedProcesses()
         self.port = _free_port()
         self.address = f"{hosts.addrs[0]}:{self.port}"
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = self.processes.env({**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
         common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--object-store-memory", str(200 * 2**20)]
         # Each "host" its own temp dir: the namespaces share one filesystem, where Ray keeps its sockets.
@@ -219,10 +217,13 @@ class RayNodes:
             )
 
     def close(self) -> None:
-        ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        subprocess.run([ray, "stop", "--force"], capture_output=True, env=self.env, timeout=120)
-        for path in getattr(self, "temp_dirs", []):
-            shutil.rmtree(path, ignore_errors=True)
+        """Stop this cluster's processes (SIGTERM, SIGKILL after a grace period: its GCS server hangs flushing
+        its events on SIGTERM) and remove its temp dirs; idempotent."""
+        try:
+            self.processes.stop()
+        finally:
+            for path in getattr(self, "temp_dirs", []):
+                shutil.rmtree(path, ignore_errors=True)
 
     def __enter__(self) -> RayNodes:
         return self
