@@ -101,7 +101,7 @@ def test_serve_flags_and_bound():
     ep = serve_flags(Setup("ep", 8), p, seed=0)
     assert "--expert-ranks" not in ep and ep[ep.index("--parallel") + 1] == "ep"
     # The coordinator's timeouts count emulated seconds: its defaults stretched by the run's time scale, so a
-    # slow plan's first token at a large scale is not cut off (amoe.bench.compare_setup.emulated_timeouts).
+    # slow plan's first token at a large scale is not cut off (amoe.perf.studies.compare_setup.emulated_timeouts).
     from amoe.cli import build_parser
     from amoe.config import ServerSection, config_from_args
 

@@ -1,4 +1,4 @@
-"""A point's throughput from the coordinator's token counter (amoe.bench.point): the least-squares estimate holds
+"""A point's throughput from the coordinator's token counter (amoe.perf.studies.point): the least-squares estimate holds
 for a lock-step deployment's staircase counter wherever the scrapes fall, where two scrapes miss by a step."""
 
 import math

@@ -1,4 +1,4 @@
-"""The performance model behind `amoe plan` (amoe.emulation.bounds) and the planner itself: exact top-k inclusion,
+"""The performance model behind `amoe plan` (amoe.perf.plan.bounds) and the planner itself: exact top-k inclusion,
 skew on AEP's expert side, EP's all-to-alls and grouped GEMM, depth-independent ratios, request affinity and
 shifting skew in the routing override, and the search's output."""
 

@@ -1,5 +1,5 @@
 """EPS-MoE's expert pipeline for `--parallel ep` (amoe/runtime/sync/eps.py) and its cost model
-(amoe/emulation/eps.py): greedy tokens with PN 2 and 3 equal transformers' and the local engine's, bad flags fail
+(amoe/perf/model/eps.py): greedy tokens with PN 2 and 3 equal transformers' and the local engine's, bad flags fail
 in one line, the pipeline's schedule and the closed-form PN."""
 
 import math

@@ -1,4 +1,4 @@
-"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.emulation.frontier_trace, chrome_trace): the per-layer
+"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.perf.studies.frontier_trace, chrome_trace): the per-layer
 breakdown is the model's own (its step equals bounds.predict's), the published figures add up, and a Chrome trace's
 kernels are summed by category per MoE block."""
 

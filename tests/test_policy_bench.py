@@ -1,5 +1,5 @@
 """`amoe bench policies`' summary: throughput by Little's law beside the token counter's, medians and spreads over
-runs, and a recorded run summarised again (amoe.emulation.policy_bench)."""
+runs, and a recorded run summarised again (amoe.perf.studies.policy_bench)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The discrete-event simulation `amoe plan` refines its best plans with (amoe.emulation.simulate): it never beats the
+"""The discrete-event simulation `amoe plan` refines its best plans with (amoe.perf.plan.simulate): it never beats the
 bound, it reaches it when enough requests are in flight to fill every batch, and it shows what the bound cannot —
 AEP's smaller batches at the bound's own operating point, EP's barrier on this iteration's routing."""
 

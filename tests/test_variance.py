@@ -1,4 +1,4 @@
-"""Step-time variance of emulated GPUs (amoe.emulation.variance): the flag, the seeded draws every process agrees on,
+"""Step-time variance of emulated GPUs (amoe.perf.model.variance): the flag, the seeded draws every process agrees on,
 the clock that applies them, and what a barrier pays for them in the bounds and the simulation."""
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class EmulatedExpertExecutor:
 
     def run_experts(self, batches: list, kernel: str) -> list[torch.Tensor]:
         """A chunk of an EP expert pipeline: one hold for its routed experts as one grouped GEMM or one GEMM per
-        expert, priced by the GPU's kernel curves (amoe.emulation.eps), a shared expert as a GEMM of its own (as the
+        expert, priced by the GPU's kernel curves (amoe.perf.model.eps), a shared expert as a GEMM of its own (as the
         torch executor runs it, whatever the chunk's kernel), plus one host step."""
         rows = [b.num_rows for b in batches]
         model, gpu = self.em.profile, self.em.expert_gpu

@@ -32,7 +32,7 @@ class EmulatedClock:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.time_scale = time_scale
-        # This GPU's step-time variance (amoe.emulation.variance): its fixed slowdown, and a callable giving each
+        # This GPU's step-time variance (amoe.perf.model.variance): its fixed slowdown, and a callable giving each
         # step's jitter factor (None: none).
         self.speed, self.jitter = speed, jitter
         self.spin_s = spin_s  # wall seconds to busy-wait at the end of a hold; 0 on shared machines

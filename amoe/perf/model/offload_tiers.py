@@ -4,7 +4,7 @@ An emulated expert runtime with an offload budget keeps at most `device_experts`
 rest sit in host memory (up to `host_experts`, then on SSD). Experts first fill the device block by block, then the
 host, as the paper's initial placement does. When a step needs an expert that is not on the device, the step waits
 for its copy: one copy at a time crosses PCIe (host → device) and one the NVMe link (SSD → host), each a
-LinkProfile of profiles.py, pipelined (an SSD expert's PCIe copy starts when its host copy lands). While PCIe is
+LinkProfile of gpus.py, pipelined (an SSD expert's PCIe copy starts when its host copy lands). While PCIe is
 idle, the tiers copy what the policy's queue wants (`Policy.wanted`), never evicting an expert the queue ranks
 above the one they load, nor one the running step holds. With the LRU policy and no prefetching this is
 on-demand fetching, the paper's PyTorch-UM baseline.

@@ -1,5 +1,5 @@
 """Between cost profiles and the runtime's model shapes: the ModelConfig an emulated deployment's runtimes use, and
-the cost profile of a checkpoint's config.json, whatever its family. (Kept apart from profiles.py, which the config
+the cost profile of a checkpoint's config.json, whatever its family. (Kept apart from the profiles (gpus.py, models.py), which the config
 validation reads and which must stay free of model code.)"""
 
 from __future__ import annotations

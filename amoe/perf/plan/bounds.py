@@ -28,7 +28,7 @@ moves its rows in and out, whatever the waves or micro-batches.
 ITL follows from Little's law: concurrency / throughput (each of the C requests decoding at once gets one token per
 C / T seconds).
 
-Step-time variance (amoe.emulation.variance; sourced by default, `variance=OFF` for none): every GPU runs at its own
+Step-time variance (amoe.perf.model.variance; sourced by default, `variance=OFF` for none): every GPU runs at its own
 fixed speed (GPU i of the deployment: attention GPUs first, then expert GPUs; EP: device i) and each step jitters. A
 barrier pays the slowest: EP's blocks and ping-pong's micro-batch steps wait for `expected_max` over the devices, and
 so does an AEP wave's critical path at the expert GPUs of a block. A queue does not: each AEP GPU works at its own

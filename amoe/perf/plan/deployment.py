@@ -21,7 +21,7 @@ class Deployment:
     replicas: int = 1  # independent copies of the deployment serving side by side (behind one load balancer)
     expert_map: tuple[int, ...] | None = None  # expert -> expert GPU (aep / pingpong); None: e mod num_expert
     gpus_per_node: int = 8  # which transfers cross hosts
-    # ep: EPS-MoE's expert pipeline (amoe.emulation.eps): PN (0: auto, the runtime's choice) and the kernel
+    # ep: EPS-MoE's expert pipeline (amoe.perf.model.eps): PN (0: auto, the runtime's choice) and the kernel
     # (grouped | dense | auto); 1 and "": EP's one grouped step between two all-to-alls, as before.
     ep_pipelines: int = 1
     ep_kernel: str = ""
@@ -30,7 +30,7 @@ class Deployment:
     def pipelined(self) -> bool:
         return self.mode == "ep" and (self.ep_pipelines != 1 or bool(self.ep_kernel))
 
-    # EP as deployed at scale (issue 35, amoe.emulation.ep_at_scale): redundant expert copies placed by EPLB per
+    # EP as deployed at scale (issue 35, amoe.perf.model.ep_scale): redundant expert copies placed by EPLB per
     # layer, and two-batch overlap of the exchange with compute.
     redundant_experts: int = 0
     two_batch_overlap: bool = False

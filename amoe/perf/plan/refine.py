@@ -31,12 +31,12 @@ SIM_DOUBLINGS = 3
 
 
 # Requests of one copy up to which AEP's refinement doubles concurrency event by event (~2 s for 6,000 at full depth);
-# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.emulation.simulate_scale, issue 35), which
+# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.perf.plan.simulate.scale, issue 35), which
 # doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
 
 
-# AEP at scale (amoe.emulation.aep_at_scale) splits refine's window of 8 ITLs into this many batches and stops at
+# AEP at scale (amoe.perf.plan.simulate.aep_scale) splits refine's window of 8 ITLs into this many batches and stops at
 # the first k ≥ 10 whose batch-means 95 % interval of throughput is within ±1 % (the rule written down before its
 # series were looked at; docs/results.md "`amoe plan` on 256 H800s"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
 SIM_BATCHES = 32
@@ -54,7 +54,7 @@ def refine(
     variance: StepVariance | None = None,
     policy: str = AEP_POLICY,
 ) -> Plan:
-    """The plan's prediction from the simulation (amoe.emulation.simulate) where the bound is not enough: AEP at
+    """The plan's prediction from the simulation (amoe.perf.plan.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
     the most it simulates under the ITL objective; EP and ping-pong at their concurrency, in lock-step with each
     iteration's routing. The bound (ping-pong: the analytic Eq. 5 shape) stays in extra["bound"]. With
@@ -133,7 +133,7 @@ def refine(
     sim = next(s for s in ok if s.tokens_per_s >= (1 - RESOLUTION) * most)
     extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True, "wave_group": scheduler.wave_group}
     if dep.mode == "aep":
-        # The simulation at scale models one expert-side rule, defrag's (amoe.emulation.simulate_scale), whatever
+        # The simulation at scale models one expert-side rule, defrag's (amoe.perf.plan.simulate.scale), whatever
         # the policy asked: a plan simulated there is served with the policy its figure is of, not with one its
         # prediction never ran (the 32-runtime check under waves measured 1.30× that defrag prediction).
         from amoe.perf.plan.simulate.scale import is_exact

@@ -69,7 +69,7 @@ class PlanRequest:
     model_dir: str | None = None  # plan for this checkpoint's config.json instead of a named profile
     # EP deployments with EPS-MoE's expert pipeline, PN and kernel chosen by `auto` (`amoe plan --eps`)
     eps: bool = False
-    # the GPUs' step-time variance the plans assume (amoe.emulation.variance): sourced | off | SPREAD[,...]
+    # the GPUs' step-time variance the plans assume (amoe.perf.model.variance): sourced | off | SPREAD[,...]
     step_variance: str = "sourced"
     # Frontier planning (issue 35): a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
     # published DeepSeek-V3 deployments ran), and EP also as deployed at scale: EPLB's redundant experts (this

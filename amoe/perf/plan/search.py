@@ -4,7 +4,7 @@ over amoe's modes).
 It enumerates AEP splits (how many GPUs run attention and how many experts, and which GPU type takes which role
 when the pool is heterogeneous), attention and expert batch caps, expert placements (round robin, or balanced for
 the routing's skew), ping-pong micro-batch counts and EP group sizes; predicts each one's decode throughput, ITL and
-cost per million output tokens with the cost model's bounds (amoe.emulation.bounds, at the model's full depth);
+cost per million output tokens with the cost model's bounds (amoe.perf.plan.bounds, at the model's full depth);
 drops those over the ITL objective; and prints the best, each with the `amoe serve` command that runs it.
 
     amoe plan --model-profile mixtral-8x7b-mqa --gpus a100-80g:8 --workload short --top-k 1

@@ -22,13 +22,13 @@ import torch
 from amoe import core
 
 # The probe's median on the development machine (2 cores, Python 3.11, torch 2.13 CPU; 2026-11-25), where the presets'
-# time scales keep the host at about one core at their top loads. Measured with `python -m amoe.bench.calibrate`.
+# time scales keep the host at about one core at their top loads. Measured with `python -m amoe.perf.studies.calibrate`.
 REFERENCE_PROBE_S = 55e-6
 # A point whose server processes and load generator used more than this fraction of the host's cores is marked
 # saturated: the runtimes queued for the CPU, so the emulated GPUs did not set the pace.
 SATURATED_CORE_FRACTION = 0.85
 _ROWS = 64
-_HIDDEN = 16  # the emulation's wire width (amoe.emulation.executor.WIRE_HIDDEN)
+_HIDDEN = 16  # the emulation's wire width (amoe.runtime.emulated.WIRE_HIDDEN)
 
 
 def _one_step(rng: np.random.Generator, x: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """A Chrome trace (as the PyTorch profiler writes it) of a decode step: its GPU kernels summed by category per MoE
-block, for `amoe bench frontier --breakdown --trace FILE` (amoe.emulation.frontier_trace)."""
+block, for `amoe bench frontier --breakdown --trace FILE` (amoe.perf.studies.frontier_trace)."""
 
 from __future__ import annotations
 

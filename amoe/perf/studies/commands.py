@@ -7,13 +7,15 @@ module when it runs."""
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
+from amoe.config import POLICIES
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 
-# amoe.emulation.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
+# amoe.perf.studies.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
 PLAN_CHECK_PRESETS = ("ci", "depth", "full", "scale32", "variance")
-OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.emulation.plan_check.sample_checks)
+OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.perf.studies.plan_check.sample_checks)
 
 
 def add_bench_compare_command(sub: Any) -> None:
@@ -212,7 +214,7 @@ def add_bench_policies_command(sub: Any) -> None:
 
 
 def add_aep_policy(p: argparse.ArgumentParser) -> None:
-    """`--aep-policy` (amoe.emulation.plan.AEP_POLICY; checked there against amoe.config.POLICIES, so that
+    """`--aep-policy` (amoe.perf.plan.request.AEP_POLICY; checked there against amoe.config.POLICIES, so that
     `--help` imports nothing heavy)."""
     p.add_argument(
         "--aep-policy", default="waves", metavar="POLICY",
@@ -326,6 +328,141 @@ def run_plan(args: argparse.Namespace) -> int:
     return plan_main(args)
 
 
+def add_bench_policies_sim_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "policies-sim", help="the scheduling policies in the simulation of three AEP plans at full depth"
+    )
+    p.add_argument("policies", nargs="*", metavar="POLICY", help="only these policies (default: every one)")
+    p.add_argument("--stagger", action="store_true", help="each attention rank starts at its own time")
+    p.add_argument(
+        "--no-rank-barrier",
+        action="store_true",
+        help="waves' expert side without the rank barrier (comparison)",
+    )
+    p.set_defaults(run=_runner("policies_sim"))
+
+
+def add_bench_waves_emulated_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "waves-emulated",
+        help="AEP plans at 32 blocks on the emulated runtime under a policy, against the bound",
+    )
+    p.add_argument("--policy", default="waves", choices=POLICIES)
+    p.add_argument("--plans", default="0,1,2", help="indices into waves_emulated.PLANS, comma-separated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--wave-group", type=int, default=-1,
+        help="waves: the expert side's wave group (docs/engine.md item 13); -1 (default): the bound's, as the plan's "
+        "command sets it; 0: per rank (items 9-10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-scale", type=float, default=None,
+        help="every plan's time scale (before the tokens-per-wall-second floor), the same in every invocation "
+        "(default: the recorded runs' one); 0: the preset's, stretched by the host probe read once at the start",
+    )  # fmt: skip
+    p.set_defaults(run=_runner("waves_emulated"))
+
+
+def add_bench_waves_sim_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "waves-sim", help="waves-emulated's plans in the simulation under waves, with a wave group"
+    )
+    p.add_argument("plans", help="indices into waves_emulated.PLANS, comma-separated")
+    p.add_argument("mults", nargs="?", default="1", help="multiples of the bound's requests (default: 1)")
+    p.add_argument(
+        "group", nargs="?", default="bound", help="the wave group: bound (default) or N (0: per rank)"
+    )
+    p.set_defaults(run=_runner("waves_sim"))
+
+
+def add_bench_aep_unmerged_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "aep-unmerged", help="AEP's bound when no two ranks share an expert step, beside the merged bound"
+    )
+    p.add_argument(
+        "--itl-slo-ms", type=float, default=None, help="the 100 ms table's plans (default: waves32's)"
+    )
+    p.set_defaults(run=_runner("aep_unmerged"))
+
+
+def add_bench_repredict_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "repredict", help="recorded AEP measurements against the simulation's prediction by the code at hand"
+    )
+    p.add_argument(
+        "parts", nargs="*", metavar="PART", help="sample | table_100ms | waves_32 (default: all three)"
+    )
+    p.add_argument(
+        "--sample", default="experiments/2026-11-27-plan-check-sample/seed-20261127/plan_check.json",
+        help="the out-of-sample plan check's plan_check.json",
+    )  # fmt: skip
+    p.add_argument(
+        "--table-100ms",
+        default="experiments/2026-11-27-itl-100ms-waves/100_measured,experiments/2026-11-27-itl-100ms-waves/100_measured_repeat",
+        help="the two measured 100 ms tables' folders (each with its plan_table.json), comma-separated",
+    )  # fmt: skip
+    p.add_argument(
+        "--waves-32",
+        default="experiments/2026-11-27-waves-three-runs/rounds.jsonl,experiments/2026-11-27-waves-three-runs/plan6.jsonl",
+        help="waves-emulated's recorded runs (JSON lines), comma-separated",
+    )  # fmt: skip
+    p.set_defaults(run=_runner("repredict"))
+
+
+def add_bench_variance_same_plans_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "variance-same-plans",
+        help="each frontier-table cell's plan simulated without and with step-time variance",
+    )
+    p.add_argument("table", metavar="TABLE", help="`amoe bench frontier --table` JSON lines")
+    p.set_defaults(run=_runner("variance_same_plans"))
+
+
+def add_bench_offload_replay_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "offload-replay", help="expert offloading by trace replay (MoE-Infinity) and on emulated A5000 tiers"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer sequences (a smoke run)")
+    p.add_argument(
+        "--parts", default=None,
+        help="comma-separated, of statistics, hit, recall, blocks, latency, mixtral (default: all)",
+    )  # fmt: skip
+    p.add_argument("--routing", help="replay a routing file the server recorded instead of the model")
+    p.add_argument("--capacity", type=int, help="with --routing: experts the cache holds")
+    p.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
+    p.add_argument(
+        "--enc-dec", action="store_true",
+        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload.md Round 5)",
+    )  # fmt: skip
+    p.set_defaults(run=_runner("offload_replay"))
+
+
+def add_bench_offload_locality_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "offload-locality",
+        help="the routing model's access locality set from the paper's ORACLE (Bélády only)",
+    )
+    p.add_argument("--models", default=None, help="comma-separated shapes (default: both)")
+    p.add_argument(
+        "--bound", action="store_true", help="the per-batch floor under Bélády instead of the search"
+    )
+    p.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
+    p.add_argument(
+        "--enc-dec", action="store_true", help="round 5: the round-3 constants on the encoder-decoder shapes"
+    )
+    p.set_defaults(run=_runner("offload_locality"))
+
+
+def _runner(study: str):
+    """The `run` of a study command: amoe.perf.studies.<study>.main, imported when the command runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(f"amoe.perf.studies.{study}")
+        return module.main(args)
+
+    return run
+
+
 BENCH_STUDIES = (
     add_bench_compare_command,
     add_bench_plan_check_command,
@@ -334,6 +471,14 @@ BENCH_STUDIES = (
     add_bench_policies_command,
     add_bench_eps_command,
     add_bench_frontier_command,
+    add_bench_policies_sim_command,
+    add_bench_waves_emulated_command,
+    add_bench_waves_sim_command,
+    add_bench_aep_unmerged_command,
+    add_bench_repredict_command,
+    add_bench_variance_same_plans_command,
+    add_bench_offload_replay_command,
+    add_bench_offload_locality_command,
 )
 
 

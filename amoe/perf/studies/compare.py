@@ -44,7 +44,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
 
     p = preset(args.preset)
     # The preset's scale is for the host it was chosen on; a slower host's Python gets proportionally more wall
-    # time per emulated second, so host work stays the same share of each emulated step (amoe.bench.calibrate).
+    # time per emulated second, so host work stays the same share of each emulated step (amoe.perf.studies.calibrate).
     scale, probe_s = (args.time_scale, None) if args.time_scale else calibrate.scaled(p.time_scale)
     p = replace(
         p,
@@ -119,7 +119,7 @@ async def _run_preset(p: Preset, seed: int) -> list[dict[str, Any]]:
 
 
 async def _steady_points(p: Preset, seed: int, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The headline's maxima and AEP at EP's ITL from steady points (amoe.bench.steady), which hold a number of
+    """The headline's maxima and AEP at EP's ITL from steady points (amoe.perf.studies.steady), which hold a number of
     requests rather than a rate and so have no backlog to measure: each main setup at the requests its best load
     point held, and AEP at the requests that give it EP's ITL there (a second try aimed by the first's ITL when
     that missed by more than 3 %). On Poisson points alone AEP / EP at EP's ITL moved 6 % between two runs: it was
@@ -219,7 +219,7 @@ async def load_point(
     The window is the last 40 % of the arrivals' span, or, with `warmup_s`, everything after that many emulated
     seconds. With `series` the point also keeps every scrape of the window (`series`: emulated seconds from the
     window's start, the ITL histogram's sum in emulated seconds and its count, requests running, output tokens)
-    for batch means (amoe.emulation.policy_itl). `grace`: of the duration, how long after the last arrival to wait
+    for batch means (amoe.perf.studies.policy_itl). `grace`: of the duration, how long after the last arrival to wait
     for requests to finish (`completed`) before cancelling them.
 
     Requests are not streamed: the server's histograms give TTFT and ITL, and one SSE event per token would cost

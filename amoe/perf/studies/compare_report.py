@@ -82,7 +82,7 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset, seed: int
     ep = [pt for pt in sweep if pt["setup"]["mode"] == "ep"]
     if not aep or not ep:
         return {}
-    # Steady points (amoe.bench.steady), where the preset has them: the maxima at the requests the best load
+    # Steady points (amoe.perf.studies.steady), where the preset has them: the maxima at the requests the best load
     # point held, and AEP's curve near EP's ITL from points aimed at it.
     steady = {pt["setup"]["mode"]: pt for pt in points if pt["group"] == group and pt["kind"] == "max"}
     at_itl = [pt for pt in points if pt["group"] == group and pt["kind"] == "at_itl"]

@@ -54,7 +54,7 @@ class Preset:
     expert_cap: int
     extra: tuple[tuple[Setup, ...], ...] = field(default=())  # more groups, each swept like `sweeps`
     blocks: int | None = None  # keep only this many blocks of every profile (None: the model's depth)
-    # The headline's maxima, AEP at EP's ITL and the policies' maxima from steady points (amoe.bench.steady)
+    # The headline's maxima, AEP at EP's ITL and the policies' maxima from steady points (amoe.perf.studies.steady)
     steady: bool = False
 
 
@@ -66,7 +66,7 @@ _AEP = Setup("aep", 4, 4)
 _EP = Setup("ep", 8)
 
 
-# The routing every setup runs: skew-exp at its default λ (amoe.emulation.routing: measured Mixtral skew).
+# The routing every setup runs: skew-exp at its default λ (amoe.perf.model.routing: measured Mixtral skew).
 ROUTING = "skew-exp"
 
 
@@ -203,7 +203,7 @@ def _bound(setup: Setup, p: Preset, deployment, full: bool = False) -> float:
 
 def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full: bool = False) -> float:
     """Output tokens/s no schedule can beat on the setup's GPUs placed as AEP would (attention + expert GPUs), with
-    the routing's skew on the expert side (amoe.emulation.bounds): every GPU busy at its most efficient batch
+    the routing's skew on the expert side (amoe.perf.plan.bounds): every GPU busy at its most efficient batch
     within the deployment's caps, KV capacity respected. `full`: at the model's full depth (the ratio between
     deployments is the same either way: a truncated profile pays its share of the head)."""
     from amoe.perf.plan.deployment import Deployment
@@ -217,7 +217,7 @@ def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full
 
 
 def ep_upper_bound(setup: Setup, p: Preset, seed: int = 0, full: bool = False) -> float:
-    """The cost model's best case for barrier-synchronised EP on the setup's GPUs (amoe.emulation.bounds: the
+    """The cost model's best case for barrier-synchronised EP on the setup's GPUs (amoe.perf.plan.bounds: the
     all-to-alls' latency and one grouped GEMM per device) under the routing the bench runs, each device batching
     up to the attention cap. With upper_bound it says what AEP / EP ratio the GPUs alone allow."""
     from amoe.perf.plan.deployment import Deployment

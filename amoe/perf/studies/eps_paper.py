@@ -1,8 +1,8 @@
-"""EPS-MoE's published measurements (arXiv 2410.12247, 4 and 8 x H800) and the cost model (amoe.emulation.eps)
+"""EPS-MoE's published measurements (arXiv 2410.12247, 4 and 8 x H800) and the cost model (amoe.perf.model.eps)
 fitted to and checked against them: Table II (one MoE layer per kernel, PN, overlap, FP8 and SM cap; its PN 1 rows
 calibrate the h800 curves, `fit_table2`), Table IV (the GEMM on 132 vs 116 SMs: the interference,
 `fit_interference`) and Table III (DeepSeek-V2 prefill on 8 GPUs, `prefill_block`). `amoe bench eps`
-(amoe.emulation.eps_bench) prints the comparison; docs/results.md "EPS-MoE" records it.
+(amoe.perf.studies.eps_bench) prints the comparison; docs/results.md "EPS-MoE" records it.
 """
 
 from __future__ import annotations

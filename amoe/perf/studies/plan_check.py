@@ -1,17 +1,17 @@
-"""Does the emulated runtime reach what the planner predicts? Each plan's predicted throughput (amoe.emulation.plan,
+"""Does the emulated runtime reach what the planner predicts? Each plan's predicted throughput (amoe.perf.plan.search,
 what `amoe plan` ranks by) against the maximum the emulated runtime measures when it runs that plan's `amoe serve`
 command (issue 20). The emulated executor holds each step for the cost model's time, so this checks the runtime's
 queueing, batching and scheduling against the simulation's, not the cost model against a GPU (docs/emulation.md).
 
     amoe bench plan-check [--preset full|depth|ci] [--repeats N] [--only ep,pingpong] [--match S] [--out DIR]
 
-For every plan: start the emulated deployment with the plan's flags (`amoe.emulation.plan.serve_command`, emulated), run it
+For every plan: start the emulated deployment with the plan's flags (`amoe.perf.plan.report.serve_command`, emulated), run it
 at the plan's concurrency and measure output tokens per emulated second in steady state. By default the deployment
-starts in that steady state (amoe.bench.steady: the plan's requests as a running deployment holds them, a closed
+starts in that steady state (amoe.perf.studies.steady: the plan's requests as a running deployment holds them, a closed
 load, measured over ITLs; about 15 ITLs a point); `--fill poisson` instead offers Poisson arrivals above the
 predicted rate until admission holds the plan at its concurrency (~80 ITLs a point; both agree within 2 % on the
 full preset, docs/results.md). The time scale is the preset's,
-stretched by a host probe (amoe.bench.calibrate) so host work is the same fraction of each emulated step on any
+stretched by a host probe (amoe.perf.studies.calibrate) so host work is the same fraction of each emulated step on any
 machine; a point whose server saturated the host's CPU is marked and rerun at twice the time scale. With
 --repeats N each plan runs N times and reports the median and spread.
 
@@ -67,9 +67,7 @@ class Check:
     profile: str
     top_k: int
     deployment: Deployment
-    concurrency: int | None = (
-        None  # requests in flight (AEP); None: the plan's own (amoe.emulation.plan.refine)
-    )
+    concurrency: int | None = None  # requests in flight (AEP); None: the plan's own (amoe.perf.plan.refine)
     routing: str = ROUTING
 
 
@@ -98,7 +96,7 @@ class CheckPreset:
     overload: float  # offered rate over the predicted one (--fill poisson)
     tolerance: float  # |measured / predicted - 1| allowed
     min_window_s: float = steady.MIN_WINDOW_WALL_S  # wall seconds a steady point is measured over, at least
-    # The emulated GPUs' step-time variance (amoe.emulation.variance), in the runs and in the prediction.
+    # The emulated GPUs' step-time variance (amoe.perf.model.variance), in the runs and in the prediction.
     step_variance: str = "sourced"
     # The scheduling policy of the AEP plans, in the runs (`--scheduler`) and in the prediction (`amoe plan`'s).
     aep_policy: str = AEP_POLICY
@@ -145,7 +143,7 @@ PRESETS = {
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
     # Issue 35: one frontier-class plan at 32 emulated runtimes, where the simulation runs at scale
-    # (amoe.emulation.simulate_scale: counts per expert, the attention GPUs on one timeline, AEP in waves) and the
+    # (amoe.perf.plan.simulate.scale: counts per expert, the attention GPUs on one timeline, AEP in waves) and the
     # runtime's queues, batching and 16-way fan-out are the real ones. Chosen before any run (docs/results.md
     # "Issue 35", "The emulated runtime at 32 GPUs"): DeepSeek-V3 (256 experts top-8, FP8) at 4 of its 58 MoE
     # blocks on H800s; AEP, the mode the simulation is least sure of; A = E = 16, so no expert GPU receives more
@@ -234,9 +232,9 @@ def startup_timeout_s(d: Deployment) -> float:
 
 async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, seed: int, fill: str) -> dict:
     """One run of the plan at its concurrency (one copy's share of the prediction's). `steady` (the default): that
-    many steady-state requests, measured over ITLs (amoe.bench.steady); `poisson`: arrivals at `overload` × the
+    many steady-state requests, measured over ITLs (amoe.perf.studies.steady); `poisson`: arrivals at `overload` × the
     predicted rate until admission holds the plan at its concurrency, measured over the last 40 % of a point about
-    a request lifetime long (amoe.bench.compare; ~5× the wall time)."""
+    a request lifetime long (amoe.perf.studies.compare; ~5× the wall time)."""
     d = check.deployment
     setup = Setup(
         d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu,
@@ -337,7 +335,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    """`amoe bench plan-check` (its flags: amoe.emulation.commands)."""
+    """`amoe bench plan-check` (its flags: amoe.perf.studies.commands)."""
     if args.preset == "sample":
         if args.seed is None:
             raise ConfigError("--preset sample draws its plans from --seed N: give a seed not used before")

@@ -7,7 +7,7 @@ Prints a table and a final JSON line; writes scale.png (throughput per GPU vs GP
 are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/emulation.md "Bounds");
 with --simulate each mode's best shapes are refined by the discrete-event simulation and ranked by it, as `amoe plan`
 does (one copy of each, so a plan of many small copies costs what one copy does). A copy of more than 16 GPUs or
-16,384 requests is simulated at scale (amoe.emulation.simulate_scale, issue 35) rather than keeping its bound.
+16,384 requests is simulated at scale (amoe.perf.plan.simulate.scale, issue 35) rather than keeping its bound.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def best(gpu: str, n: int, mode: str, args, replicate: bool) -> dict | None:
 
 
 def main(args) -> int:
-    """`amoe bench plan-scale` (its flags: amoe.emulation.commands)."""
+    """`amoe bench plan-scale` (its flags: amoe.perf.studies.commands)."""
     started = time.monotonic()
     args.routing = args.routing or f"skew-exp:{DEFAULT_LAMBDA:g}"
     # Best of each mode with copies allowed (what a deployment would do), and as one deployment over every GPU

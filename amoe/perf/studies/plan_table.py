@@ -115,7 +115,7 @@ class Measured:
     def __init__(self, path: Path, run: bool = True) -> None:
         self.path = path
         self.run = run  # False: report only what the file holds
-        self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.emulation.variance)
+        self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.perf.model.variance)
         self.aep_policy = AEP_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
         self.points: dict[str, dict] = {}
         if path.exists():
@@ -163,7 +163,7 @@ def little_rate(runs: list[dict]) -> float | None:
 
 
 def fit_over_two_scrapes(points: dict[str, dict]) -> dict[str, list[float]]:
-    """Per mode, each measured run's least-squares throughput over its two-scrape one (amoe.bench.point
+    """Per mode, each measured run's least-squares throughput over its two-scrape one (amoe.perf.studies.point
     token_rate_fit), for the runs that recorded both: how far the table's reading of a lock-step deployment's
     staircase counter is off."""
     out: dict[str, list[float]] = {}
@@ -415,7 +415,7 @@ def _row_indices(text: str | None, count: int) -> set[int]:
 
 
 def main(args) -> int:
-    """`amoe bench plan-table` (its flags: amoe.emulation.commands)."""
+    """`amoe bench plan-table` (its flags: amoe.perf.studies.commands)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
     routings = args.routings.split(";") if args.routings else list(ROUTINGS)

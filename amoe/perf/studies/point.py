@@ -1,6 +1,6 @@
-"""A load point's figures from the `/metrics` scrapes of its window (amoe.bench.probe): throughput and ITL in emulated
+"""A load point's figures from the `/metrics` scrapes of its window (amoe.perf.studies.probe): throughput and ITL in emulated
 time, TTFT, the runtimes' busy fractions, the host's CPU and the requests in flight. `amoe bench compare`'s Poisson
-points (amoe.bench.compare) and steady points (amoe.bench.steady) are both measured here."""
+points (amoe.perf.studies.compare) and steady points (amoe.perf.studies.steady) are both measured here."""
 
 from __future__ import annotations
 

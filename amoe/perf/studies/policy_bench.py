@@ -10,7 +10,7 @@ the load where the paper's Fig. 12 shows first-layer-first falling behind) and i
 policy sustains), the median over --repeats runs (each with its own arrival and routing seed) and the runs'
 spread. Prints a table and one final JSON line; writes policies.json to --out.
 
-Each rank holds at most the requests the planner's prediction of this deployment runs at (`amoe.emulation.plan.refine`:
+Each rank holds at most the requests the planner's prediction of this deployment runs at (`amoe.perf.plan.refine`:
 the least concurrency within 3 % of the most it simulates); arrivals beyond wait in the coordinator's queue and
 replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
 its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
@@ -162,7 +162,7 @@ def _little(pt: dict) -> float | None:
     """A point's throughput by Little's law: requests in flight over the mean ITL (tokens per emulated second).
     The token counter moves in bursts as the coordinator's event loop gets to the runtimes' outputs, and on a busy
     host a burst inside a short window read 166 k tokens/s where the bound is 86 k; the ITL histogram times every
-    token (as amoe.emulation.plan_table.little_rate reads the planner's points)."""
+    token (as amoe.perf.studies.plan_table.little_rate reads the planner's points)."""
     if not pt.get("itl_ms_mean") or not pt.get("running_mean"):
         return None
     return pt["running_mean"] / (pt["itl_ms_mean"] / 1e3)
@@ -179,7 +179,7 @@ def not_overloaded(pt: dict) -> bool:
 
 
 def _interval(pt: dict | None, batches: int, little: bool) -> dict:
-    """A point's 95 % interval by batch means over its window (amoe.emulation.batch_means): the
+    """A point's 95 % interval by batch means over its window (amoe.perf.plan.simulate.batch_means): the
     half-width relative to its figure and the batch figures' lag-1 autocorrelation; {} for a point recorded
     without its series or too short for the batches."""
     from amoe.perf.plan.simulate.batch_means import batch_means
@@ -239,7 +239,7 @@ def report(path: Path) -> dict:
 
 
 def main(args) -> int:
-    """`amoe bench policies` (its flags: amoe.emulation.commands)."""
+    """`amoe bench policies` (its flags: amoe.perf.studies.commands)."""
     if getattr(args, "report", None):
         print(json.dumps(report(args.report)))
         return 0

@@ -8,7 +8,7 @@ requests in flight, which follow the Poisson draw of the last request lifetime o
 window are therefore not independent samples; batch means over stretches longer than that correlation give an
 honest interval (Law & Kelton, "Simulation Modeling and Analysis", §9.5.3: the method of batch means).
 
-`python -m amoe.emulation.policy_itl --policy waves --seed 0 --duration 10 --out DIR` runs one half-load point
+`python -m amoe.perf.studies.policy_itl --policy waves --seed 0 --duration 10 --out DIR` runs one half-load point
 (niced by the caller) and writes every scrape and every request's latency, for the analysis in docs/results.md
 ("Why the half-load ITL differed between seeds").
 """
@@ -141,7 +141,7 @@ def correlation_time(values: list[float], width: float) -> float:
 
 
 async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks: int) -> list[dict]:
-    """The policy's ITL at fixed requests in flight (closed load from the steady state, amoe.bench.steady), one
+    """The policy's ITL at fixed requests in flight (closed load from the steady state, amoe.perf.studies.steady), one
     fresh server a point: the curve ITL(N) that Little's law N = rate × tokens × ITL meets at half load. Where its
     elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""

@@ -1,7 +1,7 @@
 """A deployment's decode throughput at a fixed number of requests in flight, started in its steady state and measured
 over ITLs rather than request lifetimes (`amoe bench plan-check`, `amoe bench plan-table` --measure; issue 20).
 
-`amoe.bench.compare.load_point` offers Poisson arrivals above the deployment's rate and lets admission hold it at its
+`amoe.perf.studies.compare.load_point` offers Poisson arrivals above the deployment's rate and lets admission hold it at its
 concurrency: the deployment fills in about half a request lifetime (output tokens × ITL / overload) and is measured
 over the last 40 % of a point 2.5 fills long, ~80 ITLs in all. At full model depth, where ITLs reach a second, that
 is an hour of a 2-core host per point. Here the deployment starts where that fill would have brought it:
@@ -14,7 +14,7 @@ is an hour of a 2-core host per point. Here the deployment starts where that fil
 * the load is closed: each request that ends is replaced by a new one of the workload, as admission replaces it
   from the waiting queue at the plan's concurrency;
 * once all are running the point warms up for WARMUP_ITLS of the predicted ITL (again in the ITL it measured, when
-  that is over 1.25× the prediction) and is measured over WINDOW_ITLS of it (the simulation's estimate settles within ~2 % over the same 4 + 8, amoe.emulation.plan.refine), and over at least
+  that is over 1.25× the prediction) and is measured over WINDOW_ITLS of it (the simulation's estimate settles within ~2 % over the same 4 + 8, amoe.perf.plan.refine), and over at least
   MIN_WINDOW_WALL_S: the coordinator's token counter moves in bursts as its event loop gets to the runtimes'
   outputs, and an 8-ITL window of a few wall seconds read one burst more or less (±7 % on a 4-block plan).
 
@@ -101,7 +101,7 @@ async def steady_point(
         seen = _itl_since(probe, full)
         if seen is not None and seen > _SLOWER * itl_wall:
             # Slower than the guess (another policy at the same requests, a plan short of its prediction): warm
-            # up and measure in its own ITLs, as the simulation does (amoe.emulation.plan.refine).
+            # up and measure in its own ITLs, as the simulation does (amoe.perf.plan.refine).
             logger.info(
                 "[steady] %s: ITL %.2f s wall, not %.2f: measuring in those", setup.name, seen, itl_wall
             )

@@ -1,5 +1,5 @@
 """AEP at scale with each attention GPU on its own phase (issue 35; the rule: docs/emulation.md "AEP at scale:
-each attention GPU on its own phase", amoe.emulation.simulate_scale's docstring).
+each attention GPU on its own phase", amoe.perf.plan.simulate.scale's docstring).
 
 Events are committed in conservative time windows, vectorised over GPUs. A GPU's next step can only be changed by
 messages still to be decided: an attention GPU's by a reply (no reply still to be decided comes before the earliest
@@ -50,8 +50,8 @@ class AepAtScale:
         self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead,
         concurrency: int, seed: int, *, counts, steps, same_phase: bool = False, variance: StepVariance = OFF,
     ):  # fmt: skip
-        # counts (simulate_scale.Counts) and steps (simulate_scale.GroupedSteps over dep's placement) come from the
-        # caller (simulate_scale.aep_at_scale), so this module does not import the one that imports it.
+        # counts (scale.Counts) and steps (scale.GroupedSteps over dep's placement) come from the
+        # caller (scale.aep_at_scale), so this module does not import the one that imports it.
         ga = gpu_profile(dep.attn_gpu)
         self.A, self.L = A, L = dep.num_attn, model.num_blocks
         per_rank = max(1, concurrency // A)
@@ -119,7 +119,7 @@ class AepAtScale:
         self.step_end, self.out_end = np.zeros(S), np.zeros(S)
 
     def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
-        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: simulate_scale.GroupedSteps'
+        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: scale.GroupedSteps'
         formula on the hosted experts only (one copy an id), not over the [ids, GPUs] matrix (most of a round's
         time before)."""
         st, inter = self.steps, self.inter if gpus is None else self.inter[:, gpus]

@@ -1,5 +1,5 @@
 """A discrete-event simulation of a deployment on emulated GPUs: what `amoe plan` predicts with where the analytic
-bounds (amoe.emulation.bounds) are not enough (issue 20).
+bounds (amoe.perf.plan.bounds) are not enough (issue 20).
 
 The bounds put every GPU at its best batch at once. AEP's runtimes do not get there: each drains whichever μ-queue
 its scheduler picks as soon as it is free, so at a given concurrency its batches are smaller than the bound's (on
@@ -25,10 +25,10 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
   (block, micro-batch) in that order, each once the micro-batch of every attention GPU has arrived, over this
   iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
-  reply is back; both ends' links as the simulation at scale prices them (simulate_scale.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
+  reply is back; both ends' links as the simulation at scale prices them (scale.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
   hot expert GPU holding the next micro-batch, m heads) are in.
 
-Step-time variance (amoe.emulation.variance, sourced by default): every step of GPU i (attention GPUs first, then
+Step-time variance (amoe.perf.model.variance, sourced by default): every step of GPU i (attention GPUs first, then
 expert GPUs; EP: device i) takes the cost model's time × its fixed speed × a jitter drawn per step, as the emulated
 executor holds it; the barriers of EP and ping-pong wait for the slowest device's step.
 """
@@ -111,7 +111,7 @@ def simulate_ep(
             counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
             # Two barriers a block (dispatch, combine): each waits for this step's slowest device.
             attn_wait = float(steps.times(0, np.full(n, attn)).max())
-            if dep.pipelined:  # EPS-MoE's chunks (amoe.emulation.eps), the runtime's PN and kernel choice
+            if dep.pipelined:  # EPS-MoE's chunks (amoe.perf.model.eps), the runtime's PN and kernel choice
                 rows = [counts[es].tolist() for es in local]
                 iteration += attn_wait + ep_block.ep_block_moe_time(
                     model, gpu, host, rows, local, b, pn, dep.ep_kernel

@@ -1,4 +1,4 @@
-"""What a simulation reports (amoe.emulation.simulate, event by event, and amoe.emulation.simulate_scale, at
+"""What a simulation reports (amoe.perf.plan.simulate, event by event, and amoe.perf.plan.simulate.scale, at
 scale): one module both import, so neither imports the other's results."""
 
 from __future__ import annotations

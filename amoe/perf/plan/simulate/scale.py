@@ -1,5 +1,5 @@
 """The simulation at frontier scale (issue 35): deployments of 16–256 GPUs and 100,000+ requests in flight, in
-seconds on a 2-core host, where the event-level simulation (amoe.emulation.simulate) would take hours.
+seconds on a 2-core host, where the event-level simulation (amoe.perf.plan.simulate) would take hours.
 
 Measured first (docs/results.md "Simulation at scale"): the event-level AEP simulation spends its time in one
 Python event per (attention step, expert) message and per (expert step, attention rank) reply, and in keyed
@@ -9,7 +9,7 @@ vectorising the events nor a C++ port removes the per-token routing cost (19 G k
 ITLs), so at scale the simulation changes its unit, not its language:
 
 * **Counts, not tokens**: a block's rows per expert are drawn from the inclusion probabilities
-  (ep_at_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
+  (amoe.perf.model.ep_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
 * **Attention GPUs alike** (EP, ping-pong): every attention GPU holds the same share of requests, so one
   timeline stands for them (ping-pong's lock-step keeps them together anyway); each expert GPU keeps its own.
 * **AEP: each attention GPU on its own phase** (issue 35; docs/emulation.md "AEP at scale: each attention GPU on
@@ -30,7 +30,7 @@ ITLs), so at scale the simulation changes its unit, not its language:
 * **Step-time variance** (docs/emulation.md "Step-time variance at scale"), as the event-level simulation draws
   it: each GPU a fixed speed (seed, device id), each step a jitter, drawn as arrays; EP's and ping-pong's
   barriers pay the slowest device of each step, AEP's queues each GPU's own step times. Off: today's figures.
-* **Speed**: conservative rounds vectorised over GPUs (aep_at_scale.AepAtScale.run): about as many rounds as one
+* **Speed**: conservative rounds vectorised over GPUs (aep_scale.AepAtScale.run): about as many rounds as one
   expert GPU runs steps, each ~0.3–3 ms of numpy — up to A times the one timeline's events where steps split.
 
 simulate() takes this path above EXACT_MAX_GPUS GPUs, EXACT_MAX_REQUESTS requests in one copy or EXACT_MAX_EXPERTS
@@ -62,7 +62,7 @@ EXACT_MAX_EXPERTS = 64
 
 
 def is_exact(dep: Deployment, concurrency: int, num_expert_ids: int = 0) -> bool:
-    """Whether simulate() runs `dep` event by event (True) or at scale (amoe.emulation.simulate_scale)."""
+    """Whether simulate() runs `dep` event by event (True) or at scale (amoe.perf.plan.simulate.scale)."""
     return (
         dep.num_attn + dep.num_expert <= EXACT_MAX_GPUS
         and concurrency <= EXACT_MAX_REQUESTS
@@ -211,7 +211,7 @@ def aep_waves(
     duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
     variance: StepVariance = OFF,
 ):  # fmt: skip
-    """AEP at scale, each attention GPU on its own phase (module docstring; amoe.emulation.aep_at_scale): returns
+    """AEP at scale, each attention GPU on its own phase (module docstring; amoe.perf.plan.simulate.aep_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
     simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none).
     `variance`: every GPU's steps × its speed × a jitter each (docs/emulation.md "Step-time variance at scale")."""
@@ -225,7 +225,7 @@ def aep_at_scale(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     seed: int, same_phase: bool = False, variance: StepVariance = OFF,
 ):  # fmt: skip
-    """The own-phase AEP simulation of `dep` (amoe.emulation.aep_at_scale.AepAtScale), with this module's routing
+    """The own-phase AEP simulation of `dep` (amoe.perf.plan.simulate.aep_scale.AepAtScale), with this module's routing
     counts and grouped step costs."""
     from amoe.perf.plan.simulate.aep_scale import AepAtScale
 
@@ -301,7 +301,7 @@ def pingpong(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
 ):  # fmt: skip
-    """Ping-pong's lock-step (amoe.emulation.simulate._simulate_pingpong) with counts and every expert GPU's step
+    """Ping-pong's lock-step (amoe.perf.plan.simulate.events.simulate_pingpong) with counts and every expert GPU's step
     at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed × jitter),
     each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale")."""
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)

@@ -1,6 +1,6 @@
 """Round 4 of issue 36: set the routing model's access locality from the paper's ORACLE, Bélády only.
 
-    PYTHONPATH=. .venv/bin/python bench/offload_locality.py [--models switch-large-128,nllb-moe-128] [--bound]
+    amoe bench offload-locality [--models switch-large-128,nllb-moe-128] [--bound]
 
 The rule (docs/offload.md "Round 4", written before this ran): per shape, Bélády's hit ratio at the paper's cache
 size and batch 16 must equal the paper's ORACLE (Figure 11) within ±2 pt. First `spread` alone, upward from the
@@ -31,15 +31,16 @@ import json
 import time
 
 import numpy as np
-from offload_replay import MODELS
 
+from amoe.errors import ConfigError
 from amoe.offload import replay as rp
 from amoe.offload.trace import TaskRouting, stats
+from amoe.perf.studies.offload_replay import MODELS
 
 TOLERANCE = 0.02  # ±2 pt around the paper's ORACLE
 TARGET_BATCH = 16  # the paper's batcher's largest batch (§8.2); batch 1 is reported beside
 SECTION3_BATCHES = (1, 4, 16, 32)
-N_TRAIN, N_TEST = 300, 160  # bench/offload_replay.py's samples (seeds 1 and 2)
+N_TRAIN, N_TEST = 300, 160  # offload_replay's samples (seeds 1 and 2)
 
 
 def section3_ok(model: TaskRouting, first_block: int = 0) -> tuple[bool, list[dict]]:
@@ -174,43 +175,32 @@ def lengths(name: str) -> None:
         print(json.dumps(row), flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated shapes")
-    ap.add_argument(
-        "--bound", action="store_true", help="the per-batch floor under Bélády instead of the search"
-    )
-    ap.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
-    ap.add_argument(
-        "--enc-dec", action="store_true", help="round 5: the round-3 constants on the encoder-decoder shapes"
-    )
-    args = ap.parse_args()
-    unknown = [name for name in args.models.split(",") if name not in MODELS]
+def main(args: argparse.Namespace) -> int:
+    """`amoe bench offload-locality` (its flags: amoe.perf.studies.commands)."""
+    models = args.models.split(",") if args.models else list(MODELS)
+    unknown = [name for name in models if name not in MODELS]
     if unknown:
-        ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        raise ConfigError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if args.enc_dec:
-        for name in args.models.split(","):
+        for name in models:
             enc_dec(name)
-        return
+        return 0
     if args.lengths:
-        for name in args.models.split(","):
+        for name in models:
             lengths(name)
-        return
+        return 0
     if args.bound:
-        for name in args.models.split(","):
+        for name in models:
             batch_bound(name, {})
             batch_bound(name, {"spread": 1.0, "zipf": 0.0})
-        return
+        return 0
     start = time.time()
     out = {"bench": "offload_locality", "tolerance": TOLERANCE, "target_batch": TARGET_BATCH, "results": []}
-    for name in args.models.split(","):
+    for name in models:
         base = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **MODELS[name].routing}
         evaluate(name, base)  # the round-3 constants, for the record
         out["results"].append(search(name))
         print(json.dumps(out["results"][-1]), flush=True)
     out["wall_s"] = round(time.time() - start, 1)
     print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Expert offloading by trace replay (MoE-Infinity, arXiv 2401.14361 §8.3–8.4) and on emulated A5000 tiers.
 
-    PYTHONPATH=. .venv/bin/python bench/offload_replay.py [--quick] [--parts statistics,hit,recall,blocks,latency,mixtral]
+    amoe bench offload-replay [--quick] [--parts statistics,hit,recall,blocks,latency,mixtral]
         [--routing FILE --capacity N --expert-bytes B] [--enc-dec]
 
 1. The routing model's statistics beside §3's (3–20 % of experts active per batch of 1–32, 30–46 % reused).
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from amoe.config import ExecutorSection
+from amoe.errors import ConfigError
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
 from amoe.offload.baselines import NextBlockTopK
@@ -266,18 +267,8 @@ def ordering_counts(rows: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sequences (a smoke run)")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    ap.add_argument("--routing", help="replay a routing file the server recorded instead of the model")
-    ap.add_argument("--capacity", type=int, help="with --routing: experts the cache holds")
-    ap.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
-    ap.add_argument(
-        "--enc-dec", action="store_true",
-        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload.md Round 5)",
-    )  # fmt: skip
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> int:
+    """`amoe bench offload-replay` (its flags: amoe.perf.studies.commands)."""
     start = time.time()
     n_train, n_test = (120, 48) if args.quick else (300, 160)
     out: dict = {"bench": "offload_replay", "eamc_size": EAMC_SIZE, "enc_dec": args.enc_dec}
@@ -289,14 +280,14 @@ def main() -> None:
         out["origin"] = trace.origin
         out["hit_ratio"] = hit_ratios("recorded", m, train, test, 1, [m.capacity])
         print(json.dumps(out))
-        return
+        return 0
     out["origin"] = {}
     for key in ("statistics", "hit_ratio", "recall", "recall_paper_blocks", "recall_oracle_eamc", "latency"):
         out[key] = []
-    parts = args.parts.split(",")
+    parts = args.parts.split(",") if args.parts else list(PARTS)
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
-        ap.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+        raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     traces = {}
     for name, m in MODELS.items():
         model = TaskRouting(
@@ -338,7 +329,4 @@ def main() -> None:
         out.update(ordering_counts(out["hit_ratio"]))
     out["wall_s"] = round(time.time() - start, 1)
     print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -2,16 +2,18 @@
 (the same window, routing and seeds; issue 35, v35): what the variance alone does to the plan a table shows. Reads
 `amoe bench frontier --table` JSON lines; one JSON line per cell with a plan.
 
-    PYTHONPATH=. .venv/bin/python bench/variance_same_plans.py docs/results/frontier/table_deepseek_v3_variance.jsonl
+    amoe bench variance-same-plans experiments/2026-11-27-frontier-step-variance/table_deepseek_v3_variance.jsonl
 
 The window is refine's at the cell's ITL (warm-up 4 ITLs, 8 ITLs measured, AEP's batch-means stop); `off` is the
 simulation at scale as it was before v35, to the last digit (tests/test_scale_variance.py).
 """
 
+from __future__ import annotations
+
+import argparse
 import dataclasses
 import json
 import re
-import sys
 import time
 
 from amoe.perf.model.hosts import host_overhead
@@ -25,7 +27,7 @@ from amoe.perf.studies.frontier import TABLE_CONTEXT
 
 
 def parse(text: str, q) -> Deployment:
-    """The deployment `amoe.emulation.plan.describe` printed as `text` (H800s, as the tables run)."""
+    """The deployment `amoe.perf.plan.deployment.describe` printed as `text` (H800s, as the tables run)."""
     rep = re.search(r" x(\d+) replicas", text)
     replicas = int(rep.group(1)) if rep else 1
     cap = int(re.search(r" cap (\d+)", text).group(1))
@@ -50,7 +52,9 @@ def parse(text: str, q) -> Deployment:
     )
 
 
-def main(path: str) -> None:
+def main(args: argparse.Namespace) -> int:
+    """`amoe bench variance-same-plans TABLE` (amoe.perf.studies.commands)."""
+    path = args.table
     host = host_overhead("none")
     with open(path) as f:
         cells = [json.loads(line) for line in f]
@@ -79,7 +83,4 @@ def main(path: str) -> None:
         out["ratio"] = round(out["sourced"]["per_gpu"] / max(1, out["off"]["per_gpu"]), 3)
         out["wall_s"] = round(time.time() - t0, 1)
         print(json.dumps(out), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return 0

@@ -1,10 +1,10 @@
 """AEP at 32 blocks on the emulated runtime at its corrected bound's concurrency, under a scheduling policy (issue 32):
-the plans of bench/policies_sim.py, each served as `amoe plan --emulated` would serve it (amoe.emulation.plan_check
+the plans of `amoe bench policies-sim`, each served as `amoe plan --emulated` would serve it (plan_check's
 flags: the bound's requests per rank as --cache-max-num-seqs, so `waves` keeps the bound's W waves) with
-`--scheduler POLICY`, loaded with the bound's concurrency of steady-state requests (amoe.bench.steady) and measured
+`--scheduler POLICY`, loaded with the bound's concurrency of steady-state requests (amoe.perf.studies.steady) and measured
 against the bound. One JSON line per plan. Timing-sensitive: run it under `flock /tmp/amoe-heavy.lock`.
 
-    PYTHONPATH=. .venv/bin/python bench/waves_emulated.py --policy waves --plans 2 > out.jsonl
+    amoe bench waves-emulated --policy waves --plans 2 > out.jsonl
     ... --time-scale 0    # the probe-stretched scale instead (it moved 62-136 between invocations on 2026-11-27)
 """
 
@@ -12,11 +12,9 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import logging
 import os
 import time
 
-from amoe.config import POLICIES
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -30,7 +28,7 @@ from amoe.perf.studies.compare_setup import Preset, Setup
 from amoe.testing.servers import ServerProcess
 
 ROUTING = "skew-exp:0.08"
-# bench/policies_sim.py's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
+# policies_sim's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
 # corrected bound's best split for the other (GPU, top-k) cells at caps 256 / 512 (docs/results.md "AEP's bound
 # with its critical path": A100 top-2 4 + 4, H100 top-1 6 + 2, H100 top-2 5 + 3), to make the issue's six.
 PLANS = (
@@ -88,7 +86,7 @@ async def one(
         "deployment": describe(dep), "bound": round(bound.tokens_per_s), "concurrency": bound.concurrency,
         "waves": bound.extra["waves"], "wave_rows": bound.extra["wave_rows"],
         "measured": round(point["throughput"]), "of_bound": round(point["throughput"] / bound.tokens_per_s, 3),
-        # the counter's least-squares slope over every scrape of the window (amoe.bench.point.token_rate_fit): the
+        # the counter's least-squares slope over every scrape of the window (amoe.perf.studies.point.token_rate_fit): the
         # counter moves in bursts of a wave's tokens, which two scrapes read one more or less of
         "fit_of_bound": round(point["throughput_fit"] / bound.tokens_per_s, 3) if point.get("throughput_fit") else None,
         "itl_ms": point["itl_ms_mean"], "bound_itl_ms": round(bound.itl_s * 1e3, 1),
@@ -104,32 +102,15 @@ def dataclass_preset() -> plan_check.CheckPreset:
     return plan_check.PRESETS["depth"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", default="waves", choices=POLICIES)
-    ap.add_argument("--plans", default="0,1,2", help="indices into PLANS, comma-separated")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--wave-group", type=int, default=-1,
-        help="waves: the expert side's wave group (docs/engine.md item 13); -1 (default): the bound's, as the plan's "
-        "command sets it; 0: per rank (items 9-10)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--time-scale", type=float, default=TIME_SCALE,
-        help="every plan's time scale (before the tokens-per-wall-second floor), the same in every invocation; 0: "
-        "the preset's, stretched by the host probe read once at the start (as before a32)",
-    )  # fmt: skip
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def main(args: argparse.Namespace) -> int:
+    """`amoe bench waves-emulated` (its flags: amoe.perf.studies.commands)."""
+    time_scale = TIME_SCALE if args.time_scale is None else args.time_scale
     base_scale, probe_s = calibrate.scaled(dataclass_preset().time_scale)
-    if args.time_scale > 0:
-        base_scale = args.time_scale
+    if time_scale > 0:
+        base_scale = time_scale
     for i in (int(x) for x in args.plans.split(",")):
         print(
             json.dumps(asyncio.run(one(i, args.policy, base_scale, probe_s, args.seed, args.wave_group))),
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0
