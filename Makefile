@@ -33,8 +33,10 @@ $(STAMP): pyproject.toml setup.py $(CPP_SOURCES)
 	$(PIP) install -q --no-build-isolation -e '.[dev]'
 	@touch $(STAMP)
 
+# Flags for `make serve`, e.g. SERVE_ARGS='--port 0' (a free port; the server logs the URL it listens on).
+SERVE_ARGS  ?=
 serve: install
-	$(VENV)/bin/amoe serve
+	$(VENV)/bin/amoe serve $(SERVE_ARGS)
 
 # The suite runs with an explicit --device cpu (AMOE_DEVICE stands in for the flag): CI has no GPU. The tests in
 # tests/gpu are collected and skipped, with the reason; `make test-gpu` runs them on a GPU host.
@@ -53,13 +55,13 @@ test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/gpu
 
 lint: install
-	$(VENV)/bin/ruff check amoe coordinator tests bench examples deploy
-	$(VENV)/bin/ruff format --check amoe coordinator tests bench examples deploy
+	$(VENV)/bin/ruff check amoe coordinator tests bench examples deploy tools
+	$(VENV)/bin/ruff format --check amoe coordinator tests bench examples deploy tools
 	$(VENV)/bin/clang-format --dry-run --Werror cpp/*.cpp cpp/*.h
 
 format: install
-	$(VENV)/bin/ruff format amoe coordinator tests bench examples deploy
-	$(VENV)/bin/ruff check --fix amoe coordinator tests bench examples deploy
+	$(VENV)/bin/ruff format amoe coordinator tests bench examples deploy tools
+	$(VENV)/bin/ruff check --fix amoe coordinator tests bench examples deploy tools
 	$(VENV)/bin/clang-format -i cpp/*.cpp cpp/*.h
 
 # Each prints a table and a final JSON line; the AEP-vs-EP comparison (~10 min) is `amoe bench compare --preset quick`.
@@ -73,6 +75,27 @@ bench: install
 # GPU hosts only: amoe on the GPU against transformers on the same GPU, offline and served.
 bench-gpu: install
 	$(PY) bench/gpu.py
+
+# As root: a throwaway non-root user builds and serves a fresh clone of HEAD with a plain `make serve`, libzmq's
+# headers hidden (so pyzmq's libzmq is linked), and gets one completion; a final JSON line. Builds everything from
+# scratch, so it is not part of `make test`. Without root it says skipped and exits 0.
+.PHONY: test-nonroot
+test-nonroot:
+	$(PYTHON) tools/nonroot_serve.py
+
+# The GPU check (docs/gpu.md "The one-command GPU check"), for a GPU machine that has torch but not amoe's other
+# dependencies and no network. gpu-wheels (here, with pip's index at hand) puts them in .whl/ as CPython 3.12 x86-64
+# wheels and checks their size; gpu-check (there, with that machine's plain python3: no venv) installs them, builds
+# the extension and runs tests/gpu and bench/gpu.py, each step time-boxed, into one JSON file.
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	$(PYTHON) tools/gpu_wheels.py
+
+# Here, the rehearsal: make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--rehearse
+GPU_CHECK_OUT   ?= $(if $(OUT),$(OUT),build)/gpu_check.json
+GPU_CHECK_FLAGS ?=
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf build *.egg-info amoe/*.so

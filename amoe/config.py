@@ -81,11 +81,16 @@ class DeviceSection:
     # and the KV cache, which gets what is left). On the CPU the same fraction of the host's RAM, shared by the
     # node's runtimes.
     memory_utilization: float = 0.9
+    # cuda: how many of a node's runtimes share one GPU (runtime i of a node takes GPU i // N), each with 1/N of
+    # its memory. Above 1 a host with fewer GPUs than runtimes still serves (aep's attention and expert runtimes
+    # on one GPU), over the inline or gloo plane: NCCL refuses two ranks of a group on one GPU.
+    runtimes_per_gpu: int = 1
 
     def __post_init__(self) -> None:
         _choice("device.kind", self.kind, DEVICE_KINDS)
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ConfigError(f"device.memory_utilization must be in (0, 1]; got {self.memory_utilization}")
+        _positive("device.runtimes_per_gpu", self.runtimes_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -389,6 +394,15 @@ class AmoeConfig:
             raise ConfigError(
                 "--transport nccl moves GPU tensors: it needs --device cuda (or auto on a GPU host)"
             )
+        if self.tensor_plane == "nccl" and self.device.runtimes_per_gpu > 1:
+            raise ConfigError(
+                "--transport nccl needs one GPU per runtime (NCCL refuses two ranks on one GPU); runtimes that "
+                f"share a GPU (--runtimes-per-gpu {self.device.runtimes_per_gpu}) use --transport inline or gloo"
+            )
+        if self.device.runtimes_per_gpu > 1 and self.dist.backend == "ray":
+            raise ConfigError(
+                "--runtimes-per-gpu applies to runtimes amoe starts itself: Ray gives each runtime a GPU of its own"
+            )
         if self.executor.kind == "emulated" and self.device.kind == "cuda":
             raise ConfigError("emulated GPUs hold no tensors: --executor emulated runs with --device cpu")
         if self.executor.expert_gpu and (self.executor.kind != "emulated" or self.parallel.mode == "ep"):
@@ -406,12 +420,15 @@ class AmoeConfig:
 
     @property
     def tensor_plane(self) -> str:
-        """The transport's plane with auto decided: NCCL between GPU runtimes of one host, inline otherwise (the
-        ZeroMQ frame; GPU tensors are staged through pinned host memory). `device.kind` auto counts as CPU here:
-        `amoe.device_check.resolve` decides it before a deployment starts."""
+        """The transport's plane with auto decided: NCCL between GPU runtimes of one host that own a GPU each, inline
+        otherwise (the ZeroMQ frame; GPU tensors are staged through pinned host memory). `device.kind` auto counts
+        as CPU here: `amoe.device_check.resolve` decides it before a deployment starts."""
         if self.transport.plane != "auto":
             return self.transport.plane
-        return "nccl" if self.device.kind == "cuda" and not self.dist.multi_node else "inline"
+        one_gpu_each = self.device.runtimes_per_gpu == 1
+        return (
+            "nccl" if self.device.kind == "cuda" and one_gpu_each and not self.dist.multi_node else "inline"
+        )
 
     def replace(self, **sections: dict) -> AmoeConfig:
         """A copy with some fields of some sections changed, e.g. replace(cache={"num_kv_blocks": 64})."""
@@ -483,6 +500,7 @@ _VLLM_ALIASES = {
 _ALIASES = {
     **_VLLM_ALIASES,
     ("device", "kind"): "--device",
+    ("device", "runtimes_per_gpu"): "--runtimes-per-gpu",
     ("parallel", "mode"): "--parallel",
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",

@@ -87,24 +87,26 @@ class Device:
 CPU = Device(torch.device("cpu"))
 
 
-def runtime_device(kind: str, local_index: int = 0) -> Device:
-    """The device of a runtime that is number `local_index` among its node's runtimes, made current before any
-    CUDA work (so every allocation, stream and NCCL communicator of the process lands on it). `kind` auto: CUDA
-    when this host has it. CUDA_VISIBLE_DEVICES is respected: index i is the i-th visible GPU."""
+def runtime_device(kind: str, local_index: int = 0, per_gpu: int = 1) -> Device:
+    """The device of a runtime that is number `local_index` among its node's runtimes, `per_gpu` of which share a
+    GPU, made current before any CUDA work (so every allocation, stream and NCCL communicator of the process lands
+    on it). `kind` auto: CUDA when this host has it. CUDA_VISIBLE_DEVICES is respected: index i is the i-th
+    visible GPU."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
         return CPU
     if not torch.cuda.is_available():
         raise ConfigError(f"--device cuda: {cuda_missing_reason()}")
-    count = torch.cuda.device_count()
-    if local_index >= count:
+    count, gpu = torch.cuda.device_count(), local_index // per_gpu
+    if gpu >= count:
         raise ConfigError(
-            f"--device cuda: this node's runtime {local_index} needs GPU {local_index}, but {count} "
-            f"{'is' if count == 1 else 'are'} visible{_visible_note()}; run fewer runtimes per node"
+            f"--device cuda: this node's runtime {local_index} needs GPU {gpu}, but {count} "
+            f"{'is' if count == 1 else 'are'} visible{_visible_note()}; run fewer runtimes per node or more per "
+            "GPU (--runtimes-per-gpu)"
         )
-    torch.cuda.set_device(local_index)
-    return Device(torch.device("cuda", local_index))
+    torch.cuda.set_device(gpu)
+    return Device(torch.device("cuda", gpu))
 
 
 def model_dtype(name: str, checkpoint_dtype: str, device: Device) -> torch.dtype:
@@ -143,16 +145,19 @@ def kv_budget(
     activation_bytes: int,
     max_blocks: int,
     blocks_per_request: int,
+    unfilled_bytes: int = 0,
 ) -> KVBudget:
-    """KV blocks from memory, as vLLM sizes them: this runtime may use `utilization` of the device (of the host's
-    RAM on the CPU, divided among the node's `share` runtimes); what its weights already hold and an activation
-    reserve come off, and the rest, never more than is free now, holds blocks. No more than `max_blocks` (what
-    max_num_seqs requests of max_model_len tokens can use): a CPU budget of gigabytes would otherwise commit the
-    whole of it for a small model."""
+    """KV blocks from memory, as vLLM sizes them: this runtime may use `utilization` of the device (of a GPU or of
+    the host's RAM, divided among the `share` runtimes that use it); what its weights already hold, what it has set
+    aside and not yet filled (`unfilled_bytes`: an offload store's slots) and an activation reserve come off, and
+    the rest, never more than is free now, holds blocks. No more than `max_blocks` (what max_num_seqs requests of
+    max_model_len tokens can use): a CPU budget of gigabytes would otherwise commit the whole of it for a small
+    model."""
     used, total = device.memory()
-    share = 1 if device.is_cuda else max(share, 1)  # a GPU is its runtime's own; the host's RAM is shared
+    used += unfilled_bytes
+    share = max(share, 1)
     budget = int(utilization * total / share) - used - activation_bytes
-    budget = min(budget, device.free_bytes() - activation_bytes)
+    budget = min(budget, device.free_bytes() - unfilled_bytes - activation_bytes)
     blocks = min(budget // block_bytes, max_blocks) if budget > 0 else 0
     if blocks < 1:
         raise ConfigError(

@@ -42,7 +42,8 @@ def probe(timeout_s: float = 120.0) -> dict:
 
 def resolve(config: AmoeConfig, runtimes_here: int = 1) -> AmoeConfig:
     """`config` with device.kind cpu or cuda. Emulated GPUs and the CPU keep what they had; `--device cuda` (or
-    auto on a GPU host) needs as many visible GPUs as the `runtimes_here` this node starts."""
+    auto on a GPU host) needs a visible GPU for every `device.runtimes_per_gpu` of the `runtimes_here` this node
+    starts."""
     kind = config.device.kind
     if config.executor.kind == "emulated" or kind == "cpu":
         return config.replace(device={"kind": "cpu"})
@@ -51,9 +52,12 @@ def resolve(config: AmoeConfig, runtimes_here: int = 1) -> AmoeConfig:
         if kind == "cuda":
             raise ConfigError(f"--device cuda: {found['reason']}")
         return config.replace(device={"kind": "cpu"})
-    if found["count"] < runtimes_here:
+    per_gpu = config.device.runtimes_per_gpu
+    if found["count"] < -(-runtimes_here // per_gpu):
+        each = "one GPU each" if per_gpu == 1 else f"{per_gpu} per GPU"
         raise ConfigError(
-            f"--device {kind}: this node starts {runtimes_here} runtimes, one GPU each, but {found['count']} "
-            f"GPU(s) are visible ({', '.join(found['names'])}); lower the runtimes per node or use --device cpu"
+            f"--device {kind}: this node starts {runtimes_here} runtimes, {each}, but {found['count']} "
+            f"GPU(s) are visible ({', '.join(found['names'])}); lower the runtimes per node, share GPUs "
+            "(--runtimes-per-gpu) or use --device cpu"
         )
     return config.replace(device={"kind": "cuda"})

@@ -99,6 +99,25 @@ def test_runtimes_take_their_node_s_gpus_in_placement_order():
     assert runtimes_on_node(mapped, 1) == 3
 
 
+def test_runtimes_sharing_a_gpu_take_gpu_i_over_n_and_a_plane_other_than_nccl():
+    aep = {"attn_ranks": 1, "expert_ranks": 3}
+    shared = AmoeConfig().replace(device={"kind": "cuda", "runtimes_per_gpu": 2}, parallel=aep)
+    assert [local_index(shared, r) // shared.device.runtimes_per_gpu for r in range(4)] == [0, 0, 1, 1]
+    assert shared.tensor_plane == "inline"  # NCCL refuses two ranks on one GPU: auto does not pick it
+    assert shared.replace(transport={"plane": "gloo"}).tensor_plane == "gloo"
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks on one GPU"):
+        shared.replace(transport={"plane": "nccl"})
+    with pytest.raises(ConfigError, match="Ray gives each runtime a GPU of its own"):
+        shared.replace(dist={"backend": "ray"})
+    with pytest.raises(ConfigError, match="device.runtimes_per_gpu must be positive"):
+        AmoeConfig().replace(device={"runtimes_per_gpu": 0})
+    # A GPU's memory is divided among the runtimes on it; the host's RAM among the node's.
+    assert build.memory_share(shared, CUDA, 0) == 2
+    assert build.memory_share(shared.replace(device={"runtimes_per_gpu": 8}), CUDA, 0) == 4
+    assert build.memory_share(shared, devices.CPU, 0) == 4
+    assert build.memory_share(AmoeConfig().replace(parallel=aep), CUDA, 0) == 1
+
+
 def _budget(
     utilization: float, block_bytes: int, max_blocks: int = 10**9, share: int = 1
 ) -> devices.KVBudget:

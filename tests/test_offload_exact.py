@@ -18,7 +18,8 @@ from amoe.config import OffloadSection
 from amoe.llm import LLM
 from amoe.model.config import load_model_config
 from amoe.model.make import make_model
-from amoe.offload.store import dense_bytes, routed_expert_bytes
+from amoe.offload.io import CheckpointIndex
+from amoe.offload.store import dense_bytes, reader_bytes, routed_expert_bytes
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
 
@@ -34,8 +35,16 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sizes(ckpt):
+    """(config, dense part, one expert, the reader's buffers): a budget counts the reader's buffers too."""
     cfg = load_model_config(ckpt)
-    return cfg, dense_bytes(cfg, torch.float32, attention=True), routed_expert_bytes(cfg, torch.float32)
+    keys = [(b, e) for b in range(cfg.num_blocks) for e in range(cfg.num_experts)]
+    reader = reader_bytes(CheckpointIndex(ckpt), cfg, keys, torch.float32)
+    return (
+        cfg,
+        dense_bytes(cfg, torch.float32, attention=True),
+        routed_expert_bytes(cfg, torch.float32),
+        reader,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +73,11 @@ def reference_texts(reference, reference_outputs):
     ids=["one_expert", "quarter", "all"],
 )
 def test_local_engine_equals_reference(ckpt, sizes, reference, tmp_path, caplog, slots, policy, prefetch):
-    cfg, dense, expert = sizes
+    cfg, dense, expert, reader = sizes
     record = tmp_path / "routing.jsonl"
     with caplog.at_level(logging.INFO, logger="amoe.offload"):
         llm = LLM(
-            model=str(ckpt), num_kv_blocks=64, offload_budget=str(dense + slots * expert), offload_policy=policy,
+            model=str(ckpt), num_kv_blocks=64, offload_budget=str(dense + reader + slots * expert), offload_policy=policy,
             offload_prefetch=prefetch, offload_record=str(record),
         )  # fmt: skip
     try:
@@ -100,8 +109,8 @@ def test_local_engine_equals_reference(ckpt, sizes, reference, tmp_path, caplog,
 @pytest.mark.parametrize("slots", [1, 4], ids=["one_expert", "quarter"])
 def test_aep_expert_runtimes_equal_reference(ckpt, sizes, reference, slots):
     """Two attention ranks, two expert runtimes of 16 (block, expert) keys each, every request at once."""
-    _, _, expert = sizes
-    offload = OffloadSection(budget=str(slots * expert), policy="lru")
+    _, _, expert, reader = sizes
+    offload = OffloadSection(budget=str(reader + slots * expert), policy="lru")
     with InProcessCluster(ckpt, 2, 2, offload=offload) as cluster:
         got = cluster.generate(PROMPTS, PARAMS)
         stats = [e.offload.stats() for e in cluster.executors if getattr(e, "offload", None) is not None]
@@ -135,11 +144,11 @@ async def _complete_all(url: str) -> list[list[int]]:
 def test_aep_server_offloads_records_and_reports(ckpt, sizes, reference_texts, tmp_path):
     """The real server: expert runtimes with one slot each, concurrent requests, the routing record written by
     the attention rank, and the store's counters on /metrics."""
-    _, _, expert = sizes
+    _, _, expert, reader = sizes
     record = tmp_path / "served.jsonl"
     flags = (
         "--model", str(ckpt), "--parallel", "aep", "--attn-ranks", "1", "--expert-ranks", "2",
-        "--cache-num-kv-blocks", "64", "--offload-budget", str(expert), "--offload-policy", "lru", "--offload-record", str(record),
+        "--cache-num-kv-blocks", "64", "--offload-budget", str(reader + expert), "--offload-policy", "lru", "--offload-record", str(record),
     )  # fmt: skip
     with Server(*flags) as url:
         choices = asyncio.run(_complete_all(url))

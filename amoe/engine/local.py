@@ -25,6 +25,7 @@ from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.kv_cache import BlockManager
 from amoe.model.logprobs import prompt_logprobs
 from amoe.model.sampler import Sampler, make_generator, sample_sequences, sequence_seed
+from amoe.offload.store import format_size
 from amoe.request_rules import SeedSource, check_prompt, stop_reason
 from amoe.sampling_params import SamplingParams
 from amoe.structured import Grammars
@@ -50,6 +51,12 @@ class LocalEngine:
         )
         num_kv_blocks = self.config.num_kv_blocks or self._kv_blocks(dtype)
         self.runner.allocate_kv(num_kv_blocks)
+        if self.runner.offload.store is not None:
+            logger.info(
+                "[offload] this process: beside --offload-budget, the KV cache of %d blocks (%s, resident as "
+                "requests write it) and the engine's working memory (docs/offload.md, 'Resident memory')",
+                num_kv_blocks, format_size(self.runner.kv_bytes()),
+            )  # fmt: skip
         self.blocks = BlockManager(num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -84,6 +91,7 @@ class LocalEngine:
             * 4,
             max_blocks=self.config.max_num_seqs * per_request,
             blocks_per_request=per_request,
+            unfilled_bytes=self.runner.offload.unfilled_bytes(),
         )
         logger.info(budget.describe(bs, limit))
         return budget.num_blocks

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from amoe import core
-from amoe.device import CPU, Device
+from amoe.device import CPU, Device, kv_block_bytes
 from amoe.engine.scheduler import ScheduledChunk
 from amoe.model.config import ModelConfig
 from amoe.model.head import Head
@@ -106,6 +106,12 @@ class ModelRunner:
     def allocate_kv(self, num_kv_blocks: int) -> None:
         """The KV cache, once the weights are on the device (its size may depend on what they leave)."""
         self.kv = kv_cache_for(self.cfg, num_kv_blocks, self.block_size, self.dtype, self.device.torch)
+
+    def kv_bytes(self) -> int:
+        """The KV cache's size (on the CPU its pages become resident as requests write them)."""
+        cfg = self.cfg
+        block = kv_block_bytes(cfg.num_layers, self.block_size, cfg.kv_elements_per_token, self.dtype)
+        return block * self.kv.num_kv_blocks
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], block_tables: list[list[int]]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from amoe.model import weights as W
 from amoe.model.kv_cache import PagedKVCache
 from amoe.model.ops import RotaryEmbedding, rms_norm
 from amoe.model.spec import ModelConfig
@@ -139,11 +140,11 @@ class GQAttention:
         self, layer: int, cfg: ModelConfig, w: dict[str, torch.Tensor], rope: RotaryEmbedding
     ) -> None:
         self.layer, self.cfg, self.rope = layer, cfg, rope
-        names = ("q_proj", "k_proj", "v_proj")
-        # One matmul instead of three: decode batches are small, so per-call overhead matters.
-        self.qkv_proj = torch.cat([w[f"{n}.weight"] for n in names])  # [(heads + 2 kv) * D, H]
-        self.qkv_bias = torch.cat([w[f"{n}.bias"] for n in names]) if cfg.attention_bias else None
-        self._sizes = [w[f"{n}.weight"].shape[0] for n in names]
+        # One matmul instead of three: decode batches are small, so per-call overhead matters. The loader reads the
+        # three into one tensor (a concatenation here would hold a second copy while the parts live).
+        self.qkv_proj = w[f"{W.FUSED_QKV}.weight"]  # [(heads + 2 kv) * D, H]
+        self.qkv_bias = w[f"{W.FUSED_QKV}.bias"] if cfg.attention_bias else None
+        self._sizes = [w[f"{n}.weight"].shape[0] for n in W.QKV]
         self.o_proj, self.o_bias = w["o_proj.weight"], linear_bias(w, "o_proj")  # [H, heads * D]
         self.q_norm, self.k_norm = w.get("q_norm.weight"), w.get("k_norm.weight")
         self.scale = cfg.head_dim**-0.5  # as transformers passes it (not SDPA's own 1/sqrt(D))

@@ -25,8 +25,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointReader:
-    """Knows which file holds each tensor; reads only the tensors (or expert slices) asked for, each straight from
-    the file's memory map onto `device`: no CPU copy of the model is ever made, only of one tensor at a time."""
+    """Knows which file holds each tensor; reads only the tensors (or expert slices) asked for, each copied once
+    from the file's memory map into a tensor of its own on `device`. Never a view of the map, on the CPU either: a
+    view would keep the whole file mapped after the reader closes, and with it every page any read touched."""
 
     def __init__(self, model_dir: str | Path, device: torch.device | None = None) -> None:
         self.model_dir = Path(model_dir)
@@ -43,11 +44,34 @@ class CheckpointReader:
     def close(self) -> None:
         self._handles.clear()  # safe_open handles release their mmap when dropped
 
+    def release(self) -> None:
+        """Unmap the files now, and with them the pages the reads so far touched (they count as this process's
+        resident memory while mapped); the next read maps its file again. Between layers, the copies made so far
+        and one layer's pages are resident at once, not the copies and every page read."""
+        self.close()
+
     def has(self, name: str) -> bool:
         return name in self._file_of
 
     def read(self, name: str, shape: W.Shape, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
         """Tensor `name` (or its row `index` along dim 0), checked against `shape` and cast to `dtype`."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        return out.copy_(self._mapped(name, shape, index))
+
+    def read_rows(self, parts: list[tuple[str, W.Shape]], dtype: torch.dtype) -> torch.Tensor:
+        """Tensors `parts` ((name, shape), ...) stacked along dim 0 in one tensor, each read straight into its rows:
+        a fused projection (q|k|v, gate|up) without a copy of each part on the way."""
+        out = torch.empty(
+            (sum(shape[0] for _, shape in parts), *parts[0][1][1:]), dtype=dtype, device=self.device
+        )
+        at = 0
+        for name, shape in parts:
+            out[at : at + shape[0]].copy_(self._mapped(name, shape))
+            at += shape[0]
+        return out
+
+    def _mapped(self, name: str, shape: W.Shape, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` (or its row `index`) as a view of the file's map, checked against `shape`."""
         path = self._file_of.get(name)
         if path is None:
             raise ModelLoadError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
@@ -62,13 +86,11 @@ class CheckpointReader:
                 raise ModelLoadError(
                     f"{path}: tensor {name} has shape {list(got)}, expected {list(shape)} from config.json"
                 )
-            tensor = tensor_slice[index] if index is not None else tensor_slice[:]
+            return tensor_slice[index] if index is not None else tensor_slice[:]
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt data
             raise ModelLoadError(f"{path}: cannot read tensor {name}: {exc}") from None
-        # One copy: the mapped file's bytes to the device, cast on the way (a no-op view when nothing changes).
-        return tensor.to(device=self.device, dtype=dtype).contiguous()
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
@@ -121,7 +143,10 @@ def load_attention_rank_weights(
     dtype = dtype or torch_dtype(cfg.dtype)
     with CheckpointReader(model_dir, device) as reader:
         embed = reader.read(W.EMBED, (cfg.vocab_size, cfg.hidden_size), dtype)
-        layers = [_read_layer(reader, cfg, layer, dtype) for layer in range(cfg.num_layers)]
+        layers = []
+        for layer in range(cfg.num_layers):
+            layers.append(_read_layer(reader, cfg, layer, dtype))
+            reader.release()
         final_norm = reader.read(W.FINAL_NORM, (cfg.hidden_size,), dtype)
         if cfg.tie_word_embeddings:
             lm_head = embed
@@ -150,8 +175,11 @@ def load_expert_weights(
             f"{model_dir}: expert {bad[0]} does not exist (num_local_experts={cfg.num_experts}{shared})"
         )
     block_ids = range(cfg.num_blocks) if blocks is None else sorted(set(blocks))
+    loaded = {}
     with CheckpointReader(model_dir, device) as reader:
-        loaded = {(b, e): _read_expert(reader, cfg, b, e, dtype) for b in block_ids for e in experts}
+        for b in block_ids:
+            loaded.update({(b, e): _read_expert(reader, cfg, b, e, dtype) for e in experts})
+            reader.release()
     logger.info("[model] loaded experts %s of %d blocks from %s", experts, len(block_ids), model_dir)
     return loaded
 
@@ -166,17 +194,27 @@ def _read_layer(reader: CheckpointReader, cfg: ModelConfig, layer: int, dtype: t
     fam, p = family(cfg.architecture), W.layer_prefix(layer)
     # DeepSeek keeps its router in float32 whatever the model dtype (transformers: _keep_in_fp32_modules).
     router_dtype = torch.float32 if cfg.router.method != "softmax" else dtype
-    t = {}
-    for name, shape in W.layer_shapes(cfg, layer).items():
-        routing = name.startswith(p + fam.moe + ".gate.")
-        t[name] = reader.read(_present(reader, name), shape, router_dtype if routing else dtype)
+    shapes = W.layer_shapes(cfg, layer)
+    gate, up, down = (f"{p}mlp.{proj}.weight" for proj in fam.expert_projs)
+    # What runs as one matmul is read as one tensor: grouped-query attention's q|k|v, a dense MLP's gate|up.
+    fused = {
+        f"{p}self_attn.{W.FUSED_QKV}.{kind}": [f"{p}self_attn.{proj}.{kind}" for proj in W.QKV]
+        for kind in ("weight", "bias")
+    }
+    fused[gate_up := f"{p}mlp.gate_up"] = [gate, up]
+    t: dict[str, torch.Tensor] = {}
+    for name, parts in fused.items():
+        if all(part in shapes for part in parts):
+            t[name] = reader.read_rows([(_present(reader, n), shapes[n]) for n in parts], dtype)
+            t.update(zip(parts, t[name].split([shapes[n][0] for n in parts])))  # views, by checkpoint name
+    for name, shape in shapes.items():
+        if name not in t:
+            routing = name.startswith(p + fam.moe + ".gate.")
+            t[name] = reader.read(_present(reader, name), shape, router_dtype if routing else dtype)
     attention = {
         name.removeprefix(p + "self_attn."): v for name, v in t.items() if name.startswith(p + "self_attn.")
     }
-    mlp = None
-    if layer in cfg.dense_layers:
-        gate, up, down = (t[f"{p}mlp.{proj}.weight"] for proj in fam.expert_projs)
-        mlp = W.ExpertWeights(gate_up=torch.cat([gate, up]), down=down)
+    mlp = W.ExpertWeights(gate_up=t[gate_up], down=t[down]) if layer in cfg.dense_layers else None
     return W.LayerWeights(
         input_norm=t[p + "input_layernorm.weight"],
         post_norm=t[p + "post_attention_layernorm.weight"],
@@ -190,7 +228,7 @@ def _read_layer(reader: CheckpointReader, cfg: ModelConfig, layer: int, dtype: t
 
 def _read_expert(reader: CheckpointReader, cfg: ModelConfig, block: int, expert: int, dtype: torch.dtype):
     shapes = W.expert_shapes(cfg, block, expert)
-    (gate, gate_shape), (up, _), (down, down_shape) = shapes.items()
+    (gate, gate_shape), (up, up_shape), (down, down_shape) = shapes.items()
     if expert < cfg.num_experts and not reader.has(_present(reader, gate)):
         packed_gate_up, packed_down = W.packed_expert_names(cfg, block)
         if reader.has(packed_gate_up):  # transformers' packed layout: one [E, ...] tensor per projection
@@ -198,10 +236,10 @@ def _read_expert(reader: CheckpointReader, cfg: ModelConfig, block: int, expert:
                 gate_up=reader.read(packed_gate_up, (2 * gate_shape[0], gate_shape[1]), dtype, index=expert),
                 down=reader.read(packed_down, down_shape, dtype, index=expert),
             )
-    w_gate, w_up, w_down = (
-        reader.read(_present(reader, name), shape, dtype) for name, shape in shapes.items()
+    gate_up = [(_present(reader, gate), gate_shape), (_present(reader, up), up_shape)]
+    return W.ExpertWeights(
+        gate_up=reader.read_rows(gate_up, dtype), down=reader.read(_present(reader, down), down_shape, dtype)
     )
-    return W.ExpertWeights(gate_up=torch.cat([w_gate, w_up], dim=0), down=w_down)
 
 
 def write_random_checkpoint(

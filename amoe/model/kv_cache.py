@@ -68,6 +68,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 
 def _copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    # index_select / index_copy_ want their indices on the cache's device; the local scheduler makes them on the host.
+    src, dst = src.to(tensors[0].device), dst.to(tensors[0].device)
     for t in tensors:
         t.index_copy_(0, dst, t.index_select(0, src))
 

@@ -17,6 +17,8 @@ EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 ROUTER_BIAS = "e_score_correction_bias"  # DeepSeek-V3's routing correction, beside the router weight
+QKV = ("q_proj", "k_proj", "v_proj")  # grouped-query attention's projections, run as one matmul
+FUSED_QKV = "qkv_proj"  # under self_attn.: the loader's one tensor of the three (weight, and bias if any)
 
 
 def layer_prefix(layer: int) -> str:

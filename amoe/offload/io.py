@@ -16,8 +16,10 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +35,7 @@ ALIGN = 4096  # O_DIRECT's offset, length and buffer alignment (the logical bloc
 CHUNK = 1 << 20  # bytes per O_DIRECT read: the staging buffer's size, whatever an expert's
 GAP = 64 << 10  # extents of one file closer than this are read as one span (the gap read and dropped)
 Key = tuple[int, int]
+T = TypeVar("T", torch.Tensor, int)
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,30 @@ class DiskReader:
     def __init__(self, direct: bool = True) -> None:
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._fds: dict[tuple[Path, bool], int] = {}
+        # Both grown, never shrunk, to what one expert's read needs: buffer_bytes() says how much beforehand.
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._cast = torch.empty(0, dtype=torch.uint8)
         self.bytes_read = 0  # bytes the system calls transferred (O_DIRECT rounds reads out to ALIGN)
+
+    @staticmethod
+    def buffer_bytes(experts: Iterable[ExpertExtents], dtype: torch.dtype) -> int:
+        """The most memory a reader's own buffers reach reading `experts` into tensors of `dtype`: the O_DIRECT
+        staging buffer (one span's aligned blocks, at most CHUNK) and, where the file holds another dtype, the
+        largest tensor's bytes as stored (the cast goes through it)."""
+        span = cast = 0
+        for expert in experts:
+            parts = [(ext.path, ext.offset, ext.nbytes) for ext in (*expert.gate_up, expert.down)]
+            if any(ext.dtype != dtype for ext in (*expert.gate_up, expert.down)):  # read_all: part by part
+                cast = max(cast, *(nbytes for _, _, nbytes in parts))
+                runs = [[part] for part in parts]
+            else:
+                runs = _spans(parts)
+            span = max(span, *(_aligned_span(run) for run in runs))
+        return (min(CHUNK, span) + ALIGN if span else 0) + cast
+
+    def allocated_bytes(self) -> int:
+        """What the reader's buffers hold now (at most buffer_bytes() of what it read)."""
+        return self._staging.numel() + self._cast.numel()
 
     def read(self, ext: Extent, out: torch.Tensor) -> None:
         """The extent's tensor into `out` (contiguous, ext.shape elements), cast to out's dtype if it differs."""
@@ -159,13 +184,11 @@ class DiskReader:
     def read_all(self, parts: list[tuple[Extent, torch.Tensor]]) -> None:
         """Several extents into their tensors. Extents that lie together in one file (an expert's three
         projections usually do) are read as one span, so a copy costs one disk round trip, not three."""
-        if any(
-            ext.dtype != out.dtype for ext, out in parts
-        ):  # a cast: through a staging buffer, part by part
+        if any(ext.dtype != out.dtype for ext, out in parts):  # a cast: through the cast buffer, part by part
             for ext, out in parts:
-                raw = torch.empty(
-                    ext.nbytes, dtype=torch.uint8
-                )  # not the staging buffer: reads go through it
+                if self._cast.numel() < ext.nbytes:
+                    self._cast = torch.empty(ext.nbytes, dtype=torch.uint8)
+                raw = self._cast[: ext.nbytes]  # not the staging buffer: O_DIRECT reads go through that
                 self._read_bytes([(ext.path, ext.offset, raw)])
                 out.copy_(raw.view(ext.dtype).view(ext.shape))
             return
@@ -194,10 +217,10 @@ class DiskReader:
         fd = self._fd(span[0][0], direct=True)
         lo = span[0][1] - span[0][1] % ALIGN
         hi = max(offset + out.numel() for _, offset, out in span)
+        staging = self._aligned(min(CHUNK, _aligned_span([(p, o, out.numel()) for p, o, out in span])))
         for at in range(lo, hi, CHUNK):
             need = min(CHUNK, hi - at)
-            # The last chunk reads only the blocks it needs.
-            buf = self._aligned(CHUNK)[: -(-need // ALIGN) * ALIGN]
+            buf = staging[: -(-need // ALIGN) * ALIGN]  # the last chunk reads only the blocks it needs
             got = _preadv_all(fd, buf, at, need=need)
             self.bytes_read += got
             for _, offset, out in span:
@@ -230,19 +253,31 @@ class DiskReader:
         self._fds.clear()
 
 
-def _spans(targets: list[tuple[Path, int, torch.Tensor]]) -> list[list[tuple[Path, int, torch.Tensor]]]:
-    """Targets grouped into runs that are read as one: same file, each starting within GAP of the last's end."""
-    spans: list[list[tuple[Path, int, torch.Tensor]]] = []
+def _spans(targets: list[tuple[Path, int, T]]) -> list[list[tuple[Path, int, T]]]:
+    """Targets (path, offset, a uint8 tensor or a byte count) grouped into runs that are read as one: same file,
+    each starting within GAP of the last's end."""
+    spans: list[list[tuple[Path, int, T]]] = []
     end = 0
     for target in sorted(targets, key=lambda t: (str(t[0]), t[1])):
-        path, offset, out = target
+        path, offset, size = target[0], target[1], _nbytes(target[2])
         if spans and spans[-1][0][0] == path and offset - end <= GAP:
             spans[-1].append(target)
-            end = max(end, offset + out.numel())
+            end = max(end, offset + size)
         else:
             spans.append([target])
-            end = offset + out.numel()
+            end = offset + size
     return spans
+
+
+def _nbytes(target: torch.Tensor | int) -> int:
+    return target if isinstance(target, int) else target.numel()
+
+
+def _aligned_span(run: list[tuple[Path, int, int]]) -> int:
+    """Bytes of the whole ALIGN blocks a run of (path, offset, nbytes) covers: what O_DIRECT reads of it."""
+    lo = run[0][1] - run[0][1] % ALIGN
+    hi = max(offset + nbytes for _, offset, nbytes in run)
+    return -(-(hi - lo) // ALIGN) * ALIGN
 
 
 def _preadv_all(fd: int, buf: torch.Tensor, offset: int, need: int) -> int:

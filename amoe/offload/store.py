@@ -43,11 +43,12 @@ class ExpertStore:
         policy: Policy,
         dtype: torch.dtype,
         prefetch: bool = True,
+        index: CheckpointIndex | None = None,
     ) -> None:
         self.keys = sorted(keys)
         if num_slots < 1:
             raise ConfigError("the expert store needs at least one slot")
-        index = CheckpointIndex(model_dir)
+        index = index or CheckpointIndex(model_dir)
         self._extents: dict[Key, ExpertExtents] = {k: index.expert(cfg, *k) for k in self.keys}
         width = {cfg.expert_intermediate(e) for _, e in self.keys}
         if len(width) != 1:
@@ -60,6 +61,9 @@ class ExpertStore:
         self._gate_up = torch.empty(self.num_slots, 2 * inter, hidden, dtype=dtype)  # [S, 2I, H]
         self._down = torch.empty(self.num_slots, hidden, inter, dtype=dtype)  # [S, H, I]
         self.expert_bytes = (self._gate_up[0].numel() + self._down[0].numel()) * dtype.itemsize
+        self.reader_buffer_bytes = DiskReader.buffer_bytes(
+            self._extents.values(), dtype
+        )  # at most, once grown
         self._layers = [
             ExpertLayer(-1, -1, ExpertWeights(self._gate_up[s], self._down[s])) for s in range(self.num_slots)
         ]
@@ -262,8 +266,16 @@ class ExpertStore:
                 "resident": len(self._slot_of),
                 "experts": len(self.keys),
                 "expert_bytes": self.expert_bytes,
+                "reader_buffer_bytes": self._reader.allocated_bytes(),
                 "direct_io": self._reader.direct,
             }
+
+    def unfilled_bytes(self) -> int:
+        """The pool's slots never filled yet, and the reader's buffers not yet grown: memory planned, not resident."""
+        with self._cond:
+            filled = self.num_slots - len(self._free)  # a slot, once used, stays touched
+        unfilled_buffers = self.reader_buffer_bytes - self._reader.allocated_bytes()
+        return (self.num_slots - filled) * self.expert_bytes + unfilled_buffers
 
     def close(self) -> None:
         """Stop the I/O thread; idempotent."""
@@ -282,23 +294,32 @@ def format_size(n: float) -> str:
     return f"{n} B"
 
 
-def plan_slots(budget: int, dense_bytes: int, expert_bytes: int, num_keys: int, where: str) -> int | None:
-    """Expert slots `budget` buys beside a process's dense part; None when every expert fits (no offloading)."""
-    minimum = dense_bytes + expert_bytes
-    if budget < minimum:
-        raise ConfigError(
-            f"--offload-budget {format_size(budget)} is below the minimum for {where}: {minimum} bytes "
-            f"({format_size(minimum)} = dense part {format_size(dense_bytes)} + one expert {format_size(expert_bytes)})"
-        )
-    slots = (budget - dense_bytes) // expert_bytes
-    if slots >= num_keys:
+def plan_slots(
+    budget: int, dense_bytes: int, expert_bytes: int, num_keys: int, where: str, buffer_bytes: int = 0
+) -> int | None:
+    """Expert slots `budget` buys beside a process's dense part and its reader's buffers; None when every expert
+    fits (no offloading: no reader either)."""
+    if dense_bytes + num_keys * expert_bytes <= budget:
         logger.info(
             "[offload] %s: --offload-budget %s holds all %d experts (%s beside a dense part of %s): every expert "
             "stays resident, no offloading",
             where, format_size(budget), num_keys, format_size(num_keys * expert_bytes), format_size(dense_bytes),
         )  # fmt: skip
         return None
-    return slots
+    minimum = dense_bytes + buffer_bytes + expert_bytes
+    if budget < minimum:
+        reader = f" + the reader's buffers {format_size(buffer_bytes)}" if buffer_bytes else ""
+        raise ConfigError(
+            f"--offload-budget {format_size(budget)} is below the minimum for {where}: {minimum} bytes "
+            f"({format_size(minimum)} = dense part {format_size(dense_bytes)}{reader} + one expert "
+            f"{format_size(expert_bytes)})"
+        )
+    return (budget - dense_bytes - buffer_bytes) // expert_bytes
+
+
+def reader_bytes(index: CheckpointIndex, cfg: ModelConfig, keys: Sequence[Key], dtype) -> int:
+    """What the store's reader holds for its buffers reading `keys` into slots of `dtype` (counted in the budget)."""
+    return DiskReader.buffer_bytes((index.expert(cfg, *k) for k in keys), dtype)
 
 
 def open_store(
@@ -309,14 +330,18 @@ def open_store(
     if offload.budget is None or not keys:
         return None
     expert_bytes = routed_expert_bytes(cfg, dtype)
-    slots = plan_slots(offload.budget_bytes, dense_bytes, expert_bytes, len(keys), where)
+    index = CheckpointIndex(model_dir)
+    buffers = reader_bytes(index, cfg, keys, dtype)
+    slots = plan_slots(offload.budget_bytes, dense_bytes, expert_bytes, len(keys), where, buffers)
     if slots is None:
         return None
     policy = make_store_policy(offload, cfg)
-    store = ExpertStore(model_dir, cfg, keys, slots, policy, dtype, prefetch=offload.prefetch)
+    store = ExpertStore(model_dir, cfg, keys, slots, policy, dtype, prefetch=offload.prefetch, index=index)
     logger.info(
-        "[offload] %s: %d of %d experts resident at most (%d slots of %s; dense part %s; policy %s; %s reads)",
-        where, slots, len(keys), slots, format_size(expert_bytes), format_size(dense_bytes), policy.name,
+        "[offload] %s: %d of %d experts resident at most (budget %s holds the dense part %s, %d slots of %s and the "
+        "reader's buffers %s; policy %s; %s reads)",
+        where, slots, len(keys), format_size(offload.budget_bytes), format_size(dense_bytes), slots,
+        format_size(expert_bytes), format_size(buffers), policy.name,
         "O_DIRECT" if store.stats()["direct_io"] else "buffered+fadvise",
     )  # fmt: skip
     return store

@@ -135,6 +135,11 @@ class Offload:
     def stats(self) -> dict | None:
         return self.store.stats() if self.store is not None else None
 
+    def unfilled_bytes(self) -> int:
+        """Memory the store has set aside and not yet touched (its slots fill as experts are read): what sizing the
+        KV cache from free memory must leave for it."""
+        return self.store.unfilled_bytes() if self.store is not None else 0
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
@@ -147,7 +152,8 @@ def check_offload(config, model_dir) -> None:
     and the policy builds (an EAMC file of the wrong shape fails here, with both shapes)."""
     from amoe.device import CPU, model_dtype
     from amoe.model.config import load_model_config
-    from amoe.offload.store import make_store_policy, plan_slots, routed_expert_bytes
+    from amoe.offload.io import CheckpointIndex
+    from amoe.offload.store import make_store_policy, plan_slots, reader_bytes, routed_expert_bytes
     from amoe.placement import Placement
 
     offload = config.offload
@@ -164,11 +170,13 @@ def check_offload(config, model_dir) -> None:
             f"the expert runtime of experts {placement.experts_of(r)}": (placement.experts_of(r), False)
             for r in sorted(set(placement.expert_runtime))
         }
+    index = CheckpointIndex(model_dir)
     for where, (experts, attention) in hosts.items():
         shared = [e for e in experts if e >= cfg.num_experts]
-        routed = len(experts) - len(shared)
+        keys = [(b, e) for b in range(cfg.num_blocks) for e in experts if e < cfg.num_experts]
         dense = dense_bytes(cfg, dtype, attention=attention, shared=shared)
-        plan_slots(offload.budget_bytes, dense, expert, routed * cfg.num_blocks, where)
+        buffers = reader_bytes(index, cfg, keys, dtype) if keys else 0
+        plan_slots(offload.budget_bytes, dense, expert, len(keys), where, buffers)
     make_store_policy(offload, cfg)  # built once and dropped: its errors (a bad EAMC file) surface here
 
 

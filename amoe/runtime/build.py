@@ -71,7 +71,9 @@ def device(config: AmoeConfig, runtime: int) -> Device:
     before any CUDA work. Emulated GPUs hold no tensors: the CPU."""
     if config.executor.kind == "emulated":
         return devices.CPU
-    return devices.runtime_device(config.device.kind, local_index(config, runtime))
+    return devices.runtime_device(
+        config.device.kind, local_index(config, runtime), config.device.runtimes_per_gpu
+    )
 
 
 def dtype(config: AmoeConfig, cfg: ModelConfig, dev: Device):
@@ -98,8 +100,7 @@ def num_kv_blocks(
         blocks = config.cache.num_kv_blocks
         how = "--cache-num-kv-blocks"
     else:
-        share = 1 if config.parallel.mode == "local" else runtimes_on_node(config, node_of(config, runtime))
-        budget = kv_budget(config, cfg, dev, share)
+        budget = kv_budget(config, cfg, dev, memory_share(config, dev, runtime))
         blocks = budget.num_blocks
         how = f"--gpu-memory-utilization {config.device.memory_utilization:g} of {dev.describe()}"
     logger.info(
@@ -107,6 +108,13 @@ def num_kv_blocks(
         runtime, blocks, bs, how, limit, blocks / devices.blocks_for(limit, bs),
     )  # fmt: skip
     return blocks
+
+
+def memory_share(config: AmoeConfig, dev: Device, runtime: int) -> int:
+    """How many runtimes use the memory `runtime`'s budget comes from: the host's RAM is its node's runtimes', a
+    GPU is its own runtime's or shared by --runtimes-per-gpu of them."""
+    here = 1 if config.parallel.mode == "local" else runtimes_on_node(config, node_of(config, runtime))
+    return min(here, config.device.runtimes_per_gpu) if dev.is_cuda else here
 
 
 def kv_budget(config: AmoeConfig, cfg: ModelConfig, dev: Device, share: int) -> devices.KVBudget:

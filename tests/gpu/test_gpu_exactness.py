@@ -1,6 +1,7 @@
 """amoe on a GPU against Hugging Face transformers on the same GPU and checkpoint: in float32 the greedy tokens are
-the same; in bfloat16 (where rounding differs between any two implementations) the fraction of positions whose greedy
-next token agrees is measured, reported and held high."""
+the same, for the Mixtral shapes of the CPU oracle and for every family's tiny preset (`amoe make-model --preset
+tiny-FAMILY`); in bfloat16 (where rounding differs between any two implementations) the fraction of positions whose
+greedy next token agrees is measured, reported and held high."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from test_model_exactness import CONFIGS  # the CPU oracle's model shapes: GQA/MQA/MHA, sliding window, tied
 
 from amoe import LLM, SamplingParams
+from amoe.model.make import make_model
 
 pytestmark = pytest.mark.gpu
 
@@ -16,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 CUDA = torch.device("cuda", 0)  # LLM(device="cuda") runs on the first visible GPU
 NEW_TOKENS = 32
+FAMILIES = ["tiny", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
 
 
 def _prompts(lengths, vocab: int = 1024, seed: int = 7) -> list[list[int]]:
@@ -24,17 +27,40 @@ def _prompts(lengths, vocab: int = 1024, seed: int = 7) -> list[list[int]]:
 
 
 def _hf_model(model_dir, dtype: torch.dtype):
-    return transformers.MixtralForCausalLM.from_pretrained(model_dir, dtype=dtype).to(CUDA).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(CUDA).eval()
 
 
 @torch.inference_mode()
-def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens per prompt, one at a time (no padding, which would change the reference's rounding)."""
-    out = []
+def _hf_greedy(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens per prompt, one at a time (no padding, which would change the reference's rounding), eos not
+    stopping them (amoe's side ignores it too); and each prompt's logits per step, [NEW_TOKENS, V] on the host."""
+    tokens, logits = [], []
     for prompt in prompts:
-        seq = model.generate(torch.tensor([prompt], device=CUDA), do_sample=False, max_new_tokens=NEW_TOKENS)
-        out.append(seq[0, len(prompt) :].tolist())
-    return out
+        out = model.generate(
+            torch.tensor([prompt], device=CUDA), do_sample=False, max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        tokens.append(out.sequences[0, len(prompt) :].tolist())
+        logits.append(torch.stack([step[0] for step in out.logits]).float().cpu())
+    return tokens, logits
+
+
+def _assert_same(got, want, logits, prompts, what: str) -> None:
+    """amoe's greedy tokens equal transformers'. A divergence says how close transformers' own choice was there:
+    two GPU implementations round differently, and only a near-tie (a margin of rounding size) may excuse one."""
+    for i, (ours, ref) in enumerate(zip(got, want)):
+        if ours == ref:
+            continue
+        j = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+        step = logits[i][min(j, len(logits[i]) - 1)]
+        margin = float(step[ref[j]] - step[ours[j]]) if j < min(len(ours), len(ref)) else float("nan")
+        rank = int((step > step[ours[j]]).sum()) if j < len(ours) else -1
+        raise AssertionError(
+            f"{what}: prompt {i} (length {len(prompts[i])}) diverged at token {j}: amoe {ours[j : j + 3]}, "
+            f"transformers {ref[j : j + 3]}; there transformers ranks amoe's token {rank} and prefers its own by "
+            f"{margin:.3g} (logits' std {float(step.std()):.3g})"
+        )
 
 
 def _amoe_greedy(model_dir, prompts: list[list[int]], dtype: str) -> list[list[int]]:
@@ -53,16 +79,41 @@ def test_float32_greedy_tokens_equal_transformers(make_checkpoint, shape):
     model_dir = make_checkpoint(seed=11, shards=2 if "tied" in shape else 1, **CONFIGS[shape])
     prompts = _prompts((3, 12, 29, 64))
     model = _hf_model(model_dir, torch.float32)
-    want = _hf_greedy(model, prompts)
+    want, logits = _hf_greedy(model, prompts)
     del model
     torch.cuda.empty_cache()
-    assert all(len(t) == NEW_TOKENS for t in want), "the reference hit eos early: pick another seed"
 
-    got = _amoe_greedy(model_dir, prompts, "float32")
+    _assert_same(_amoe_greedy(model_dir, prompts, "float32"), want, logits, prompts, shape)
 
-    for i, (ours, ref) in enumerate(zip(got, want)):
-        first = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        assert ours == ref, f"{shape}: prompt {i} (length {len(prompts[i])}) diverged at token {first}"
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_s_float32_greedy_tokens_equal_transformers(tmp_path, family):
+    """The checkpoint `amoe make-model --preset FAMILY` writes, read by transformers' own model class of the
+    family (AutoModelForCausalLM) and by amoe, both on the GPU; prompts longer than one KV block."""
+    model_dir = make_model(family, tmp_path / family, seed=1)
+    prompts = _prompts((5, 21, 37, 64), seed=3)
+    model = _hf_model(model_dir, torch.float32)
+    want, logits = _hf_greedy(model, prompts)
+    del model
+    torch.cuda.empty_cache()
+
+    _assert_same(_amoe_greedy(model_dir, prompts, "float32"), want, logits, prompts, family)
+
+
+@pytest.mark.timeout(300)
+def test_forked_sequences_copy_their_kv_on_the_gpu(make_checkpoint):
+    """n > 1: the sequences fork after one prefill, each with a copy of its parent's KV blocks on the GPU; greedy,
+    every one of them is the single sequence's tokens."""
+    model_dir = make_checkpoint(seed=11)
+    prompts = _prompts((5, 37), seed=5)
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    single = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, single)]
+    forked = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3))
+    del llm
+    torch.cuda.empty_cache()
+    assert [[c.token_ids for c in o.outputs] for o in forked] == [[w] * 3 for w in want]
 
 
 @pytest.mark.timeout(600)
@@ -82,7 +133,7 @@ def test_bfloat16_top1_agreement_with_transformers_is_reported(make_checkpoint, 
             predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # the next token after each prefix
             agree += sum(p == t for p, t in zip(predicted, tokens))
             total += len(tokens)
-    free_running = _hf_greedy(model, prompts)
+    free_running, _ = _hf_greedy(model, prompts)
     identical = sum(a == b for a, b in zip(ours, free_running))
 
     agreement = agree / total

@@ -1,6 +1,7 @@
 """A served cluster on GPUs (one runtime per GPU, attention and experts apart, NCCL between them): greedy requests give
 the tokens Hugging Face transformers gives on the same checkpoint in float32 — over the OpenAI API of a real
-`amoe serve --device cuda --transport auto`, and as token ids from the launcher driven in-process."""
+`amoe serve --device cuda --transport auto`, and as token ids from the launcher driven in-process. On one GPU, two
+runtimes share it (--runtimes-per-gpu 2) and give the same tokens over the inline plane."""
 
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ from amoe.testing.cluster import ServedCluster
 from amoe.testing.servers import ServerProcess
 from amoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
-openai = pytest.importorskip("openai")
 
 MODEL = "tiny-gpu"  # the served model's name is its directory's
 NEW_TOKENS = 24
@@ -41,8 +41,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_tokens(model_dir, prompts) -> list[list[int]]:
-    """transformers' greedy tokens in float32 on the first GPU, per prompt (no padding); the model is freed after,
-    so the cluster's runtime on that GPU has its memory back."""
+    """transformers' greedy tokens in float32 on the first GPU, per prompt (no padding), eos not stopping them (the
+    requests ignore it too); the model is freed after, so the cluster's runtime on that GPU has its memory back."""
     model = (
         transformers.MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda:0").eval()
     )
@@ -50,12 +50,12 @@ def hf_tokens(model_dir, prompts) -> list[list[int]]:
     with torch.inference_mode():
         for prompt in prompts:
             seq = model.generate(
-                torch.tensor([prompt], device="cuda:0"), do_sample=False, max_new_tokens=NEW_TOKENS
-            )
+                torch.tensor([prompt], device="cuda:0"), do_sample=False, max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
             out.append(seq[0, len(prompt) :].tolist())
     del model
     torch.cuda.empty_cache()
-    assert all(len(t) == NEW_TOKENS for t in out), "the reference hit eos early: pick another seed"
     return out
 
 
@@ -67,6 +67,7 @@ def _text(tokenizer: Tokenizer, prompt: list[int], tokens: list[int]) -> str:
 
 async def _complete_all(url: str, prompts: list[list[int]]):
     """Every prompt's completion, all in flight at once so the runtimes batch them."""
+    openai = pytest.importorskip("openai")
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     try:
         return await asyncio.gather(
@@ -85,6 +86,7 @@ async def _complete_all(url: str, prompts: list[list[int]]):
         await client.close()
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.timeout(900)
 def test_openai_api_greedy_completions_equal_transformers(model_dir, prompts, hf_tokens):
     flags = ["--model", str(model_dir), "--device", "cuda", "--transport", "auto", "--model-dtype", "float32"]
@@ -103,6 +105,7 @@ def test_openai_api_greedy_completions_equal_transformers(model_dir, prompts, hf
         )
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.timeout(900)
 def test_served_token_ids_equal_transformers_over_nccl(model_dir, prompts, hf_tokens):
     # Text can hide a wrong token (ids the small tokenizer decodes to nothing): compare ids too, and spread the
@@ -125,6 +128,32 @@ def test_served_token_ids_equal_transformers_over_nccl(model_dir, prompts, hf_to
         first = next((j for j, (a, b) in enumerate(zip(ours, want)) if a != b), None)
         assert ours == want, (
             f"prompt {i} (length {len(prompts[i])}) diverged from transformers at token {first}"
+        )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["aep", "ep"])
+def test_runtimes_sharing_one_gpu_give_transformers_tokens(model_dir, prompts, hf_tokens, mode):
+    """aep's attention and expert runtimes, or two ep devices, both on GPU 0: what a one-GPU host serves. Their
+    tensors go through pinned host memory (the inline plane): NCCL refuses two ranks on one GPU."""
+    parallel = (
+        {"mode": "aep", "attn_ranks": 1, "expert_ranks": 1}
+        if mode == "aep"
+        else {"mode": "ep", "attn_ranks": 2}
+    )
+    config = AmoeConfig().replace(
+        device={"kind": "cuda", "runtimes_per_gpu": 2}, model={"dtype": "float32"}, parallel=parallel
+    )
+    assert config.tensor_plane == "inline"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with ServedCluster(model_dir, config) as cluster:
+        got = cluster.generate(prompts, params, timeout=120)
+        reports = _reports_after_traffic(cluster)
+    assert len(reports) == 2 and {r["comm"]["plane"] for r in reports} == {"inline"}, reports
+    for i, (ours, want) in enumerate(zip(got, hf_tokens)):
+        first = next((j for j, (a, b) in enumerate(zip(ours, want)) if a != b), None)
+        assert ours == want, (
+            f"{mode}: prompt {i} (length {len(prompts[i])}) diverged from transformers at {first}"
         )
 
 
