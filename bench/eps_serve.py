@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from amoe.bench.servers import ServerProcess
+from amoe.testing.servers import ServerProcess
 
 
 def flags(args, pipelines: str | None) -> list[str]:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.fuzz import fuzz
+from amoe.testing.servers import ServerProcess
 
 
 def main() -> None:

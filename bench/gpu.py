@@ -119,7 +119,7 @@ def run_served(
 ) -> tuple[float, str | None]:
     """Wall seconds from sending every request at once to the last response, on a warm server; and the tensor
     plane the server says it serves on."""
-    from amoe.bench.servers import ServerProcess
+    from amoe.testing.servers import ServerProcess
 
     flags = ["--model", str(model_dir), "--device", args.device, "--transport", "auto", *flags]
     flags += ["--model-dtype", args.dtype, "--cache-max-num-seqs", str(max(256, len(prompts)))]

@@ -26,8 +26,8 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
+from amoe.testing.servers import ServerProcess
 from coordinator.metrics import text_format
 
 TARGET_MS = 50.0

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
 from amoe.testing.netns import Hosts, MultiHost, write_secret
+from amoe.testing.servers import ServerProcess
 
 MAX_TOKENS = 32
 PROMPTS = [[1, 3 + i, 50 + 11 * i, 9, 200 + i] for i in range(16)]

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, OpenLoop, reference_texts
+from amoe.testing.servers import ServerProcess
 
 MAX_TOKENS = 64
 PROMPTS = [[1, 3 + i, 50 + 11 * i, 9, 200 + i] for i in range(32)]

@@ -18,9 +18,9 @@ import httpx
 import psutil
 import pytest
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
+from amoe.testing.servers import ServerProcess
 
 MODEL = "tiny-chaos"
 MAX_TOKENS = 48

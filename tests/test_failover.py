@@ -14,11 +14,11 @@ import pytest
 from factories import AliveProcess
 
 from amoe import wire
-from amoe.bench.servers import ServerProcess
 from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import ConfigError
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
+from amoe.testing.servers import ServerProcess
 from coordinator.backend import RankKV, TokenDelta
 from coordinator.cluster_backend import ClusterBackend
 from coordinator.load_balancer import LoadBalancer

@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.fuzz import fuzz
+from amoe.testing.servers import ServerProcess
 
 
 @pytest.mark.timeout(300)

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_comm_faults import frames
 
 from amoe import core, wire
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
+from amoe.testing.servers import ServerProcess
 
 MODEL = "tiny-hard"
 KEY = "open-sesame"

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
+from amoe.testing.servers import ServerProcess
 
 MODEL = "tiny-heal-gloo"
 MAX_TOKENS = 40

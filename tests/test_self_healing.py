@@ -16,12 +16,12 @@ import torch
 from test_comm_basic import message, recv_n, same
 
 from amoe import core
-from amoe.bench.servers import ServerProcess
 from amoe.config import SchedulerSection
 from amoe.model.make import make_model
 from amoe.placement import Placement
 from amoe.runtime.requests import RankRequests
 from amoe.sampling_params import SamplingParams
+from amoe.testing.servers import ServerProcess
 from coordinator.runtimes import RestartBudget
 
 H, K, E, NB = 4, 2, 4, 2

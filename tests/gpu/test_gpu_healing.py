@@ -10,9 +10,9 @@ import httpx
 import pytest
 from test_healing_planes import MAX_TOKENS, PROMPTS, health, kill_mid_stream, wait_until
 
-from amoe.bench.servers import ServerProcess
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop
+from amoe.testing.servers import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 

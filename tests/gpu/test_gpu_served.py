@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from amoe.bench.servers import ServerProcess
 from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
 from amoe.testing.cluster import ServedCluster
+from amoe.testing.servers import ServerProcess
 from amoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.gpu
