@@ -188,80 +188,26 @@ def _vllm_positionals(args: argparse.Namespace) -> None:
         )
 
 
-def add_plan_command(sub: Any) -> None:
-    from amoe.emulation.commands import add_aep_policy
-    from amoe.emulation.routing import DEFAULT_LAMBDA
-
-    p = sub.add_parser("plan", help="search deployments (AEP splits, EP, ping-pong) and print the best")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model-profile", metavar="P", help="named model shapes (mixtral-8x7b-mqa, ...)")
-    which.add_argument(
-        "--model", metavar="DIR", help="a checkpoint: the shapes of its config.json (any family)"
-    )
-    p.add_argument(
-        "--gpus", required=True, metavar="TYPE:N[,...]", help="GPUs at hand, e.g. a100-80g:8,h100:4"
-    )
-    p.add_argument(
-        "--price", metavar="TYPE=$/h[,...]", help="$ per GPU-hour: rank by cost per million tokens"
-    )
-    p.add_argument(
-        "--workload", default="short", help="short | medium | reasonable | random (default: short)"
-    )
-    p.add_argument("--top-k", type=int, help="override the profile's top-k")
-    p.add_argument(
-        "--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}", help="skew the plan assumes (skew-exp:λ[,rho=ρ])"
-    )
-    p.add_argument("--itl-slo-ms", type=float, help="drop deployments whose ITL exceeds this")
-    p.add_argument(
-        "--step-variance", default="sourced", metavar="V",
-        help="GPUs' speed spread and step jitter the plans assume: sourced | off | SPREAD[,jitter=J][,seed=N]",
-    )  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default: 8)")
-    add_aep_policy(p)
-    p.add_argument("--modes", default="aep,ep,pingpong", help="which modes to search (default: all)")
-    p.add_argument("--top", type=int, default=5, help="plans to print (default: 5)")
-    p.add_argument(
-        "--simulate-top", type=int, default=3,
-        help="refine this many of the best plans by simulation (default: 3; 0: bounds only, no refinement at all)",
-    )  # fmt: skip
-    p.add_argument(
-        "--simulate-per-mode", type=int, default=3,
-        help="also refine, of each mode, the best plan of its best N shapes (GPUs per role, copies; default: 3)",
-    )  # fmt: skip
-    p.add_argument(
-        "--refine-retries", type=int, default=3,
-        help="of a mode whose refined plans all miss --itl-slo-ms, refine up to N of its next plans (default: 3)",
-    )  # fmt: skip
-    p.add_argument(
-        "--eps", action="store_true",
-        help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    p.set_defaults(run=run_plan)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    from amoe.emulation.plan import main as plan_main
-
-    return plan_main(args)
-
-
-def add_bench_command(sub: Any) -> None:
+def add_bench_and_plan_commands(sub: Any) -> None:
+    """`amoe bench` (the load generator's `serve`, then the studies) and `amoe plan`: the modelling wing's commands
+    all come from amoe.perf.studies.commands.add_commands, which builds parsers only (no torch)."""
     from amoe.bench import BENCH_SUBCOMMANDS
+    from amoe.perf.studies.commands import add_commands
 
     p = sub.add_parser("bench", help="benchmark a running server, or the planner's plans on emulated GPUs")
     nested = p.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
     # The nested commands get the same common flags (-v) as the top-level ones.
+    bench = _WithParents(nested, sub._parents)
     for add_bench_subcommand in BENCH_SUBCOMMANDS:
-        add_bench_subcommand(_WithParents(nested, sub._parents))
+        add_bench_subcommand(bench)
+    add_commands(sub, bench)
 
 
 SUBCOMMANDS = (
     add_serve_command,
     add_make_model_command,
     add_generate_command,
-    add_bench_command,
-    add_plan_command,
+    add_bench_and_plan_commands,
     add_queues_command,
     add_offload_command,
 )

@@ -198,7 +198,7 @@ class ExecutorSection:
     gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
     # emulated: the expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as
     # MegaScale-Infer runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV
-    # are priced on --gpu (the attention GPUs), as the bounds (amoe.emulation.bounds) price them.
+    # are priced on --gpu (the attention GPUs), as the bounds (amoe.perf.plan.bounds) price them.
     expert_gpu: str = ""
     profile: str | None = (
         None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
@@ -215,7 +215,7 @@ class ExecutorSection:
     decode_only: bool = False
     # emulated: GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
     gpus_per_node: int = 0
-    # emulated: each GPU's fixed speed and each step's jitter (amoe.emulation.variance, docs/emulation.md):
+    # emulated: each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/emulation.md):
     # sourced (Sinha et al. SC'22 across GPUs, DeepEP #208 per step) | off | SPREAD[,jitter=J][,seed=N]
     step_variance: str = "sourced"
 
@@ -228,7 +228,7 @@ class ExecutorSection:
             _positive("executor.top_k", self.top_k)
         if self.gpus_per_node < 0:
             raise ConfigError(f"executor.gpus_per_node must be >= 0; got {self.gpus_per_node}")
-        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.emulation.check_executor
+        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.perf.model.check.check_executor
         # checks them where an emulation is built (`amoe serve` before it starts anything, every Emulation), so
         # that the serving config does not import the modelling.
 

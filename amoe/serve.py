@@ -14,8 +14,8 @@ import uvicorn
 
 from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
-from amoe.emulation import check_executor
 from amoe.errors import AmoeError, ConfigError
+from amoe.perf.model.check import check_executor
 from coordinator.api.app import abort_all, create_app
 from coordinator.api.validation import ModelInfo
 from coordinator.requests.backend import Backend

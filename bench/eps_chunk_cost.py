@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from amoe.config import AmoeConfig, ExecutorSection
-from amoe.emulation.executor import Emulation
 from amoe.runtime import build
+from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
 from amoe.testing.sync_inproc import SyncCluster
 

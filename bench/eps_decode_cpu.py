@@ -19,8 +19,8 @@ import time
 from dataclasses import replace
 
 from amoe.config import AmoeConfig, ExecutorSection
-from amoe.emulation.executor import Emulation
 from amoe.runtime import build
+from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
 from amoe.testing.sync_inproc import SyncCluster
 
@@ -89,7 +89,7 @@ def pieces_cpu(args, em: Emulation) -> dict:
     import numpy as np
     import torch
 
-    from amoe.emulation import cost_model, eps
+    from amoe.perf.model import cost_model, ep_block, kernels
     from amoe.runtime.sync.eps import expert_groups, split_routed
     from amoe.runtime.sync.moe import Routed
 
@@ -104,8 +104,8 @@ def pieces_cpu(args, em: Emulation) -> dict:
     group = expert_groups(tuple(e % args.devices for e in range(cfg.num_expert_ids)), 1)
     hosted = list(range(0, cfg.num_expert_ids, args.devices))  # device 0's experts, the shared one included
     rows = [max(1, round(args.devices * n * k / cfg.num_experts))] * (len(hosted) - 1) + [args.devices * n]
-    choose = eps.kernel_chooser(model, gpu)
-    curves = eps.curves_for(gpu)
+    choose = ep_block.kernel_chooser(model, gpu)
+    curves = kernels.curves_for(gpu)
 
     def split_gather():
         (part,) = split_routed(routed, group, 1)
@@ -114,7 +114,7 @@ def pieces_cpu(args, em: Emulation) -> dict:
 
     def curves_price():
         for kern, inter, r in (("grouped", model.expert_intermediate, rows[:-1]), ("dense", 3072, rows[-1:])):
-            eps.experts_time(gpu, curves.curve(kern), kern, r, model.hidden_size, inter)
+            kernels.experts_time(gpu, curves.curve(kern), kern, r, model.hidden_size, inter)
 
     calls = {
         "split_and_gather": split_gather,

@@ -5,11 +5,12 @@ it smaller steps than the A GPUs' waves together; all on one phase, the old one-
 import numpy as np
 import pytest
 
-from amoe.emulation import bounds
-from amoe.emulation import simulate_scale as scale
-from amoe.emulation.aep_at_scale import _fifo
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import scale
+from amoe.perf.plan.simulate.aep_scale import _fifo
 
 ROUTING = "skew-exp:0.0025"
 
@@ -19,7 +20,7 @@ def scale32():
     """`amoe bench plan-check --preset scale32`'s plan: DeepSeek-V3 at 4 blocks, AEP 16 + 16 H800s, caps 64 / 1024,
     4,096 requests (4 waves of 64 per attention GPU), 12 of the one timeline's ITLs (7.07 ms) as refine runs it."""
     model = model_profile("deepseek-v3:4", 8)
-    dep = bounds.Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
+    dep = Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
     itl = 0.00707
     args = (
         model,
@@ -55,7 +56,7 @@ def test_an_expert_step_never_holds_more_than_the_cap_and_every_row_is_served_on
     """Many attention GPUs' small waves queue at two expert GPUs: a step takes at most `expert_cap` rows of an
     expert (the first arrived first) and leaves the rest queued; rows drawn = rows taken + rows still queued."""
     model = model_profile("deepseek-v3:4", 8)
-    dep = bounds.Deployment("aep", "h800", 32, "h800", 2, attn_cap=16, expert_cap=3)
+    dep = Deployment("aep", "h800", 32, "h800", 2, attn_cap=16, expert_cap=3)
     sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1)
     drawn, taken, most = [0.0], [0.0], [0.0]
     draw, step_times = sim.counts.draw_many, sim.step_times
@@ -97,7 +98,7 @@ def test_the_per_block_queues_are_the_pending_waves_rows():
     their rows, instead of summing every pending wave's rows: after a run (caps binding, steps cut short) it must
     hold exactly the rows still pending, by each wave's block."""
     model = model_profile("deepseek-v3:4", 8)
-    dep = bounds.Deployment("aep", "h800", 12, "h800", 4, attn_cap=32, expert_cap=24)
+    dep = Deployment("aep", "h800", 12, "h800", 4, attn_cap=32, expert_cap=24)
     sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=1)
     sim.run(0.0, 0.003)
     assert sim.rows.sum() > 0  # some rows still pending at the end
@@ -112,7 +113,7 @@ def test_the_batch_means_rule_stops_on_a_stationary_series_and_not_on_a_trending
     stationary series with 2 % noise a batch gets there within 32 batches; one drifting by 20 % over them (a
     transient the warm-up left) never does, its batches' spread being the drift. (A drift within the noise can
     pass: batch means assume a stationary series, which is what the warm-up is for.)"""
-    from amoe.emulation.batch_means import batch_means_halfwidth
+    from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
 
     for seed in range(5):
         rng = np.random.default_rng(seed)
@@ -130,7 +131,7 @@ def test_a_simulation_with_batches_stops_early_and_reports_the_batches_it_measur
     """With `batches` the own-phase simulation stops at the first batch k >= 10 whose interval is within the bound
     asked (refine's +-1 % needs a full-depth plan's many steps a batch; this 4-block plan's batches are noisier, so
     +-5 % here) and its figures are those k batches' own, within that interval of the whole window's figure."""
-    from amoe.emulation.batch_means import batch_means_halfwidth
+    from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
 
     model, dep, _, whole = scale32
     itl = 0.00707

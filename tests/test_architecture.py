@@ -1,6 +1,8 @@
-"""The shape of the house, checked from the source: no import circles in amoe/ and coordinator/, the coordinator
-reaches no model code and no torch (however indirectly) and its rooms import one way, production code never imports
-the test harnesses, and the light entry points (the API server, `amoe --help`, `import amoe`) really leave torch unloaded."""
+"""The shape of the house, checked from the source: no import circles in amoe/ and coordinator/, between modules or
+between packages, the coordinator reaches no model code and no torch (however indirectly) and its rooms import one
+way, the modelling wing's floors import downwards only and the serving product sees only its cost model, production
+code never imports the test harnesses, every class name is defined once, and the light entry points (the API
+server, `amoe --help`, `import amoe`) really leave torch unloaded."""
 
 from __future__ import annotations
 
@@ -9,10 +11,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("amoe", "coordinator")
 # What the coordinator must never reach: model code and the runtime (docs/serve.md, "The coordinator").
 MODEL_CODE = ("amoe.runtime", "amoe.model", "amoe.engine", "amoe.backends", "amoe.core", "amoe.device")
+# Who may import the test harnesses (amoe.testing): themselves, and the studies, which drive servers as tests do.
+HARNESS_USERS = ("amoe.testing", "amoe.perf.studies")
+# The modelling wing's three floors (amoe/perf/__init__.py), each a package of its own in the package graph.
+FLOORS = ("amoe.perf.model", "amoe.perf.plan", "amoe.perf.studies")
+# The serving product: what serves requests, which may use the cost model and nothing above it.
+PRODUCT = (
+    "amoe.runtime",
+    "amoe.engine",
+    "amoe.model",
+    "amoe.backends",
+    "amoe.serve",
+    "amoe.config",
+    "coordinator",
+)
+# (who, what they must never reach): the floors look down only, the product sees only amoe.perf.model, the load
+# generator none of the wing. Imports inside functions count; a package's lazy `__getattr__` re-exports do not.
+FLOOR_RULES = (
+    (PRODUCT, ("amoe.perf.plan", "amoe.perf.studies")),
+    (("amoe.perf.model",), ("amoe.perf.plan", "amoe.perf.studies")),
+    (("amoe.perf.plan",), ("amoe.perf.studies",)),
+    (("amoe.bench",), ("amoe.perf",)),
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -113,6 +139,40 @@ def is_under(module: str, roots: tuple[str, ...]) -> bool:
     return any(module == r or module.startswith(r + ".") for r in roots)
 
 
+def package_of(module: str) -> str:
+    """The package a module counts for: its floor of the wing, else its subpackage of amoe (amoe.X), else
+    coordinator; a module directly under amoe is a node of its own."""
+    for floor in FLOORS:
+        if is_under(module, (floor,)):
+            return floor
+    parts = module.split(".")
+    if parts[0] == "coordinator":
+        return "coordinator"
+    return ".".join(parts[:2]) if parts[0] == "amoe" and len(parts) > 2 else module
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to packages (package_of): a circle here can close with no single pair of modules."""
+    out: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        mine = out.setdefault(package_of(module), set())
+        mine |= {package_of(w) for w in targets if w in edges and package_of(w) != package_of(module)}
+    return out
+
+
+def floor_violations(edges: dict[str, set[str]], rules=FLOOR_RULES) -> list[str]:
+    """Each module of a rule's importers that reaches (however indirectly) what the rule forbids it."""
+    bad = []
+    for importers, forbidden in rules:
+        for module in sorted(m for m in edges if is_under(m, importers)):
+            bad += [
+                f"{module} reaches {found} (imported by {via})"
+                for found, via in reachable(edges, module).items()
+                if is_under(found, forbidden)
+            ]
+    return bad
+
+
 def test_no_import_circles():
     found = cycles(graph(lazy_exports=True))
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
@@ -121,6 +181,77 @@ def test_no_import_circles():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_package_level_circle():
+    found = cycles(package_graph(graph(lazy_exports=False)))
+    assert not found, "package circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_package_graph_finds_a_circle_no_module_pair_closes():
+    """amoe.bench's __init__ imported the planner's commands while a study imported amoe.bench's harness: no module
+    circle, a package circle."""
+    planted = {
+        "amoe.bench": {"amoe.emulation.commands"},
+        "amoe.emulation.commands": set(),
+        "amoe.emulation.plan_check": {"amoe.bench.calibrate"},
+        "amoe.bench.calibrate": set(),
+    }
+    assert cycles(planted) == []
+    assert cycles(package_graph(planted)) == [["amoe.bench", "amoe.emulation"]]
+    assert (
+        package_of("amoe.perf.plan.simulate.events") == "amoe.perf.plan"
+        and package_of("amoe.cli") == "amoe.cli"
+    )
+
+
+def test_the_wings_floors_look_down_and_the_product_sees_only_the_cost_model():
+    bad = floor_violations(graph(lazy_exports=False))
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize(
+    ("planted", "caught"),
+    [
+        # the runtime reaching the planner through a module outside the product
+        (
+            {"amoe.runtime.build": {"amoe.placement"}, "amoe.placement": {"amoe.perf.plan.bounds"}},
+            "amoe.runtime.build",
+        ),
+        ({"coordinator.serving": {"amoe.perf.studies.compare"}}, "coordinator.serving"),
+        ({"amoe.config": {"amoe.perf.plan.search"}}, "amoe.config"),
+        ({"amoe.perf.model.routing": {"amoe.perf.plan.bounds"}}, "amoe.perf.model.routing"),
+        ({"amoe.perf.model.routing": {"amoe.perf.studies.frontier"}}, "amoe.perf.model.routing"),
+        ({"amoe.perf.plan.search": {"amoe.perf.studies.commands"}}, "amoe.perf.plan.search"),
+        ({"amoe.bench.serve": {"amoe.perf.model.workloads"}}, "amoe.bench.serve"),
+    ],
+)
+def test_each_floor_rule_catches_its_planted_violation(planted, caught):
+    edges = {**planted, **{w: set() for ws in planted.values() for w in ws if w not in planted}}
+    assert [line.split()[0] for line in floor_violations(edges)] == [caught]
+    # ... and the arrows the floors allow are not violations.
+    allowed = {
+        "amoe.runtime.build": {"amoe.perf.model.links"},
+        "amoe.perf.studies.compare": {"amoe.perf.plan.bounds", "amoe.bench.client", "amoe.testing.servers"},
+        "amoe.perf.plan.bounds": {"amoe.perf.model.links"},
+        "amoe.perf.model.links": set(),
+        "amoe.bench.client": set(),
+        "amoe.testing.servers": set(),
+    }
+    assert floor_violations(allowed) == []
+
+
+def test_imports_inside_functions_count_and_only_a_packages_getattr_is_exempt(tmp_path):
+    """A package's lazy `__getattr__` re-export is the one arrow allowed back up a floor; any other import inside a
+    function is an import like the rest."""
+    package = tmp_path / "__init__.py"
+    package.write_text(
+        "def __getattr__(name):\n    from amoe.perf.plan import bounds\n\n    return bounds\n\n\n"
+        "def f():\n    from amoe.perf.studies import frontier\n"
+    )
+    known = {"amoe.perf.plan.bounds", "amoe.perf.studies.frontier"}
+    assert imports_of(package, "amoe.perf.model", known, lazy_exports=False) == {"amoe.perf.studies.frontier"}
+    assert imports_of(package, "amoe.perf.model", known, lazy_exports=True) == known
 
 
 def test_the_coordinator_reaches_no_model_code_and_no_torch():
@@ -134,23 +265,19 @@ def test_the_coordinator_reaches_no_model_code_and_no_torch():
 
 
 def test_the_serving_config_does_not_reach_the_modelling():
-    """amoe.emulation (cost model, simulation, planner) uses the config; the config never imports it back."""
+    """amoe.perf (cost model, simulation, planner) uses the config; the config never imports it back."""
     found = reachable(graph(lazy_exports=True), "amoe.config")
-    bad = [f"{m} (imported by {via})" for m, via in found.items() if is_under(m, ("amoe.emulation",))]
+    bad = [f"{m} (imported by {via})" for m, via in found.items() if is_under(m, ("amoe.perf",))]
     assert not bad, "\n".join(bad)
 
 
-# What studies the product rather than serving with it: its benchmarks and studies start servers through the test
-# harnesses' ServerProcess, as the tests do.
-APPARATUS = ("amoe.bench", "amoe.emulation", "amoe.perf")
-
-
 def test_production_code_does_not_import_the_test_harnesses():
+    """The studies (amoe.perf.studies) start servers and in-process clusters as the tests do; the product never."""
     edges = graph(lazy_exports=True)
     bad = [
         f"{m} imports {w}"
         for m, targets in edges.items()
-        if not is_under(m, ("amoe.testing",) + APPARATUS)
+        if not is_under(m, HARNESS_USERS)
         for w in targets
         if is_under(w, ("amoe.testing",))
     ]
@@ -274,8 +401,8 @@ def test_the_request_and_cluster_rooms_speak_no_http():
 
 # Where class names must be unique: every folder of Python the repository holds.
 CLASS_FOLDERS = ("amoe", "coordinator", "tests", "bench", "examples", "deploy", "tools")
-# Names still defined twice while the modelling moves into amoe/perf (the moving side's copy lives under one of
-# these folders); this list goes once the move has landed.
+# Names the modelling wing and the load generator still define a second time (that copy lives under one of these
+# folders; their owner renames them): this list goes once they are renamed.
 MOVING = ("amoe/emulation/", "amoe/bench/", "amoe/perf/")
 MOVING_NAMES = frozenset({"Chunk", "Workload", "Tokenizer"})
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from amoe.config import ExecutorSection
-from amoe.emulation import cost_model
-from amoe.emulation.executor import Emulation
-from amoe.emulation.profiles import model_profile
-from amoe.emulation.shapes import model_config_of
+from amoe.perf.model import cost_model
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.shapes import model_config_of
+from amoe.runtime.emulated import Emulation
 from amoe.runtime.sync import t_total
 from amoe.sampling_params import SamplingParams
 from amoe.testing.sync_inproc import SyncCluster

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from amoe.bench.compare_report import busy_summary, throughput_at_itl
-from amoe.bench.compare_setup import PRESETS, Setup, serve_flags, time_scale, upper_bound
-from amoe.bench.point import busy_fractions, ended, rows_per_step
-from amoe.bench.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
+from amoe.perf.studies.compare_report import busy_summary, throughput_at_itl
+from amoe.perf.studies.compare_setup import PRESETS, Setup, serve_flags, time_scale, upper_bound
+from amoe.perf.studies.point import busy_fractions, ended, rows_per_step
+from amoe.perf.studies.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
 
 def test_parse_metrics_sums_series_and_quantiles():
@@ -101,7 +101,7 @@ def test_serve_flags_and_bound():
     ep = serve_flags(Setup("ep", 8), p, seed=0)
     assert "--expert-ranks" not in ep and ep[ep.index("--parallel") + 1] == "ep"
     # The coordinator's timeouts count emulated seconds: its defaults stretched by the run's time scale, so a
-    # slow plan's first token at a large scale is not cut off (amoe.bench.compare_setup.emulated_timeouts).
+    # slow plan's first token at a large scale is not cut off (amoe.perf.studies.compare_setup.emulated_timeouts).
     from amoe.cli import build_parser
     from amoe.config import ServerSection, config_from_args
 
@@ -141,8 +141,8 @@ def test_ci_preset_completes(tmp_path):
 
 
 def test_only_groups_keeps_the_named_groups():
-    from amoe.bench.compare_setup import only_groups
     from amoe.errors import ConfigError
+    from amoe.perf.studies.compare_setup import only_groups
 
     full = PRESETS["full"]
     p = only_groups(full, ["top2", "16gpu"])
@@ -154,7 +154,7 @@ def test_only_groups_keeps_the_named_groups():
 
 
 def test_scaling_compares_each_modes_best_on_16_and_8_gpus():
-    from amoe.bench.compare_report import scaling
+    from amoe.perf.studies.compare_report import scaling
 
     def pt(group, mode, tput):
         return {"group": group, "setup": {"mode": mode}, "throughput": tput}
@@ -186,7 +186,7 @@ def test_throughput_at_itl_reads_the_curve_between_load_points():
 
 
 def test_repeated_runs_report_medians_spreads_and_agreement():
-    from amoe.bench.compare_report import median_headline
+    from amoe.perf.studies.compare_report import median_headline
 
     runs = [
         {"aep_over_ep": 1.00, "aep_max_tokens_per_s": 100, "defrag_vs_mtfs": {"throughput": 1.02}, "saturated_points": []},
@@ -210,8 +210,8 @@ def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
     import asyncio
     import contextlib
 
-    from amoe.bench import compare
-    from amoe.bench.compare_setup import time_scale
+    from amoe.perf.studies import compare
+    from amoe.perf.studies.compare_setup import time_scale
 
     p = PRESETS["ci"]
     started = []
@@ -241,8 +241,8 @@ def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
 
 
 def test_loads_override_parses_and_rejects_bad_values():
-    from amoe.bench.compare import _loads
     from amoe.errors import ConfigError
+    from amoe.perf.studies.compare import _loads
 
     assert _loads("0.5,1.5") == (0.5, 1.5)
     for bad in ("0.5,x", "0,1", ""):
@@ -253,7 +253,7 @@ def test_loads_override_parses_and_rejects_bad_values():
 def test_policies_compare_throughput_at_their_maxima_and_itl_at_a_load_all_sustain():
     """defrag's maximum is its sweep's best point; another policy's is its point at that rate (kind policy_max).
     ITL compares at the policy load, where a policy past its capacity would measure a backlog, not a rate."""
-    from amoe.bench.compare_report import _policy_ratios
+    from amoe.perf.studies.compare_report import _policy_ratios
 
     def pt(policy, kind, rate, tps, itl):
         config = f"aep4+4-{policy}-top1-short"
@@ -274,7 +274,7 @@ def test_steady_points_give_the_maxima_and_aep_at_eps_itl():
     """With steady points (quick and full presets) the maxima are the steady points at the requests the best load
     points held, AEP / EP at EP's ITL reads AEP's steady points aimed at that ITL, and defrag's maximum against
     the other policies' is its steady point; the Poisson load points stay for the curves."""
-    from amoe.bench.compare_report import _group_ratios, _policy_ratios
+    from amoe.perf.studies.compare_report import _group_ratios, _policy_ratios
 
     p = PRESETS["quick"]
     assert p.steady and not PRESETS["ci"].steady
@@ -303,7 +303,7 @@ def test_steady_points_aim_aep_at_eps_itl_and_stay_within_what_its_maximum_held(
     """Each main setup gets a steady point at the requests its best load point held; AEP then runs at the requests
     Little's law gives for EP's ITL on its curve, and once more aimed by the ITL that measured, never above what
     its maximum held."""
-    from amoe.bench import compare
+    from amoe.perf.studies import compare
 
     ran = []
 

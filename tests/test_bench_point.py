@@ -1,11 +1,11 @@
-"""A point's throughput from the coordinator's token counter (amoe.bench.point): the least-squares estimate holds
+"""A point's throughput from the coordinator's token counter (amoe.perf.studies.point): the least-squares estimate holds
 for a lock-step deployment's staircase counter wherever the scrapes fall, where two scrapes miss by a step."""
 
 import math
 
 import pytest
 
-from amoe.bench.point import token_rate_fit
+from amoe.perf.studies.point import token_rate_fit
 
 ITL = 1.0  # wall seconds between a lock-step deployment's bursts
 BURST = 1000  # tokens per burst: one per request in flight

@@ -80,6 +80,14 @@ def test_paper_workload_lengths_cover_their_inclusive_ranges(name):
     assert lengths[:, 1].min() == out_lo and lengths[:, 1].max() == out_hi
 
 
+def test_the_cost_models_paper_workloads_are_the_load_generators():
+    """The cost model keeps its own table of the paper workloads' lengths (the load generator imports nothing from the
+    modelling wing): the same lengths, so a plan's mean context is that of the requests `amoe bench serve` sends."""
+    from amoe.perf.model.workloads import PAPER_WORKLOADS as MODELLED
+
+    assert MODELLED == PAPER_WORKLOADS
+
+
 def test_random_workload_uses_the_range_ratio():
     workload = make_workload("random", input_len=100, output_len=10, range_ratio=0.5)
     assert (workload.input_range, workload.output_range) == ((50, 150), (5, 15))
@@ -100,7 +108,7 @@ def test_steady_state_requests_are_a_running_deployments_snapshot():
     """A deployment in steady state runs length-biased requests part-way through: the contexts (prompt plus what
     was generated) average the cost model's steady-state decode context, and the tokens left sum a request's
     output. Decode-only emulation takes the generated part as prompt, so these are what the server is sent."""
-    from amoe.emulation.cost_model import mean_decode_context
+    from amoe.perf.model.cost_model import mean_decode_context
 
     workload = make_workload("short")
     requests = steady_state_requests(workload, 20_000, seed=3)

@@ -1,4 +1,4 @@
-"""The performance model behind `amoe plan` (amoe.emulation.bounds) and the planner itself: exact top-k inclusion,
+"""The performance model behind `amoe plan` (amoe.perf.plan.bounds) and the planner itself: exact top-k inclusion,
 skew on AEP's expert side, EP's all-to-alls and grouped GEMM, depth-independent ratios, request affinity and
 shifting skew in the routing override, and the search's output."""
 
@@ -13,29 +13,28 @@ import pytest
 
 from amoe.bench.workloads import PAPER_WORKLOADS
 from amoe.config import AmoeConfig, config_from_args
-from amoe.emulation import bounds as B
-from amoe.emulation import cost_model as cm
-from amoe.emulation.plan import (
-    Plan,
-    PlanRequest,
-    balanced_map,
-    best_shapes,
-    parse_gpus,
-    parse_prices,
-    prefer_headroom,
-    search,
-    serve_command,
-    shape,
-)
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import (
+from amoe.errors import ConfigError
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.links import all_to_all_time
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import (
     RouterOverride,
     RoutingSpec,
     inclusion_probabilities,
     popularity_by_rank,
+    routing_inclusion,
 )
-from amoe.emulation.variance import OFF
-from amoe.errors import ConfigError
+from amoe.perf.model.variance import OFF
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.bound_pools import pool_links
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.expert_steps import expert_shares, grouped_steps
+from amoe.perf.plan.prediction import Prediction
+from amoe.perf.plan.report import serve_command
+from amoe.perf.plan.request import Plan, PlanRequest, parse_gpus, parse_prices
+from amoe.perf.plan.search import balanced_map, best_shapes, prefer_headroom, search, shape
 from amoe.placement import Placement
 
 HOST = host_overhead("amoe-paper")
@@ -44,7 +43,7 @@ A100 = "a100-80g"
 
 
 def _q(model, routing="skew-exp:0.4"):
-    return B.routing_inclusion(model, routing)
+    return routing_inclusion(model, routing)
 
 
 def test_inclusion_probability_is_exact_not_popularity_times_k():
@@ -66,7 +65,7 @@ def test_inclusion_probability_is_exact_not_popularity_times_k():
 
 def test_aep_expert_side_carries_the_skew():
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
-    dep = B.Deployment("aep", A100, 4, A100, 4, 256, 512)
+    dep = Deployment("aep", A100, 4, A100, 4, 256, 512)
     # Without step-time variance, so that even routing is exactly even (a slower GPU is "skew" too).
     even = B.predict(model, dep, _q(model, "uniform"), CTX, HOST, variance=OFF)
     skewed = B.predict(model, dep, _q(model, "skew-exp:0.4"), CTX, HOST, variance=OFF)
@@ -76,7 +75,7 @@ def test_aep_expert_side_carries_the_skew():
     assert skewed.expert_skew > 1.05 and skewed.expert_tokens_per_s < even.expert_tokens_per_s
     # A placement balanced for the skew gets some of it back.
     q = _q(model, "skew-exp:0.4")
-    balanced = B.Deployment("aep", A100, 4, A100, 4, 256, 512, expert_map=balanced_map(q, 4))
+    balanced = Deployment("aep", A100, 4, A100, 4, 256, 512, expert_map=balanced_map(q, 4))
     assert (
         B.predict(model, balanced, q, CTX, HOST, variance=OFF).expert_tokens_per_s
         >= skewed.expert_tokens_per_s
@@ -94,11 +93,11 @@ def test_ep_pays_all_to_alls_and_one_grouped_gemm_per_device():
         cm.expert_layer_time(model, gpu, 64, HOST)
     )
     # The all-to-all: tens of µs on NVLink, more across hosts, nothing for one device.
-    one_node = B.all_to_all_time(model, gpu, 256, 8, 8)
-    two_nodes = B.all_to_all_time(model, gpu, 256, 16, 8)
-    assert B.all_to_all_time(model, gpu, 256, 1, 8) == 0.0
+    one_node = all_to_all_time(model, gpu, 256, 8, 8)
+    two_nodes = all_to_all_time(model, gpu, 256, 16, 8)
+    assert all_to_all_time(model, gpu, 256, 1, 8) == 0.0
     assert 20e-6 < one_node < 100e-6 and two_nodes > 1.5 * one_node
-    ep = B.predict(model, B.Deployment("ep", A100, 8, attn_cap=256), _q(model), CTX, HOST)
+    ep = B.predict(model, Deployment("ep", A100, 8, attn_cap=256), _q(model), CTX, HOST)
     assert ep.extra["all_to_all_s_per_block"] == pytest.approx(2 * one_node)
     assert 0 < ep.extra["barrier_stall_fraction"] < 1 and ep.itl_s * ep.tokens_per_s == pytest.approx(8 * 256)
 
@@ -107,8 +106,8 @@ def test_ratios_do_not_depend_on_the_kept_depth():
     short = model_profile("mixtral-8x7b-mqa:4", 2)
     full = B.full_depth(short)
     assert (full.num_blocks, full.name, full.head_share) == (32, "mixtral-8x7b-mqa", 1.0)
-    aep = B.Deployment("aep", A100, 4, A100, 4, 256, 512)
-    ep = B.Deployment("ep", A100, 8, attn_cap=256)
+    aep = Deployment("aep", A100, 4, A100, 4, 256, 512)
+    ep = Deployment("ep", A100, 8, attn_cap=256)
     router = RouterOverride(RoutingSpec.parse("skew-exp:0.4"), 8, 2, 32, seed=0)
     q_full = inclusion_probabilities(router.popularity, 2)
     q_short = q_full[:4] * 0 + q_full.mean(axis=0)  # the same load per block, so only depth differs
@@ -127,7 +126,7 @@ def test_ratios_do_not_depend_on_the_kept_depth():
 def test_memory_bound_deployments_are_refused():
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 2))
     # One expert GPU of 40 GB cannot hold 8 experts x 32 blocks of Mixtral.
-    pred = B.predict(model, B.Deployment("aep", "a100-40g", 1, "a100-40g", 1), _q(model), CTX, HOST)
+    pred = B.predict(model, Deployment("aep", "a100-40g", 1, "a100-40g", 1), _q(model), CTX, HOST)
     assert pred.bottleneck == "memory" and pred.tokens_per_s == 0
 
 
@@ -190,9 +189,9 @@ def test_an_emulated_command_of_a_copy_that_spans_hosts_prices_its_links_as_the_
     from amoe.cli import build_parser
 
     req = PlanRequest("mixtral-8x7b-mqa", {"a100-80g": 16}, top_k=1)
-    pred = B.Prediction(1000.0, 0.1, 100, "attention")
-    wide = Plan(B.Deployment("pingpong", "a100-80g", 8, "a100-80g", 8, micro_batches=2), pred, None)
-    narrow = Plan(B.Deployment("ep", "a100-80g", 8, replicas=2), pred, None)
+    pred = Prediction(1000.0, 0.1, 100, "attention")
+    wide = Plan(Deployment("pingpong", "a100-80g", 8, "a100-80g", 8, micro_batches=2), pred, None)
+    narrow = Plan(Deployment("ep", "a100-80g", 8, replicas=2), pred, None)
     parse = build_parser().parse_args
     assert (
         config_from_args(parse(serve_command(wide, req, emulated=True).split()[1:])).executor.gpus_per_node
@@ -257,18 +256,17 @@ def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
     W waves the simulation had); EP and ping-pong have no scheduler; defrag is amoe serve's default."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
     from amoe.cli import build_parser
+    from amoe.perf.plan import search as planner
+    from amoe.perf.plan.request import AEP_POLICY
 
-    assert (
-        planner.AEP_POLICY == "waves" and PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == "waves"
-    )
+    assert AEP_POLICY == "waves" and PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == "waves"
     seen = []
 
     def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         seen.append((dep.mode, policy))
         extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
-        return planner.Plan(dep, replace(pred, extra=extra), None)
+        return Plan(dep, replace(pred, extra=extra), None)
 
     monkeypatch.setattr(planner, "refine", fake_refine)
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:8"), top_k=1, attn_caps=(256,), expert_caps=(512,),
@@ -319,11 +317,11 @@ def test_amoe_plan_rejects_an_unknown_aep_policy_and_prints_the_waves_command():
 def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_of(monkeypatch):
     """The simulation at scale models defrag's expert side only: an AEP plan refined there under `waves` records
     and serves defrag (the scale32 check ran waves against a defrag prediction: 1.30×); event-level, waves."""
-    import amoe.emulation.simulate_scale as scale
-    from amoe.emulation.plan import refine
+    from amoe.perf.plan.refine import refine
+    from amoe.perf.plan.simulate import scale
 
     model = model_profile("mixtral-8x7b-mqa:2", 1)
-    dep = B.Deployment("aep", "h100", 2, "h100", 2, 64, 256)
+    dep = Deployment("aep", "h100", 2, "h100", 2, 64, 256)
     host = host_overhead("amoe-paper")
     req = PlanRequest("mixtral-8x7b-mqa:2", {"h100": 4}, top_k=1, aep_policy="waves")
 
@@ -339,7 +337,7 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
     at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == []
     # a bound-only plan (never refined) serves the policy asked for
-    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
     assert served(bound) == ["--scheduler", "waves"]
 
 
@@ -347,17 +345,17 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     """`--aep-policy best`: an AEP plan is refined with waves and with defrag and keeps (and serves) the one whose
     simulation gives more; the same two plans at two caps go different ways here, so neither is a default. A plan
     simulated at scale (defrag only modelled) is simulated once; a bound-only plan serves waves."""
-    import amoe.emulation.plan as planner
-    import amoe.emulation.simulate_scale as scale
     from amoe.cli import build_parser
-    from amoe.emulation.plan import refine
+    from amoe.perf.plan import refine as planner
+    from amoe.perf.plan.refine import refine
+    from amoe.perf.plan.simulate import scale
 
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     host = host_overhead("amoe-paper")
     req = PlanRequest("mixtral-8x7b-mqa:4", {"h100": 4}, top_k=1, aep_policy="best")
     winners = set()
     for cap in (128, 512):
-        dep = B.Deployment("aep", "h100", 2, "h100", 2, cap, 512)
+        dep = Deployment("aep", "h100", 2, "h100", 2, cap, 512)
         ran = {
             p: refine(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy=p).prediction
             for p in ("waves", "defrag", "best")
@@ -370,25 +368,25 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
         assert config_from_args(build_parser().parse_args(argv[1:])).scheduler.policy == winner
     assert winners == {"waves", "defrag"}
     calls = []
-    real = planner.refine
+    real = refine
     monkeypatch.setattr(planner, "refine", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # at scale: defrag whatever was asked, one simulation
     at_scale = real(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy="best")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and calls == ["waves"]
-    bound = Plan(dep, B.predict(model, dep, B.routing_inclusion(model, "uniform"), 256.0, host), None)
+    bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
     argv = serve_command(bound, req, emulated=True).split()
     assert argv[argv.index("--scheduler") + 1] == "waves"
 
 
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
-    from amoe.emulation.plan import counts
+    from amoe.perf.plan.search import counts
 
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
     q = _q(model, "skew-exp:0.08")
-    one = B.predict(model, B.Deployment("ep", A100, 2, attn_cap=256), q, CTX, HOST)
-    four = B.predict(model, B.Deployment("ep", A100, 2, attn_cap=256, replicas=4), q, CTX, HOST)
+    one = B.predict(model, Deployment("ep", A100, 2, attn_cap=256), q, CTX, HOST)
+    four = B.predict(model, Deployment("ep", A100, 2, attn_cap=256, replicas=4), q, CTX, HOST)
     assert four.tokens_per_s == pytest.approx(4 * one.tokens_per_s) and four.itl_s == one.itl_s
-    assert B.Deployment("aep", A100, 3, A100, 2, replicas=3).num_gpus == 15
+    assert Deployment("aep", A100, 3, A100, 2, replicas=3).num_gpus == 15
     assert counts(8) == list(range(1, 9))
     big = counts(256)
     assert big[0] == 1 and big[-1] == 256 and len(big) < 20 and 192 in big
@@ -397,10 +395,10 @@ def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
 def test_each_modes_best_shapes_are_picked_for_refinement_best_caps_first():
     """Of each mode the first plan of each of its N best shapes: a plan differing only in caps or placement from a
     better one is not a new shape, and a mode with fewer shapes gives what it has."""
-    pred = B.Prediction(1.0, 0.01, 1, "attention")
+    pred = Prediction(1.0, 0.01, 1, "attention")
 
     def plan(mode, a, e=0, cap=256, replicas=1):
-        dep = B.Deployment(mode, "h100", a, "h100" if e else "", e, attn_cap=cap, replicas=replicas)
+        dep = Deployment(mode, "h100", a, "h100" if e else "", e, attn_cap=cap, replicas=replicas)
         return Plan(dep, pred, None)
 
     ranked = [plan("aep", 6, 2, 1024), plan("aep", 6, 2, 512), plan("ep", 2, replicas=4), plan("aep", 4, 4),
@@ -435,13 +433,13 @@ def test_a_plan_too_large_to_simulate_ranks_after_the_simulated_ones(monkeypatch
     bound must not outrank the simulated figures of the plans it was chosen with."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
+    from amoe.perf.plan import search as planner
 
     def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
         if dep.mode == "ep":  # as if its copy were over SIM_MAX_REQUESTS
-            return planner.Plan(dep, pred, None)
+            return Plan(dep, pred, None)
         extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
-        return planner.Plan(dep, replace(pred, tokens_per_s=0.5 * pred.tokens_per_s, extra=extra), None)
+        return Plan(dep, replace(pred, tokens_per_s=0.5 * pred.tokens_per_s, extra=extra), None)
 
     monkeypatch.setattr(planner, "refine", fake_refine)
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep", "ep"), attn_caps=(256,),
@@ -458,7 +456,7 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
     the bound of a plan nobody simulated."""
     from dataclasses import replace
 
-    import amoe.emulation.plan as planner
+    from amoe.perf.plan import search as planner
 
     tried = []
 
@@ -468,7 +466,7 @@ def test_a_mode_whose_refined_plans_miss_the_objective_refines_its_next_plans(mo
         slow = dep.mode == "aep" and sum(d.mode == "aep" for d in tried) <= 2
         extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True}
         itl = pred.itl_s * (3.0 if slow else 1.0)
-        return planner.Plan(dep, replace(pred, itl_s=itl, extra=extra), None)
+        return Plan(dep, replace(pred, itl_s=itl, extra=extra), None)
 
     monkeypatch.setattr(planner, "refine", fake_refine)
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:4"), top_k=1, modes=("aep",), attn_caps=(64, 128, 256),
@@ -498,7 +496,7 @@ def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     cost_model's step times and `_grouped_steps`, for every group size m at the bound's own (w, W); the bound
     before this correction (one wave's path with every wave's rows in one expert step) is above it on this plan."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
-    dep = B.Deployment("aep", A100, 5, A100, 3, 128, 1024)
+    dep = Deployment("aep", A100, 5, A100, 3, 128, 1024)
     q, ga = _q(model, "skew-exp:0.08"), gpu_profile(A100)
     # Under a 75 ms ITL objective the operating point is 4 waves of 128 (the old bound's point on this plan).
     bound = B.predict(model, dep, q, CTX, HOST, itl_slo_s=0.075, variance=OFF)
@@ -514,7 +512,7 @@ def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     attention = blocks * cm.decode_attention_time(model, ga, w, ctx, HOST) + cm.head_time(
         model, ga, w, host=HOST
     )
-    links, share = B.pool_links(model, dep), B.expert_shares(dep.experts_on(8), q)
+    links, share = pool_links(model, dep), expert_shares(dep.experts_on(8), q)
     hot = A * w * share.max(axis=1)
     moves = np.sum(links.out_s(w * k, hot) + links.back_s(w * k, hot))
     link = W * max(
@@ -523,7 +521,7 @@ def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     )
 
     def steps(rows):  # [blocks, expert GPUs]
-        return B._grouped_steps(model, gpu_profile(A100), dep.experts_on(8), q, rows, dep.expert_cap, HOST)
+        return grouped_steps(model, gpu_profile(A100), dep.experts_on(8), q, rows, dep.expert_cap, HOST)
 
     def tokens_per_s(path, experts):
         return A * W * w / max(path, W * attention, experts, link)
@@ -559,10 +557,10 @@ def test_plans_whose_bounds_tie_go_to_the_most_critical_path_slack():
 
 
 def _plan(tokens_per_s: float, itl_ms: float, attn: int = 2) -> Plan:
-    dep = B.Deployment("aep", "h100", attn, "h100", 2)
+    dep = Deployment("aep", "h100", attn, "h100", 2)
     return Plan(
         dep,
-        B.Prediction(tokens_per_s=tokens_per_s, itl_s=itl_ms / 1e3, concurrency=1024, bottleneck=""),
+        Prediction(tokens_per_s=tokens_per_s, itl_s=itl_ms / 1e3, concurrency=1024, bottleneck=""),
         None,
     )
 

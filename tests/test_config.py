@@ -56,7 +56,7 @@ def test_unreadable_or_invalid_file_is_a_config_error(tmp_path):
 
 
 def test_the_emulation_checks_the_executor_sections_profiles_and_routing():
-    from amoe.emulation import check_executor
+    from amoe.perf.model.check import check_executor
 
     config = AmoeConfig.from_dict(
         {"executor": {"kind": "emulated", "gpu": "h100", "routing": "skew-exp:0.4"}}

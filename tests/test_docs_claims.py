@@ -260,11 +260,6 @@ def test_every_experiments_folder_the_findings_cite_exists_with_its_readme_and_n
     assert not list((REPO / "experiments").rglob("*.py")), "experiments/ holds data, not code"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the study scripts under docs/results are being turned into commands on another branch; "
-    "this passes once that branch is merged and the scripts are gone",
-)
 def test_no_code_under_docs():
     code = sorted(
         str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*") if p.suffix in (".py", ".patch")

@@ -9,22 +9,14 @@ import pytest
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import check_executor
-from amoe.emulation import cost_model as cm
-from amoe.emulation.clock import EmulatedClock
-from amoe.emulation.executor import Emulation
-from amoe.emulation.profiles import (
-    CALIBRATION_POINTS,
-    FIG3_KNEE_ROWS,
-    GPUS,
-    HOSTS,
-    MEDIUM_MEAN_CONTEXT,
-    MODELS,
-    gpu_profile,
-    host_overhead,
-    model_profile,
-)
-from amoe.emulation.routing import (
+from amoe.errors import ConfigError
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.calibration import CALIBRATION_POINTS, FIG3_KNEE_ROWS, MEDIUM_MEAN_CONTEXT
+from amoe.perf.model.check import check_executor
+from amoe.perf.model.gpus import GPUS, gpu_profile
+from amoe.perf.model.hosts import HOSTS, host_overhead
+from amoe.perf.model.models import MODELS, model_profile
+from amoe.perf.model.routing import (
     DEFAULT_LAMBDA,
     HOTTEST_TO_MEAN,
     RouterOverride,
@@ -32,8 +24,9 @@ from amoe.emulation.routing import (
     hottest_to_mean,
     row_keys,
 )
-from amoe.emulation.shapes import model_config_of
-from amoe.errors import ConfigError
+from amoe.perf.model.shapes import model_config_of
+from amoe.runtime.emulated import Emulation
+from amoe.runtime.emulated_clock import EmulatedClock
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
 

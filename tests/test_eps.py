@@ -1,5 +1,5 @@
 """EPS-MoE's expert pipeline for `--parallel ep` (amoe/runtime/sync/eps.py) and its cost model
-(amoe/emulation/eps.py): greedy tokens with PN 2 and 3 equal transformers' and the local engine's, bad flags fail
+(amoe/perf/model/eps.py): greedy tokens with PN 2 and 3 equal transformers' and the local engine's, bad flags fail
 in one line, the pipeline's schedule and the closed-form PN."""
 
 import math
@@ -11,10 +11,13 @@ from factories import hf_greedy, reference_tokens, transformers_checkpoint
 
 from amoe.cli import main
 from amoe.config import ParallelSection
-from amoe.emulation import eps, eps_paper
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
 from amoe.errors import ConfigError
 from amoe.model.config import load_model_config
+from amoe.perf.model import ep_block, eps, kernels
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.studies import eps_paper
 from amoe.placement import Placement
 from amoe.runtime.sync.eps import ExpertPipeline, expert_groups, fewest_hosted, split_routed
 from amoe.runtime.sync.moe import Routed
@@ -55,7 +58,7 @@ def test_pipelined_ep_greedy_tokens_equal_transformers(deepseek_v2, expected, pi
     splits = []
     split = runtime_eps.split_routed
     monkeypatch.setattr(runtime_eps, "split_routed", lambda *a: splits.append(a[2]) or split(*a))
-    cfg_choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu_profile("h800"))
+    cfg_choose = ep_block.kernel_chooser(model_profile("deepseek-v2"), gpu_profile("h800"))
     place = Placement.expert_parallel(2, load_model_config(deepseek_v2).num_expert_ids)
     most = fewest_hosted(place.expert_runtime, place.hosts)
     pipeline = ExpertPipeline(pipelines, kernel, most, choose_kernel=cfg_choose)
@@ -144,7 +147,7 @@ def test_interference_slows_both_streams_and_b_rides_the_communication():
     # both at half speed while together
     assert eps.pipeline_time(chunks, overlap=True, interference=1.0) == 3.0
     # b: paid whole without a pipeline, shared by the chunks' collectives with one
-    gpu, curves = gpu_profile("h800"), eps.CURVES["h800"]
+    gpu, curves = gpu_profile("h800"), kernels.CURVES["h800"]
     layer = eps_paper.table2_layer((5120, 15360), 1024)
     no_b = replace(curves, layer_fixed_s=0.0)
     for pn in (1, 4):
@@ -160,27 +163,29 @@ def test_interference_slows_both_streams_and_b_rides_the_communication():
 
 
 def test_auto_pays_the_hosts_time_per_chunk():
-    """`auto` in the runtime adds the host's seconds per chunk (eps.chunk_host_s) to each PN's block: the more a
+    """`auto` in the runtime adds the host's seconds per chunk (ep_block.chunk_host_s) to each PN's block: the more a
     chunk costs the host, the fewer chunks, down to PN 1; with none it is the bounds' choice."""
     gpu, model, host = gpu_profile("h800"), model_profile("deepseek-v2:2"), host_overhead("amoe-paper")
     rows = 8 * 8192  # one prefill iteration of 8 devices
     picks = []
     for scale in (None, 150.0, 25.0, 5.0, 1.0):  # the emulated clock's time scale (None: no host cost)
-        cost = None if scale is None else (lambda tokens, s=scale: eps.chunk_host_s(tokens, 4.0, s))
-        picks.append(eps.pipeline_chooser(model, gpu, 8, 20, host, cost)(rows))
-    assert picks[0] == eps.ep_pipelines_for(0, model, gpu, 8, rows, host) > 1
+        cost = None if scale is None else (lambda tokens, s=scale: ep_block.chunk_host_s(tokens, 4.0, s))
+        picks.append(ep_block.pipeline_chooser(model, gpu, 8, 20, host, cost)(rows))
+    assert picks[0] == ep_block.ep_pipelines_for(0, model, gpu, 8, rows, host) > 1
     assert picks == sorted(picks, reverse=True) and picks[-1] < picks[0], picks
     # the choice is the argmin of block + PN × the chunk's cost
-    per_chunk = eps.chunk_host_s(8192, 4.0, 5.0)
+    per_chunk = ep_block.chunk_host_s(8192, 4.0, 5.0)
     experts = [[e for e in range(model.num_experts) if e % 8 == d] for d in range(8)]
     per_expert = rows * model.top_k / model.num_experts
     block = {
-        n: eps.ep_block_moe_time(model, gpu, host, [[per_expert] * 20] * 8, experts, 8192, n, "auto")
+        n: ep_block.ep_block_moe_time(model, gpu, host, [[per_expert] * 20] * 8, experts, 8192, n, "auto")
         + n * per_chunk
         for n in range(1, 21)
     }
     assert picks[3] == min(block, key=block.get)
-    assert math.isclose(eps.chunk_host_s(1024), eps.CHUNK_HOST_CPU_S + 1024 * eps.CHUNK_HOST_CPU_PER_TOKEN_S)
+    assert math.isclose(
+        ep_block.chunk_host_s(1024), ep_block.CHUNK_HOST_CPU_S + 1024 * ep_block.CHUNK_HOST_CPU_PER_TOKEN_S
+    )
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skew-exp:0.4"])
@@ -189,17 +194,17 @@ def test_auto_picks_what_pricing_every_pn_picks_and_prices_a_total_once(routing,
     devices a core) picks, on a grid of iteration totals from decode to prefill, the PN an exhaustive pricing of
     every PN on every block picks (the model's 2 blocks are all sampled: no refinement); it prices fewer PNs than
     that where the first ones settle it, and a total it has seen not at all."""
-    from amoe.emulation import bounds
+    from amoe.perf.model.routing import routing_inclusion
 
     gpu, model, host = gpu_profile("h800"), model_profile("deepseek-v2:2"), host_overhead("amoe-paper")
-    q = bounds.routing_inclusion(model, routing)
-    cost = lambda tokens: eps.chunk_host_s(tokens, 4.0, 150.0)  # noqa: E731
+    q = routing_inclusion(model, routing)
+    cost = lambda tokens: ep_block.chunk_host_s(tokens, 4.0, 150.0)  # noqa: E731
     experts = [[e for e in range(q.shape[1]) if e % 8 == d] for d in range(8)]
 
     def exhaustive(total: int) -> int:
         times = {
             n: sum(
-                eps.ep_block_moe_time(model, gpu, host, [[total * s[e] for e in es] for es in experts], experts,
+                ep_block.ep_block_moe_time(model, gpu, host, [[total * s[e] for e in es] for es in experts], experts,
                                       total / 8, n, "auto")
                 for s in q
             ) / len(q) + n * cost(total / 8)
@@ -208,9 +213,9 @@ def test_auto_picks_what_pricing_every_pn_picks_and_prices_a_total_once(routing,
         return min(times, key=lambda n: (times[n], n))
 
     priced = []
-    block = eps._ep_block_moe_time
-    monkeypatch.setattr(eps, "_ep_block_moe_time", lambda *a: priced.append(a[6]) or block(*a))
-    choose = eps.pipeline_chooser(model, gpu, 8, 20, host, cost, q)
+    block = ep_block._ep_block_moe_time
+    monkeypatch.setattr(ep_block, "_ep_block_moe_time", lambda *a: priced.append(a[6]) or block(*a))
+    choose = ep_block.pipeline_chooser(model, gpu, 8, 20, host, cost, q)
     grid = [1, 256, 2048, 8192, 16384, 65536]
     picks = [choose(t) for t in grid]
     assert picks == [exhaustive(t) for t in grid]
@@ -227,15 +232,17 @@ def test_decode_auto_is_within_2pct_of_the_best_fixed_pn_where_a_pipeline_can_wi
     """DeepSeek-V3 on 32 h800s (8 experts a device), an ideal host: under uniform routing PN 3 beats PN 1 by 16 %,
     under skew-exp:0.4 PN 1 is best (each chunk waits for its own slowest device) — an `auto` pricing uniform
     rows there picks PN 3 and loses 38 %. Both cells: `auto` within 2 % of the best fixed PN."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
 
     model = bounds.full_depth(model_profile("deepseek-v3"))
-    dep = bounds.Deployment("ep", "h800", 32, attn_cap=256)
+    dep = Deployment("ep", "h800", 32, attn_cap=256)
     host, ctx = host_overhead("none"), mean_context("medium")
     best = {}
     for routing in ("uniform", "skew-exp:0.4"):
-        q = bounds.routing_inclusion(model, routing)
+        q = routing_inclusion(model, routing)
 
         def tps(pn: int, q=q) -> float:
             return bounds.predict(
@@ -250,28 +257,31 @@ def test_decode_auto_is_within_2pct_of_the_best_fixed_pn_where_a_pipeline_can_wi
 
 def test_decode_auto_settles_a_close_call_on_every_block(monkeypatch):
     """Qwen3-30B-A3B on 8 h800s, skew-exp:0.4, cap 1,024, an ideal host: priced on 8 of the 48 blocks, PN 1 looks
-    best and loses 2.5 % to PN 2; the PNs within eps.CHOOSER_REFINE of the best are priced again on every block."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
+    best and loses 2.5 % to PN 2; the PNs within ep_block.CHOOSER_REFINE of the best are priced again on every block."""
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.prediction import Prediction
 
     model = bounds.full_depth(model_profile("qwen3-30b-a3b"))
-    dep = bounds.Deployment("ep", "h800", 8, attn_cap=1024)
-    q = bounds.routing_inclusion(model, "skew-exp:0.4")
+    dep = Deployment("ep", "h800", 8, attn_cap=1024)
+    q = routing_inclusion(model, "skew-exp:0.4")
     host, ctx = host_overhead("none"), mean_context("medium")
 
-    def run(pn: int) -> bounds.Prediction:
+    def run(pn: int) -> Prediction:
         return bounds.predict(model, replace(dep, ep_pipelines=pn, ep_kernel="auto"), q, ctx, host)
 
     fixed = {pn: run(pn).tokens_per_s for pn in (1, 2)}
     auto = run(0)
     assert auto.extra["ep_pipelines"] == 2 and fixed[2] > 1.02 * fixed[1], fixed
     assert auto.tokens_per_s >= 0.98 * max(fixed.values())
-    monkeypatch.setattr(eps, "CHOOSER_REFINE", 0.0)  # the 8 sampled blocks alone: the check can fail
+    monkeypatch.setattr(ep_block, "CHOOSER_REFINE", 0.0)  # the 8 sampled blocks alone: the check can fail
     assert run(0).extra["ep_pipelines"] == 1
 
 
 def test_the_h800_interference_is_table4s_fit():
-    gpu, stored = gpu_profile("h800"), eps.CURVES["h800"]
+    gpu, stored = gpu_profile("h800"), kernels.CURVES["h800"]
     assert math.isclose(eps_paper.fit_interference(stored, gpu), stored.interference, rel_tol=0.01)
     # capped at 116 SMs the overlap is free; uncapped it costs, as in every row of Table IV
     assert all(r > 1 for r in eps_paper.table4_ratios(stored, gpu))
@@ -279,7 +289,7 @@ def test_the_h800_interference_is_table4s_fit():
 
 def test_closed_form_pipeline_number_agrees_with_the_search():
     gpu, model = gpu_profile("h800"), model_profile("deepseek-v2")
-    curves = eps.curves_for(gpu)
+    curves = kernels.curves_for(gpu)
     for tokens in (4096, 8192, 16384):
         layer = eps.model_layer(model, 8, tokens)
         n_star = eps.closed_form_pipelines(gpu, curves, layer, "dense")
@@ -291,15 +301,15 @@ def test_closed_form_pipeline_number_agrees_with_the_search():
 def test_grouped_gemm_waves_and_fp8_on_both_all_to_alls():
     """Round 3's structure: the grouped GEMM's 128 x 128 tiles run in whole waves over its SMs (cuBLAS's dense GEMMs
     pick their tile: none), and Table II's FP8 is both collectives' datatype."""
-    assert eps.wave_utilisation(160, 132) == 160 / 264 and eps.wave_utilisation(264, 132) == 1.0
-    assert eps.wave_utilisation(7, 0) == 1.0  # no SM count: not modelled
-    gpu, curves = gpu_profile("h800"), eps.CURVES["h800"]
+    assert kernels.wave_utilisation(160, 132) == 160 / 264 and kernels.wave_utilisation(264, 132) == 1.0
+    assert kernels.wave_utilisation(7, 0) == 1.0  # no SM count: not modelled
+    gpu, curves = gpu_profile("h800"), kernels.CURVES["h800"]
     grouped = curves.curve("grouped")
     # m = 256 [5120, 15360]: two experts fill 160 down-GEMM tiles (two waves, the second mostly idle), eight 640
-    two, eight = (eps.experts_time(gpu, grouped, "grouped", [256] * n, 5120, 15360) for n in (2, 8))
+    two, eight = (kernels.experts_time(gpu, grouped, "grouped", [256] * n, 5120, 15360) for n in (2, 8))
     assert two / 2 > 1.05 * eight / 8
     flat = replace(grouped, sms=0)
-    assert eps.experts_time(gpu, flat, "grouped", [256] * 2, 5120, 15360) < two
+    assert kernels.experts_time(gpu, flat, "grouped", [256] * 2, 5120, 15360) < two
     layer = eps_paper.table2_layer((5120, 1536), 1024)
     (bf16,), (fp8,) = (eps.layer_chunks(gpu, curves, layer, 1, "grouped", fp8=f) for f in (False, True))
     assert fp8.dispatch_s == fp8.combine_s < bf16.combine_s
@@ -307,16 +317,16 @@ def test_grouped_gemm_waves_and_fp8_on_both_all_to_alls():
 
 def test_kernel_choice_follows_load_on_h800():
     gpu = gpu_profile("h800")
-    choose = eps.kernel_chooser(model_profile("deepseek-v2"), gpu)
+    choose = ep_block.kernel_chooser(model_profile("deepseek-v2"), gpu)
     assert choose([16] * 8) == "grouped"  # decode: few tokens per expert
     assert choose([8192] * 8) == "dense"  # the grouped curve falls on large problems (Fig. 5a)
-    flat = eps.curves_for(gpu_profile("a100-80g"))  # no curve: both kernels on the roofline
+    flat = kernels.curves_for(gpu_profile("a100-80g"))  # no curve: both kernels on the roofline
     assert (
         flat.grouped.efficiency(10)
         == flat.dense.efficiency(5000)
         == gpu_profile("a100-80g").compute_efficiency
     )
-    assert math.isclose(eps.FP8_BYTES, 0.515625)
+    assert math.isclose(kernels.FP8_BYTES, 0.515625)
 
 
 @pytest.mark.timeout(120)
@@ -336,8 +346,8 @@ def test_generate_with_the_pipeline_prints_the_local_engines_text(deepseek_v2, c
 
 
 def test_the_h800_curves_are_table2s_pn1_fit():
-    """The constants in eps.CURVES are what fitting Table II's PN 1 rows gives (rounded), not tuned by hand."""
-    fitted, stored = eps_paper.fit_table2(gpu_profile("h800")), eps.CURVES["h800"]
+    """The constants in kernels.CURVES are what fitting Table II's PN 1 rows gives (rounded), not tuned by hand."""
+    fitted, stored = eps_paper.fit_table2(gpu_profile("h800")), kernels.CURVES["h800"]
     pairs = [
         (fitted.grouped.peak_fraction, stored.grouped.peak_fraction),
         (fitted.grouped.fall_m, stored.grouped.fall_m),
@@ -354,8 +364,8 @@ def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
     """The emulated executor under `--ep-pipelines 4 --ep-kernel auto` (DeepSeek-V2 on H800s, 2 blocks): every
     request ends, with one expert hold per chunk, device and block; `auto` picks more chunks for more rows."""
     from amoe.config import AmoeConfig, ExecutorSection
-    from amoe.emulation.executor import Emulation
     from amoe.runtime import build
+    from amoe.runtime.emulated import Emulation
 
     executor = ExecutorSection(
         kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=0.001, routing="uniform"

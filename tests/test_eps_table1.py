@@ -1,11 +1,13 @@
-"""Table I's calibration of Table III's prefill block (amoe/emulation/eps_paper.py, docs/results.md "EPS-MoE",
+"""Table I's calibration of Table III's prefill block (amoe/perf/studies/eps_paper.py, docs/results.md "EPS-MoE",
 round 4): the DeepSeek-V2 attention factor on the h800 is the one Table I's attention : expert-compute ratio gives,
 the calibrated block reproduces that ratio, and nothing outside that block sees it."""
 
 import pytest
 
-from amoe.emulation import cost_model, eps_paper
-from amoe.emulation.profiles import gpu_profile, model_profile
+from amoe.perf.model import cost_model
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.models import model_profile
+from amoe.perf.studies import eps_paper
 
 H800, V2 = gpu_profile("h800"), model_profile("deepseek-v2")
 

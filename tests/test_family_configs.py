@@ -14,12 +14,6 @@ from safetensors import safe_open
 
 from amoe import device as devices
 from amoe.config import ExecutorSection
-from amoe.emulation import bounds
-from amoe.emulation import cost_model as cm
-from amoe.emulation.executor import Emulation
-from amoe.emulation.plan import PlanRequest, search, serve_command
-from amoe.emulation.profiles import gpu_profile
-from amoe.emulation.shapes import profile_of
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
@@ -27,6 +21,14 @@ from amoe.model.config import load_model_config, model_config_from_hf
 from amoe.model.families import SUPPORTED_ARCHITECTURES
 from amoe.model.kv_cache import LatentKVCache, kv_cache_for
 from amoe.model.presets import preset
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.shapes import profile_of
+from amoe.perf.plan.report import serve_command
+from amoe.perf.plan.request import PlanRequest
+from amoe.perf.plan.search import search
+from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
 
@@ -150,7 +152,7 @@ def test_a_checkpoints_cost_profile_runs_the_shared_expert_on_the_expert_side():
     model = profile_of(cfg)
     assert (model.num_expert_ids, model.experts_per_token, model.shared_intermediate) == (9, 3, 32)
     assert model.kv_bytes_per_token == round(3 * 36 * 2 / 2)  # every layer's latent, spread over the 2 blocks
-    q = bounds.routing_inclusion(model, "skew-exp:0.2")
+    q = routing_inclusion(model, "skew-exp:0.2")
     assert q.shape == (2, 9) and (q[:, 8] == 1).all() and q[:, :8].sum(axis=1) == pytest.approx(2)
     assert cm.expert_rank_weight_bytes(model, [8]) == 3 * 64 * 32 * 2 * 2  # the shared expert of both blocks
     gpu = gpu_profile("h100")

@@ -3,17 +3,28 @@ two-batch overlap), and the simulation at scale, which must agree with the event
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from amoe.emulation import bounds, ep_at_scale
-from amoe.emulation import cost_model as cm
-from amoe.emulation import simulate_scale as scale
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.routing import RouterOverride, RoutingSpec, inclusion_probabilities, popularity_by_rank
-from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import OFF
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_scale as ep_at_scale
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import (
+    RouterOverride,
+    RoutingSpec,
+    inclusion_probabilities,
+    popularity_by_rank,
+    routing_inclusion,
+)
+from amoe.perf.model.variance import OFF
+from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import scale, simulate
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
@@ -40,7 +51,7 @@ def test_profiles_carry_the_activated_parameters_their_model_cards_state(name, p
 
 def test_fp8_halves_the_weight_bytes_and_the_compute_bound_time_of_an_expert_step():
     fp8 = model_profile("deepseek-v3")
-    bf16 = bounds.replace(fp8, bytes_per_param=2, gemm_speedup=1.0)
+    bf16 = replace(fp8, bytes_per_param=2, gemm_speedup=1.0)
     gpu = gpu_profile("h800")
     assert cm.expert_rank_weight_bytes(bf16, 2) == 2 * cm.expert_rank_weight_bytes(fp8, 2)
     launches = cm.EXPERT_KERNELS * gpu.launch_s
@@ -81,9 +92,9 @@ def test_eplb_splits_hot_experts_and_evens_the_devices():
 
 def test_two_batch_overlap_hides_the_exchange_when_it_dominates():
     model = model_profile("deepseek-v3")
-    q = bounds.routing_inclusion(model, "uniform")
-    plain = bounds.Deployment("ep", "h800", 64, attn_cap=128)
-    overlapped = bounds.replace(plain, two_batch_overlap=True)
+    q = routing_inclusion(model, "uniform")
+    plain = Deployment("ep", "h800", 64, attn_cap=128)
+    overlapped = replace(plain, two_batch_overlap=True)
     none = host_overhead("none")
     a, b = (bounds.predict(model, d, q, 2000, none) for d in (plain, overlapped))
     assert b.tokens_per_s > 1.1 * a.tokens_per_s and b.concurrency == a.concurrency
@@ -94,7 +105,7 @@ def test_two_batch_overlap_hides_the_exchange_when_it_dominates():
 
 
 def test_inclusion_sampled_once_by_rank_is_each_blocks_permutation(monkeypatch):
-    import amoe.emulation.routing as routing
+    from amoe.perf.model import routing
 
     monkeypatch.setattr(routing, "_EXACT_LIMIT", 10)  # sample where DeepSeek-V3's 256 experts would (cheaply)
     router = RouterOverride(RoutingSpec.parse("skew-exp:0.3"), 8, 2, 3, seed=4)
@@ -116,14 +127,14 @@ def test_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run(
     operating point is where they differ most, docs/results.md "Simulation at scale")."""
     model = model_profile("mixtral-8x7b-mqa:2", 2)
     for dep, c in (
-        (bounds.Deployment("ep", "h100", 8, attn_cap=256), 2048),
-        (bounds.Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
+        (Deployment("ep", "h100", 8, attn_cap=256), 2048),
+        (Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
     ):
         exact = simulate(model, dep, ROUTING, CTX, HOST, c, variance=OFF)  # the scale path draws none
         fast = (scale.ep if dep.mode == "ep" else scale.pingpong)(model, dep, ROUTING, CTX, HOST, c, 0.25, 0)
         assert fast.tokens_per_s == pytest.approx(exact.tokens_per_s, rel=0.01), dep.mode
-    dep = bounds.Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, ROUTING), CTX, HOST, variance=OFF)
+    dep = Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
+    bound = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, variance=OFF)
     c = 4 * bound.concurrency
     itl = c / bound.tokens_per_s
     event = simulate(model, dep, ROUTING, CTX, HOST, c, warmup_s=4 * itl, duration_s=8 * itl, variance=OFF)
@@ -132,17 +143,17 @@ def test_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run(
 
 
 def test_plans_past_16_gpus_or_16384_requests_are_simulated_at_scale():
-    small = bounds.Deployment("aep", "h800", 8, "h800", 8)
+    small = Deployment("aep", "h800", 8, "h800", 8)
     assert scale.is_exact(small, 16384, 9) and not scale.is_exact(small, 16385, 9)
     assert not scale.is_exact(small, 1024, 257)  # DeepSeek-V3's experts: hours a plan event by event
-    assert not scale.is_exact(bounds.Deployment("ep", "h800", 32), 1024)
+    assert not scale.is_exact(Deployment("ep", "h800", 32), 1024)
     model = model_profile("deepseek-v3")
-    dep = bounds.Deployment(
+    dep = Deployment(
         "ep", "h800", 144, attn_cap=128, redundant_experts=32, two_batch_overlap=True, gpus_per_node=8
     )
     none = host_overhead("none")
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, "uniform"), 4989, none)
-    # EP as deployed's bound (bounds._ep_at_scale) charges no step-time variance, so it is compared with the
+    bound = bounds.predict(model, dep, routing_inclusion(model, "uniform"), 4989, none)
+    # EP as deployed's bound (bound_ep._ep_at_scale) charges no step-time variance, so it is compared with the
     # simulation without it; with the sourced variance (simulate()'s default, at scale since v35) each micro-batch's
     # barriers wait for the slowest device: a loss, and no more than the slowest speed and jitter together.
     sim = simulate(model, dep, "uniform", 4989, none, 144 * 128, duration_s=8 * bound.itl_s, variance=OFF)

@@ -1,4 +1,4 @@
-"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.emulation.frontier_trace, chrome_trace): the per-layer
+"""`amoe bench frontier --breakdown [--trace FILE]` (amoe.perf.studies.frontier_trace, chrome_trace): the per-layer
 breakdown is the model's own (its step equals bounds.predict's), the published figures add up, and a Chrome trace's
 kernels are summed by category per MoE block."""
 
@@ -8,11 +8,15 @@ import json
 
 import pytest
 
-from amoe.emulation import bounds, chrome_trace
-from amoe.emulation import cost_model as cm
-from amoe.emulation import frontier_trace as ft
-from amoe.emulation.frontier import DEPLOYMENTS, ROUTING
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.plan import bounds
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.studies import chrome_trace
+from amoe.perf.studies import frontier_trace as ft
+from amoe.perf.studies.frontier import DEPLOYMENTS, ROUTING
 
 # One step of a toy decode trace on device 0: 2 MoE blocks x 2 micro-batches, µs. Device 1's kernels and the CPU
 # ops must be ignored.
@@ -88,7 +92,7 @@ def test_trace_errors(tmp_path):
 
 
 def test_cli_bad_trace_is_one_line(tmp_path):
-    from amoe.emulation.commands import run_frontier
+    from amoe.perf.studies.commands import run_frontier
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -124,11 +128,11 @@ def test_breakdown_step_is_the_bounds(run):
     for case in DEPLOYMENTS:
         if case.name == "deepseek-day6":
             continue  # the same code path as the profile's; one compute-bound and one exchange-bound case suffice
-        dep = bounds.Deployment(
+        dep = Deployment(
             "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
             redundant_experts=case.redundant_experts, two_batch_overlap=True,
         )  # fmt: skip
-        q = ft.inclusion(ROUTING)  # bounds.routing_inclusion, cached: the sampling is the test's cost
+        q = ft.inclusion(ROUTING)  # routing.routing_inclusion, cached: the sampling is the test's cost
         bound = bounds.predict(model, dep, q, case.kv_length, host_overhead("none"))
         got = result["model"][f"{case.name} (as predicted)"]
         assert got["step_ms"] == pytest.approx(bound.itl_s * 1e3, rel=1e-9)

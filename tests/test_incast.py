@@ -5,12 +5,18 @@ numbers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from amoe.emulation import bounds
-from amoe.emulation import simulate_scale as scale
-from amoe.emulation.profiles import gpu_profile, host_overhead, model_profile
-from amoe.emulation.variance import OFF
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF
+from amoe.perf.plan import bound_pools, bounds
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import scale
 
 NONE = host_overhead("none")
 CTX = 2000.0
@@ -28,7 +34,7 @@ def _link_limited_tokens_per_s(model, expert_gpus: int) -> float:
 @pytest.fixture(scope="module")
 def ds():
     model = model_profile("deepseek-v3")
-    return model, bounds.routing_inclusion(model, "uniform")
+    return model, routing_inclusion(model, "uniform")
 
 
 def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_gpus_nic(ds):
@@ -39,7 +45,7 @@ def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_g
     model, q = ds
     hand = _link_limited_tokens_per_s(model, 16)
     assert hand == pytest.approx(40e9 / (58 * 0.5 * 7168 * 2))  # 96,209 tokens/s
-    pp = bounds.Deployment("pingpong", "h800", 128, "h800", 16, attn_cap=128, micro_batches=4)
+    pp = Deployment("pingpong", "h800", 128, "h800", 16, attn_cap=128, micro_batches=4)
     pred = bounds.predict(model, pp, q, CTX, NONE, variance=OFF)
     assert pred.bottleneck == "link"
     assert pred.tokens_per_s == pytest.approx(hand, rel=1e-9)
@@ -48,7 +54,7 @@ def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_g
     sim = scale.pingpong(model, pp, "uniform", CTX, NONE, pred.concurrency, 0.5, seed=0)
     assert 0.85 * hand <= sim.tokens_per_s <= 1.001 * hand
     # AEP's best operating point is the NIC's rate too (whatever its waves: the bytes per token are the same).
-    aep = bounds.Deployment("aep", "h800", 128, "h800", 16, attn_cap=128, expert_cap=1024)
+    aep = Deployment("aep", "h800", 128, "h800", 16, attn_cap=128, expert_cap=1024)
     best = bounds.predict(model, aep, q, CTX, NONE, variance=OFF)
     assert 0.97 * hand <= best.tokens_per_s <= hand * (1 + 1e-9)
     sim = scale.aep_waves(
@@ -65,8 +71,8 @@ def test_with_no_more_attention_than_expert_gpus_the_receiver_never_binds(ds, mo
     change of the model, not of the links — tests/test_aep_phases.py)."""
     model, q = ds
     deps = [
-        bounds.Deployment("pingpong", "h800", 16, "h800", 32, attn_cap=128, micro_batches=2),
-        bounds.Deployment("aep", "h800", 16, "h800", 32, attn_cap=128, expert_cap=1024),
+        Deployment("pingpong", "h800", 16, "h800", 32, attn_cap=128, micro_batches=2),
+        Deployment("aep", "h800", 16, "h800", 32, attn_cap=128, expert_cap=1024),
     ]
     sims = [
         scale.pingpong(model, deps[0], "uniform", CTX, NONE, 4096, 0.05, seed=0).tokens_per_s,
@@ -76,12 +82,12 @@ def test_with_no_more_attention_than_expert_gpus_the_receiver_never_binds(ds, mo
     ]
     assert sims == pytest.approx([53144.72345968983, 69208.27586206896], rel=1e-9)
     priced = [bounds.predict(model, d, q, CTX, NONE, variance=OFF) for d in deps]
-    real = bounds.pool_links
+    real = bound_pools.pool_links
 
     def sender_only(model, dep):
-        return bounds.replace(real(model, dep), expert_in=0.0, expert_out=0.0)
+        return replace(real(model, dep), expert_in=0.0, expert_out=0.0)
 
-    monkeypatch.setattr(bounds, "pool_links", sender_only)
+    monkeypatch.setattr(bound_pools, "pool_links", sender_only)
     free = [bounds.predict(model, d, q, CTX, NONE, variance=OFF) for d in deps]
     assert [(p.tokens_per_s, p.itl_s, p.bottleneck) for p in priced] == [
         (p.tokens_per_s, p.itl_s, p.bottleneck) for p in free
@@ -93,7 +99,7 @@ def test_the_frontier_table_names_a_bad_mode(tmp_path):
     leaves EP's cells as they were); an unknown one is a one-line error before any cell runs."""
     import argparse
 
-    from amoe.emulation import frontier
+    from amoe.perf.studies import frontier
 
     args = argparse.Namespace(
         out=str(tmp_path), sizes="16", profiles="deepseek-v3", gpu="h800", modes="aep,foo"

@@ -16,8 +16,9 @@ import torch
 
 from amoe import core
 from amoe.config import AmoeConfig
-from amoe.emulation.links import runtime_nodes
-from amoe.emulation.profiles import gpu_profile, model_profile
+from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.links import runtime_nodes
+from amoe.perf.model.models import model_profile
 from amoe.runtime import build
 from amoe.runtime import comm as runtime_comm
 

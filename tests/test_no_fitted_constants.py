@@ -10,12 +10,23 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The model's arithmetic and its tests. profiles.py and routing.py are left out: their numbers are shapes,
+# The model's arithmetic and its tests. The profiles (gpus.py, models.py, hosts.py) and routing.py are left out: their numbers are shapes,
 # datasheets and seeds, each with its source beside it (a datasheet's 2,039 GB/s is not a fit because a
 # throughput once came out near it).
 MODEL_CODE = [
-    REPO / "amoe" / "emulation" / n
-    for n in ("bounds.py", "simulate.py", "plan.py", "cost_model.py", "executor.py", "links.py", "clock.py")
+    REPO / n
+    for n in (
+        *(
+            f"amoe/perf/plan/{m}.py"
+            for m in ("bounds", "bound_pools", "bound_ep", "expert_steps", "prediction")
+        ),
+        *(f"amoe/perf/plan/simulate/{m}.py" for m in ("__init__", "events", "events_aep")),
+        *(f"amoe/perf/plan/{m}.py" for m in ("deployment", "request", "search", "refine", "report")),
+        "amoe/perf/model/cost_model.py",
+        "amoe/perf/model/links.py",
+        "amoe/runtime/emulated.py",
+        "amoe/runtime/emulated_clock.py",
+    )
 ]
 MODEL_TESTS = [REPO / "tests" / n for n in ("test_simulate.py", "test_bounds.py", "test_plan_check.py")]
 

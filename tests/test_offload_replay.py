@@ -86,7 +86,7 @@ def test_task_routing_has_the_section_3_statistics():
     assert stats(trace, 1)["activated"] < stats(trace, 32)["activated"]
     # The mixed workload's 323 tasks with independent supports (popularity 0) would break §3 at batch 32.
     assert stats(TaskRouting(num_blocks=8, popularity=0.0).generate(64, seed=1), 32)["activated"] > 0.20
-    # top-2 (NLLB-MoE-128's 12 blocks) with the parameters bench/offload_replay.py uses for it
+    # top-2 (NLLB-MoE-128's 12 blocks) with the parameters amoe bench offload-replay uses for it
     top2 = {"top_k": 2, "core": 2, "spread": 0.05, "zipf": 3.25, "popularity": 2.75}
     trace = TaskRouting(num_blocks=12, **top2).generate(128, seed=1)
     for batch in (1, 32):

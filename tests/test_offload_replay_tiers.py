@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from amoe.config import ExecutorSection
-from amoe.emulation import cost_model
-from amoe.emulation.executor import Emulation
-from amoe.emulation.offload_tiers import EmulatedTiers, OffloadSpec
-from amoe.emulation.profiles import NVME_GEN4, PCIE4_X16, model_profile
 from amoe.errors import ConfigError
 from amoe.offload.policy import LRU
+from amoe.perf.model import cost_model
+from amoe.perf.model.gpus import NVME_GEN4, PCIE4_X16
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.offload_tiers import EmulatedTiers, OffloadSpec
+from amoe.runtime.emulated import Emulation
 
 MIXTRAL = model_profile("mixtral-8x7b-mqa")
 EXPERT_BYTES = MIXTRAL.params_of(0) * MIXTRAL.bytes_per_param  # 352 MB in BF16

@@ -10,14 +10,17 @@ import sys
 
 import pytest
 
-from amoe.bench import calibrate
-from amoe.emulation import bounds, plan_check
-from amoe.emulation.plan import Plan, mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds
+from amoe.perf.plan.request import Plan
+from amoe.perf.studies import calibrate, plan_check
 
 
 def test_the_commands_preset_names_are_plan_checks():
-    from amoe.emulation.commands import PLAN_CHECK_PRESETS
+    from amoe.perf.studies.commands import PLAN_CHECK_PRESETS
 
     assert tuple(sorted(plan_check.PRESETS)) == PLAN_CHECK_PRESETS
 
@@ -41,8 +44,8 @@ def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
 def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
     """plan-check predicts and serves AEP plans with the preset's --aep-policy (default waves, as `amoe plan`):
     the simulation gets that policy and the command carries `--scheduler POLICY`; EP's command has no scheduler."""
-    import amoe.emulation.plan as planner
-    from amoe.emulation import simulate as sim_module
+    from amoe.perf.plan import simulate as sim_module
+    from amoe.perf.plan.request import AEP_POLICY
 
     p = plan_check.PRESETS["ci"]
     assert p.aep_policy == "waves"
@@ -66,7 +69,7 @@ def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
             assert argv[argv.index("--scheduler") + 1] == policy
         ep_argv = plan_check.flags(ep, Plan(ep.deployment, plan.prediction, None), preset, time_scale=25.0)
         assert "--scheduler" not in ep_argv
-    assert p.aep_policy == planner.AEP_POLICY
+    assert p.aep_policy == AEP_POLICY
 
 
 def test_plan_check_rejects_an_unknown_aep_policy():
@@ -108,7 +111,7 @@ def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
     model = model_profile(f"{check.profile}:{p.blocks}", check.top_k)
     assert model.num_experts == 256 and model.top_k == 8
     # The bound alone (the prediction's simulation at scale is the benchmark's), at the check's concurrency.
-    pred = bounds.predict(model, d, bounds.routing_inclusion(model, check.routing), mean_context("short"),
+    pred = bounds.predict(model, d, routing_inclusion(model, check.routing), mean_context("short"),
                           host_overhead("amoe-paper"))  # fmt: skip
     plan = Plan(d, dataclasses.replace(pred, concurrency=check.concurrency), None)
     argv = plan_check.flags(check, plan, p, time_scale=400.0)

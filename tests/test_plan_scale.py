@@ -4,15 +4,17 @@ simulation (one copy of it), and never claims more than its bound; the table and
 
 import argparse
 
-from amoe.emulation import plan_scale
+from amoe.perf.studies import plan_scale
 
 
 def test_the_best_plan_is_simulated_one_copy_at_a_time_and_stays_under_its_bound():
     """--simulate ranks each mode's best shapes by the simulation (as `amoe plan` does): its pick is simulated, under
     its bound, and no worse than simulating the bound's own best plan."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context, refine
-    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.refine import refine
 
     args = argparse.Namespace(
         profile="mixtral-8x7b-16e", top_k=1, routing="skew-exp:0.08", itl_slo_ms=None, simulate=False

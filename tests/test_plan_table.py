@@ -1,7 +1,7 @@
 """`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
 numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
 
-from amoe.emulation import plan_table
+from amoe.perf.studies import plan_table
 
 
 def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():
@@ -101,12 +101,13 @@ def test_a_point_without_the_itl_or_requests_in_flight_is_read_by_its_two_scrape
 def test_measured_points_are_kept_apart_by_the_aep_policy_they_ran():
     """An AEP point run with waves is not the defrag point of the same plan (earlier files hold defrag points with
     no suffix); EP and ping-pong have no scheduler, so their keys do not change."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import Plan
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.prediction import Prediction
+    from amoe.perf.plan.request import Plan
 
-    pred = bounds.Prediction(1000.0, 0.1, 100, "attention")
-    aep = Plan(bounds.Deployment("aep", "h100", 2, "h100", 2), pred, None)
-    ep = Plan(bounds.Deployment("ep", "h100", 4), pred, None)
+    pred = Prediction(1000.0, 0.1, 100, "attention")
+    aep = Plan(Deployment("aep", "h100", 2, "h100", 2), pred, None)
+    ep = Plan(Deployment("ep", "h100", 4), pred, None)
     key = plan_table.Measured.key
     args = ("mixtral-8x7b-mqa", 1, "skew-exp:0.08")
     assert key(*args, aep, "sourced") == key(*args, aep, "sourced", "defrag")

@@ -1,5 +1,5 @@
 """`amoe bench policies`' summary: throughput by Little's law beside the token counter's, medians and spreads over
-runs, and a recorded run summarised again (amoe.emulation.policy_bench)."""
+runs, and a recorded run summarised again (amoe.perf.studies.policy_bench)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from amoe.emulation import policy_bench
 from amoe.errors import ConfigError
+from amoe.perf.studies import policy_bench
 
 
 def _point(kind: str, throughput: float, running: float, itl_ms: float | None) -> dict:
@@ -112,7 +112,7 @@ def _series(itls_ms: list[float], running: list[float], tokens_per_batch: int = 
 
 
 def test_batch_means_give_the_windows_itl_and_an_interval_from_the_batches_spread():
-    from amoe.emulation.batch_means import batch_means, t95
+    from amoe.perf.plan.simulate.batch_means import batch_means, t95
 
     series = _series([10.0, 12.0, 10.0, 12.0], [400, 400, 400, 400])
     got = batch_means(series, 0.0, 4.0, 4)

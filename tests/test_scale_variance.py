@@ -4,10 +4,13 @@ each step, AEP's queues each GPU's own step times; off gives the figures the sim
 
 import pytest
 
-from amoe.emulation import bounds as B
-from amoe.emulation.profiles import host_overhead, model_profile
-from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import OFF, SOURCED, StepVariance
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF, SOURCED, StepVariance
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import simulate
 
 ROUTING = "skew-exp:0.0025"
 CTX = 2000.0
@@ -19,12 +22,12 @@ def model():
 
 
 HOST = host_overhead("none")
-EP16 = B.Deployment("ep", "h800", 16, attn_cap=64)
-EP32_DEPLOYED = B.Deployment(
+EP16 = Deployment("ep", "h800", 16, attn_cap=64)
+EP32_DEPLOYED = Deployment(
     "ep", "h800", 32, attn_cap=128, gpus_per_node=8, redundant_experts=32, two_batch_overlap=True
 )
-PP = B.Deployment("pingpong", "h800", 16, "h800", 16, attn_cap=64, micro_batches=2)
-AEP = B.Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
+PP = Deployment("pingpong", "h800", 16, "h800", 16, attn_cap=64, micro_batches=2)
+AEP = Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
 ITL = 0.00707
 
 # (deployment, requests, duration, warm-up) and tokens/s, ITL, expert busy, attention busy from simulate() at main
@@ -88,8 +91,8 @@ def test_ep_at_scale_loses_what_the_bounds_expected_max_charges_its_barriers(mod
     (another device can be the slowest), and ~20 iterations × 4 blocks × 2 barriers average the jitter's maxima
     (each one's spread ~j/√n of a step) to well under a tenth of the loss; measured over three variance seeds
     (EP 16 at cap 64, EP 64 at cap 128): within 0.25 percentage points of a 2.3–4.1 % loss."""
-    dep = B.Deployment("ep", "h800", n, attn_cap=64)
-    q = B.routing_inclusion(model, ROUTING)
+    dep = Deployment("ep", "h800", n, attn_cap=64)
+    q = routing_inclusion(model, ROUTING)
     bound_loss = 1 - (
         B.predict(model, dep, q, CTX, HOST, variance=SOURCED).tokens_per_s
         / B.predict(model, dep, q, CTX, HOST, variance=OFF).tokens_per_s
@@ -115,7 +118,7 @@ def test_aep_where_no_single_gpu_binds_loses_less_than_ep_of_the_same_gpus(model
     reading: each rank at its own speed, mean 1; what is left is the jitter's sampling noise), while EP on the
     same 32 GPUs pays its barriers (its bound's expected_max: ~2–4 %). Where AEP's expert GPUs are saturated it
     does pay — see test_aep_at_saturated_expert_gpus_pays_with_smaller_steps."""
-    dep = B.Deployment("aep", "h800", 4, "h800", 28, attn_cap=256, expert_cap=1024)
+    dep = Deployment("aep", "h800", 4, "h800", 28, attn_cap=256, expert_cap=1024)
     aep_off = simulate(model, dep, ROUTING, CTX, HOST, 4096, duration_s=0.1, warmup_s=0.04, variance=OFF)
     aep_losses = [
         1
@@ -133,7 +136,7 @@ def test_aep_where_no_single_gpu_binds_loses_less_than_ep_of_the_same_gpus(model
         / aep_off.tokens_per_s
         for seed in range(3)
     ]
-    ep = B.Deployment("ep", "h800", 32, attn_cap=128)
+    ep = Deployment("ep", "h800", 32, attn_cap=128)
     ep_off = _run(model, ep, 32 * 128, 0.05, 0.0, OFF).tokens_per_s
     ep_loss = 1 - _run(model, ep, 32 * 128, 0.05, 0.0, SOURCED).tokens_per_s / ep_off
     assert ep_loss > 0.015
@@ -159,14 +162,14 @@ def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_o
     do without it (their draws differ in order, not in law: measured 0.03–0.2 % apart over two variance seeds), and
     AEP 4 + 4 with large waves within 3 % (test_frontier's tolerance for AEP in waves without variance; measured
     0.1–0.9 %)."""
-    from amoe.emulation import simulate_scale as scale
-    from amoe.emulation.plan import mean_context
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan.simulate import scale
 
     ctx, host, routing = mean_context("short"), host_overhead("amoe-paper"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:2", 2)
     for dep, c in (
-        (B.Deployment("ep", "h100", 8, attn_cap=256), 2048),
-        (B.Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
+        (Deployment("ep", "h100", 8, attn_cap=256), 2048),
+        (Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
     ):
         exact = simulate(model, dep, routing, ctx, host, c, variance=SOURCED)
         run = scale.ep if dep.mode == "ep" else scale.pingpong
@@ -174,8 +177,8 @@ def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_o
         assert fast.tokens_per_s == pytest.approx(exact.tokens_per_s, rel=0.01), dep.mode
         assert fast.tokens_per_s < 0.99 * run(model, dep, routing, ctx, host, c, 0.25, 0, OFF).tokens_per_s
     model = model_profile("mixtral-8x7b-mqa:16", 2)
-    dep = B.Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
-    bound = B.predict(model, dep, B.routing_inclusion(model, routing), ctx, host, variance=OFF)
+    dep = Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
+    bound = B.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=OFF)
     c = 4 * bound.concurrency
     itl = c / bound.tokens_per_s
     event = simulate(

@@ -1,4 +1,4 @@
-"""Step-time variance of emulated GPUs (amoe.emulation.variance): the flag, the seeded draws every process agrees on,
+"""Step-time variance of emulated GPUs (amoe.perf.model.variance): the flag, the seeded draws every process agrees on,
 the clock that applies them, and what a barrier pays for them in the bounds and the simulation."""
 
 from __future__ import annotations
@@ -8,23 +8,19 @@ import pytest
 
 from amoe import core
 from amoe.config import AmoeConfig, ExecutorSection, config_from_args
-from amoe.emulation import bounds as B
-from amoe.emulation import check_executor
-from amoe.emulation.clock import EmulatedClock
-from amoe.emulation.executor import Emulation
-from amoe.emulation.plan import mean_context
-from amoe.emulation.profiles import host_overhead, model_profile
-from amoe.emulation.simulate import simulate
-from amoe.emulation.variance import (
-    OFF,
-    SOURCED,
-    SOURCED_JITTER,
-    SOURCED_SPREAD,
-    StepVariance,
-    expected_max,
-)
 from amoe.errors import ConfigError
+from amoe.perf.model.check import check_executor
+from amoe.perf.model.hosts import host_overhead
+from amoe.perf.model.models import model_profile
+from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.variance import OFF, SOURCED, SOURCED_JITTER, SOURCED_SPREAD, StepVariance, expected_max
+from amoe.perf.model.workloads import mean_context
+from amoe.perf.plan import bounds as B
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate import simulate
 from amoe.placement import Placement
+from amoe.runtime.emulated import Emulation
+from amoe.runtime.emulated_clock import EmulatedClock
 
 CTX, HOST = mean_context("short"), host_overhead("amoe-paper")
 
@@ -140,9 +136,9 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
     AEP plan variance costs exactly what the slowest attention GPU's speed costs (the bound does not let faster
     ranks run ahead while their waves share steps with the slowest)."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))
-    q = B.routing_inclusion(model, "skew-exp:0.08")
-    ep = B.Deployment("ep", "h100", 8, attn_cap=256)
-    aep = B.Deployment("aep", "h100", 4, "h100", 4)
+    q = routing_inclusion(model, "skew-exp:0.08")
+    ep = Deployment("ep", "h100", 8, attn_cap=256)
+    aep = Deployment("aep", "h100", 4, "h100", 4)
     loss = {}
     for dep in (ep, aep):
         off, on = (B.predict(model, dep, q, CTX, HOST, variance=v).tokens_per_s for v in (OFF, SOURCED))
@@ -153,7 +149,7 @@ def test_a_barrier_pays_the_slowest_device_and_a_queue_does_not():
     assert loss["aep"] == pytest.approx(1 - 1 / slowest, abs=1e-3)
     # The simulation pays it too: EP's iterations wait for this step's slowest device.
     small = model_profile("mixtral-8x7b-mqa:4", 1)
-    ep2 = B.Deployment("ep", "h100", 4, attn_cap=64)
+    ep2 = Deployment("ep", "h100", 4, attn_cap=64)
     off, on = (
         simulate(small, ep2, "uniform", CTX, HOST, 256, variance=v).tokens_per_s for v in (OFF, SOURCED)
     )

@@ -145,14 +145,20 @@ def test_attention_rows_carry_their_wave_and_an_expert_step_serves_one_group():
 def test_a_waves_plans_command_carries_its_bounds_wave_group():
     """`amoe plan`'s command for an AEP plan under waves sets the expert side's group to the bound's m waves of w
     rows in waves of the attention cap (A100 5 + 3 top-1, caps 128 / 1024: m = 2, w = 128 -> 2)."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import Plan, PlanRequest, mean_context, serve_command
-    from amoe.emulation.profiles import host_overhead, model_profile
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.bound_pools import wave_group
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.report import serve_command
+    from amoe.perf.plan.request import Plan, PlanRequest
 
     model = model_profile("mixtral-8x7b-mqa:32", 1)
-    dep = bounds.Deployment("aep", "a100-80g", 5, "a100-80g", 3, 128, 1024)
+    dep = Deployment("aep", "a100-80g", 5, "a100-80g", 3, 128, 1024)
     pred = bounds.predict(
-        model, dep, bounds.routing_inclusion(model, "skew-exp:0.08"), mean_context("short"),
+        model, dep, routing_inclusion(model, "skew-exp:0.08"), mean_context("short"),
         host_overhead("amoe-paper"),
     )  # fmt: skip
     assert (pred.extra["group_waves"], pred.extra["wave_rows"]) == (2, 128)
@@ -161,7 +167,7 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     assert argv[argv.index("--scheduler") + 1] == "waves"
     assert argv[argv.index("--scheduler-wave-group") + 1] == "2"
     # a bound whose waves are half the cap's: its group of 8 is 4 of the runtime's waves
-    assert bounds.wave_group({"group_waves": 8, "wave_rows": 128}, 256) == 4
+    assert wave_group({"group_waves": 8, "wave_rows": 128}, 256) == 4
     with pytest.raises(ConfigError, match="wave_group"):
         SchedulerSection(wave_group=-1)
 
@@ -170,16 +176,20 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
     """H100 6 + 2 top-1 at 32 blocks, the corrected bound's 3,072 requests (W = 2 waves of 256 a rank, the bound's
     group one wave of every rank), ranks started out of phase: per rank (items 9-10) a rank's wave that fell one
     step behind is run alone every block, at ~0.76 of the bound; the bound's groups reach it."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
-    from amoe.emulation.profiles import host_overhead, model_profile
-    from amoe.emulation.simulate import simulate
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.bound_pools import wave_group
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.simulate import simulate
 
     host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:32", 1)
-    dep = bounds.Deployment("aep", "h100", 6, "h100", 2, 256, 512)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
-    assert (bound.concurrency, bound.extra["waves"], bounds.wave_group(bound.extra, 256)) == (3072, 2, 1)
+    dep = Deployment("aep", "h100", 6, "h100", 2, 256, 512)
+    bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
+    assert (bound.concurrency, bound.extra["waves"], wave_group(bound.extra, 256)) == (3072, 2, 1)
     got = {
         group: simulate(
             model, dep, routing, ctx, host, bound.concurrency, warmup_s=4 * bound.itl_s,
@@ -195,11 +205,12 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
 def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
     """`amoe bench plan-table --measure` serves a row's plan from the table's JSON: the group the simulation ran
     (refine's extra["wave_group"]) goes into the row and back into the command, not the default of one."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import PlanRequest, serve_command
-    from amoe.emulation.plan_table import one_copy
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.report import serve_command
+    from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.studies.plan_table import one_copy
 
-    dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, 128, 256, replicas=2)
+    dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 128, 256, replicas=2)
     row = {
         "tokens_per_s": 26017, "bound": 26765, "itl_ms": 78.7, "concurrency": 2048, "simulated": True,
         "bottleneck": "experts", "deployment": dataclasses.asdict(dep), "wave_group": 2,

@@ -378,15 +378,18 @@ def test_no_livelock_with_the_expert_sides_rank_barrier():
 def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
     """In the simulation (which runs this scheduler) at W = 4 waves of the cap's 64 rows a rank: every attention step
     is a whole wave, and keeping the waves apart beats merging them (`wave`)."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
-    from amoe.emulation.profiles import host_overhead, model_profile
-    from amoe.emulation.simulate import simulate
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.simulate import simulate
 
     host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:8", 1)
-    dep = bounds.Deployment("aep", "a100-80g", 2, "a100-80g", 2, 64, 256)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+    dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 64, 256)
+    bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
     # The bound's point before issue 32's correction; the corrected bound reaches within 3 % of its most only at 8
     # waves (merged expert steps now pay the merged path), and the scheduler's test needs neither.
     assert (bound.extra["waves"], bound.extra["wave_rows"], bound.concurrency) == (8, 64, 1024)
@@ -439,15 +442,18 @@ def test_the_simulation_models_out_of_phase_ranks_and_the_expert_side_brings_the
     """8 blocks, A100 3 + 2 at W = 4 waves of 64 a rank: ranks started at independent
     times (`stagger_ranks`, as the runtime's arrivals start them) lose throughput to out-of-phase waves, and the
     expert side's rule (items 9-10) wins part of it back with larger expert steps."""
-    from amoe.emulation import bounds
-    from amoe.emulation.plan import mean_context
-    from amoe.emulation.profiles import host_overhead, model_profile
-    from amoe.emulation.simulate import simulate
+    from amoe.perf.model.hosts import host_overhead
+    from amoe.perf.model.models import model_profile
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.model.workloads import mean_context
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.simulate import simulate
 
     host, ctx, routing = host_overhead("amoe-paper"), mean_context("short"), "skew-exp:0.08"
     model = model_profile("mixtral-8x7b-mqa:8", 1)
-    dep = bounds.Deployment("aep", "a100-80g", 3, "a100-80g", 2, 64, 256)
-    bound = bounds.predict(model, dep, bounds.routing_inclusion(model, routing), ctx, host)
+    dep = Deployment("aep", "a100-80g", 3, "a100-80g", 2, 64, 256)
+    bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
     # 4 waves: the bound's point before issue 32's correction (now 8, as in the test above).
     assert (bound.extra["waves"], bound.concurrency) == (8, 1536)
     concurrency = 768

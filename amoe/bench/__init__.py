@@ -1,10 +1,10 @@
-"""`amoe bench`: benchmarks against running servers, and the planner's (amoe.emulation.commands). Each subcommand's add function is listed in BENCH_SUBCOMMANDS.
+"""`amoe bench serve`: the load generator — requests drawn from a workload (`workloads`, `arrivals`), sent to a
+running server (`client`, `http1`), reported (`report`). It imports nothing from the modelling wing (amoe.perf),
+whose studies it serves; their `amoe bench` commands are registered in amoe.perf.studies.commands.
 
 Only argparse-level code is imported here; each command imports its heavy modules when it runs.
 """
 
-from amoe.bench.compare import add_bench_compare_command
 from amoe.bench.serve import add_bench_serve_command
-from amoe.emulation.commands import PLAN_BENCH_SUBCOMMANDS
 
-BENCH_SUBCOMMANDS = (add_bench_serve_command, add_bench_compare_command, *PLAN_BENCH_SUBCOMMANDS)
+BENCH_SUBCOMMANDS = (add_bench_serve_command,)

@@ -130,11 +130,11 @@ def make_requests(
 
 def steady_state_requests(workload: Workload, num_requests: int, *, seed: int = 0) -> list[RequestSpec]:
     """`num_requests` id-prompt requests as a deployment in steady state holds them, for decode-only emulation
-    (amoe.bench.steady).
+    (amoe.perf.studies.steady).
 
     In steady state a running request is one picked with probability proportional to its output length, part-way
     through it: it has generated a uniform part `a` of its `o` tokens (the length bias of
-    amoe.emulation.cost_model.mean_decode_context). Decode-only emulation takes a prompt's KV as written, so to the
+    amoe.perf.model.cost_model.mean_decode_context). Decode-only emulation takes a prompt's KV as written, so to the
     server such a request is one whose prompt is `a` tokens longer and which has `o - a` tokens left to generate."""
     (in_lo, in_hi), (out_lo, out_hi) = workload.input_range, workload.output_range
     if workload.sharegpt_path is not None or out_lo < 1:

@@ -6,7 +6,7 @@
 
 Both look one block ahead only; that is what §8.3 contrasts with the activation-aware prefetcher, which queues every
 later block. The paper tunes K for each ("autotuned", "empirically optimized ... we only report its best
-performance"); bench/offload_replay.py sweeps K and reports the best recall per bandwidth the same way.
+performance"); amoe bench offload-replay sweeps K and reports the best recall per bandwidth the same way.
 
 The paper implemented these baselines inside MoE-Infinity, so its cache stays: a baseline wraps a cache policy
 (`cache`, e.g. the activation-aware one with Algorithm 2) and takes from it everything but `wanted`. It admits every

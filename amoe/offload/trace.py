@@ -25,7 +25,7 @@ three: MMLU's 57 (Hendrycks et al., arXiv 2009.03300, "57 tasks"), BIG-bench's 2
 = 323, drawn uniformly (the paper gives no mixing proportions). Independent task supports with that many tasks
 break §3 (batch 32 would activate 63 % of the experts), so per block the experts have a global popularity (Zipf
 exponent `popularity`) that tasks draw their supports by; its value is the smallest on a 0.25 grid that brings
-batches of 1–32 back into §3's ranges (2.25 for top-1; bench/offload_replay.py's top-2 shape needs 2.75), chosen
+batches of 1–32 back into §3's ranges (2.25 for top-1; amoe bench offload-replay's top-2 shape needs 2.75), chosen
 from §3 alone before any policy was replayed. The paper states no sequence lengths; prompts and outputs stay 8–32
 tokens. Round 4 searched `spread` and `zipf` for the access locality the paper's ORACLE implies (Figure 11) and
 found none that keeps §3's ranges (docs/offload.md "Round 4"), so these defaults are round 3's. Round 5 gave the

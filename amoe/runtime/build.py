@@ -15,11 +15,11 @@ from pathlib import Path
 from amoe import device as devices
 from amoe.config import AmoeConfig
 from amoe.device import Device
-from amoe.emulation.executor import Emulation
-from amoe.emulation.links import link_delays as emulated_link_delays
-from amoe.emulation.links import runtime_nodes
 from amoe.model.config import ModelConfig, load_model_config
+from amoe.perf.model.links import link_delays as emulated_link_delays
+from amoe.perf.model.links import runtime_nodes
 from amoe.placement import Placement, local_index, node_of, runtimes_on_node
+from amoe.runtime.emulated import Emulation
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
 from amoe.runtime.requests import RankRequests
 from amoe.structured import Grammars
@@ -43,7 +43,7 @@ def emulated_offload(config: AmoeConfig):
     off = config.offload
     if off.budget is None:
         return None
-    from amoe.emulation.offload_tiers import OffloadSpec
+    from amoe.perf.model.offload_tiers import OffloadSpec
 
     return OffloadSpec(off.budget_bytes, off.policy, off.eamc, prefetch=off.prefetch)
 
@@ -214,15 +214,15 @@ def expert_executor(
 
 def chunk_cost(config: AmoeConfig, devices: int, em: Emulation | None):
     """tokens per device → the runtime's host seconds per EP pipeline chunk as its clock counts them
-    (eps.chunk_host_s): the devices' host work shares this machine's cores, and the emulated clock divides real
+    (ep_block.chunk_host_s): the devices' host work shares this machine's cores, and the emulated clock divides real
     time by the time scale. (An in-process group shares one core through the GIL: this is its lower bound.)"""
     import os
 
-    from amoe.emulation import eps
+    from amoe.perf.model import ep_block
 
     contention = devices / (os.cpu_count() or 1)
     scale = config.executor.time_scale if em is not None else 1.0
-    return lambda tokens: eps.chunk_host_s(tokens, contention, scale)
+    return lambda tokens: ep_block.chunk_host_s(tokens, contention, scale)
 
 
 def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emulation | None):
@@ -237,9 +237,10 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
     most = fewest_hosted(place.expert_runtime, place.hosts)
     choose_pn = choose_kernel = None
     if par.pipelines is None or par.kernel == "auto":
-        from amoe.emulation import eps
-        from amoe.emulation.profiles import gpu_profile, host_overhead
-        from amoe.emulation.shapes import profile_of
+        from amoe.perf.model import ep_block
+        from amoe.perf.model.gpus import gpu_profile
+        from amoe.perf.model.hosts import host_overhead
+        from amoe.perf.model.shapes import profile_of
 
         profile = em.profile if em is not None else profile_of(cfg)
         gpu = gpu_profile(config.executor.gpu)
@@ -247,11 +248,11 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
         # The emulated router is seeded alike in every process: `auto` can price its skew (tokens are uniform).
         q = None
         if em is not None:
-            from amoe.emulation.bounds import routing_inclusion
+            from amoe.perf.model.routing import routing_inclusion
 
             q = routing_inclusion(profile, config.executor.routing, config.executor.seed)
-        choose_pn = eps.pipeline_chooser(
+        choose_pn = ep_block.pipeline_chooser(
             profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em), q
         )
-        choose_kernel = eps.kernel_chooser(profile, gpu)
+        choose_kernel = ep_block.kernel_chooser(profile, gpu)
     return ExpertPipeline(par.pipelines, par.ep_kernel, most, choose_pn, choose_kernel)

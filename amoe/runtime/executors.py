@@ -1,7 +1,7 @@
 """Executors: run the layer a batch names. Experts are stateless. An attention rank is two parts composed: its
 requests (amoe.runtime.requests.RankRequests: admission, KV blocks, stop rules, re-entry of sampled tokens) and its
 compute — `TorchAttention` here (attention + head + sampler over a paged KV cache), or an emulated GPU's timed hold
-(amoe.emulation.executor.EmulatedAttention). Either compute offers:
+(amoe.runtime.emulated.EmulatedAttention). Either compute offers:
 
     attend(batch, request_ids, requests) -> (residual, moe_input, topk_ids, topk_weights)   # blocks 0..B-1
     sample(batch, rows, seqs) -> HeadSample: a token per sequence (j from chunk rows[j]), log-probs if wanted

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class InProcessCluster:
     """`num_attn_ranks` attention runtimes and `num_expert_ranks` expert runtimes over one LoopbackHub, with torch
-    executors on a checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.emulation.executor.Emulation).
+    executors on a checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.runtime.emulated.Emulation).
 
     KV blocks per rank: `num_kv_blocks`, else 256 (torch) or what the emulated GPU holds. Each head step's output
     goes to `publish(runtime, HeadOutput)` when given (on that runtime's loop thread). With `report`, every loop

@@ -25,7 +25,7 @@ from amoe.runtime.sync.moe import Routed, receive_combine, send_dispatch, serve_
 @dataclass(frozen=True)
 class ExpertPipeline:
     """ep's PN and expert kernel: fixed, or chosen by `choose_pipelines(total rows)` / `choose_kernel(rows per
-    expert)` (the cost model's, amoe.emulation.eps). kernel None: EP's grouped step as it ran before pipelines."""
+    expert)` (the cost model's, amoe.perf.model.eps). kernel None: EP's grouped step as it ran before pipelines."""
 
     pipelines: int | None = 1  # None: auto
     kernel: str | None = None  # None | grouped | dense | auto

@@ -31,7 +31,7 @@ MODES = ("ep", "pingpong")
 
 class SyncCluster:
     """`ep` over `num_devices`, or `pingpong` over `num_attn` + `num_expert` devices, with torch executors on a
-    checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.emulation.executor.Emulation); `pipeline`: ep's
+    checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.runtime.emulated.Emulation); `pipeline`: ep's
     expert pipeline."""
 
     def __init__(

@@ -1,0 +1,79 @@
+"""EP as it is deployed at scale (issue 35): redundant experts placed by EPLB, two-batch overlap, DeepEP's
+dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from counts rather than per token.
+
+* **EPLB** (github.com/deepseek-ai/EPLB, as DeepSeek and SGLang deploy it): per layer, the R redundant slots go one
+  at a time to the expert with the most load per copy, then every copy (load / copies) goes, heaviest first, to
+  the least-loaded device with a free slot ((E + R) / devices slots each). A token of an expert with c copies is
+  served by one of them, evenly.
+* **Two-batch overlap** (SGLang's TBO after DeepSeek's profile-data design): a device's batch runs as two
+  micro-batches, one computing (attention, its experts) while the other's dispatch or combine is on the wire, so
+  a block takes the longer of the two streams: max(2 · compute(b/2), 2 · exchange(b/2)), instead of their sum at b.
+* **Counts at scale**: a block's rows per expert over T tokens are drawn as independent binomials (T, q_e) from
+  the exact inclusion probabilities: the same per-expert mean and variance as T keyed top-k draws, without their
+  within-token correlation (k of E experts), at a cost that does not grow with T — what lets the simulation run
+  256 devices of 256 tokens (docs/emulation.md "Simulation at scale").
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import GpuProfile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
+
+
+def eplb_placement(load: np.ndarray, num_devices: int, redundant: int) -> list[list[tuple[int, float]]]:
+    """Per device, its (expert id, share of that expert's tokens) copies for one layer's expected `load`."""
+    num = len(load)
+    copies = np.ones(num, dtype=np.int64)
+    heap = [(-float(load[e]), e) for e in range(num)]
+    heapq.heapify(heap)
+    for _ in range(redundant):
+        _, e = heapq.heappop(heap)
+        copies[e] += 1
+        heapq.heappush(heap, (-float(load[e]) / copies[e], e))
+    items = sorted(
+        ((float(load[e]) / copies[e], e) for e in range(num) for _ in range(copies[e])), reverse=True
+    )
+    slots = math.ceil((num + redundant) / num_devices)
+    where: list[list[tuple[int, float]]] = [[] for _ in range(num_devices)]
+    free = [(0.0, d) for d in range(num_devices)]  # (load so far, device), devices with a free slot
+    for share_load, e in items:
+        total, d = heapq.heappop(free)
+        where[d].append((e, 1.0 / copies[e]))
+        if len(where[d]) < slots:
+            heapq.heappush(free, (total + share_load, d))
+    return where
+
+
+def device_rows(
+    placement: list[list[tuple[int, float]]], rows_per_expert: np.ndarray
+) -> list[tuple[list[float], list[int]]]:
+    """(rows of each copy, expert ids) per device, for a block's rows per expert."""
+    return [
+        ([rows_per_expert[e] * share for e, share in copies], [e for e, _ in copies]) for copies in placement
+    ]
+
+
+def slowest_device(model: ModelProfile, gpu: GpuProfile, loads, host: HostOverhead) -> tuple[float, float]:
+    """(the slowest device's grouped GEMM, the mean device's) over `device_rows` loads."""
+    times = [cm.grouped_expert_time(model, gpu, rows, host, ids) for rows, ids in loads]
+    return max(times), sum(times) / len(times)
+
+
+def block_time(attn_s: float, experts_s: float, exchange_s: float, overlap: bool) -> float:
+    """One EP block: without overlap attention, dispatch, the slowest device's experts and combine in turn; with
+    two-batch overlap the arguments are one micro-batch's (half the batch) and the two streams overlap."""
+    if not overlap:
+        return attn_s + exchange_s + experts_s
+    return max(2 * (attn_s + experts_s), 2 * exchange_s)
+
+
+def sample_counts(rng: np.random.Generator, tokens: int, inclusion: np.ndarray) -> np.ndarray:
+    """Rows per expert id of `tokens` tokens, each expert drawn binomially with its inclusion probability."""
+    return rng.binomial(tokens, np.clip(inclusion, 0.0, 1.0)).astype(np.float64)
