@@ -16,9 +16,9 @@ from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
 from amoe.perf.model.check import check_executor
-from coordinator.api_server import abort_all, create_app
-from coordinator.backend import Backend
-from coordinator.validation import ModelInfo
+from coordinator.api.app import abort_all, create_app
+from coordinator.api.validation import ModelInfo
+from coordinator.requests.backend import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class AmoeServer:
         return backend, backend.engine.max_model_len, backend.engine.model_config.vocab_size
 
     async def _start_cluster(self, model_dir: Path):
-        from coordinator.cluster_backend import ClusterBackend
+        from coordinator.requests.cluster_backend import ClusterBackend
 
         par, ex = self.config.parallel, self.config.executor
         if par.mode == "ep":

@@ -1,7 +1,7 @@
 """The coordinator's Prometheus metrics, all in one place: names `amoe_<component>_<quantity>_<unit>`, every one
 listed with its meaning in docs/metrics.md.
 
-Two sources. Request metrics are recorded by each request's RequestLifetime (coordinator/lifetime.py), once per
+Two sources. Request metrics are recorded by each request's RequestLifetime (coordinator/requests/lifetime.py), once per
 request. Runtime metrics are read at scrape time by `RuntimeCollector` from the latest report of every runtime
 (`backend.runtime_stats()`, the shape of docs/CONTRACTS.md "Runtime stats"), so one scrape is one consistent view.
 Runtime counters are cumulative in the runtime; `CounterOffsets` keeps them monotonic here when a runtime restarts

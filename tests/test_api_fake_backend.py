@@ -7,38 +7,17 @@ import re
 
 import httpx
 import pytest
-from factories import streamed_choices
+from factories import CharDetokenizer, CharTokenizer, streamed_choices
 
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError
 from amoe.logprobs import Logprobs
-from coordinator.api_server import create_app
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.validation import ModelInfo
+from coordinator.api.app import create_app
+from coordinator.api.validation import ModelInfo
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 MODEL = "fake"
 BLOCK = 16
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
-
-    def encode_chat(self, messages, add_generation_prompt=True):
-        return self.encode(
-            "".join(f"<{m['role']}>{m['content']}" for m in messages), add_special_tokens=False
-        )
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-class CharDetokenizer:
-    def add(self, token_id):
-        return chr(token_id)
-
-    def flush(self):
-        return ""
 
 
 class ScriptedBackend(Backend):

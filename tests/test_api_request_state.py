@@ -1,21 +1,12 @@
 """Request output state: incremental text, stop strings cut at their start, held-back text while streaming."""
 
+from factories import CharDetokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amoe.logprobs import Logprobs
 from amoe.request_rules import StopMatcher
-from coordinator.request_state import RequestState
-
-
-class CharDetokenizer:
-    """Token id i is chr(i): one character per token, nothing held back."""
-
-    def add(self, token_id: int) -> str:
-        return chr(token_id)
-
-    def flush(self) -> str:
-        return ""
+from coordinator.requests.request_state import RequestState
 
 
 def ids(text: str) -> list[int]:

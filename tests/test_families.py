@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import random_prompts, transformers_checkpoint
-from metrics_support import ServerProcess
+from metrics_support import serve_model
 
 from amoe.engine.config import EngineConfig
 from amoe.engine.local import LocalEngine
@@ -158,7 +158,7 @@ def _served_text(model_dir: Path, *flags: str) -> dict:
 
     import httpx
 
-    server = ServerProcess(model_dir, *flags)
+    server = serve_model(model_dir, *flags)
     try:
         url = server.wait_for_url()
         body = {"model": model_dir.name, "prompt": TEXT, "max_tokens": NEW_TOKENS, "temperature": 0}

@@ -482,8 +482,8 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
 def test_an_unconfirmed_abort_stops_holding_kv_after_its_timeout(model_dir):
     """The coordinator holds an aborted request's blocks back until its rank confirms, but not forever."""
     from amoe.config import AmoeConfig
-    from coordinator.cluster_backend import ClusterBackend
-    from coordinator.runtimes import RuntimeProc
+    from coordinator.cluster.runtimes import RuntimeProc
+    from coordinator.requests.cluster_backend import ClusterBackend
 
     backend = ClusterBackend(AmoeConfig().replace(server={"abort_timeout_s": 0.2}), model_dir)
     backend.cluster.runtimes = [RuntimeProc(0, "attention", proc=None, num_kv_blocks=10, kv_free=4)]

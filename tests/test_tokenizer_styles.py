@@ -28,8 +28,8 @@ from amoe.engine.local import LocalEngine
 from amoe.llm import LLM
 from amoe.sampling_params import SamplingParams
 from amoe.tokenizer import IncrementalDetokenizer, Tokenizer, _corpus
-from coordinator.api_server import create_app
-from coordinator.validation import ModelInfo
+from coordinator.api.app import create_app
+from coordinator.api.validation import ModelInfo
 
 transformers = pytest.importorskip("transformers")
 

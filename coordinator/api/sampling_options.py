@@ -9,7 +9,7 @@ from typing import Any
 
 from amoe.errors import RequestError
 from amoe.structured import compile_grammar
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest
 
 _PASSED_ON = (
     "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",

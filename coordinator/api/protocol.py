@@ -18,7 +18,7 @@ from amoe.sampling_params import (
 # Strict: OpenAI rejects "max_tokens": "5" or "stream": 1, so wrong JSON types must not be silently coerced.
 _STRICT = ConfigDict(strict=True, extra="ignore")
 # Request bodies keep their unknown fields, so parameters amoe does not implement can be refused by name
-# (coordinator/validation.py, UNSUPPORTED) rather than silently ignored.
+# (coordinator/api/validation.py, UNSUPPORTED) rather than silently ignored.
 _REQUEST = ConfigDict(strict=True, extra="allow")
 
 # vLLM's extras that OpenAI's responses lack: in the body only when the request asked for them.

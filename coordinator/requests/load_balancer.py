@@ -14,14 +14,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from amoe.errors import AmoeError, RequestError
-from coordinator.backend import RankKV
+from amoe.errors import RequestError
+from coordinator.requests.backend import RankKV
+from coordinator.requests.errors import Overloaded
 
 logger = logging.getLogger(__name__)
-
-
-class OverloadedError(AmoeError):
-    """The waiting queue is full: the server cannot take more requests right now."""
 
 
 @dataclass
@@ -61,7 +58,7 @@ class LoadBalancer:
         while self._waiting:
             waiter = self._waiting.popleft()
             if not waiter.future.done():
-                waiter.future.set_exception(OverloadedError("the server is shutting down"))
+                waiter.future.set_exception(Overloaded("the server is shutting down"))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
@@ -85,9 +82,9 @@ class LoadBalancer:
         return self._bind(request_id, self.blocks_needed(num_tokens))
 
     async def admit(self, request_id: int, num_tokens: int) -> int:
-        """The rank the request is bound to; waits for KV space; raises OverloadedError when the queue is full."""
+        """The rank the request is bound to; waits for KV space; raises Overloaded when the queue is full."""
         if self._closed:
-            raise OverloadedError("the server is shutting down")
+            raise Overloaded("the server is shutting down")
         num_blocks = self.blocks_needed(num_tokens)
         largest = max((kv.total_blocks for kv in self._kv_usage()), default=0)
         if num_blocks > largest:
@@ -100,7 +97,7 @@ class LoadBalancer:
             if rank is not None:
                 return rank
         if len(self._waiting) >= self._max_waiting:
-            raise OverloadedError(
+            raise Overloaded(
                 f"server overloaded: {len(self._waiting)} requests are already waiting for KV cache space "
                 f"(server.max_waiting={self._max_waiting}); retry later"
             )

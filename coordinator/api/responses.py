@@ -9,8 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from coordinator.lifetime import RequestLifetime
-from coordinator.logprobs_api import (
+from coordinator.api.logprobs import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
@@ -18,8 +17,8 @@ from coordinator.logprobs_api import (
     positions,
     prompt_logprobs,
 )
-from coordinator.openai_errors import ApiError
-from coordinator.protocol import (
+from coordinator.api.openai_errors import ApiError
+from coordinator.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -30,9 +29,10 @@ from coordinator.protocol import (
     DeltaMessage,
     Usage,
 )
-from coordinator.request_state import RequestState
-from coordinator.serving import RequestRunner
-from coordinator.validation import PreparedRequest
+from coordinator.requests.lifetime import RequestLifetime
+from coordinator.requests.prepared import PreparedRequest
+from coordinator.requests.request_state import RequestState
+from coordinator.requests.serving import RequestRunner
 
 
 class Responder:

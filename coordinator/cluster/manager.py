@@ -1,10 +1,11 @@
 """Cluster manager: starts the runtimes of the placement, wires them (peer table, Reconnect), reads what they say,
 and stops them all at the end. Its parts, each in its own module:
 
-- coordinator/launcher.py: how runtimes are started (child processes, node agents, Ray actors), behind `Launch`;
-- coordinator/control_plane.py: the ROUTER socket every runtime and agent connects to; sends that never block and
+- coordinator/cluster/launcher.py: how runtimes are started (child processes, node agents, Ray actors), behind one
+  `Launcher` protocol; `open_launcher` below picks the implementation;
+- coordinator/cluster/control_plane.py: the ROUTER socket every runtime and agent connects to; sends that never block and
   are never lost in silence;
-- coordinator/health.py: the watchdog: loss (death, silence, a wedged loop, undeliverable messages), replacement
+- coordinator/cluster/health.py: the watchdog: loss (death, silence, a wedged loop, undeliverable messages), replacement
   within the restart budget, or the cluster's failure.
 
 What is left here is the router: each message is checked (it must come from the runtime it names, in its role) and
@@ -35,10 +36,13 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
 from amoe.placement import runtime_roles
-from coordinator.control_plane import ControlPlane
-from coordinator.health import RuntimeWatch
-from coordinator.launcher import Launch, open_launch
-from coordinator.runtimes import ClusterEvents, RestartBudget, RuntimeProc
+from coordinator.cluster.agent_launcher import AgentLauncher
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.health import RuntimeWatch
+from coordinator.cluster.launcher import Launcher
+from coordinator.cluster.local_launcher import LocalLauncher
+from coordinator.cluster.ray_launcher import RayLauncher
+from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class ClusterManager:
         self.runtimes: list[RuntimeProc] = []
         self.num_dropped = 0
         self.plane: ControlPlane | None = None
-        self.launch: Launch | None = None
+        self.launch: Launcher | None = None
         self.watch = RuntimeWatch(
             self.runtimes, events, heals=heals(config), startup_timeout_s=startup_timeout_s,
             budget=RestartBudget(config.server.max_restarts, config.server.restart_window_s),
@@ -108,7 +112,7 @@ class ClusterManager:
         atexit.register(self.kill_all)
         try:
             self.plane = self.watch.plane = ControlPlane(self._control_bind)
-            self.launch = self.watch.launch = open_launch(
+            self.launch = self.watch.launch = open_launcher(
                 self.config, self.model_dir, self.plane, len(self.roles), self._startup_timeout_s
             )
             self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.watch.run())]
@@ -314,6 +318,17 @@ class ClusterManager:
                 r.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.proc.wait(5.0)
+
+
+def open_launcher(
+    config: AmoeConfig, model_dir: str, plane: ControlPlane, num_runtimes: int, startup_timeout_s: float
+) -> Launcher:
+    """The launcher this config starts its runtimes with, its control endpoints bound on `plane`."""
+    if not config.dist.multi_node:
+        return LocalLauncher.on_plane(config, model_dir, plane, startup_timeout_s)
+    if config.dist.backend == "ray":
+        return RayLauncher(config, model_dir, plane, num_runtimes, startup_timeout_s)
+    return AgentLauncher(config, model_dir, plane, num_runtimes, startup_timeout_s)
 
 
 def heals(config: AmoeConfig) -> bool:

@@ -38,9 +38,10 @@ from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError, RequestError, RequestFailed
 from amoe.request_rules import SeedSource, sequence_seed
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.cluster import ClusterManager
-from coordinator.runtimes import RuntimeProc
+from amoe.sampling_params import SamplingParams
+from coordinator.cluster.manager import ClusterManager
+from coordinator.cluster.runtimes import RuntimeProc
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class ClusterBackend(Backend):
     # ---- requests
 
     async def generate(
-        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         self._check_alive()
         num_ranks = len(self.cluster.attn_runtimes)

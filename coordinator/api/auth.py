@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from coordinator.openai_errors import ApiError
+from coordinator.api.openai_errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
 

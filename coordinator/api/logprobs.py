@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from amoe.logprobs import Logprobs
-from coordinator.protocol import (
+from coordinator.api.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprob,

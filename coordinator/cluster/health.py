@@ -14,9 +14,9 @@ import logging
 import subprocess
 import time
 
-from coordinator.control_plane import ControlPlane
-from coordinator.launcher import Launch, exit_text
-from coordinator.runtimes import ClusterEvents, RestartBudget, RuntimeProc
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.launcher import Launcher, exit_text
+from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class RuntimeWatch:
         self.budget = budget
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self.plane: ControlPlane | None = None  # set by the cluster manager's start(), with the launch
-        self.launch: Launch | None = None
+        self.plane: ControlPlane | None = None  # set by the cluster manager's start(), with the launcher
+        self.launch: Launcher | None = None
         self.started = (
             False  # every runtime served once: from now on a loss is healed or fatal, not a start error
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.openai_errors import ApiError
+from coordinator.api.openai_errors import ApiError
 
 
 class BodyLimitMiddleware:

@@ -1,7 +1,7 @@
 """`--distributed-backend ray` (the optional extra `amoe[ray]`): every runtime is a Ray actor (amoe.ray_actor) on
 one bundle of a placement group with one bundle per device, on a Ray cluster already running (`ray start --head`,
 `ray start --address`). The cluster manager sees only "a runtime process" it can poll and kill: a lost actor is
-replaced through the self-healing path, on the same bundle.
+replaced through the self-healing path, on the same bundle. Ray itself is imported only when this launcher is made.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import signal
 import time
 from typing import Any
 
+from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError, ConfigError
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.launcher import RuntimeHandle
+from coordinator.cluster.nodes import Nodes
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +66,21 @@ class RayProc:
 
 
 class RayLauncher:
-    """Places the runtimes on a running Ray cluster: one bundle per runtime, spread over its nodes."""
+    """Places the runtimes on a running Ray cluster: one bundle per runtime, spread over its nodes; all of them reach
+    the control plane over its CURVE endpoint."""
 
-    def __init__(self, config: AmoeConfig, model_dir: str, control: str, num_runtimes: int, timeout_s: float):
+    secure = True
+
+    def __init__(
+        self,
+        config: AmoeConfig,
+        model_dir: str,
+        plane: ControlPlane,
+        num_runtimes: int,
+        startup_timeout_s: float,
+    ) -> None:
+        """Joins the Ray cluster, places one bundle per runtime, and binds the control plane's CURVE endpoint on
+        this (the coordinator's) Ray node."""
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -75,7 +91,7 @@ class RayLauncher:
             raise ConfigError(
                 "--distributed-backend ray needs --cluster-secret-file, a file every Ray node holds at that path"
             )
-        self.config, self.model_dir, self.control, self.timeout_s = config, model_dir, control, timeout_s
+        self.config, self.model_dir, self.timeout_s = config, model_dir, startup_timeout_s
         address = dist.init_addr or os.environ.get("RAY_ADDRESS") or "auto"
         try:
             ray.init(
@@ -97,10 +113,19 @@ class RayLauncher:
         self._actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(_actor_class())
         logger.info("Ray cluster at %s: %d runtime bundles placed", address, num_runtimes)
 
+        def to_node(identity: bytes, msg: wire.Message) -> None:
+            plane.send(identity, msg, retry=False)
+
+        nodes = Nodes(config, num_runtimes, startup_timeout_s, to_node, node_ip=dist.node_ip or self.node_ip)
+        self.control = nodes.bind(plane.sock)  # the CURVE endpoint every actor's runtime connects to
+
     @property
     def node_ip(self) -> str:
         """This (the coordinator's) Ray node's address: where the CURVE control endpoint binds."""
         return self._ray.util.get_node_ip_address()
+
+    async def open(self, roles: list[str]) -> None:
+        """The placement group is ready already (placed when the launcher was made)."""
 
     def spawn(self, runtime: int, role: str, generation: int = 0) -> RayProc:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -113,7 +138,23 @@ class RayLauncher:
         }  # fmt: skip
         return RayProc(actor, actor.start.remote(spec, self.config.dist.cluster_secret_file), runtime, role)
 
-    def shutdown(self) -> None:
+    def tick(self, now: float) -> None:
+        """Ray watches its own nodes: a lost actor shows in its handle's poll."""
+
+    def missing_nodes(self) -> list[int]:
+        return []  # the placement group was placed whole
+
+    def handle(self, frames: list[bytes]) -> bool:
+        return False  # no node agents: Ray starts the runtimes
+
+    def describe(self, runtime: int, handle: RuntimeHandle) -> dict[str, Any]:
+        return {"host": handle.host}
+
+    def stop(self) -> None:
+        """The actors stop with their runtimes; the cluster manager kills what is left."""
+
+    def close(self) -> None:
+        """Remove the placement group and leave Ray (after the actors were killed: polling one needs Ray)."""
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)

@@ -39,7 +39,7 @@ NODE_TIMEOUT_S = 5.0
 class RemoteProc:
     """A runtime process on another node (subprocess.Popen's poll / kill / wait / pid, as far as they are used)."""
 
-    def __init__(self, agent: NodeAgent, runtime: int, role: str, seq: int, generation: int = 0) -> None:
+    def __init__(self, agent: AgentLink, runtime: int, role: str, seq: int, generation: int = 0) -> None:
         self.agent, self.runtime, self.role, self.seq = agent, runtime, role, seq
         self.generation = generation  # of this process of its rank (WorkerSpec.generation)
         self.pid = 0  # known once the agent reports it running
@@ -59,8 +59,9 @@ class RemoteProc:
 
 
 @dataclass
-class NodeAgent:
-    """One node's agent as the coordinator sees it."""
+class AgentLink:
+    """The coordinator's link to one node's agent (the agent itself is amoe/node_agent.py's NodeAgent): what it was
+    told to run, what it last reported, whether it is still there."""
 
     node: int
     send: Callable[[wire.Message], None]
@@ -149,7 +150,7 @@ class NodeAgent:
 
 class Nodes:
     """Node 0's side of a multi-node cluster: the cluster keys, the control plane's CURVE endpoint, the rendezvous
-    store that publishes it, one NodeAgent per other node, and which node each runtime runs on."""
+    store that publishes it, one AgentLink per other node, and which node each runtime runs on."""
 
     def __init__(
         self,
@@ -173,7 +174,7 @@ class Nodes:
         )
         self.node_ip = node_ip or dist.node_ip or route_ip(dist.init_addr)
         self.agents = {
-            n: NodeAgent(n, lambda msg, n=n: send(f"node{n}".encode(), msg), config, startup_timeout_s)
+            n: AgentLink(n, lambda msg, n=n: send(f"node{n}".encode(), msg), config, startup_timeout_s)
             for n in range(1, dist.nnodes)
         }
         self.control: str | None = None  # the CURVE endpoint agents and remote runtimes reach

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: routes, streaming as server-sent events, disconnect handling (a client that
-leaves ends its request's lifetime at once, coordinator/lifetime.py)."""
+leaves ends its request's lifetime at once, coordinator/requests/lifetime.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from amoe import __version__
 from amoe.config import ServerSection
 from amoe.errors import AmoeError
-from coordinator.auth import ApiKeyMiddleware, authorized
-from coordinator.backend import Backend
-from coordinator.body_limit import BodyLimitMiddleware
-from coordinator.lifetime import RequestLifetime
-from coordinator.load_balancer import LoadBalancer
-from coordinator.logprobs_api import TokenTexts
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.openai_errors import (
+from coordinator.api.auth import ApiKeyMiddleware, authorized
+from coordinator.api.body_limit import BodyLimitMiddleware
+from coordinator.api.logprobs import TokenTexts
+from coordinator.api.openai_errors import (
     ApiError,
     ErrorResponse,
     bad_request,
@@ -33,7 +29,7 @@ from coordinator.openai_errors import (
     install_error_handlers,
     internal_error,
 )
-from coordinator.protocol import (
+from coordinator.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -46,17 +42,21 @@ from coordinator.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from coordinator.request_state import Detokenizer
-from coordinator.responses import Responder, event
-from coordinator.serving import RequestRunner, end_all
-from coordinator.validation import (
+from coordinator.api.responses import Responder, event
+from coordinator.api.validation import (
+    ApiTokenizer,
     ModelInfo,
-    PreparedRequest,
-    Tokenizer,
     check_text,
     prepare_chat,
     prepare_completions,
 )
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.requests.backend import Backend
+from coordinator.requests.lifetime import RequestLifetime
+from coordinator.requests.load_balancer import LoadBalancer
+from coordinator.requests.prepared import PreparedRequest
+from coordinator.requests.request_state import Detokenizer
+from coordinator.requests.serving import RequestRunner, end_all
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class _Served:
     """What every route needs; one per app."""
 
     runner: RequestRunner
-    tokenizer: Tokenizer
+    tokenizer: ApiTokenizer
     model: ModelInfo
     created: int
     request_ids: Iterator[int]  # the server's request ids: unique, one per prepared request
@@ -89,7 +89,7 @@ class _Served:
 
 def create_app(
     backend: Backend,
-    tokenizer: Tokenizer,
+    tokenizer: ApiTokenizer,
     model: ModelInfo,
     make_detokenizer: Callable[[list[int]], Detokenizer],
     *,

@@ -17,10 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.backend import Backend
-from coordinator.load_balancer import LoadBalancer
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.validation import PreparedRequest
+from coordinator.requests.backend import Backend
+from coordinator.requests.load_balancer import LoadBalancer
+from coordinator.requests.prepared import PreparedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Runs one prepared request: admission by the load balancer, the backend's token stream, detokenization, stop
-strings, its deadline and stall watchdog. Its RequestLifetime (coordinator/lifetime.py) owns how it ends: every
+strings, its deadline and stall watchdog. Its RequestLifetime (coordinator/requests/lifetime.py) owns how it ends: every
 path out of here ends it, and so may the API layer (client gone) or a drain, at any time."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from amoe.errors import AmoeError
-from coordinator.backend import Backend, TokenDelta
-from coordinator.lifetime import RequestLifetime
-from coordinator.load_balancer import LoadBalancer
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.openai_errors import ApiError, internal_error
-from coordinator.request_state import Detokenizer, OutputChunk, RequestState
-from coordinator.validation import PreparedRequest
+from coordinator.requests.backend import Backend, TokenDelta
+from coordinator.requests.errors import InternalError, TimedOut
+from coordinator.requests.lifetime import RequestLifetime
+from coordinator.requests.load_balancer import LoadBalancer
+from coordinator.requests.prepared import PreparedRequest
+from coordinator.requests.request_state import Detokenizer, OutputChunk, RequestState
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout
@@ -66,8 +66,8 @@ class RequestRunner:
             lifetime.abort("the server is draining")
 
     async def admit(self, lifetime: RequestLifetime) -> None:
-        """Bind the request to a rank, waiting for KV space up to its deadline; on any failure (OverloadedError,
-        RequestError, a 504) the request has ended."""
+        """Bind the request to a rank, waiting for KV space up to its deadline; on any failure (Overloaded,
+        RequestError, TimedOut) the request has ended."""
         req = lifetime.req
         try:
             # asyncio.timeout, not wait_for: it cannot drop a cancellation (the client leaving) on the way.
@@ -75,16 +75,16 @@ class RequestRunner:
                 rank = await self.balancer.admit(req.request_id, self._kv_tokens(req))
         except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
             lifetime.end("error", "no KV space before its deadline")
-            raise _timeout(
+            raise TimedOut(
                 f"waited {self.request_timeout_s:g} s for KV space (server.request_timeout_s)"
             ) from None
-        except (ApiError, AmoeError):
+        except AmoeError:
             lifetime.end("rejected")
             raise
         except Exception as exc:  # a bug admitting this request: it fails alone, loudly
             logger.exception("request %d failed before it ran", req.request_id)
             lifetime.end("error")
-            raise internal_error(exc) from None
+            raise InternalError(exc) from None
         except asyncio.CancelledError:
             lifetime.abort("cancelled while waiting for KV space")
             raise
@@ -155,14 +155,14 @@ class RequestRunner:
                     if done:
                         return
             reason, cause = "error", "the backend's stream ended without a finish reason"
-        except (ApiError, AmoeError) as exc:
+        except AmoeError as exc:
             reason, cause = "error", ""
             logger.info("request %d (%s) failed: %s", req.request_id, req.response_id, exc)
             raise
         except Exception as exc:  # a bug here (e.g. detokenizing): the request fails alone, loudly
             reason, cause = "error", ""
             logger.exception("request %d (%s) failed", req.request_id, req.response_id)
-            raise internal_error(exc) from None
+            raise InternalError(exc) from None
         finally:
             lifetime.end(reason, cause)
 
@@ -204,7 +204,7 @@ class RequestRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _next(self, stream: AsyncIterator[TokenDelta], lifetime: RequestLifetime) -> TokenDelta | None:
-        """The stream's next delta (None at its end), within the stall timeout and before the deadline (504)."""
+        """The stream's next delta (None at its end), within the stall timeout and before the deadline (TimedOut)."""
         wait = min(self.stall_timeout_s, lifetime.deadline - time.monotonic())
         try:
             # asyncio.timeout, not wait_for: a cancellation arriving with the token is not lost (gh-86296).
@@ -212,8 +212,8 @@ class RequestRunner:
                 delta = await anext(stream, None)
         except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
             if wait < self.stall_timeout_s:
-                raise _timeout(f"the request ran past its deadline of {self.request_timeout_s:g} s") from None
-            raise _timeout(f"no token for {self.stall_timeout_s:g} s (server.stall_timeout_s)") from None
+                raise TimedOut(f"the request ran past its deadline of {self.request_timeout_s:g} s") from None
+            raise TimedOut(f"no token for {self.stall_timeout_s:g} s (server.stall_timeout_s)") from None
         except Exception:
             lifetime.backend_ended()  # the backend failed it: it holds nothing
             raise
@@ -226,7 +226,3 @@ def end_all(lifetimes: list[RequestLifetime], cause: str) -> None:
     """Abort the requests of one API call (those ended already stay as they ended)."""
     for lifetime in lifetimes:
         lifetime.abort(cause)
-
-
-def _timeout(message: str) -> ApiError:
-    return ApiError(504, message, type="server_error", code="timeout")

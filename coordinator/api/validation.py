@@ -10,9 +10,10 @@ from typing import Any, Protocol
 from amoe.errors import RequestError
 from amoe.logprobs import MAX_LOGPROBS
 from amoe.sampling_params import SamplingParams
-from coordinator.openai_errors import ApiError, bad_request
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest
-from coordinator.sampling_options import sampling_options
+from coordinator.api.openai_errors import ApiError, bad_request
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.api.sampling_options import sampling_options
+from coordinator.requests.prepared import PreparedRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -24,7 +25,7 @@ MAX_PROMPTS = 256
 # Parameters OpenAI or vLLM accept that amoe does not implement, each with the values that ask for nothing (what
 # SDKs and benchmark clients send by default, e.g. `vllm bench serve` sends use_beam_search false): those are
 # accepted, anything else is refused with a 400 naming the parameter. Never accepted and ignored. (The sampling
-# options amoe implements are typed fields of coordinator/protocol.py, read by coordinator/sampling_options.py.)
+# options amoe implements are typed fields of coordinator/api/protocol.py, read by coordinator/api/sampling_options.py.)
 UNSUPPORTED: dict[str, tuple] = {
     "echo": (None, False),  # chat's (repeat the last message); completions declare theirs
     "logprob_token_ids": (None,),
@@ -49,7 +50,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class Tokenizer(Protocol):
+class ApiTokenizer(Protocol):
     """Prompt token ids as the checkpoint's own tokenizer gives them (amoe.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -71,23 +72,8 @@ class ModelInfo:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: int  # the one id of the request from here to the runtimes' wire (unique per server)
-    response_id: str  # what the client sees as the response's "id" (OpenAI style: "cmpl-...", "chatcmpl-...")
-    prompt_token_ids: list[int]
-    max_tokens: int
-    sampling_params: Any  # amoe.sampling_params.SamplingParams
-    stop: list[str]
-    # Its prompt's place in the request's list of prompts: its choices are prompt_index * n + i, i < n.
-    prompt_index: int = 0
-    echo: bool = False  # completions: the prompt (text, and tokens in logprobs) leads the choice
-    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its one generated token is not shown)
-    prompt_text: str = ""  # what echo shows: the prompt as given, or its token ids decoded
-
-
 def prepare_completions(
-    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, next_id: Callable[[], int]
+    req: CompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, next_id: Callable[[], int]
 ) -> list[PreparedRequest]:
     """One prepared request per prompt of `prompt` (a string, token ids, or a list of either), in order, sharing
     the response's id; `next_id()` gives each its request id."""
@@ -120,7 +106,7 @@ def prepare_completions(
 
 
 def prepare_completion(
-    req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+    req: CompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, request_id: int
 ) -> PreparedRequest:
     """The request of a one-prompt completions body."""
     prepared = prepare_completions(req, tokenizer, model, iter([request_id]).__next__)
@@ -128,7 +114,7 @@ def prepare_completion(
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo, request_id: int
+    req: ChatCompletionRequest, tokenizer: ApiTokenizer, model: ModelInfo, request_id: int
 ) -> PreparedRequest:
     _check_common(req, model)
     if not req.messages:
@@ -203,7 +189,7 @@ def _same(value: Any, noop: Any) -> bool:
 
 
 def _completion_prompts(
-    prompt: Any, tokenizer: Tokenizer, model: ModelInfo
+    prompt: Any, tokenizer: ApiTokenizer, model: ModelInfo
 ) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, and its text if it came as text."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -213,7 +199,9 @@ def _completion_prompts(
     return [_completion_prompt(prompt, tokenizer, model)]
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer, model: ModelInfo) -> tuple[list[int], str | None]:
+def _completion_prompt(
+    prompt: Any, tokenizer: ApiTokenizer, model: ModelInfo
+) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
         return tokenizer.encode(prompt), prompt  # with the special tokens the checkpoint's tokenizer adds
@@ -295,12 +283,12 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 
 def _options(
     req: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
+    tokenizer: ApiTokenizer,
     model: ModelInfo,
     logprobs: tuple[int | None, int | None],
 ) -> dict[str, Any]:
     """SamplingParams options beyond the core set: log-probabilities (per output token, per prompt token) and
-    coordinator/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
+    coordinator/api/sampling_options.py's, computed once per body (a grammar compiles once for all its prompts)."""
     try:
         options = sampling_options(req, tokenizer, model.vocab_size, model.grammars)
     except RequestError as exc:
@@ -314,7 +302,7 @@ def _sampling_params(
     stop: list[str],
     model: ModelInfo,
     options: dict[str, Any],
-) -> Any:
+) -> SamplingParams:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= model.vocab_size), None)
     if bad is not None:

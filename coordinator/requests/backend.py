@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from amoe.logprobs import Logprobs
+from amoe.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         """Stream a request's new tokens, of all its sequences (`TokenDelta.index`; the stream ends when every
         one has finished); closing the iterator early aborts the request and frees its KV.
@@ -69,7 +70,7 @@ class Backend(abc.ABC):
         """Stop a request and free its KV blocks; its stream, if still read, ends with finish_reason "abort".
 
         Unknown or finished ids are ignored: the coordinator calls it directly whenever a request ends early
-        (coordinator/lifetime.py), whether or not its stream was closed too.
+        (coordinator/requests/lifetime.py), whether or not its stream was closed too.
         """
 
     def abort_sequence(self, request_id: int, index: int) -> None:

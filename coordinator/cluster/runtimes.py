@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from amoe import wire
-from coordinator.launcher import RuntimeHandle, exit_text
+from coordinator.cluster.launcher import RuntimeHandle, exit_text
 
 
 @dataclass

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from amoe.errors import AmoeError, EngineDeadError, RequestError, RequestFailed
-from coordinator.load_balancer import OverloadedError
-from coordinator.protocol import ErrorInfo, ErrorResponse
+from coordinator.api.protocol import ErrorInfo, ErrorResponse
+from coordinator.requests.errors import InternalError, Overloaded, TimedOut
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,12 @@ def from_exception(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, RequestError):
         return bad_request(str(exc), exc.param)
-    if isinstance(exc, OverloadedError):
+    if isinstance(exc, Overloaded):
         return ApiError(503, str(exc), type="server_error", code="overloaded")
+    if isinstance(exc, TimedOut):
+        return ApiError(504, str(exc), type="server_error", code="timeout")
+    if isinstance(exc, InternalError):  # logged where it happened
+        return internal_error(exc.cause)
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
     if isinstance(exc, RequestFailed):
