@@ -134,6 +134,19 @@ def simulate_ep(
     )
 
 
+def _expert_steps(
+    model: ModelProfile, ge: GpuProfile, host: HostOverhead, steps: Steps, placed: list[list[int]],
+    counts: np.ndarray, arrive: np.ndarray, e_free: np.ndarray, exp_busy: float, A: int,
+) -> float:  # fmt: skip
+    """Each expert GPU's grouped step over its experts' rows of `counts` once they have `arrive`d: `e_free` [GPUs]
+    moves to each step's end; returns `exp_busy` with their seconds added. Expert GPU g is device A + g."""
+    for g, es in enumerate(placed):
+        step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
+        e_free[g] = max(e_free[g], arrive[g]) + step
+        exp_busy += step
+    return exp_busy
+
+
 def simulate_pingpong(
     model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
     seed: int, steps: Steps,
@@ -176,10 +189,7 @@ def simulate_pingpong(
                 counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
                 into = np.array([float(counts[es].sum()) for es in placed])
                 arrive = nics.dispatch(sent[i], into)
-                for g, es in enumerate(placed):
-                    step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
-                    e_free[g] = max(e_free[g], arrive[g]) + step
-                    exp_busy += step
+                exp_busy = _expert_steps(model, ge, host, steps, placed, counts, arrive, e_free, exp_busy, A)
                 back.append(nics.combine(e_free, into, float(e_free.max())))
             step = attn if blk < L - 1 else head
             for i in range(m):

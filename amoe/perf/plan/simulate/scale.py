@@ -40,6 +40,8 @@ gives the numbers it gave.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
@@ -297,6 +299,50 @@ def ep(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Lockstep:
+    """One ping-pong iteration in lock-step: its m micro-batches' attention steps block by block, each block's
+    expert steps of every expert GPU at once, both ends' links."""
+
+    counts: Counts
+    steps: GroupedSteps
+    nics: Nics
+    rows: int
+    m: int
+    L: int
+    attn: float
+    head: float
+
+    def iteration(
+        self, a_free: float, now: float, exp_busy: float, a_steps: np.ndarray | None, e_jit: np.ndarray | None
+    ) -> tuple[float, float]:
+        """From `a_free` (the iteration's start after its BEGIN message): when its last attention step ends, and
+        `exp_busy` with its expert GPUs' seconds added. `now`: the routing's time (shifting skew). `a_steps`
+        [L + 1, m] and `e_jit` [L, m, E]: the iteration's varied attention steps and expert jitters (None: none)."""
+        varied, steps, nics, m = a_steps is not None, self.steps, self.nics, self.m
+        e_free = np.full(steps.where.shape[1], a_free)
+        sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
+        for i in range(m):
+            a_free += float(a_steps[0, i]) if varied else self.attn
+            sent.append(a_free)
+        for blk in range(self.L):
+            returned = []
+            for i in range(m):
+                drawn = self.counts.draw(blk, self.rows, now)
+                per_gpu = steps(drawn)
+                if varied:
+                    per_gpu = per_gpu * e_jit[blk, i]
+                into = drawn @ steps.where
+                e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
+                exp_busy += float(per_gpu.sum())
+                returned.append(nics.combine(e_free, into, float(e_free.max())))
+            step = self.attn if blk < self.L - 1 else self.head
+            for i in range(m):
+                a_free = max(a_free, returned[i]) + (float(a_steps[blk + 1, i]) if varied else step)
+                sent[i] = a_free
+        return a_free, exp_busy
+
+
 def pingpong(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
@@ -322,6 +368,8 @@ def pingpong(
         rng = variance.jitter_rng(A + E)
         # [L + 1, m] each attention step's length, [L, m, E] each expert GPU's jitter: drawn per iteration
         kinds = np.concatenate([np.full(L, attn), [head]])
+    lock = _Lockstep(counts, steps, nics, rows, m, L, attn, head)
+    a_steps = e_jit = None
     while now < duration_s or iterations < 8:
         if varied:
             # The attention steps of one iteration: block 0's m steps first, then after block b the m steps of
@@ -331,29 +379,8 @@ def pingpong(
             )
             a_steps = a_steps.max(2)
             e_jit = variance.draw(rng, L * m * E).reshape(L, m, E) * e_speed
-        a_free = now + begin
-        e_free = np.full(E, a_free)
-        sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
-        for i in range(m):
-            a_free += float(a_steps[0, i]) if varied else attn
-            sent.append(a_free)
-        for blk in range(L):
-            returned = []
-            for i in range(m):
-                drawn = counts.draw(blk, rows, now)
-                per_gpu = steps(drawn)
-                if varied:
-                    per_gpu = per_gpu * e_jit[blk, i]
-                into = drawn @ steps.where
-                e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
-                exp_busy += float(per_gpu.sum())
-                returned.append(nics.combine(e_free, into, float(e_free.max())))
-            step = attn if blk < L - 1 else head
-            for i in range(m):
-                a_free = max(a_free, returned[i]) + (float(a_steps[blk + 1, i]) if varied else step)
-                sent[i] = a_free
+        now, exp_busy = lock.iteration(now + begin, now, exp_busy, a_steps, e_jit)
         attn_busy += m * (L * attn + head)
-        now = a_free
         iterations += 1
     tokens = rows * m
     tps = tokens * iterations / now
