@@ -5,12 +5,14 @@ docstring), and the transfers between the pools: each end's link, the slower of 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.gpus import GpuProfile, LinkProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.variance import SOURCED, StepVariance, expected_max
@@ -21,7 +23,7 @@ from amoe.perf.plan.prediction import MEMORY, Prediction
 # ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links (issue 35, incast)
 
 
-def pool_link(gpu: GpuProfile, dep: Deployment):
+def pool_link(gpu: GpuProfile, dep: Deployment) -> LinkProfile:
     """The link a transfer between the pools takes on `gpu`'s end: NVLink when both pools fit in one node, else
     its NIC (one 400 Gb/s NIC per H800)."""
     return gpu.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else gpu.network
@@ -43,11 +45,11 @@ class PoolLinks:
     expert_in: float
     expert_out: float
 
-    def out_s(self, attn_rows, expert_rows):
+    def out_s(self, attn_rows: ArrayLike, expert_rows: ArrayLike) -> np.ndarray:
         """The dispatch: `attn_rows` leave each attention GPU, `expert_rows` reach the busiest expert GPU."""
         return self.latency + np.maximum(attn_rows * self.attn_out, expert_rows * self.expert_in)
 
-    def back_s(self, attn_rows, expert_rows):
+    def back_s(self, attn_rows: ArrayLike, expert_rows: ArrayLike) -> np.ndarray:
         """The combine: `expert_rows` leave the busiest expert GPU, `attn_rows` reach each attention GPU."""
         return self.latency + np.maximum(attn_rows * self.attn_in, expert_rows * self.expert_out)
 
@@ -86,7 +88,7 @@ def disaggregated_bound(
     return _aep(model, dep, q, ga, ge, placed, b, ctx, host, max(b, kv_requests), itl_slo_s, variance)
 
 
-def doublings(start: int, stop: int):
+def doublings(start: int, stop: int) -> Iterator[int]:
     c = start
     while c < stop:
         yield c
@@ -100,8 +102,10 @@ MAX_WAVES = 64
 
 
 def _aep(
-    model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None, variance=SOURCED
-) -> Prediction:
+    model: ModelProfile, dep: Deployment, q: np.ndarray, ga: GpuProfile, ge: GpuProfile, placed: list[list[int]],
+    b: int, ctx: int, host: HostOverhead, kv_requests: int, itl_slo_s: float | None = None,
+    variance: StepVariance = SOURCED,
+) -> Prediction:  # fmt: skip
     """AEP's bound with its critical path (as ping-pong's): each attention GPU keeps W waves of w rows in flight
     (w ≤ the attention batch b, W · w ≤ the requests its KV holds). An expert GPU serves a block's rows of m waves
     of every rank as one grouped step only if they reach it together, and then they travel together: per block
@@ -274,7 +278,10 @@ def wave_group(extra: dict, attn_cap: int) -> int:
     return max(1, m * w // attn_cap)
 
 
-def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list, jitter: float) -> int:
+def _best_group(
+    rows: int, base: np.ndarray, rest: np.ndarray, ok: np.ndarray, floors: list[float], waits: list[float],
+    steps_of: list[np.ndarray], jitter: float,
+) -> int:  # fmt: skip
     """The group size (index into `ok`) with the most throughput Σ_r rows / max(base_r + wait, rest_r), the
     smallest of equals. A size's wait (expected_max over each block's expert GPUs, summed; cached in `waits`) is
     computed only while the size could still beat the best so far with its wait at its floor (never above it)."""
@@ -292,7 +299,10 @@ def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list,
     return best
 
 
-def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
+def _pingpong(
+    model: ModelProfile, dep: Deployment, q: np.ndarray, ga: GpuProfile, ge: GpuProfile, placed: list[list[int]],
+    b: int, ctx: int, host: HostOverhead, variance: StepVariance = SOURCED,
+) -> Prediction:  # fmt: skip
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
     micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
     (`PoolLinks`), and the iteration is at least the busiest NIC's time for its m micro-batches' rows of every

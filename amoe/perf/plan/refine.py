@@ -50,11 +50,11 @@ SIM_BATCHES = 32
 
 
 def refine(
-    model,
+    model: ModelProfile,
     dep: Deployment,
     routing: str,
     ctx: float,
-    host,
+    host: HostOverhead,
     pred: Prediction | None = None,
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
@@ -184,7 +184,10 @@ def _policy_simulated(model: ModelProfile, one: Deployment, sim: Simulated, poli
     return ran
 
 
-def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance) -> Plan:
+def _refine_best(
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, pred: Prediction | None,
+    itl_slo_ms: float | None, concurrency: int | None, variance: StepVariance | None,
+) -> Plan:  # fmt: skip
     """refine() with each policy of BEST_OF; the plan whose simulation meets the ITL objective with the most
     tokens/s (ties and misses: the earlier policy). A plan simulated at scale models defrag only (refine's record):
     one run is then all there is to compare."""
@@ -209,7 +212,7 @@ def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, 
     return best
 
 
-def _max_requests(model, dep: Deployment, ctx: float) -> int:
+def _max_requests(model: ModelProfile, dep: Deployment, ctx: float) -> int:
     """The most requests refine's doublings take one copy to: SIM_MAX_REQUESTS where the simulation is event-level,
     else what the attention GPUs' KV cache holds at the mean context."""
     from amoe.perf.plan.simulate.scale import is_exact

@@ -14,12 +14,13 @@ timeline's events (docs/emulation.md, "Speed").
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 
 from amoe.config import SchedulerSection
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.variance import OFF, StepVariance
@@ -27,6 +28,23 @@ from amoe.perf.plan.bound_pools import pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
 from amoe.perf.plan.simulate.result import Simulated
+
+
+class RowCounts(Protocol):
+    """What this simulation draws its rows from (scale.Counts)."""
+
+    def draw_many(self, blocks: np.ndarray, tokens: int, now_s: float) -> np.ndarray: ...
+
+
+class StepCosts(Protocol):
+    """The grouped step costs it prices its expert steps with (scale.GroupedSteps): [expert ids] rows → [expert
+    GPUs] seconds, and the model, GPU and host they are of."""
+
+    model: ModelProfile
+    gpu: GpuProfile
+    host: HostOverhead
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray: ...
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
@@ -48,8 +66,9 @@ class AepAtScale:
 
     def __init__(
         self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead,
-        concurrency: int, seed: int, *, counts, steps, same_phase: bool = False, variance: StepVariance = OFF,
-    ):  # fmt: skip
+        concurrency: int, seed: int, *, counts: RowCounts, steps: StepCosts, same_phase: bool = False,
+        variance: StepVariance = OFF,
+    ) -> None:  # fmt: skip
         # counts (scale.Counts) and steps (scale.GroupedSteps over dep's placement) come from the
         # caller (scale.aep_at_scale), so this module does not import the one that imports it.
         ga = gpu_profile(dep.attn_gpu)

@@ -36,6 +36,7 @@ executor holds it; the barriers of EP and ping-pong wait for the slowest device'
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model import ep_block
@@ -46,6 +47,7 @@ from amoe.perf.model.routing import RouterOverride, RoutingSpec, routing_inclusi
 from amoe.perf.model.variance import StepVariance
 from amoe.perf.plan.bound_ep import ep_exchange_time
 from amoe.perf.plan.bound_pools import pool_link
+from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.result import Simulated
 from amoe.perf.plan.simulate.scale import Nics
 
@@ -65,7 +67,7 @@ class Steps:
             return t
         return t * self.speed[device] * float(self.variance.draw(self.rng))
 
-    def times(self, first: int, t) -> np.ndarray:
+    def times(self, first: int, t: ArrayLike) -> np.ndarray:
         t = np.asarray(t, dtype=float)
         if self.variance.is_off:
             return t
@@ -81,7 +83,7 @@ def router_of(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
 
 
 def simulate_ep(
-    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
     seed: int, steps: Steps,
 ) -> Simulated:  # fmt: skip
     """EP iterations with this iteration's routing: the barrier waits for the slowest device's grouped GEMM."""
@@ -148,7 +150,7 @@ def _expert_steps(
 
 
 def simulate_pingpong(
-    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
     seed: int, steps: Steps,
 ) -> Simulated:  # fmt: skip
     """Ping-pong iterations in lock-step (module docstring): the attention GPUs are alike (same batch), so one

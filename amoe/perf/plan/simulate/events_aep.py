@@ -6,12 +6,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from amoe.config import SchedulerSection
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.gpus import LinkProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.plan.bound_pools import pool_link
@@ -176,15 +178,15 @@ class AepEvents:
 
     # ---- events
 
-    def _at(self, t: float, fn, *args) -> None:
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
 
-    def _wake(self, dev) -> None:
+    def _wake(self, dev: tuple[str, int]) -> None:
         if not self.busy[dev]:
             self.busy[dev] = True
             self._at(self.now, self._start, dev)
 
-    def _start(self, dev) -> None:
+    def _start(self, dev: tuple[str, int]) -> None:
         kind, i = dev
         sched = self.attn_sched[i] if kind == "a" else self.exp_sched[i]
         picked = sched.pick(now=self.now)
@@ -243,7 +245,7 @@ class AepEvents:
     def _move(self, rows: int) -> float:
         return self.link.latency + rows * self.row_bytes / self.link.usable_bandwidth
 
-    def _arrival(self, free: np.ndarray, dev: int, rows: int, link) -> float:
+    def _arrival(self, free: np.ndarray, dev: int, rows: int, link: LinkProfile) -> float:
         """When a message of `rows` rows sent now is in GPU `dev`: its time on the sender's link, as each message
         was priced alone, unless the receiver's link (`free`: when each is next idle) is still taking earlier
         messages, one at a time. Many attention GPUs sending to one expert GPU queue there (issue 35)."""

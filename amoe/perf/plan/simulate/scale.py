@@ -41,6 +41,7 @@ gives the numbers it gave.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,6 +56,9 @@ from amoe.perf.plan.bound_ep import ep_exchange_time, ep_placements
 from amoe.perf.plan.bound_pools import pool_link, pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.result import Simulated
+
+if TYPE_CHECKING:
+    from amoe.perf.plan.simulate.aep_scale import AepAtScale
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -133,7 +137,9 @@ class GroupedSteps:
     once: [expert ids] -> [expert GPUs] seconds. `placed`: each GPU's experts, or a [expert ids, GPUs] matrix of
     the share of an expert's rows each copy serves (EPLB's redundant copies; each copy reads its own weights)."""
 
-    def __init__(self, model: ModelProfile, gpu: GpuProfile, placed, host: HostOverhead) -> None:
+    def __init__(
+        self, model: ModelProfile, gpu: GpuProfile, placed: list[list[int]] | np.ndarray, host: HostOverhead
+    ) -> None:
         num_ids = model.num_expert_ids
         if isinstance(placed, np.ndarray):
             self.where = placed
@@ -212,7 +218,7 @@ def aep_waves(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
     variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.perf.plan.simulate.aep_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
     simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none).
@@ -226,7 +232,7 @@ def aep_waves(
 def aep_at_scale(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     seed: int, same_phase: bool = False, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> AepAtScale:  # fmt: skip
     """The own-phase AEP simulation of `dep` (amoe.perf.plan.simulate.aep_scale.AepAtScale), with this module's routing
     counts and grouped step costs."""
     from amoe.perf.plan.simulate.aep_scale import AepAtScale
@@ -242,7 +248,7 @@ def aep_at_scale(
 def ep(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
     counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated.
     `variance`: each device's steps × its speed × a jitter per barrier, the barrier at the slowest
@@ -346,7 +352,7 @@ class _Lockstep:
 def pingpong(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """Ping-pong's lock-step (amoe.perf.plan.simulate.events.simulate_pingpong) with counts and every expert GPU's step
     at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed × jitter),
     each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale")."""
