@@ -49,6 +49,13 @@ def untyped(root: Path) -> list[str]:
     return found
 
 
+def test_no_function_outside_the_tests_is_over_60_lines():
+    long = [f for root in ROOTS if (REPO / root).is_dir() for f in long_functions(REPO / root)]
+    assert not long, "split along a real seam (named helpers that say what each part does):\n" + "\n".join(
+        long
+    )
+
+
 def test_every_planner_function_annotates_its_parameters_and_result():
     missing = untyped(PLANNER)
     assert not missing, "\n".join(missing)
