@@ -401,10 +401,6 @@ def test_the_request_and_cluster_rooms_speak_no_http():
 
 # Where class names must be unique: every folder of Python the repository holds.
 CLASS_FOLDERS = ("amoe", "coordinator", "tests", "bench", "examples", "deploy", "tools")
-# Names the modelling wing and the load generator still define a second time (that copy lives under one of these
-# folders; their owner renames them): this list goes once they are renamed.
-MOVING = ("amoe/emulation/", "amoe/bench/", "amoe/perf/")
-MOVING_NAMES = frozenset({"Chunk", "Workload", "Tokenizer"})
 
 
 def class_definitions(root: Path = REPO) -> dict[str, list[str]]:
@@ -420,13 +416,8 @@ def class_definitions(root: Path = REPO) -> dict[str, list[str]]:
 
 
 def repeated_names(found: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Names defined more than once, but for a moving name with one definition outside the moving folders."""
-    out = {}
-    for name, where in found.items():
-        settled = [w for w in where if not w.startswith(MOVING)]
-        if len(where) > 1 and not (name in MOVING_NAMES and len(settled) <= 1):
-            out[name] = where
-    return out
+    """Names defined more than once."""
+    return {name: where for name, where in found.items() if len(where) > 1}
 
 
 def test_every_class_name_is_defined_once():
@@ -435,12 +426,11 @@ def test_every_class_name_is_defined_once():
 
 
 def test_a_repeated_class_name_is_found(tmp_path):
-    (tmp_path / "amoe" / "emulation").mkdir(parents=True)
+    (tmp_path / "amoe" / "sub").mkdir(parents=True)
     (tmp_path / "tests").mkdir()
     (tmp_path / "amoe" / "a.py").write_text("class Server:\n    class Chunk:\n        pass\n")
     (tmp_path / "tests" / "b.py").write_text("def f():\n    class Server:\n        pass\n")
-    (tmp_path / "amoe" / "emulation" / "c.py").write_text("class Chunk:\n    pass\n")
     found = class_definitions(tmp_path)
     assert repeated_names(found) == {"Server": ["amoe/a.py:1", "tests/b.py:2"]}
-    (tmp_path / "tests" / "d.py").write_text("class Chunk:\n    pass\n")  # twice outside the moving folders
+    (tmp_path / "amoe" / "sub" / "c.py").write_text("class Chunk:\n    pass\n")  # a nested class counts too
     assert set(repeated_names(class_definitions(tmp_path))) == {"Server", "Chunk"}

@@ -130,9 +130,9 @@ def test_pipelines_above_the_local_experts_fail_in_one_line(tiny_checkpoint, cap
 
 
 def test_pipeline_schedule_overlaps_and_pays_per_chunk():
-    one = [eps.Chunk(1.0, 2.0, 1.0)]
+    one = [eps.PipelineChunk(1.0, 2.0, 1.0)]
     assert eps.pipeline_time(one, overlap=True, interference=0.0) == 4.0
-    chunks = [eps.Chunk(0.25, 0.5, 0.25)] * 4  # the same work in 4 chunks
+    chunks = [eps.PipelineChunk(0.25, 0.5, 0.25)] * 4  # the same work in 4 chunks
     assert eps.pipeline_time(chunks, overlap=False) == 4.0
     piped = eps.pipeline_time(chunks, overlap=True, interference=0.0)
     assert piped < 4.0 and piped >= 2.0 + 0.25 + 0.25  # compute-bound: one dispatch and one combine show
@@ -142,7 +142,7 @@ def test_pipeline_schedule_overlaps_and_pays_per_chunk():
 def test_interference_slows_both_streams_and_b_rides_the_communication():
     # Communication-bound: 1 s of collectives per chunk beside 0.5 s of compute. Slowing only the GEMM would keep
     # the communication stream's 2 s; the paper's §IV-E slows the collective too while the GEMM holds the SMs.
-    chunks = [eps.Chunk(0.5, 0.5, 0.5)] * 2
+    chunks = [eps.PipelineChunk(0.5, 0.5, 0.5)] * 2
     free = eps.pipeline_time(chunks, overlap=True, interference=0.0)
     assert free == 2.0  # d0, d1, c0, c1 back to back, each compute beside a collective
     # both at half speed while together

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from amoe.perf.model.eps import Chunk, EpLayer, a2a_time, pipeline_time
+from amoe.perf.model.eps import EpLayer, PipelineChunk, a2a_time, pipeline_time
 from amoe.perf.model.gpus import GpuProfile
 from amoe.perf.model.kernels import best_kernel, curves_for, experts_time
 from amoe.perf.model.models import ModelProfile
@@ -207,7 +207,7 @@ def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipel
             slowest = max(slowest, seen[work])
             sent += len(group) / len(es) / devices
         a2a = a2a_time(curves, layer, sent)
-        chunks.append(Chunk(a2a, slowest, a2a))
+        chunks.append(PipelineChunk(a2a, slowest, a2a))
     return pipeline_time(chunks, overlap=pn > 1, interference=curves.interference)
 
 

@@ -90,7 +90,7 @@ DEEPGEMM_MASKED_2X512 = ((4096, 7168, 1040), (7168, 2048, 916))
 
 
 @dataclass(frozen=True)
-class Workload:
+class TraceWorkload:
     """What one GPU runs per decode step: `requests` in flight, `queries` rows each (2 with one MTP draft)."""
 
     name: str
@@ -107,22 +107,22 @@ class Workload:
         return self.requests * self.queries
 
 
-def workloads() -> dict[str, Workload]:
+def workloads() -> dict[str, TraceWorkload]:
     """The workloads `amoe bench frontier` predicted and the ones the published systems ran."""
     out = {
-        f"{c.name} (as predicted)": Workload(
+        f"{c.name} (as predicted)": TraceWorkload(
             c.name, c.gpu, c.devices, c.batch_per_gpu, 1, c.kv_length, c.redundant_experts, ROUTING
         )
         for c in DEPLOYMENTS
     }
     # The profile as DeepSeek ran it: 2 routed experts a GPU (EP128, no redundancy), balanced routing, 2 rows per
     # request (one MTP draft: what SGLang's 18,598 credits, PROFILE_MTP_ACCEPTED, and what its MLA core time fits).
-    out["deepseek-profile (as run: MTP)"] = Workload(
+    out["deepseek-profile (as run: MTP)"] = TraceWorkload(
         "deepseek-profile", "h800", 128, 128, 2, 4096, 0, "uniform"
     )
     day6 = next(c for c in DEPLOYMENTS if c.name == "deepseek-day6")
     load = round(DAY6_PER_NODE / 8 / DAY6_REQUEST_SPEED)
-    out["deepseek-day6 (at the day's mean load)"] = Workload(
+    out["deepseek-day6 (at the day's mean load)"] = TraceWorkload(
         day6.name, day6.gpu, day6.devices, load, 1, day6.kv_length, day6.redundant_experts, ROUTING
     )
     return out
@@ -160,7 +160,7 @@ def inclusion(routing: str) -> np.ndarray:
     return routing_inclusion(model_profile("deepseek-v3"), routing, 0)
 
 
-def model_breakdown(w: Workload) -> dict:
+def model_breakdown(w: TraceWorkload) -> dict:
     """The model's decode step for `w`, per category: ms per layer (both micro-batches, the step's total over the
     61 layers), the exchange's wire time, the block (max of the two streams) and the step."""
     model, gpu, host = model_profile("deepseek-v3"), gpu_profile(w.gpu), host_overhead("none")
