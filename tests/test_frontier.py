@@ -25,7 +25,7 @@ from amoe.perf.model.variance import OFF
 from amoe.perf.model.workloads import mean_context
 from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment
-from amoe.perf.plan.simulate import scale, simulate
+from amoe.perf.plan.simulate import lockstep_scale, scale, simulate
 
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
@@ -156,7 +156,9 @@ def scale_and_events() -> golden.Figures:
         (Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
     ):
         exact = simulate(model, dep, ROUTING, CTX, HOST, c, variance=OFF)  # the scale path draws none
-        fast = (scale.ep if dep.mode == "ep" else scale.pingpong)(model, dep, ROUTING, CTX, HOST, c, 0.25, 0)
+        fast = (lockstep_scale.ep if dep.mode == "ep" else lockstep_scale.pingpong)(
+            model, dep, ROUTING, CTX, HOST, c, 0.25, 0
+        )
         out[dep.mode] = {"events": exact.tokens_per_s, "scale": fast.tokens_per_s}
     dep = Deployment("aep", "h100", 4, "h100", 4, attn_cap=256, expert_cap=1024)
     bound = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, variance=OFF)

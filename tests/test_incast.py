@@ -18,7 +18,7 @@ from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.variance import OFF
 from amoe.perf.plan import bound_pools, bounds
 from amoe.perf.plan.deployment import Deployment
-from amoe.perf.plan.simulate import scale
+from amoe.perf.plan.simulate import lockstep_scale, scale
 
 NONE = host_overhead("none")
 CTX = 2000.0
@@ -52,7 +52,7 @@ def nic_limited_plans() -> golden.Figures:
     model, q = deepseek_uniform()
     pp = Deployment("pingpong", "h800", 128, "h800", 16, attn_cap=128, micro_batches=4)
     pred = bounds.predict(model, pp, q, CTX, NONE, variance=OFF)
-    pp_sim = scale.pingpong(model, pp, "uniform", CTX, NONE, pred.concurrency, 0.5, seed=0)
+    pp_sim = lockstep_scale.pingpong(model, pp, "uniform", CTX, NONE, pred.concurrency, 0.5, seed=0)
     aep = Deployment("aep", "h800", 128, "h800", 16, attn_cap=128, expert_cap=1024)
     best = bounds.predict(model, aep, q, CTX, NONE, variance=OFF)
     aep_sim = scale.aep_waves(model, aep, "uniform", CTX, NONE, best.concurrency, 0.5, warmup_s=0.25, seed=0)
@@ -91,7 +91,7 @@ def receiver_never_binds() -> golden.Figures:
     pp = Deployment("pingpong", "h800", 16, "h800", 32, attn_cap=128, micro_batches=2)
     aep = Deployment("aep", "h800", 16, "h800", 32, attn_cap=128, expert_cap=1024)
     return {
-        "pingpong": scale.pingpong(model, pp, "uniform", CTX, NONE, 4096, 0.05, seed=0).tokens_per_s,
+        "pingpong": lockstep_scale.pingpong(model, pp, "uniform", CTX, NONE, 4096, 0.05, seed=0).tokens_per_s,
         "aep_one_phase": scale.aep_waves(
             model, aep, "uniform", CTX, NONE, 4096, 0.05, 0.05, 0, same_phase=True
         ).tokens_per_s,

@@ -11,7 +11,7 @@ from amoe.perf.model.routing import routing_inclusion
 from amoe.perf.model.variance import OFF, SOURCED, StepVariance
 from amoe.perf.plan import bounds as B
 from amoe.perf.plan.deployment import Deployment
-from amoe.perf.plan.simulate import simulate
+from amoe.perf.plan.simulate import lockstep_scale, simulate
 
 ROUTING = "skew-exp:0.0025"
 CTX = 2000.0
@@ -183,7 +183,7 @@ def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_o
         (Deployment("pingpong", "a100-80g", 4, "a100-80g", 4, attn_cap=256, micro_batches=2), 1024),
     ):
         exact = simulate(model, dep, routing, ctx, host, c, variance=SOURCED)
-        run = scale.ep if dep.mode == "ep" else scale.pingpong
+        run = lockstep_scale.ep if dep.mode == "ep" else lockstep_scale.pingpong
         fast = run(model, dep, routing, ctx, host, c, 0.25, 0, SOURCED)
         assert fast.tokens_per_s == pytest.approx(exact.tokens_per_s, rel=0.01), dep.mode
         assert fast.tokens_per_s < 0.99 * run(model, dep, routing, ctx, host, c, 0.25, 0, OFF).tokens_per_s

@@ -150,6 +150,12 @@ def steady_state_requests(workload: Workload, num_requests: int, *, seed: int = 
     ]
 
 
+def id_requests(lengths: list[tuple[int, int]], *, seed: int = 0) -> list[RequestSpec]:
+    """Id-prompt requests of the given (prompt, output) lengths, in order (a trace's, as a study replays it)."""
+    rng = np.random.default_rng((seed, 3))
+    return [RequestSpec(_id_prompt(int(i), rng, None), int(i), int(o)) for i, o in lengths]
+
+
 def sample_lengths(workload: Workload, num_requests: int, rng: np.random.Generator) -> list[tuple[int, int]]:
     """(input, output) lengths, each uniform over its inclusive range."""
     (in_lo, in_hi), (out_lo, out_hi) = workload.input_range, workload.output_range

@@ -83,21 +83,37 @@ def attention_layer_time(
     rows = float(chunk.sum())
     if rows <= 0:
         return 0.0
+    attended = float((chunk * (ctx - (chunk - 1) / 2)).sum())  # context tokens summed over query rows
+    return float(attention_load_time(model, gpu, rows, float(ctx.sum()), attended, host))
+
+
+def attention_load_time(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    rows: float | np.ndarray,
+    context_tokens: float | np.ndarray,
+    attended: float | np.ndarray,
+    host: HostOverhead = NO_HOST,
+) -> float | np.ndarray:
+    """attention_layer_time of a load: `rows` query rows whose chunks end `context_tokens` tokens of KV in all,
+    attending `attended` context tokens summed over the rows (decode: the contexts' sum). Element-wise over
+    arrays, one load each (every attention rank's own batch at once); 0 where there are no rows."""
     ba = model.bytes_per_activation
     h = model.hidden_size
-    proj = roofline(
-        gpu,
-        2 * rows * model.attn_params / model.gemm_speedup,
-        model.attn_params * model.bytes_per_param + 4 * rows * h * ba,
+    proj = np.maximum(
+        2 * rows * model.attn_params / model.gemm_speedup / gpu.usable_flops,
+        (model.attn_params * model.bytes_per_param + 4 * rows * h * ba) / gpu.usable_bandwidth,
     )
-    kv_bytes = float(ctx.sum()) * model.kv_bytes_per_token + rows * model.kv_bytes_per_token  # read + write
-    attended = float((chunk * (ctx - (chunk - 1) / 2)).sum())  # context tokens summed over query rows
-    core = roofline(gpu, attended * model.attn_flops_per_context_token, kv_bytes)
+    kv_bytes = context_tokens * model.kv_bytes_per_token + rows * model.kv_bytes_per_token  # read + write
+    core = np.maximum(
+        attended * model.attn_flops_per_context_token / gpu.usable_flops, kv_bytes / gpu.usable_bandwidth
+    )
     elementwise = (
         (ATTENTION_ELEMENTWISE_PASSES + model.experts_per_token) * rows * h * ba / gpu.usable_bandwidth
     )
     launches = ATTENTION_KERNELS * gpu.launch_s
-    return proj + core + elementwise + launches + host.attn_step_s + rows * host.attn_row_s
+    total = proj + core + elementwise + launches + host.attn_step_s + rows * host.attn_row_s
+    return np.where(np.asarray(rows) > 0, total, 0.0) if np.ndim(rows) else total
 
 
 def decode_attention_time(

@@ -23,17 +23,20 @@ from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GpuProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
+from amoe.perf.model.traces import RequestTrace
 from amoe.perf.model.variance import OFF, StepVariance
 from amoe.perf.plan.bound_pools import pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
+from amoe.perf.plan.simulate.rank_steps import head_times, kv_blocks
 from amoe.perf.plan.simulate.result import Simulated
+from amoe.perf.plan.simulate.trace_loads import TraceLoads
 
 
 class RowCounts(Protocol):
     """What this simulation draws its rows from (scale.Counts)."""
 
-    def draw_many(self, blocks: np.ndarray, tokens: int, now_s: float) -> np.ndarray: ...
+    def draw_many(self, blocks: np.ndarray, tokens: int | np.ndarray, now_s: float) -> np.ndarray: ...
 
 
 class StepCosts(Protocol):
@@ -67,7 +70,7 @@ class AepAtScale:
     def __init__(
         self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead,
         concurrency: int, seed: int, *, counts: RowCounts, steps: StepCosts, same_phase: bool = False,
-        variance: StepVariance = OFF,
+        variance: StepVariance = OFF, trace: RequestTrace | None = None, scheduler: SchedulerSection | None = None,
     ) -> None:  # fmt: skip
         # counts (scale.Counts) and steps (scale.GroupedSteps over dep's placement) come from the
         # caller (scale.aep_at_scale), so this module does not import the one that imports it.
@@ -82,12 +85,13 @@ class AepAtScale:
         self.steps, self.counts = steps, counts
         hosted = self._host_experts(model, placed)
         E, nh = self.E, self.ids.shape[0]
-        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        sched = scheduler or SchedulerSection()  # the runtime's default pick: defrag, K and δ as defaulted
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
         self.attn = cm.decode_attention_time(model, ga, w, int(round(ctx)), host)
         self.head = cm.head_time(model, ga, w, host=host)
+        self._trace(trace, model, ga, host, seed)
         # The least an expert GPU's step can take (one row of its cheapest hosted expert): how far ahead a reply
         # still to be decided cannot come.
         one = np.zeros(model.num_expert_ids)
@@ -95,6 +99,7 @@ class AepAtScale:
             one[min(experts, key=model.intermediate_of)] = 1.0
         self.step_min = self.steps(one)[self.gpus]
         self._vary(variance, dep.num_expert)
+        self._wave_steps(np.arange(A * W))
         # Each wave starts at a block drawn from the seed (as the one timeline's waves were): per attention GPU, or
         # one draw for all of them (same_phase: the old one timeline).
         rng = np.random.default_rng([seed, 36])
@@ -115,6 +120,26 @@ class AepAtScale:
         self.pend = np.zeros((S, E), dtype=bool)
         self.arr = np.full((S, E), np.inf)
         self.step_end, self.out_end = np.zeros(S), np.zeros(S)
+        self._group_cells(sched)
+
+    def _group_cells(self, sched: SchedulerSection) -> None:
+        """Under `waves` the expert side runs group cells (docs/scheduler.md "Group cells"): wave i of a rank is in
+        group i // M (M: `sched.wave_group`, at least 1), a step takes one (block, group) cell, and a cell waits for
+        its group's waves on their way. Per (wave, expert GPU) the notes the runtime keeps per (rank, wave): the
+        block it last served the wave at and when (the wave's block before the one it is on its way to), the
+        wave's last turn-around; per expert GPU a hold (since when, until when). Other policies: defrag's pick."""
+        from amoe import core
+
+        S, E = self.A * self.W, self.E
+        self.waves = sched.policy == "waves"
+        self.wave_group = max(1, sched.wave_group)
+        self.num_groups = -(-self.W // self.wave_group)
+        self.group = (np.arange(S) % self.W) // self.wave_group
+        self.max_hold = core.MAX_WAVE_HOLD_S
+        self.served_block = np.full((S, E), -1, dtype=np.int64)
+        self.served_at = np.full((S, E), -np.inf)
+        self.turn = np.full((S, E), -1.0)
+        self.hold_since, self.hold_until = np.full(E, -np.inf), np.full(E, np.inf)
 
     def _host_experts(self, model: ModelProfile, placed: list[list[int]]) -> list[list[int]]:
         """The expert GPUs that take part (those hosting an expert: more expert GPUs than expert ids leave some
@@ -131,20 +156,55 @@ class AepAtScale:
         )
         return hosted
 
+    def _trace(
+        self, trace: RequestTrace | None, model: ModelProfile, gpu: GpuProfile, host: HostOverhead, seed: int
+    ) -> None:
+        """Each wave's attention step from its own requests of `trace` (amoe.perf.plan.simulate.trace_loads: wave
+        i of attention GPU a holds its slots i · w .. (i + 1) · w), or every wave the mean context's (None)."""
+        self.model_gpu_host = (model, gpu, host)
+        self.wave_attn = np.full(self.A * self.W, self.attn)
+        self.wave_head = np.full(self.A * self.W, self.head)
+        self.wave_rows = np.full(self.A * self.W, self.w)
+        self.loads, self.attn_floor = None, self.attn
+        if trace is not None:
+            blocks = kv_blocks(model, gpu, cm.attention_rank_weight_bytes(model))
+            self.loads = TraceLoads(trace, self.A, self.W * self.w, seed, blocks)
+            # the least a wave's step can take (its rows at one token of context each): the look-ahead's bound
+            self.attn_floor = float(cm.attention_load_time(model, gpu, self.w, self.w, self.w, host))
+
+    def _wave_steps(self, slots: np.ndarray) -> None:
+        """The attention step, head and rows of waves `slots` from their requests now (with a trace)."""
+        if self.loads is None:
+            return
+        model, gpu, host = self.model_gpu_host
+        rows, ctx = (a.reshape(-1)[slots] for a in self.loads.loads(self.W))
+        self.wave_rows[slots] = rows.astype(np.int64)
+        self.wave_attn[slots] = cm.attention_load_time(model, gpu, rows, ctx, ctx, host)
+        self.wave_head[slots] = head_times(model, gpu, rows, host)
+
+    def _decode_waves(self, slots: np.ndarray) -> None:
+        """Waves `slots` passed their head: each request of theirs decoded a token (those that end replaced)."""
+        if self.loads is None:
+            return
+        for s in slots.tolist():
+            a, i = divmod(s, self.W)
+            self.loads.decode(np.array([a]), slice(i * self.w, (i + 1) * self.w))
+        self._wave_steps(slots)
+
     def _vary(self, variance: StepVariance, num_expert: int) -> None:
         """Step-time variance (docs/emulation.md "Step-time variance at scale"): attention GPU a is device a, expert
         GPU g device A + g; each step × the device's speed × a jitter drawn when the step is committed. The
         look-ahead takes the least a step can then be."""
         A = self.A
         self.variance = variance
-        self.attn_min = self.attn
+        self.attn_min = self.attn_floor
         if not variance.is_off:
             self.a_speed = variance.speeds(0, A)
             self.e_speed = np.array([variance.speed(A + int(g)) for g in self.gpus])
             self.jit_rng = variance.jitter_rng(A + num_expert)
             low = 1.0 - variance.jitter
             self.step_min = self.step_min * self.e_speed * low
-            self.attn_min = self.attn * float(self.a_speed.min()) * low
+            self.attn_min = self.attn_floor * float(self.a_speed.min()) * low
 
     def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
         """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: scale.GroupedSteps'
@@ -190,8 +250,9 @@ class AepAtScale:
             first = ready.argmin(1)  # [A] each attention GPU's wave that became ready first
             r = ready[np.arange(A), first]
             begin = np.maximum(self.a_free, r)
-            queued = np.where(self.pend, self.arr, np.inf).min(0)  # [E] the first rows still queued at each
-            e_start = np.maximum(self.e_free, queued)
+            # [E] the first rows still queued at each (a holding GPU: the first in since it held, or its hold's end)
+            queued = np.where(self.pend & (self.arr > self.hold_since), self.arr, np.inf).min(0)
+            e_start = np.maximum(self.e_free, np.minimum(queued, self.hold_until))
             low = min(begin.min(), e_start.min())  # no step still to be committed starts before this
             if low >= end:
                 break
@@ -238,24 +299,17 @@ class AepAtScale:
         att = ~is_head
         if not att.any():
             return
-        s, g, b = slot[att], gpus[att], begin[att]
-        held = self.attn if f is None else self.attn * f[att]
+        s, g, b, c = slot[att], gpus[att], begin[att], counted[att]
+        held = self.wave_attn[s] if f is None else self.wave_attn[s] * f[att]
         sent = b + held
         self.a_free[g] = sent
         # progress: one wave's block (as the event level counts attention-step rows)
-        self.done_rows += self.w * int(counted[att].sum())
-        if f is None:
-            self.attn_busy += self.attn * int(counted[att].sum())
-        else:
-            self.attn_busy += float(held[counted[att]].sum())
+        self.done_rows += int(self.wave_rows[s][c].sum())
+        self.attn_busy += float(held[c].sum())
         if self.bins is not None:
-            n = np.bincount(self._batch(b[counted[att]]), minlength=self.bins.shape[1])
-            self.bins[0] += self.w * n
-            self.bins[1] += (
-                self.attn * n
-                if f is None
-                else np.bincount(self._batch(b[counted[att]]), held[counted[att]], self.bins.shape[1])
-            )
+            which, nb = self._batch(b[c]), self.bins.shape[1]
+            self.bins[0] += np.bincount(which, self.wave_rows[s][c], nb)
+            self.bins[1] += np.bincount(which, held[c], nb)
         order = np.argsort(sent, kind="stable")
         self._dispatch(s[order], g[order], sent[order])
 
@@ -264,26 +318,19 @@ class AepAtScale:
         is_head: np.ndarray,
     ) -> None:  # fmt: skip
         """Waves `s` of GPUs `g` run the head at `begin`: their next token starts at block 0 when it is done."""
-        if f is None:
-            self.a_free[g] = begin + self.head
-            self.attn_busy += self.head * int(counted.sum())
-        else:
-            held = self.head * f[is_head]
-            self.a_free[g] = begin + held
-            self.attn_busy += float(held[counted].sum())
+        held = self.wave_head[s] if f is None else self.wave_head[s] * f[is_head]
+        self.a_free[g] = begin + held
+        self.attn_busy += float(held[counted].sum())
         self.ready[s], self.layer[s] = self.a_free[g], 0
         if self.bins is not None:
-            if f is None:
-                self.bins[1] += (
-                    np.bincount(self._batch(begin[counted]), minlength=self.bins.shape[1]) * self.head
-                )
-            else:
-                self.bins[1] += np.bincount(self._batch(begin[counted]), held[counted], self.bins.shape[1])
+            self.bins[1] += np.bincount(self._batch(begin[counted]), held[counted], self.bins.shape[1])
+        self._decode_waves(s)
 
     def _dispatch(self, s: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
         """Waves `s` of GPUs `g`, sorted by the time `t` their attention step ends, send their rows to the expert
         GPUs: drawn per hosted expert, on each end's link, and queued there."""
-        drawn = self.counts.draw_many(self.layer[s], self.w, float(t[0]))  # [n, ids]
+        tokens = self.w if self.loads is None else self.wave_rows[s][:, None]  # each wave's rows
+        drawn = self.counts.draw_many(self.layer[s], tokens, float(t[0]))  # [n, ids]
         drawn = np.concatenate([drawn, np.zeros((len(s), 1))], axis=1)[:, self.ids]  # [n, nh, E]
         into = drawn.sum(1)  # [n, E] rows each expert GPU receives
         lk = self.lk
@@ -298,21 +345,39 @@ class AepAtScale:
         ]  # each set's last one sent at the same instant
         self.arr[s] = np.where(got, np.maximum(self.a_out[g][:, None], through) + lk.latency, np.inf)
         self.pend[s] = got
+        if self.waves:  # a wave served at the block before: its turn-around at each GPU its rows reach
+            back = got & (self.served_block[s] == ((self.layer[s] - 1) % self.L)[:, None])
+            self.turn[s] = np.where(back, self.arr[s] - self.served_at[s], self.turn[s])
         self.rows[s] = drawn
         np.add.at(self.queue, self.layer[s], drawn)
         self.ready[s] = np.inf
         self.step_end[s] = self.out_end[s] = -np.inf
 
     def _expert_steps(self, gpus: np.ndarray, start: np.ndarray) -> None:
-        """Each of `gpus` starts a grouped step at `start` on the block defrag picks from its queued rows. A GPU's
-        queues per block are the rows still pending there (`self.queue`, kept as waves are dispatched and steps
-        take them) less those of waves not in by its start; only the picked block's waves are read row by row.
-        Every count is a whole number, so these sums are exact in any order: the same steps as summing the
-        queued waves' [waves, hosted, GPUs] rows every round (88 % of a 32 + 32 plan's simulation, measured)."""
+        """Each of `gpus` starts a grouped step at `start` on what its policy picks from its queued rows: defrag's
+        block, or waves' (block, group) cell; a GPU with no cell ready under waves holds instead."""
+        if not self.waves:
+            queued, pick = self._defrag_pick(gpus, start)
+            self._take(gpus, start, queued & (self.layer[:, None] == pick[None, :]), pick)
+            return
+        taking, go, pick, release = self._waves_pick(gpus, start)
+        held = ~go
+        self.hold_since[gpus[held]], self.hold_until[gpus[held]] = start[held], release[held]
+        gpus, start = gpus[go], start[go]
+        if len(gpus):
+            self.hold_since[gpus], self.hold_until[gpus] = -np.inf, np.inf
+            self._take(gpus, start, taking[:, go], pick[go])
+
+    def _take(self, gpus: np.ndarray, start: np.ndarray, taking: np.ndarray, pick: np.ndarray) -> None:
+        """Each of `gpus` runs at `start` a grouped step of block `pick` over the queued rows of the waves
+        `taking` [S, G] marks. A GPU's queues per block are the rows still pending there (`self.queue`, kept as
+        waves are dispatched and steps take them); only the taken waves are read row by row. Every count is a whole
+        number, so these sums are exact in any order: the same steps as summing the queued waves' [waves, hosted,
+        GPUs] rows every round (88 % of a 32 + 32 plan's simulation, measured)."""
         G = len(gpus)
-        queued, pick = self._defrag_pick(gpus, start)
-        # (wave, GPU) pairs this step takes rows from, by GPU, then by wave
-        pair_g, pair_s = np.nonzero((queued & (self.layer[:, None] == pick[None, :])).T)
+        pair_g, pair_s = np.nonzero(
+            taking.T
+        )  # (wave, GPU) pairs this step takes rows from, by GPU, then wave
         on = gpus[pair_g]
         had = self.rows[pair_s, :, on]  # [P, nh]
         took = had.copy()  # rows each pair gives this step
@@ -330,14 +395,21 @@ class AepAtScale:
         self.rows[pair_s, :, on] = left
         self.pend[pair_s, on] = left.max(1) > 0
         self.queue[pick, :, gpus] -= take
-        take = np.ascontiguousarray(take.T)  # [nh, G], C order: step_times sums over nh as before
+        if self.waves:  # the notes: this GPU served these waves at this block now
+            self.served_block[pair_s, on], self.served_at[pair_s, on] = self.layer[pair_s], start[pair_g]
+        self._run_steps(gpus, start, np.ascontiguousarray(take.T), pair_g, pair_s)
+
+    def _run_steps(
+        self, gpus: np.ndarray, start: np.ndarray, take: np.ndarray, pair_g: np.ndarray, pair_s: np.ndarray
+    ) -> None:
+        """The steps of `gpus` from `start` over their [nh, G] rows `take` (C order: step_times sums over nh as
+        before): their times, the outputs back as one message set each, the waves whose every part is done."""
         dur = self.step_times(take, gpus)
         if not self.variance.is_off:
             dur = dur * self.e_speed[gpus] * self.variance.draw(self.jit_rng, len(gpus))
         done = start + dur
         self.e_free[gpus] = done
         sent = take.sum(0)
-        # a step's outputs go back as one message set
         out = np.maximum(done, self.e_out[gpus]) + sent * self.lk.expert_out
         self.e_out[gpus] = out
         np.maximum.at(self.step_end, pair_s, done[pair_g])
@@ -347,6 +419,48 @@ class AepAtScale:
         finished = waves[~self.pend[waves].any(1)]
         if len(finished):
             self._back(finished[np.argsort(self.layer[finished], kind="stable")])  # by block, as they were
+
+    def _waves_pick(
+        self, gpus: np.ndarray, start: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Group cells (cpp/scheduler.cpp pick_oldest_group) for each of `gpus` at its `start`: [S, G] the waves
+        of the picked cell queued there, [G] whether a cell is ready (no wave of its group on its way), the picked
+        cell's block, and when a GPU with none ready holds until (the earliest end of a wait of a non-empty cell).
+        Of the ready cells, the one whose first rows arrived first (the runtime stamps a cell when a pick first
+        sees it non-empty), ties to the lowest (block, group)."""
+        NG = self.num_groups
+        queued = self.pend[:, gpus] & (self.arr[:, gpus] <= start)  # [S, G]
+        cell = self.layer * NG + self.group  # [S]
+        s_idx, g_idx = np.nonzero(queued)
+        oldest = np.full((self.L * NG, len(gpus)), np.inf)
+        np.minimum.at(oldest, (cell[s_idx], g_idx), self.arr[s_idx, gpus[g_idx]])
+        until = self._cell_waits(gpus, start, queued)
+        nonempty = np.isfinite(oldest)
+        ready = nonempty & (until <= start)
+        pick = np.where(ready, oldest, np.inf).argmin(0)  # [G]
+        release = np.where(nonempty & ~ready, until, np.inf).min(0)
+        return queued & (cell[:, None] == pick[None, :]), ready.any(0), pick // NG, release
+
+    def _cell_waits(self, gpus: np.ndarray, start: np.ndarray, queued: np.ndarray) -> np.ndarray:
+        """[cells, G] the latest end of the waits of each (block, group) cell at each of `gpus` (-inf: none): a
+        wave with a turn-around measured is on its way to the block after the one the GPU last served it at until
+        its rows there are in, and (served at any block but 0 since) to block 0, until the serving plus twice its
+        turn-around per block still to pass, at most the hold guard after it."""
+        L, NG = self.L, self.num_groups
+        last, at, turn = self.served_block[:, gpus], self.served_at[:, gpus], self.turn[:, gpus]  # [S, G]
+        known = turn >= 0
+        nxt = (last + 1) % L
+        there = queued & (self.layer[:, None] == nxt)
+        ends = (
+            (known & (last >= 0) & ~there, nxt, at + np.minimum(2 * turn, self.max_hold)),
+            (known & (last >= 1) & ~(queued & (self.layer[:, None] == 0)), np.zeros_like(last),
+             at + np.minimum(2 * (L - last) * turn, self.max_hold)),
+        )  # fmt: skip
+        until = np.full((L * NG, len(gpus)), -np.inf)
+        for waiting, block, end in ends:
+            s, g = np.nonzero(waiting & (end > start))
+            np.maximum.at(until, (block[s, g] * NG + self.group[s], g), end[s, g])
+        return until
 
     def _defrag_pick(self, gpus: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[S, G] the waves queued at each of `gpus` by its `start`, and [G] the block defrag picks for each."""

@@ -25,7 +25,7 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   every attention GPU attends its m micro-batches of block 0 in turn and sends each on; an expert GPU runs
   (block, micro-batch) in that order, each once the micro-batch of every attention GPU has arrived, over this
   iteration's routing; an attention GPU takes micro-batch i of the next block (or its head) once every expert GPU's
-  reply is back; both ends' links as the simulation at scale prices them (scale.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
+  reply is back; both ends' links as the simulation at scale prices them (counts.Nics). The bubbles the analytic Eq. 5 shape leaves out (the pipeline's fill and drain each iteration, a
   hot expert GPU holding the next micro-batch, m heads) are in.
 
 Step-time variance (amoe.perf.model.variance, sourced by default): every step of GPU i (attention GPUs first, then
@@ -48,8 +48,8 @@ from amoe.perf.model.variance import StepVariance
 from amoe.perf.plan.bound_ep import ep_exchange_time
 from amoe.perf.plan.bound_pools import pool_link
 from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.simulate.counts import Nics
 from amoe.perf.plan.simulate.result import Simulated
-from amoe.perf.plan.simulate.scale import Nics
 
 
 class Steps:

@@ -17,3 +17,8 @@ class Simulated:
     expert_rows_per_step: float
     attention_busy: float  # mean fraction of the measured window the attention GPUs held
     expert_busy: float
+    # The barrier modes (EP, ping-pong): the mean fraction of the window a GPU waited at a barrier for a slower
+    # one's step (EP: its attention, head and expert steps; ping-pong: the attention GPUs' steps), and of that the
+    # waits for a slower attention step or head; AEP has no barrier (0). docs/simulation.md "The barrier tax".
+    barrier_idle: float = 0.0
+    attention_idle: float = 0.0
