@@ -51,6 +51,16 @@ RUNTIME_COUNTERS = (
     ("amoe_runtime_busy_seconds", "busy_s", "Time the executor spent running layers"),
     ("amoe_runtime_idle_seconds", "idle_s", "Time the runtime loop waited for a batch (stall time)"),
     ("amoe_runtime_uptime_seconds", "uptime_s", "Runtime's age at the report busy_s came in"),
+    (
+        "amoe_runtime_barrier_idle_seconds",
+        "barrier_idle_s",
+        "Time a synchronous device's steps waited for a slower peer's at the barriers (transfers excluded)",
+    ),
+    (
+        "amoe_runtime_attention_idle_seconds",
+        "attention_idle_s",
+        "Of the barrier idle time, the waits for a slower peer's attention step or head",
+    ),
     ("amoe_runtime_received_tokens", "tokens_in", "Rows received by the receptor"),
     ("amoe_runtime_sent_tokens", "tokens_out", "Rows sent by the dispatcher"),
     ("amoe_runtime_sent_messages", "messages_out", "Messages sent by the dispatcher"),

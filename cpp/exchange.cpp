@@ -63,10 +63,10 @@ BarrierExchange::BarrierExchange(std::shared_ptr<Communicator> comm, int rank, d
 }
 
 void BarrierExchange::send(int dest, const ExchangeTag& tag, std::vector<RowMeta>&& rows, at::Tensor framed,
-                           int64_t info, int64_t flags) {
+                           int64_t info, int64_t flags, float step_s) {
   const int64_t n = static_cast<int64_t>(rows.size());
   if (dest == rank_) {  // to oneself: straight into the pending exchanges, no message
-    file(tag, rank_, Parcel{info, flags, std::move(rows), framed.narrow(0, 1, n)});
+    file(tag, rank_, Parcel{info, flags, step_s, std::move(rows), framed.narrow(0, 1, n)});
     return;
   }
   RowMeta head{static_cast<uint64_t>(tag.iteration),
@@ -76,7 +76,7 @@ void BarrierExchange::send(int dest, const ExchangeTag& tag, std::vector<RowMeta
                /*chunk_len=*/0,
                tag.phase,
                /*expert_id=*/-1,
-               /*weight=*/0.0f,
+               /*weight=*/step_s,
                rank_};
   rows.insert(rows.begin(), head);
   Message m;
@@ -88,8 +88,8 @@ void BarrierExchange::send(int dest, const ExchangeTag& tag, std::vector<RowMeta
   comm_->send(dest, std::move(m));
 }
 
-void BarrierExchange::signal(int dest, const ExchangeTag& tag, int64_t info, int64_t flags) {
-  send(dest, tag, {}, frame(0, 1, at::kFloat), info, flags);
+void BarrierExchange::signal(int dest, const ExchangeTag& tag, int64_t info, int64_t flags, float step_s) {
+  send(dest, tag, {}, frame(0, 1, at::kFloat), info, flags, step_s);
 }
 
 void BarrierExchange::drop(const std::string& why) {
@@ -116,8 +116,8 @@ void BarrierExchange::receive(Message&& msg) {
     return;
   }
   ExchangeTag tag{static_cast<int64_t>(head.request_id), head.layer.block, head.slot, head.layer.index};
-  Parcel p{head.position, head.chunk_start, std::vector<RowMeta>(msg.rows.begin() + 1, msg.rows.end()),
-           msg.data.narrow(0, 1, n - 1)};
+  Parcel p{head.position, head.chunk_start, head.weight,
+           std::vector<RowMeta>(msg.rows.begin() + 1, msg.rows.end()), msg.data.narrow(0, 1, n - 1)};
   file(tag, head.attn_rank, std::move(p));
 }
 
@@ -145,6 +145,8 @@ std::map<int, Parcel> BarrierExchange::gather(const ExchangeTag& tag, const std:
         out = std::move(it->second);
         pending_.erase(it);
       }
+      slowest_step_s_ = 0.0f;
+      for (const auto& [src, p] : out) slowest_step_s_ = std::max(slowest_step_s_, p.step_s);
       return out;
     }
     const auto left = deadline - Clock::now();
@@ -163,9 +165,9 @@ std::map<int, Parcel> BarrierExchange::gather(const ExchangeTag& tag, const std:
 }
 
 std::pair<int64_t, bool> BarrierExchange::begin(int64_t iteration, const std::vector<int>& peers,
-                                                int64_t rows, bool stopping) {
+                                                int64_t rows, bool stopping, float step_s) {
   const ExchangeTag tag{iteration, 0, kBegin, 0};
-  for (int peer : peers) signal(peer, tag, rows, stopping ? 1 : 0);
+  for (int peer : peers) signal(peer, tag, rows, stopping ? 1 : 0, step_s);
   int64_t total = 0;
   bool anyone_stopping = false;
   for (const auto& [src, p] : gather(tag, peers)) {
@@ -179,7 +181,7 @@ std::shared_ptr<DispatchPlan> BarrierExchange::dispatch(const ExchangeTag& tag, 
                                                         const at::Tensor& topk_ids,
                                                         const at::Tensor& topk_weights,
                                                         const at::Tensor& request_ids,
-                                                        const at::Tensor& positions) {
+                                                        const at::Tensor& positions, float step_s) {
   AMOE_CHECK_ARG(moe_input.dim() == 2 && topk_ids.dim() == 2 && topk_ids.size(0) == moe_input.size(0),
                  "dispatch needs moe_input [N, H] and topk_ids [N, K]");
   auto plan = std::make_shared<DispatchPlan>();
@@ -232,7 +234,7 @@ std::shared_ptr<DispatchPlan> BarrierExchange::dispatch(const ExchangeTag& tag, 
       auto out = body.narrow(0, 1, m);
       at::index_select_out(out, x, 0, index_tensor(source_rows.data(), m));
     }
-    send(plan->devices[i], plan->tag, std::move(rows), std::move(body), 0, 0);
+    send(plan->devices[i], plan->tag, std::move(rows), std::move(body), 0, 0, step_s);
   }
   return plan;
 }
@@ -321,7 +323,8 @@ std::shared_ptr<ExpertWork> BarrierExchange::collect(const ExchangeTag& tag,
   return work;
 }
 
-void BarrierExchange::reply(const ExpertWork& work, const std::vector<at::Tensor>& outputs, bool failed) {
+void BarrierExchange::reply(const ExpertWork& work, const std::vector<at::Tensor>& outputs, bool failed,
+                            float step_s) {
   const int64_t num_sources = static_cast<int64_t>(work.sources.size());
   const int64_t total = work.x.defined() ? work.x.size(0) : 0;
   failed = failed || !work.error.empty() || outputs.size() != work.groups.size();
@@ -359,7 +362,8 @@ void BarrierExchange::reply(const ExpertWork& work, const std::vector<at::Tensor
     RowMeta blank{};
     blank.chunk_len = 1;  // payload rows never look like a tag row
     blank.expert_id = -1;
-    send(work.sources[s], back, std::vector<RowMeta>(n, blank), piece, 0, failed ? kExpertsFailed : 0);
+    send(work.sources[s], back, std::vector<RowMeta>(n, blank), piece, 0, failed ? kExpertsFailed : 0,
+         step_s);
     start += 1 + n;
   }
 }

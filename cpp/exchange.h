@@ -7,7 +7,7 @@
 // Every message starts with a tag row (RowMeta; its data row is zeros) naming the exchange it completes:
 //   request_id = iteration   layer = {EXPERT for DISPATCH else ATTN, block, micro-batch}   slot = phase
 //   chunk_len = 0 (payload rows always have >= 1)   attn_rank = sender   position = info   chunk_start =
-//   flags
+//   flags   weight = the sender's step before this exchange, in seconds (what a barrier waits for; 0: none)
 // so a zero-row message still says what it completes, and a fast peer's message for a later exchange is kept
 // for it instead of being taken for the current one.
 #pragma once
@@ -55,6 +55,7 @@ class PeerSilent : public std::runtime_error {
 struct Parcel {
   int64_t info = 0;
   int64_t flags = 0;
+  float step_s = 0.0f;        // the sender's step before it sent (the tag row's weight)
   std::vector<RowMeta> rows;  // payload rows
   at::Tensor data;            // [rows, hidden] payload (a view past the tag row)
 };
@@ -96,20 +97,27 @@ class BarrierExchange {
   int rank() const { return rank_; }
   double timeout_s() const { return timeout_s_; }
 
-  // A payload-free message of `tag` to dest, carrying info and flags.
-  void signal(int dest, const ExchangeTag& tag, int64_t info, int64_t flags);
-  // One parcel of `tag` from every source, keyed by source; throws PeerSilent after timeout_s.
+  // A payload-free message of `tag` to dest, carrying info and flags (and the sender's step, step_s).
+  void signal(int dest, const ExchangeTag& tag, int64_t info, int64_t flags, float step_s = 0.0f);
+  // One parcel of `tag` from every source, keyed by source; throws PeerSilent after timeout_s. Notes the
+  // slowest source's step (slowest_step_s).
   std::map<int, Parcel> gather(const ExchangeTag& tag, const std::vector<int>& sources);
+  // The longest step the sources of the last completed gather (begin, collect, combine) reported before
+  // sending: what this device's own step is compared with to count its wait for a slower peer. Loop thread.
+  float slowest_step_s() const { return slowest_step_s_; }
 
-  // BEGIN of an iteration: every peer's row count and stop flag → (total rows, anyone stopping).
+  // BEGIN of an iteration: every peer's row count and stop flag → (total rows, anyone stopping). `step_s`:
+  // this device's step before it (the last iteration's head).
   std::pair<int64_t, bool> begin(int64_t iteration, const std::vector<int>& peers, int64_t rows,
-                                 bool stopping);
+                                 bool stopping, float step_s = 0.0f);
 
   // Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device.
-  // moe_input [N, H] (host), topk_ids [N, K], topk_weights [N, K], request_ids [N], positions [N].
+  // moe_input [N, H] (host), topk_ids [N, K], topk_weights [N, K], request_ids [N], positions [N]; step_s:
+  // the attention step that made them.
   std::shared_ptr<DispatchPlan> dispatch(const ExchangeTag& tag, const at::Tensor& moe_input,
                                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                                         const at::Tensor& request_ids, const at::Tensor& positions);
+                                         const at::Tensor& request_ids, const at::Tensor& positions,
+                                         float step_s = 0.0f);
   // Combine half: wait for every expert device → expert_out [N, K, H] in router order; nullopt when an expert
   // device failed on these rows (or answered with the wrong number of rows).
   std::optional<at::Tensor> combine(const DispatchPlan& plan);
@@ -118,15 +126,16 @@ class BarrierExchange {
   std::shared_ptr<ExpertWork> collect(const ExchangeTag& tag, const std::vector<int>& sources);
   // Send every source its rows' outputs (outputs[g] for work.groups[g]) in the order it sent them; with
   // `failed` every source gets zeros flagged kExpertsFailed (the barrier completes, the sources fail the
-  // rows).
-  void reply(const ExpertWork& work, const std::vector<at::Tensor>& outputs, bool failed);
+  // rows). step_s: the expert step that made the outputs.
+  void reply(const ExpertWork& work, const std::vector<at::Tensor>& outputs, bool failed,
+             float step_s = 0.0f);
 
   int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
   std::string last_drop() const;
 
  private:
   void send(int dest, const ExchangeTag& tag, std::vector<RowMeta>&& rows, at::Tensor framed, int64_t info,
-            int64_t flags);
+            int64_t flags, float step_s = 0.0f);
   void receive(Message&& msg);
   void file(const ExchangeTag& tag, int src, Parcel&& parcel);
   void drop(const std::string& why);
@@ -138,6 +147,7 @@ class BarrierExchange {
   std::vector<int> expert_devices_;                       // ascending
   int num_dest_ = 0;                                      // 1 + the largest expert device rank
   std::map<ExchangeTag, std::map<int, Parcel>> pending_;  // loop thread only
+  float slowest_step_s_ = 0.0f;                           // loop thread only
   std::atomic<int64_t> dropped_{0};
   mutable std::mutex drop_mu_;  // last_drop_ is read by the stats thread
   std::string last_drop_;

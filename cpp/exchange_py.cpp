@@ -58,10 +58,14 @@ void register_exchange(py::module_& m) {
       .def(
           "begin",
           [](BarrierExchange& ex, int64_t iteration, const std::vector<int>& peers, int64_t rows,
-             bool stopping) { return ex.begin(iteration, peers, rows, stopping); },
+             bool stopping, float step_s) { return ex.begin(iteration, peers, rows, stopping, step_s); },
           py::arg("iteration"), py::arg("peers"), py::arg("rows"), py::arg("stopping"),
-          py::call_guard<py::gil_scoped_release>(),
-          "BEGIN barrier: send rows and the stop flag to every peer → (all peers' rows, anyone stopping).")
+          py::arg("step_s") = 0.0f, py::call_guard<py::gil_scoped_release>(),
+          "BEGIN barrier: send rows, the stop flag and the step before it (seconds) to every peer → (all "
+          "peers' "
+          "rows, anyone stopping).")
+      .def_property_readonly("slowest_step_s", &BarrierExchange::slowest_step_s,
+                             "The longest step the last completed gather's sources sent before it (seconds).")
       .def(
           "signal",
           [](BarrierExchange& ex, int dest, int64_t iteration, int block, int phase, int micro, int64_t info,
@@ -85,12 +89,12 @@ void register_exchange(py::module_& m) {
           "dispatch",
           [](BarrierExchange& ex, int64_t iteration, int block, int micro, const at::Tensor& moe_input,
              const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& request_ids,
-             const at::Tensor& positions) {
+             const at::Tensor& positions, float step_s) {
             return ex.dispatch(ExchangeTag{iteration, block, kDispatch, micro}, moe_input, topk_ids,
-                               topk_weights, request_ids, positions);
+                               topk_weights, request_ids, positions, step_s);
           },
           py::arg("iteration"), py::arg("block"), py::arg("micro"), py::arg("moe_input"), py::arg("topk_ids"),
-          py::arg("topk_weights"), py::arg("request_ids"), py::arg("positions"),
+          py::arg("topk_weights"), py::arg("request_ids"), py::arg("positions"), py::arg("step_s") = 0.0f,
           py::call_guard<py::gil_scoped_release>(),
           "Dispatch half of the all-to-all: one message to every expert device → the plan combine() needs.")
       .def("combine", &BarrierExchange::combine, py::arg("plan"), py::call_guard<py::gil_scoped_release>(),
@@ -104,7 +108,7 @@ void register_exchange(py::module_& m) {
           py::call_guard<py::gil_scoped_release>(),
           "Expert side: wait for every source's rows → ExpertWork (rows grouped by hosted expert).")
       .def("reply", &BarrierExchange::reply, py::arg("work"), py::arg("outputs"), py::arg("failed") = false,
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("step_s") = 0.0f, py::call_guard<py::gil_scoped_release>(),
            "Send every source its outputs in the order it sent its rows (zeros flagged EXPERTS_FAILED when "
            "failed, when the work had an error, or when the outputs do not fit the groups).");
 }

@@ -146,6 +146,8 @@ class SyncRuntime(RankCapacity):
             "idle_s": snap["idle_s"],
             "wait_s": snap["wait_s"],
             "stall_fraction": snap["stall_fraction"],
+            "barrier_idle_s": snap["barrier_idle_s"],
+            "attention_idle_s": snap["attention_idle_s"],
             "iterations": snap["iterations"],
             "polls": snap["polls"],
             "dropped": {"barrier": snap["dropped"]},

@@ -43,6 +43,8 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
         itl_ms_p90=_ms(histogram_quantile(0.9, first, last), scale),
         ttft_ms_mean=_mean_ms(first, last, "ttft", scale),
         busy=busy_fractions(first, last),
+        barrier_idle=busy_fractions(first, last, "barrier_idle"),
+        attention_idle=busy_fractions(first, last, "attention_idle"),
         rows_per_step=rows_per_step(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
         # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
@@ -103,16 +105,19 @@ def rows_per_step(first, last) -> dict[str, float]:
     return out
 
 
-def busy_fractions(first, last) -> dict[str, float]:
+def busy_fractions(first, last, kind: str = "busy") -> dict[str, float]:
     """Fraction of the window each runtime spent running layers (holding its emulated GPU, plus the host's work
     around it): how busy the emulated devices were, read from them rather than inferred from ITL. Divided by the
     runtime's own uptime between the two reports the scrapes carry, not by the scrapes' wall time: reports arrive
-    every heartbeat (0.5 s), which over a short window would otherwise skew the fraction either way."""
+    every heartbeat (0.5 s), which over a short window would otherwise skew the fraction either way. `kind`: another
+    per-runtime time of the scrapes read the same way (barrier_idle, attention_idle: a synchronous device's waits
+    for a slower peer's step)."""
     out = {}
-    for key, busy in sorted(last.busy.items()):
+    before, after = getattr(first, kind), getattr(last, kind)
+    for key, busy in sorted(after.items()):
         elapsed = last.uptime.get(key, 0.0) - first.uptime.get(key, 0.0)
         if elapsed > 0:  # no new report within the window: no measurement, rather than a made-up one
-            out[key] = round((busy - first.busy.get(key, 0.0)) / elapsed, 3)
+            out[key] = round((busy - before.get(key, 0.0)) / elapsed, 3 if kind == "busy" else 4)
     return out
 
 

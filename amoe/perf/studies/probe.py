@@ -27,6 +27,8 @@ ITL = "amoe_request_itl_seconds"
 TTFT = "amoe_request_ttft_seconds"
 BUSY = "amoe_runtime_busy_seconds_total"
 UPTIME = "amoe_runtime_uptime_seconds_total"
+BARRIER_IDLE = "amoe_runtime_barrier_idle_seconds_total"
+ATTENTION_IDLE = "amoe_runtime_attention_idle_seconds_total"
 QUEUE = "amoe_runtime_queue_depth_tokens"
 RUNNING = "amoe_requests_running"
 BATCH_ROWS = "amoe_runtime_batch_size_rows"
@@ -48,6 +50,9 @@ class Scrape:
     ttft_count: float = 0.0
     busy: dict[str, float] = field(default_factory=dict)  # "role runtime" → seconds the runtime ran layers
     uptime: dict[str, float] = field(default_factory=dict)  # "role runtime" → its age when it reported busy
+    # "role runtime" → seconds a synchronous device's steps waited for a slower peer's (all; attention's)
+    barrier_idle: dict[str, float] = field(default_factory=dict)
+    attention_idle: dict[str, float] = field(default_factory=dict)
     cpu_s: float | None = None  # host CPU seconds of the server's processes and this one (Linux), if measured
     # step kind (attn, head, expert) → [rows, steps] summed over the runtimes: the batch sizes the runtime ran
     batch_rows: dict[str, list[float]] = field(default_factory=dict)
@@ -84,6 +89,10 @@ def parse_metrics(text: str, t: float) -> Scrape:
             s.busy[key] = value
         elif name == UPTIME and (key := _runtime_key(labels)):
             s.uptime[key] = value
+        elif name == BARRIER_IDLE and (key := _runtime_key(labels)):
+            s.barrier_idle[key] = value
+        elif name == ATTENTION_IDLE and (key := _runtime_key(labels)):
+            s.attention_idle[key] = value
         elif name in (f"{BATCH_ROWS}_sum", f"{BATCH_ROWS}_count") and (
             kind := dict(_LABEL.findall(labels)).get("kind")
         ):

@@ -60,16 +60,18 @@ def _iteration(
     pn = pipeline.pipelines_for(device.iteration_rows) if pipeline is not None else 0  # one PN for all blocks
     for block in range(device.cfg.num_blocks):
         step = batch.at_block(block, *carried) if block and batch else batch
+        device.stats.take_step()  # the attention step's busy seconds are counted from here
         residual, routed = _attend(device, step)
         if pipeline is not None:
             expert_out = pipelined_moe(device, ex, it, block, routed, pipeline, pn)
         else:
-            expert_out = _moe(device, ex, it, block, routed)
+            expert_out = _moe(device, ex, it, block, routed, device.stats.take_step())
         if step is not None and (residual is None or expert_out is None):
             if expert_out is None:
                 device.fail(step, f"an expert layer of block {block} failed on another device")
             batch = None
         carried = (residual, expert_out, routed.topk_ids)
+    device.stats.take_step()  # the head's busy seconds are what the next BEGIN barrier compares
     outputs = [device.head(batch.at_block(device.cfg.num_blocks, *carried))] if batch is not None else []
     return outputs + device.take_failures()
 
@@ -83,10 +85,12 @@ def _attend(device: SyncDevice, step: LayerBatch | None) -> tuple[torch.Tensor |
 
 
 def _moe(
-    device: SyncDevice, ex: core.BarrierExchange, it: int, block: int, routed: Routed
+    device: SyncDevice, ex: core.BarrierExchange, it: int, block: int, routed: Routed, attn_s: float
 ) -> torch.Tensor | None:
     """Dispatch to every device, barrier, run the hosted experts, combine back, barrier; None if an expert device
-    failed on these rows."""
-    plan = send_dispatch(ex, it, block, 0, routed)
-    serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats)
-    return receive_combine(ex, plan, device.stats)
+    failed on these rows. `attn_s`: the attention step's busy seconds, which each barrier's wait for a slower
+    peer is counted against (and the expert step's at the combine)."""
+    plan = send_dispatch(ex, it, block, 0, routed, attn_s)
+    stats = device.stats
+    expert_s = serve_experts(ex, it, block, 0, device.attn_devices, device.experts, stats, own_s=attn_s)
+    return receive_combine(ex, plan, stats, own_s=expert_s)

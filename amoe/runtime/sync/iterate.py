@@ -40,8 +40,11 @@ def serve_iterations(
     for it in itertools.count():
         chunks = device.admit()
         rows = sum(c.num_rows for c in chunks)
+        head_s = (
+            device.stats.take_step()
+        )  # the last iteration's head (what is left since its steps were taken)
         start = time.perf_counter()
-        total, stopping = ex.begin(it, list(device.all_devices), rows, stop.is_set())
+        total, stopping = ex.begin(it, list(device.all_devices), rows, stop.is_set(), head_s)
         note_drops(ex, device)
         if stopping:
             logger.debug("[sync] device %d leaves after %d iterations", device.rank, it)
@@ -51,6 +54,8 @@ def serve_iterations(
             device.stats.add_idle(time.perf_counter() - start)
             continue
         device.stats.add_wait(time.perf_counter() - start)  # the BEGIN barrier of a working iteration
+        if device.role == "ep":  # every peer a device like it: the heads of the iteration before are compared
+            device.stats.waited_for_slower(head_s, ex.slowest_step_s, attention=True)
         device.iteration_rows = total  # every device's rows: what an EP pipeline's auto PN is chosen by
         outputs = run_iteration(it, chunks)
         device.stats.end_iteration(time.perf_counter() - start, rows)

@@ -41,30 +41,34 @@ class Routed:
 
 
 def send_dispatch(
-    ex: core.BarrierExchange, iteration: int, block: int, micro: int, routed: Routed
+    ex: core.BarrierExchange, iteration: int, block: int, micro: int, routed: Routed, step_s: float = 0.0
 ) -> core.DispatchPlan:
-    """Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device."""
+    """Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device, saying how long
+    the attention step that made it took (`step_s`, what the expert side's barrier counts waits by)."""
     r = routed
     return ex.dispatch(
-        iteration, block, micro, r.moe_input, r.topk_ids, r.topk_weights, r.request_ids, r.positions
+        iteration, block, micro, r.moe_input, r.topk_ids, r.topk_weights, r.request_ids, r.positions, step_s
     )
 
 
 def serve_experts(
     ex: core.BarrierExchange, iteration: int, block: int, micro: int, sources: Sequence[int], executor,
-    stats: SyncStats, kernel: Callable[[list[LayerBatch]], str] | None = None,
-) -> None:  # fmt: skip
+    stats: SyncStats, kernel: Callable[[list[LayerBatch]], str] | None = None, own_s: float | None = None,
+) -> float:  # fmt: skip
     """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back. If the input
     cannot run or an expert layer raises, every source still gets its reply (the barrier must complete), flagged
     failed, so the sources end the requests concerned instead of reading outputs that were never computed.
     `kernel(the experts' batches)` names the GEMM of an EP pipeline chunk (grouped | dense); None: the grouped
-    step."""
+    step. `own_s`: this device's attention step before the barrier (EP), whose wait for the slowest source's is
+    counted; None: it has none (an expert-only device). Returns the expert step's busy seconds."""
     with stats.waiting():
         work = ex.collect(iteration, block, micro, list(sources))
+    if own_s is not None:
+        stats.waited_for_slower(own_s, ex.slowest_step_s, attention=True)
     if work.error:
         logger.error("[sync] runtime %d cannot run the experts of block %d: %s", ex.rank, block, work.error)
         ex.reply(work, [], failed=True)
-        return
+        return 0.0
     batches = [
         LayerBatch(
             kind="expert", block=block, index=g.expert, request_ids=g.request_ids, positions=g.positions, x=g.x,
@@ -81,16 +85,22 @@ def serve_experts(
     except Exception:  # noqa: BLE001 - one bad batch fails its own requests, never the group
         logger.exception("[sync] experts of block %d failed (iteration %d, mb %d)", block, iteration, micro)
         ex.reply(work, [], failed=True)
-        return
+        return stats.take_step()
     for g in work.groups:
         stats.count_expert_rows(block, g.expert, g.num_rows)
-    ex.reply(work, outs)
+    step_s = stats.take_step()
+    ex.reply(work, outs, step_s=step_s)
+    return step_s
 
 
 def receive_combine(
-    ex: core.BarrierExchange, plan: core.DispatchPlan, stats: SyncStats
+    ex: core.BarrierExchange, plan: core.DispatchPlan, stats: SyncStats, own_s: float | None = None
 ) -> torch.Tensor | None:
     """Combine half: wait for every expert device (the barrier) → expert_out [N, K, H]; None if an expert device
-    failed on these rows."""
+    failed on these rows. `own_s`: this device's expert step before the barrier (EP), whose wait for the slowest
+    expert device's is counted; None: it has none."""
     with stats.waiting():
-        return ex.combine(plan)
+        out = ex.combine(plan)
+    if own_s is not None:
+        stats.waited_for_slower(own_s, ex.slowest_step_s, attention=False)
+    return out

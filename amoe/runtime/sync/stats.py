@@ -1,5 +1,6 @@
 """Per-device accounting of the synchronous modes: busy vs waiting at a barrier (the stall fraction of AMoE
-Figure 4b), idle polling, iterations and their wall times, rows per expert per block."""
+Figure 4b), idle polling, iterations and their wall times, rows per expert per block, and the barrier tax: the
+time this device's steps waited for a slower peer's (docs/simulation.md "The barrier tax")."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ class SyncStats:
         self.busy_s = 0.0  # running layers (attention, head, experts)
         self.wait_s = 0.0  # waiting at a barrier inside a working iteration
         self.idle_s = 0.0  # no device had work: polling between iterations
+        # Of the waits at barriers, the part a slower peer's step caused: at each barrier the slowest peer's step
+        # before it less this device's own (its attention step or head, its expert step), excluding the transfer.
+        self.barrier_idle_s = 0.0
+        self.attention_idle_s = 0.0  # ... at the barriers after attention steps and heads
+        self._step_s = 0.0  # loop thread only: busy seconds since the last take_step()
         self.iterations = 0
         self.polls = 0  # passes of the loop, idle ones included: its progress, which liveness checks
         self.dropped = 0  # barrier messages dropped (no tag row, or a duplicate)
@@ -34,7 +40,24 @@ class SyncStats:
         try:
             yield
         finally:
-            self._add("busy_s", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._step_s += seconds
+            self._add("busy_s", seconds)
+
+    def take_step(self) -> float:
+        """The busy seconds since the last call (this device's step before a barrier), and start counting anew.
+        Loop thread."""
+        seconds, self._step_s = self._step_s, 0.0
+        return seconds
+
+    def waited_for_slower(self, own_s: float, slowest_s: float, attention: bool) -> None:
+        """At a barrier: the slowest peer's step took `slowest_s`, this device's `own_s` (both measured by their
+        devices before they sent); the difference is its wait for a slower step."""
+        idle = max(0.0, slowest_s - own_s)
+        with self._lock:
+            self.barrier_idle_s += idle
+            if attention:
+                self.attention_idle_s += idle
 
     @contextmanager
     def waiting(self):
@@ -75,6 +98,8 @@ class SyncStats:
                 "wait_s": wait,
                 "idle_s": self.idle_s,
                 "stall_fraction": wait / (busy + wait) if busy + wait > 0 else 0.0,
+                "barrier_idle_s": self.barrier_idle_s,
+                "attention_idle_s": self.attention_idle_s,
                 "iterations": self.iterations,
                 "polls": self.polls,
                 "dropped": self.dropped,
