@@ -453,6 +453,34 @@ def add_bench_offload_locality_command(sub: Any) -> None:
     p.set_defaults(run=_runner("offload_locality"))
 
 
+def add_bench_barrier_tax_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "barrier-tax",
+        help="EP's barrier tax on a request trace: the simulation against the emulated runtime at 8 and 16 GPUs",
+    )
+    p.add_argument(
+        "--sizes", default="8,16", help="EP sizes (emulated GPUs), comma-separated (default: 8,16)"
+    )
+    p.add_argument(
+        "--trace", default="azure-conv", help="azure-conv | azure-code | a CSV of arrival_s,input,output"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the trace's steady state, routing and starting point")
+    p.add_argument(
+        "--simulate-only", action="store_true", help="the simulation's figures only; start no server"
+    )
+    p.add_argument("--out", default=None, metavar="DIR", help="write barrier_tax.jsonl here")
+    p.set_defaults(run=_runner("barrier_tax"))
+
+
+def add_bench_trace_derive_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "trace-derive", help="a published request trace (Azure LLM inference CSV) as amoe's trace file"
+    )
+    p.add_argument("source", help="data/AzureLLMInferenceTrace_*.csv of github.com/Azure/AzurePublicDataset")
+    p.add_argument("out", help="the derived file (arrival_s, input_tokens, output_tokens; gzip)")
+    p.set_defaults(run=_runner("trace_derive"))
+
+
 def _runner(study: str):
     """The `run` of a study command: amoe.perf.studies.<study>.main, imported when the command runs."""
 
@@ -479,6 +507,8 @@ BENCH_STUDIES = (
     add_bench_variance_same_plans_command,
     add_bench_offload_replay_command,
     add_bench_offload_locality_command,
+    add_bench_trace_derive_command,
+    add_bench_barrier_tax_command,
 )
 
 

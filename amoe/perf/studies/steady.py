@@ -25,9 +25,11 @@ time.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from amoe.perf.studies.compare_setup import Preset, Setup, profile_name, time_scale
@@ -59,10 +61,12 @@ async def steady_point(
     itl_s: float,
     kind: str,
     min_window_wall_s: float = MIN_WINDOW_WALL_S,
+    load: Callable[[int, float], tuple[list, list[float]]] | None = None,
 ) -> dict[str, Any]:
     """`concurrency` requests in flight from their steady state (module docstring), measured over WINDOW_ITLS of
     `itl_s` (emulated seconds) after WARMUP_ITLS once all are running; cancelled at the end (the server is not
-    reused)."""
+    reused). `load(window ITLs, wall rate)`: the requests and their wall arrivals instead of the workload's
+    (`amoe bench barrier-tax`: a trace's), the first `concurrency` of them at `wall rate` per second."""
     import httpx
 
     from amoe.bench.client import BenchClient
@@ -73,10 +77,11 @@ async def steady_point(
     itl_wall = itl_s * scale
     window_itls = max(WINDOW_ITLS, math.ceil(min_window_wall_s / itl_wall))
     rate = concurrency / itl_s  # requests per emulated second: the first `concurrency` within one ITL
-    requests, arrivals = _steady_load(setup, concurrency, seed, window_itls, rate / scale)
+    load = load or functools.partial(_steady_load, setup, concurrency, seed)
+    requests, arrivals = load(window_itls, rate / scale)
     logger.info(
         "[steady] %s: %d requests over %.1f s wall, then %d + %d ITLs of %.2f s wall",
-        setup.name, concurrency, arrivals[-1], WARMUP_ITLS, window_itls, itl_wall,
+        setup.name, concurrency, arrivals[concurrency - 1], WARMUP_ITLS, window_itls, itl_wall,
     )  # fmt: skip
     # Long enough that no request times out before the point ends, even at a fraction of its predicted rate.
     timeout = 10 * (WARMUP_ITLS + window_itls + 2) * itl_wall + 2 * _ADMIT_GRACE_S
@@ -88,18 +93,12 @@ async def steady_point(
         start = time.perf_counter()
         probe.start()
         load = asyncio.ensure_future(run_requests(client, requests, arrivals, max_concurrency=concurrency))
-        full = await _all_running(probe, _FULL * concurrency, start + arrivals[-1] + _ADMIT_GRACE_S)
-        await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
-        seen = _itl_since(probe, full)
-        if seen is not None and seen > _SLOWER * itl_wall:
-            # Slower than the guess (another policy at the same requests, a plan short of its prediction): warm
-            # up and measure in its own ITLs, as the simulation does (amoe.perf.plan.refine).
-            logger.info(
-                "[steady] %s: ITL %.2f s wall, not %.2f: measuring in those", setup.name, seen, itl_wall
-            )
-            itl_wall = seen
-            window_itls = max(WINDOW_ITLS, math.ceil(min_window_wall_s / itl_wall))
-            await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
+        full = await _all_running(
+            probe, _FULL * concurrency, start + arrivals[concurrency - 1] + _ADMIT_GRACE_S
+        )
+        itl_wall, window_itls = await _warm_up(
+            probe, full, itl_wall, window_itls, min_window_wall_s, setup.name
+        )
         now = time.perf_counter()
         window = (now, now + window_itls * itl_wall)
         await asyncio.sleep(window_itls * itl_wall + period)
@@ -110,6 +109,22 @@ async def steady_point(
     point.update(concurrency=concurrency, guessed_itl_ms=itl_s * 1e3, window_itls=window_itls)
     _warn_of_a_point_short_of_its_load(setup, point, concurrency)
     return point
+
+
+async def _warm_up(
+    probe, full: float, itl_wall: float, window_itls: int, min_window_wall_s: float, name: str
+) -> tuple[float, int]:
+    """Wait WARMUP_ITLS once all requests run (from `full`); a point slower than the guess (another policy at the
+    same requests, a plan short of its prediction) warms up and is measured in its own ITLs, as the simulation
+    does (amoe.perf.plan.refine): the ITL (wall) and window (ITLs) to measure in."""
+    await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
+    seen = _itl_since(probe, full)
+    if seen is not None and seen > _SLOWER * itl_wall:
+        logger.info("[steady] %s: ITL %.2f s wall, not %.2f: measuring in those", name, seen, itl_wall)
+        itl_wall = seen
+        window_itls = max(WINDOW_ITLS, math.ceil(min_window_wall_s / itl_wall))
+        await asyncio.sleep(max(0.0, full + WARMUP_ITLS * itl_wall - time.perf_counter()))
+    return itl_wall, window_itls
 
 
 def _steady_load(
