@@ -342,8 +342,10 @@ def test_amoe_plan_rejects_an_unknown_aep_policy_and_prints_the_waves_command():
 
 
 def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_of(monkeypatch):
-    """The simulation at scale models defrag's expert side only: an AEP plan refined there under `waves` records
-    and serves defrag (the scale32 check ran waves against a defrag prediction: 1.30×); event-level, waves."""
+    """The simulation at scale models the expert side of waves (group cells) and of defrag: an AEP plan refined
+    there under `waves` records and serves waves, one under a policy it does not model (mtfs) records and serves
+    defrag, the pick it ran (the scale32 check ran waves against a defrag prediction: 1.30×); event-level, each
+    its own."""
     from amoe.perf.plan.refine import refine
     from amoe.perf.plan.simulate import scale
 
@@ -362,6 +364,8 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
     assert exact.prediction.extra["aep_policy"] == "waves" and served(exact) == ["--scheduler", "waves"]
     monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # this 2 + 2 plan now takes the at-scale path
     at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
+    assert at_scale.prediction.extra["aep_policy"] == "waves" and served(at_scale) == ["--scheduler", "waves"]
+    at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="mtfs")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == []
     # a bound-only plan (never refined) serves the policy asked for
     bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
@@ -371,7 +375,7 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
 def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(monkeypatch):
     """`--aep-policy best`: an AEP plan is refined with waves and with defrag and keeps (and serves) the one whose
     simulation gives more; the same two plans at two caps go different ways here, so neither is a default. A plan
-    simulated at scale (defrag only modelled) is simulated once; a bound-only plan serves waves."""
+    simulated at scale is simulated with both too (both are modelled there); a bound-only plan serves waves."""
     from amoe.cli import build_parser
     from amoe.perf.plan import refine as planner
     from amoe.perf.plan.refine import refine
@@ -396,10 +400,10 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     assert winners == {"waves", "defrag"}
     calls = []
     real = refine
-    monkeypatch.setattr(planner, "refine", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
-    monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # at scale: defrag whatever was asked, one simulation
+    monkeypatch.setattr(planner, "refine", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # at scale: both policies modelled, both simulated
     at_scale = real(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy="best")
-    assert at_scale.prediction.extra["aep_policy"] == "defrag" and calls == ["waves"]
+    assert calls == ["waves", "defrag"] and at_scale.prediction.extra["aep_policy"] in calls
     bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
     argv = serve_command(bound, req, emulated=True).split()
     assert argv[argv.index("--scheduler") + 1] == "waves"

@@ -40,7 +40,7 @@ def ep_bound(
     if b < 1:
         return MEMORY
     if dep.redundant_experts or dep.two_batch_overlap:
-        return _ep_at_scale(model, dep, q, gpu, b, mean_context, host)
+        return _ep_at_scale(model, dep, q, gpu, b, mean_context, host, variance)
     ctx = int(round(mean_context))
     a2a = all_to_all_time(model, gpu, b, n, dep.gpus_per_node, model.dispatch_bytes) + all_to_all_time(
         model, gpu, b, n, dep.gpus_per_node
@@ -99,23 +99,28 @@ def ep_exchange_time(model: ModelProfile, gpu: GpuProfile, rows: float, dep: Dep
 
 def _ep_at_scale(
     model: ModelProfile, dep: Deployment, q: np.ndarray, gpu: GpuProfile, b: int, mean_context: float,
-    host: HostOverhead,
+    host: HostOverhead, variance: StepVariance = SOURCED,
 ) -> Prediction:  # fmt: skip
     """EP with EPLB and/or two-batch overlap (amoe.perf.model.ep_scale): per block the slowest device of the
-    expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on."""
+    expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on. With step-time
+    variance, as ep_bound reads it: each micro-batch's barriers (attention, experts) and the head wait for the
+    expected slowest device (each device's step × its speed, a jitter per step)."""
     from amoe.perf.model import ep_scale as scale
 
     ctx, n = int(round(mean_context)), dep.num_attn
     rows = b / 2 if dep.two_batch_overlap else b  # one micro-batch's rows per device
-    attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), ctx, host)
+    speeds, jitter = variance.speeds(0, n), variance.jitter
+    attn_1 = cm.decode_attention_time(model, gpu, max(1, round(rows)), ctx, host)
+    attn = expected_max(attn_1 * speeds, jitter)
     exchange = ep_exchange_time(model, gpu, rows, dep)
-    iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
+    iteration = expected_max(cm.head_time(model, gpu, b, host=host) * speeds, jitter)
+    stall, skew = (attn - attn_1 * float(speeds.mean())) * model.num_blocks, []
     for blk, placement in enumerate(ep_placements(model, dep, q)):
-        slowest, mean = scale.slowest_device(
-            model, gpu, scale.device_rows(placement, n * rows * q[blk]), host
-        )
-        stall += slowest - mean
-        skew.append(slowest / mean)
+        loads = scale.device_rows(placement, n * rows * q[blk])
+        times = np.array([cm.grouped_expert_time(model, gpu, r, host, ids) for r, ids in loads])
+        slowest, mean = float(expected_max(times * speeds, jitter)), float(times.mean())
+        stall += slowest - float((times * speeds).mean())
+        skew.append(float(times.max()) / mean)
         iteration += scale.block_time(attn, slowest, exchange, dep.two_batch_overlap)
     tokens = n * b
     return Prediction(

@@ -15,6 +15,7 @@ from amoe.perf.model.gpus import GPUS
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.routing import routing_inclusion
+from amoe.perf.model.traces import RequestTrace
 from amoe.perf.model.variance import SOURCED, StepVariance
 from amoe.perf.plan import bounds
 from amoe.perf.plan.bound_pools import wave_group
@@ -49,6 +50,10 @@ SIM_MAX_REQUESTS = 16384
 SIM_BATCHES = 32
 
 
+# The AEP policies whose expert side the simulation at scale models (amoe.perf.plan.simulate.aep_scale).
+SCALE_POLICIES = ("waves", "defrag")
+
+
 def refine(
     model: ModelProfile,
     dep: Deployment,
@@ -60,6 +65,7 @@ def refine(
     concurrency: int | None = None,
     variance: StepVariance | None = None,
     policy: str = AEP_POLICY,
+    trace: RequestTrace | None = None,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.perf.plan.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
@@ -69,10 +75,13 @@ def refine(
     full-depth points, which cannot afford the AEP plan's own concurrency on this host). `variance`: the GPUs'
     step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to). `policy`: the
     scheduling policy an AEP plan's runtimes run (its simulation's; the other modes have no scheduler); BEST: each
-    of BEST_OF, keeping the one that gives more within the objective (extra["aep_policy"] names it)."""
+    of BEST_OF, keeping the one that gives more within the objective (extra["aep_policy"] names it). `trace`: a
+    trace workload, each attention rank's steps from its own requests (amoe.perf.plan.simulate.trace_loads)."""
     if check_policy(policy) == BEST:
         if dep.mode == "aep":
-            return _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance)
+            return _refine_best(
+                model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance, trace
+            )
         policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
     if pred is None:
@@ -83,7 +92,9 @@ def refine(
     if pred.tokens_per_s <= 0:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
-    run = _CopyRuns(model, one, routing, ctx, host, variance, scheduler, pred.tokens_per_s / dep.replicas)
+    run = _CopyRuns(
+        model, one, routing, ctx, host, variance, scheduler, pred.tokens_per_s / dep.replicas, trace
+    )
     sims = [run(per_copy)]
     if dep.mode == "aep" and concurrency is None:
         _more_requests(run, sims, _max_requests(model, one, ctx), itl_slo_ms)
@@ -113,6 +124,7 @@ class _CopyRuns:
     variance: StepVariance
     scheduler: SchedulerSection
     bound_tps: float  # one copy's bound
+    trace: RequestTrace | None = None  # a trace workload (each rank's own requests), or the mean context
 
     def __call__(self, c: int) -> Simulated:
         # Looked up at each call: a test may put a spy in the simulation's place.
@@ -127,12 +139,12 @@ class _CopyRuns:
         itl, cpu = c / self.bound_tps, time.process_time()
         sim = simulate(
             model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=self.variance,
-            batches=SIM_BATCHES, scheduler=self.scheduler,
+            batches=SIM_BATCHES, scheduler=self.scheduler, trace=self.trace,
         )  # fmt: skip
         if sim.itl_s > 1.5 * itl:
             sim = simulate(
                 model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
-                variance=self.variance, batches=SIM_BATCHES, scheduler=self.scheduler,
+                variance=self.variance, batches=SIM_BATCHES, scheduler=self.scheduler, trace=self.trace,
             )  # fmt: skip
         logger.info(
             "[plan] simulated %s at %d requests a copy: %.0f tok/s, ITL %.1f ms (%.1f s CPU)", describe(one), c,
@@ -170,30 +182,31 @@ def _fewer_requests(run: _CopyRuns, sims: list[Simulated], itl_slo_ms: float | N
 
 
 def _policy_simulated(model: ModelProfile, one: Deployment, sim: Simulated, policy: str) -> str:
-    """The policy an AEP plan's figure is of. The simulation at scale models one expert-side rule, defrag's
-    (amoe.perf.plan.simulate.scale), whatever the policy asked: a plan simulated there is served with the policy its
-    figure is of, not with one its prediction never ran (the 32-runtime check under waves measured 1.30× that
-    defrag prediction)."""
+    """The policy an AEP plan's figure is of. The simulation at scale models the expert side of `waves` (group
+    cells) and of defrag (amoe.perf.plan.simulate.aep_scale); any other policy runs defrag's pick there, so a plan
+    simulated at scale is then served with defrag, not with a policy its prediction never ran (the 32-runtime check
+    under waves measured 1.30× a defrag prediction)."""
     from amoe.perf.plan.simulate.scale import is_exact
 
-    ran = policy if is_exact(one, sim.concurrency, model.num_expert_ids) else "defrag"
-    if ran != policy:
-        logger.info(
-            "[plan] %s is simulated at scale, where only defrag is modelled: served with it", describe(one)
-        )
-    return ran
+    if policy in SCALE_POLICIES or is_exact(one, sim.concurrency, model.num_expert_ids):
+        return policy
+    logger.info(
+        "[plan] %s is simulated at scale, where %s is not modelled: served with defrag", describe(one), policy
+    )
+    return "defrag"
 
 
 def _refine_best(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, pred: Prediction | None,
     itl_slo_ms: float | None, concurrency: int | None, variance: StepVariance | None,
+    trace: RequestTrace | None = None,
 ) -> Plan:  # fmt: skip
     """refine() with each policy of BEST_OF; the plan whose simulation meets the ITL objective with the most
-    tokens/s (ties and misses: the earlier policy). A plan simulated at scale models defrag only (refine's record):
-    one run is then all there is to compare."""
+    tokens/s (ties and misses: the earlier policy). A policy a simulation does not model runs as defrag there
+    (refine's record): the comparison stops at the first such run."""
     tried: list[Plan] = []
     for policy in BEST_OF:
-        plan = refine(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance, policy)
+        plan = refine(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance, policy, trace)
         tried.append(plan)
         if plan.prediction.extra.get("aep_policy", policy) != policy:
             break  # simulated at scale: served with defrag whatever was asked

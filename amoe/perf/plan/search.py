@@ -23,8 +23,9 @@ from threadpoolctl import threadpool_limits
 
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.routing import RoutingSpec, routing_inclusion
+from amoe.perf.model.traces import RequestTrace, load_trace
 from amoe.perf.model.variance import StepVariance
-from amoe.perf.model.workloads import mean_context
+from amoe.perf.model.workloads import PAPER_WORKLOADS, mean_context
 from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.prediction import Prediction
@@ -121,7 +122,7 @@ def _search(req: PlanRequest) -> list[Plan]:
     RoutingSpec.parse(req.routing)  # a clear error before any work
     check_policy(req.aep_policy)
     inclusion = routing_inclusion(model, req.routing, req.seed)
-    ctx = req.context or mean_context(req.workload)
+    ctx, trace = workload_of(req)
     host = host_overhead(req.host)
     variance = StepVariance.parse(req.step_variance)
     plans = []
@@ -140,7 +141,7 @@ def _search(req: PlanRequest) -> list[Plan]:
     def refine_one(plan: Plan) -> bool:
         pred = refine(
             model, plan.deployment, req.routing, ctx, host, plan.prediction, req.itl_slo_ms, variance=variance,
-            policy=req.aep_policy,
+            policy=req.aep_policy, trace=trace,
         ).prediction  # fmt: skip
         if _meets_slo(pred, req):
             refined.append(Plan(plan.deployment, pred, _cost(plan.deployment, pred, req)))
@@ -168,6 +169,16 @@ def _search(req: PlanRequest) -> list[Plan]:
     # optimistic and would otherwise beat the simulated figures it was chosen to be compared with.
     refined.sort(key=lambda p: not p.prediction.extra.get("simulated"))
     return refined + [p for p in plans if p not in chosen]
+
+
+def workload_of(req: PlanRequest) -> tuple[float, RequestTrace | None]:
+    """The mean decode context the bounds read, and the trace the simulation draws each rank's requests from: a
+    paper workload's (no trace), or a trace's (amoe.perf.model.traces: a name or a file) — `context` overrides the
+    mean either way."""
+    if req.workload in PAPER_WORKLOADS:
+        return req.context or mean_context(req.workload), None
+    trace = load_trace(req.workload)
+    return req.context or trace.mean_decode_context(), trace
 
 
 def prefer_headroom(plans: list[Plan]) -> list[Plan]:

@@ -192,7 +192,7 @@ def main(args) -> int:
     if args.simulate_only:
         rows = [{"gpus": n, "case": asdict(case), "simulated": predict(case, n, args.seed)} for n in sizes]
     else:
-        base_scale, probe_s = calibrate.scaled(BASE_TIME_SCALE)
+        base_scale, probe_s = calibrate.scaled(args.time_scale or BASE_TIME_SCALE)
         started = time.monotonic()
         rows = [asyncio.run(run_size(case, n, base_scale, probe_s, args.seed)) for n in sizes]
         logger.info("[barrier-tax] %.0f s wall", time.monotonic() - started)

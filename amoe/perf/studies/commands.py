@@ -154,6 +154,18 @@ def add_bench_frontier_command(sub: Any) -> None:
         "--modes", default="aep,pingpong,ep", help="the table's modes (default: all three; comma-separated)"
     )
     p.add_argument(
+        "--workload", default=None, metavar="TRACE",
+        help="--table on a request trace (azure-conv | azure-code | a CSV): each rank's steps from its own requests, "
+        "AEP's policy the best of waves and defrag per plan, each barrier mode's tax against it perfectly balanced "
+        "(default: every request at the published deployments' 2,000-token mean context)",
+    )  # fmt: skip
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="JSONL",
+        help="--table: reprint a recorded table.jsonl, plan nothing",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="the misses explained per decode layer against DeepSeek's profile and SGLang's breakdown",
@@ -287,8 +299,10 @@ def add_plan_command(sub: Any) -> None:
         "--price", metavar="TYPE=$/h[,...]", help="$ per GPU-hour: rank by cost per million tokens"
     )
     p.add_argument(
-        "--workload", default="short", help="short | medium | reasonable | random (default: short)"
-    )
+        "--workload", default="short",
+        help="short | medium | reasonable (the paper's), or a request trace: azure-conv | azure-code | a CSV of "
+        "arrival_s,input_tokens,output_tokens (each rank's steps from its own requests; default: short)",
+    )  # fmt: skip
     p.add_argument("--top-k", type=int, help="override the profile's top-k")
     p.add_argument(
         "--routing", default=f"skew-exp:{DEFAULT_LAMBDA:g}", help="skew the plan assumes (skew-exp:λ[,rho=ρ])"
@@ -468,6 +482,10 @@ def add_bench_barrier_tax_command(sub: Any) -> None:
     p.add_argument(
         "--simulate-only", action="store_true", help="the simulation's figures only; start no server"
     )
+    p.add_argument(
+        "--time-scale", type=float, default=None,
+        help="the time scale on the reference host, stretched by the host probe (default: 400, RULES.md's)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, metavar="DIR", help="write barrier_tax.jsonl here")
     p.set_defaults(run=_runner("barrier_tax"))
 

@@ -162,21 +162,25 @@ TABLE_SLOS_MS = (50.0, 100.0)
 TABLE_CONTEXT = 2000.0
 
 
-def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float) -> dict:
-    """The best plan of `mode` on n GPUs under the ITL objective, refined by the simulation."""
+def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float, workload: str | None = None) -> dict:
+    """The best plan of `mode` on n GPUs under the ITL objective, refined by the simulation; on a trace
+    `workload` with AEP's best policy of waves and defrag, and a barrier mode's tax (barrier_tax)."""
     from amoe.perf.plan.deployment import describe
-    from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.request import BEST, PlanRequest
     from amoe.perf.plan.search import search
 
     experts = model_profile(profile).num_experts
     req = PlanRequest(
         profile, {gpu: n}, routing=f"skew-exp:{DEFAULT_LAMBDA * 8 / experts:g}", itl_slo_ms=slo_ms, host="none",
         modes=(mode,), attn_caps=(128, 512), expert_caps=(1024,), simulate_top=1, simulate_per_mode=1,
-        context=TABLE_CONTEXT, ep_redundant_experts=32,
+        context=None if workload else TABLE_CONTEXT, ep_redundant_experts=32, workload=workload or "short",
+        aep_policy=BEST if workload else "waves",
     )  # fmt: skip
     t0 = time.time()
     plans = search(req)
     cell = {"profile": profile, "gpu": gpu, "gpus": n, "mode": mode, "itl_slo_ms": slo_ms, "wall_s": 0.0}
+    if workload:
+        cell["workload"] = workload
     if plans:
         p = plans[0]
         cell |= {
@@ -184,29 +188,71 @@ def table_cell(profile: str, gpu: str, n: int, mode: str, slo_ms: float) -> dict
             "per_gpu": round(p.prediction.tokens_per_s / n), "itl_ms": round(p.prediction.itl_s * 1e3, 1),
             "concurrency": p.prediction.concurrency, "simulated": bool(p.prediction.extra.get("simulated")),
             "bound": round(p.prediction.extra.get("bound", p.prediction.tokens_per_s)),
+            "aep_policy": p.prediction.extra.get("aep_policy"),
         }  # fmt: skip
+        if workload and mode != "aep" and cell["simulated"]:
+            cell |= barrier_tax(req, p)
     cell["wall_s"] = round(time.time() - t0, 1)
     return cell
+
+
+def barrier_tax(req, plan) -> dict:
+    """A barrier mode's plan on the trace, simulated as refined and perfectly balanced (every rank the mean of the
+    ranks' loads, the same requests): its idle fraction, the balanced throughput and the tax, 1 − its over it."""
+    from dataclasses import replace
+
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.request import plan_profile
+    from amoe.perf.plan.search import workload_of
+    from amoe.perf.plan.simulate import simulate
+
+    model, (ctx, trace) = bounds.full_depth(plan_profile(req)), workload_of(req)
+    dep, pred = plan.deployment, plan.prediction
+    c = pred.concurrency // dep.replicas
+    args = (model, replace(dep, replicas=1), req.routing, ctx, host_overhead(req.host), c)
+    sims = [simulate(*args, duration_s=12 * pred.itl_s, trace=trace, balanced=b) for b in (False, True)]
+    tax = 1 - sims[0].tokens_per_s / sims[1].tokens_per_s
+    return {
+        "barrier_idle": round(sims[0].barrier_idle, 4), "attention_idle": round(sims[0].attention_idle, 4),
+        "balanced_per_gpu": round(sims[1].tokens_per_s * dep.replicas / dep.num_gpus), "tax": round(tax, 4),
+    }  # fmt: skip
 
 
 def table_main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cells = []
     sizes = [int(x) for x in args.sizes.split(",")]
     modes = [m for m in getattr(args, "modes", "aep,pingpong,ep").split(",") if m]
     if not modes or set(modes) - {"aep", "pingpong", "ep"}:
         raise SystemExit(f"amoe bench frontier: --modes takes aep, pingpong, ep (got {args.modes!r})")
-    for profile in args.profiles.split(","):
-        for slo in TABLE_SLOS_MS:
-            for n in sizes:
-                for mode in modes:
-                    cell = table_cell(profile, args.gpu, n, mode, slo)
-                    cells.append(cell)
-                    print(json.dumps(cell), flush=True)
-                    (out / "table.jsonl").open("a").write(json.dumps(cell) + "\n")
-    print(f"{'profile':<16} {'ITL':>4} {'GPUs':>5} {'AEP /GPU':>9} {'ping-pong':>9} {'EP /GPU':>9}  best")
-    for profile in args.profiles.split(","):
+    workload = getattr(args, "workload", None)
+    if getattr(args, "report", None):  # reprint a recorded table, plan nothing
+        cells = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
+    else:
+        cells = []
+        for profile in args.profiles.split(","):
+            for slo in TABLE_SLOS_MS:
+                for n in sizes:
+                    for mode in modes:
+                        cells.append(table_cell(profile, args.gpu, n, mode, slo, workload))
+                        print(json.dumps(cells[-1]), flush=True)
+                        with (out / "table.jsonl").open("a") as f:
+                            f.write(json.dumps(cells[-1]) + "\n")
+    print(table_text(cells, args.profiles.split(","), sizes))
+    keys = ("profile", "itl_slo_ms", "gpus", "mode", "per_gpu", "simulated", "tax", "aep_policy")
+    print(json.dumps({"frontier_table": [{k: c.get(k) for k in keys if k in c} for c in cells]}))
+    return 0
+
+
+def table_text(cells: list[dict], profiles: list[str], sizes: list[int]) -> str:
+    """Per profile, ITL objective and size: each mode's tokens/s per GPU, the best, AEP over the best barrier
+    mode, EP's barrier tax (a trace's: 1 − EP / EP perfectly balanced) and the share of AEP's gain over EP that
+    tax is (where AEP gains)."""
+    lines = [
+        f"{'profile':<16} {'ITL':>4} {'GPUs':>5} {'AEP /GPU':>9} {'ping-pong':>9} {'EP /GPU':>9}  {'best':<8} "
+        f"{'AEP/best':>8} {'EP tax':>7} {'tax/gain':>8}"
+    ]
+    for profile in profiles:
         for slo in TABLE_SLOS_MS:
             for n in sizes:
                 row = {
@@ -214,9 +260,19 @@ def table_main(args) -> int:
                     for c in cells
                     if (c["profile"], c["itl_slo_ms"], c["gpus"]) == (profile, slo, n)
                 }
+                if not row:
+                    continue
                 per = {m: row.get(m, {}).get("per_gpu", 0) for m in ("aep", "pingpong", "ep")}
-                print(f"{profile:<16} {slo:>4.0f} {n:>5} {per['aep']:>9} {per['pingpong']:>9} {per['ep']:>9}  "
-                      f"{max(per, key=per.get) if any(per.values()) else '-'}")  # fmt: skip
-    print(json.dumps({"frontier_table": [{k: c.get(k) for k in ("profile", "itl_slo_ms", "gpus", "mode",
-                                                                "per_gpu", "simulated")} for c in cells]}))  # fmt: skip
-    return 0
+                barrier = max(per["pingpong"], per["ep"])
+                over = f"{per['aep'] / barrier:8.3f}" if barrier else f"{'-':>8}"
+                ep = row.get("ep", {})
+                tax = f"{ep['tax'] * 100:6.2f}%" if "tax" in ep else f"{'-':>7}"
+                gain = per["aep"] - per["ep"]
+                share = ep.get("balanced_per_gpu", per["ep"]) - per["ep"]
+                of_gain = f"{share / gain:8.3f}" if gain > 0 and "tax" in ep else f"{'-':>8}"
+                best = max(per, key=per.get) if any(per.values()) else "-"
+                lines.append(
+                    f"{profile:<16} {slo:>4.0f} {n:>5} {per['aep']:>9} {per['pingpong']:>9} {per['ep']:>9}  "
+                    f"{best:<8} {over} {tax} {of_gain}"
+                )
+    return "\n".join(lines)
