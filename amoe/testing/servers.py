@@ -1,18 +1,23 @@
-"""An `amoe serve` subprocess for benchmarks: started with `--port 0`, its URL parsed from the log line, stopped
-with SIGINT (the server drains and stops its runtimes), killed if it does not exit."""
+"""An `amoe serve` subprocess for benchmarks, studies and tests: started from a config (written to a file it reads,
+`amoe serve --config FILE`, on port 0), its URL parsed from the log line, stopped with SIGINT (the server drains
+and stops its runtimes), killed if it does not exit."""
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+from amoe.config import AmoeConfig, command_flags
 from amoe.errors import AmoeError
 
 logger = logging.getLogger(__name__)
@@ -23,12 +28,12 @@ _WARNING = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")
 
 
 class ServerProcess:
-    """`with ServerProcess(flags) as url:` — one `amoe serve` for the duration of the block."""
+    """`with ServerProcess(config) as url:` — one `amoe serve` of `config` for the duration of the block."""
 
     def __init__(
-        self, flags: list[str], startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
+        self, config: AmoeConfig, startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
     ) -> None:
-        self.flags = flags
+        self.config = config.replace(server={"port": 0})
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}  # extra environment variables
         self.proc: subprocess.Popen | None = None
@@ -38,10 +43,17 @@ class ServerProcess:
         self.warnings: collections.deque[tuple[int, str]] = collections.deque(maxlen=_KEEP_LINES)
         self.num_warnings = 0
         self.url: str | None = None
+        self._config_dir: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> str:
-        cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *self.flags]
-        logger.info("[compare] starting: amoe serve %s", " ".join(self.flags))
+        # What differs from the defaults: the server's own defaults (AMOE_DEVICE, say) stay its environment's.
+        self._config_dir = tempfile.TemporaryDirectory(prefix="amoe-serve-")
+        path = Path(self._config_dir.name) / "config.json"
+        path.write_text(json.dumps(self.config.changes(), indent=1))
+        cmd = [sys.executable, "-m", "amoe", "serve", "--config", str(path)]
+        logger.info(
+            "[server] starting amoe serve --config %s: %s", path, " ".join(command_flags(self.config))
+        )
         env = {**os.environ, "AMOE_LOG_LEVEL": os.environ.get("AMOE_LOG_LEVEL", "INFO"), **self.env}
         self.proc = subprocess.Popen(
             cmd,
@@ -76,12 +88,20 @@ class ServerProcess:
         return [line for n, line in list(self.warnings) if n >= mark]
 
     def __exit__(self, *exc: object) -> None:
+        try:
+            self._stop()
+        finally:
+            if self._config_dir is not None:
+                self._config_dir.cleanup()
+                self._config_dir = None
+
+    def _stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            logger.warning("[compare] amoe serve (pid %d) did not stop; killing it", self.proc.pid)
+            logger.warning("[server] amoe serve (pid %d) did not stop; killing it", self.proc.pid)
             self.proc.kill()
             self.proc.wait(10)
