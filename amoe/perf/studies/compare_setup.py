@@ -103,15 +103,21 @@ class Preset:
     steady: bool = False
 
 
-# The policy the presets' AEP setups are measured with (their recorded runs', docs/findings.md): the comparison of
-# `amoe bench compare` is defrag's against mtfs and flfs.
+# The policy the presets' setups are measured with and recorded under (their recorded runs', docs/findings.md): the
+# comparison of `amoe bench compare` is defrag's against mtfs and flfs (EP runs no scheduler: only the record).
 MEASURED_POLICY = "defrag"
-_AEP = Setup.of("aep", 4, 4, policy=MEASURED_POLICY)
+
+
+def _measured(mode: str, attn: int, experts: int = 0, **knobs) -> Setup:
+    return Setup.of(mode, attn, experts, policy=MEASURED_POLICY, **knobs)
+
+
+_AEP = _measured("aep", 4, 4)
 # AEP and EP run at one time scale. Until issue 20 EP ran at twice it: its Python barrier exchange cost each device
 # ~2.6 ms of host time per block, all 8 waking together on 2 cores after each barrier; the C++ exchange
 # (cpp/exchange.h) costs ~0.1 ms, and the plan check's EP plans measure within 6 % of their predictions at AEP's
 # scale (docs/results.md "Planner").
-_EP = Setup.of("ep", 8)
+_EP = _measured("ep", 8)
 
 
 # The routing every setup runs: skew-exp at its default λ (amoe.perf.model.routing: measured Mixtral skew).
@@ -124,7 +130,7 @@ def _group(name: str, *setups: Setup) -> tuple[Setup, ...]:
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(
-        sweeps=_group("main", Setup.of("aep", 2, 2, policy=MEASURED_POLICY), Setup.of("ep", 4)),
+        sweeps=_group("main", _measured("aep", 2, 2), _measured("ep", 4)),
         loads=(0.1, 0.2), policy_load=None, policy_base=None,
         duration_s=0.2, time_scale=20.0, attn_cap=32, expert_cap=256, blocks=4,
     ),
@@ -148,15 +154,14 @@ PRESETS: dict[str, Preset] = {
             # Figure 10's baseline: the 16-expert model on one 8-GPU node, for the scaling ratios below.
             _group(
                 "16e8gpu",
-                Setup.of("aep", 4, 4, profile="mixtral-8x7b-16e", policy=MEASURED_POLICY),
-                Setup.of("ep", 8, profile="mixtral-8x7b-16e"),
+                _measured("aep", 4, 4, profile="mixtral-8x7b-16e"),
+                _measured("ep", 8, profile="mixtral-8x7b-16e"),
             ),
             _group(
                 "16gpu",
                 # Two 8-GPU nodes, as the paper's p4d pair (§5.2): runtimes on different nodes talk over the network.
-                Setup.of("aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0,
-                         policy=MEASURED_POLICY),
-                Setup.of("ep", 16, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
+                _measured("aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
+                _measured("ep", 16, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
             ),
         ),
     ),
