@@ -133,7 +133,9 @@ def test_the_printed_command_is_the_config_for_people():
         config = config_from_args(build_parser().parse_args(line.split()[1:]))
         want = plan_config(plan, req, emulated)
         assert config == (want if emulated else want.replace(model={"path": "MODEL_DIR"}))
-        assert "--parallel pingpong --attn-ranks 2 --expert-ranks 4" in line  # the shape, even at its defaults
+        assert (
+            "--parallel pingpong --attn-ranks 2 --expert-ranks 4" in line
+        )  # the shape, even at its defaults
 
 
 def test_the_plan_file_is_a_config_with_the_plans_record():
@@ -188,3 +190,20 @@ def test_amoe_plan_out_then_amoe_serve_config_serves_the_plan(tmp_path):
     assert f"[config] planned by amoe plan: {written['plan']['summary']}" in log
     layout = f"{d['num_attn']} attention + {d['num_expert']} expert runtimes (aep, emulated a100-80g"
     assert layout in log and "waves scheduler" in log
+
+
+def test_plan_file_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
+    from amoe import cli
+
+    monkeypatch.setattr(cli, "setup_logging", lambda verbose: None)  # leave this process's logging alone
+    base = ["plan", "--model-profile", "mixtral-8x7b-mqa:2", "--gpus", "a100-80g:3", "--top-k", "1", "--modes", "aep",
+            "--simulate-top", "0", "--simulate-per-mode", "0"]  # fmt: skip
+    assert cli.main([*base, "--emulated"]) != 0
+    assert (
+        capsys.readouterr().err.strip()
+        == "amoe: error: --emulated chooses what --out FILE writes: give --out too"
+    )
+    assert cli.main([*base, "--out", str(tmp_path / "missing" / "plan.json")]) != 0
+    assert "amoe: error: --out: cannot write" in capsys.readouterr().err
+    assert cli.main([*base, "--out", str(tmp_path / "plan.json")]) == 0
+    assert AmoeConfig.from_file(tmp_path / "plan.json").executor.kind == "torch"

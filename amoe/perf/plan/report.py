@@ -83,6 +83,14 @@ def plan_json(plan: Plan, req: PlanRequest) -> dict:
     }
 
 
+def write_plan(path: str, plan: Plan, req: PlanRequest, emulated: bool) -> None:
+    """`--out FILE`: the plan's config file (amoe.perf.plan.serving.plan_file)."""
+    try:
+        Path(path).write_text(json.dumps(plan_file(plan, req, emulated), indent=1) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write {path}: {exc.strerror}") from None
+
+
 def main(args) -> int:
     """`amoe plan` (amoe.cli)."""
     gpus = parse_gpus(args.gpus)
@@ -101,14 +109,15 @@ def main(args) -> int:
         )
     if req.refine_retries < 0:
         raise ConfigError(f"--refine-retries must be >= 0; got {req.refine_retries}")
+    out = getattr(args, "out", None)
+    if getattr(args, "emulated", False) and not out:
+        raise ConfigError("--emulated chooses what --out FILE writes: give --out too")
     bad = set(req.modes) - {"aep", "ep", "pingpong"}
     if bad:
         raise ConfigError(f"--modes takes aep, ep, pingpong; got {', '.join(sorted(bad))}")
     plans = search(req)
-    out = getattr(args, "out", None)
     if out and plans:
-        emulated = getattr(args, "emulated", False)
-        Path(out).write_text(json.dumps(plan_file(plans[0], req, emulated), indent=1) + "\n")
+        write_plan(out, plans[0], req, getattr(args, "emulated", False))
     if args.json:
         written = {"out": out} if out and plans else {}
         print(

@@ -73,7 +73,9 @@ class AepAtScale:
         self.inter = np.array(
             [[model.intermediate_of(e) if e < num_ids else 0 for e in row] for row in self.ids], float
         )
-        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        sched = (
+            SchedulerSection()
+        )  # defrag's pick (the rule modelled at scale), K and δ as the config defaults them
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
