@@ -32,6 +32,13 @@ def add_default_model_command(sub: Any) -> None:
     w.add_argument("--max-tokens", type=int, default=64)
     w.add_argument("--min-fraction", type=float, default=0.9, help="exit 1 below this share (default: 0.9)")
     w.set_defaults(run=_run_words)
+    r = nested.add_parser(
+        "routing", help="its routing on held-out text, recorded while serving, and replayed"
+    )
+    r.add_argument("--model", metavar="DIR", help="default: the shipped default model")
+    r.add_argument("--out", required=True, metavar="DIR", help="where routing.json (and the trace) go")
+    r.add_argument("--prompts", type=int, default=96, help="held-out prompts served (default: 96)")
+    r.set_defaults(run=_run_routing)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -80,6 +87,32 @@ def _run_words(args: argparse.Namespace) -> int:
         )
     )
     return 0 if fraction >= args.min_fraction else 1
+
+
+def _run_routing(args: argparse.Namespace) -> int:
+    from amoe.train.study import routing_study
+
+    figures = routing_study(_model_or_default(args.model), Path(args.out), num_prompts=args.prompts)
+    print("block  hottest/mean top-1  top-2  lambda (hottest)  lambda (slope)")
+    for b in figures["blocks"]:
+        print(
+            f"{b['block']:5d}  {b['hottest_to_mean_top1']:18.3f}  {b['hottest_to_mean_top2']:5.3f}"
+            f"  {b['lambda_hottest']:16.4f}  {b['lambda_slope']:14.4f}"
+        )
+    print("trace       batch  activated  reused")
+    for row in figures["locality"]:
+        print(f"{row['trace']:10s}  {row['batch']:5d}  {row['activated']:9.3f}  {row['reused']:6.3f}")
+    print("trace       capacity  lru     lfu     activation  +history  belady")
+    for row in figures["replay"]:
+        print(
+            f"{row['trace']:10s}  {row['capacity']:8d}  {row['lru']:.4f}  {row['lfu']:.4f}  "
+            f"{row['activation']:.4f}      {row['activation+history']:.4f}    {row['belady']:.4f}"
+        )
+    summary = {
+        k: figures[k] for k in ("model", "held_out_tokens", "lambda_hottest_median", "lambda_slope_median")
+    }
+    print(json.dumps({**summary, "replay": figures["replay"]}))
+    return 0
 
 
 def _print_figures(figures: dict[str, Any]) -> None:
