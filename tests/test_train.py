@@ -7,6 +7,7 @@ import json
 import math
 from importlib import resources
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,3 +125,52 @@ def test_the_checkpoint_loads_alike_in_transformers_and_amoe(monkeypatch, tmp_pa
     assert default_module.evaluate_checkpoint(out) == {
         k: record[k] for k in ("held_out_perplexity", "unigram_perplexity")
     }
+
+
+def test_lambda_fits_recover_the_emulations_skew():
+    from amoe.emulation.routing import hottest_to_mean, popularity_by_rank
+    from amoe.train.routing import fit_lambda_hottest, fit_lambda_slope
+
+    for lam in (0.0, 0.08, 0.4):
+        assert fit_lambda_hottest(hottest_to_mean(8, 1, lam), 8) == pytest.approx(lam, abs=1e-6)
+        shares = popularity_by_rank(8, lam)[[3, 0, 7, 1, 2, 6, 5, 4]]  # by expert id, not by rank
+        assert fit_lambda_slope(shares) == pytest.approx(lam, abs=1e-9)
+
+
+def test_popularity_per_block():
+    from amoe.train.routing import popularity
+
+    first = np.array([[30, 10, 10, 10], [10, 10, 10, 10]])
+    inclusion = np.array([[40, 30, 20, 10], [20, 20, 20, 20]])
+    rows = popularity(first, inclusion, top_k=2)
+    assert rows[0]["hottest_to_mean_top1"] == 2.0 and rows[0]["hottest_to_mean_top2"] == 1.6
+    assert rows[1]["lambda_hottest"] == 0.0 and rows[1]["first_choice_share"] == [0.25] * 4
+
+
+def test_replay_and_locality_of_a_trace():
+    from amoe.offload.trace import TaskRouting
+    from amoe.train.routing import locality_rows, replay_rows
+
+    trace = TaskRouting(num_blocks=4, num_experts=8, top_k=2, support=4, core=2).generate(20, seed=1)
+    rows = replay_rows("synthetic", trace, [8, 16])
+    assert [r["capacity"] for r in rows] == [8, 16]
+    for r in rows:  # Bélády's optimum bounds every policy
+        assert all(
+            0 <= r[p] <= r["belady"] + 1e-9 for p in ("lru", "lfu", "activation", "activation+history")
+        )
+    assert rows[1]["belady"] >= rows[0]["belady"]
+    assert [r["batch"] for r in locality_rows("synthetic", trace)] == [1, 4, 16]
+
+
+@pytest.mark.timeout(150)
+def test_the_served_routing_is_recorded_per_prompt(tmp_path):
+    from amoe.model.make import make_model
+    from amoe.offload.trace import read_routing
+    from amoe.train.record import record_served
+
+    model = make_model("tiny", tmp_path / "tiny")
+    prompts = [[1, 5 + i, 9, 200] for i in range(10)]
+    record_served(model, prompts, tmp_path / "routing.jsonl", max_tokens=3)
+    trace = read_routing(tmp_path / "routing.jsonl")
+    assert len(trace.sequences) == 10
+    assert all(len(seq) == 3 for seq in trace.sequences)  # the prefill step, then two decode steps
