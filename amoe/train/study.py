@@ -52,7 +52,9 @@ def routing_study(
         raise ConfigError(f"{trace_file}: {len(real.sequences)} sequences; the replay needs at least 16")
     synthetic = routing.synthetic_like(real, settings.top_k, prompt_tokens, max_tokens)
     total = real.num_blocks * real.num_experts
-    capacities = [total // 4, 3 * total // 8, total // 2, 3 * total // 4]  # a decode step touches blocks x top-2 = total // 4
+    # From what one decode step touches (blocks × top_k experts) up to three quarters of all experts.
+    step = real.num_blocks * settings.top_k
+    capacities = sorted({step, 3 * total // 8, total // 2, 3 * total // 4})
     figures = {
         "model": model_dir.name,
         "held_out_tokens": int(first[0].sum()),
