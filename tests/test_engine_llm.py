@@ -1,4 +1,4 @@
-"""amoe.LLM: text and token-id prompts, input order, stop strings, the default demo model."""
+"""amoe.LLM: text and token-id prompts, input order, stop strings, the shipped default model."""
 
 from __future__ import annotations
 
