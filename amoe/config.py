@@ -38,7 +38,7 @@ def _positive(name: str, value: float) -> None:
 class ModelSection:
     """Which checkpoint to serve and how to hold it."""
 
-    path: str | None = None  # None: the embedded tiny demo model
+    path: str | None = None  # None: the shipped default model (amoe.model.make.default_model_path)
     # auto: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16 (amoe.device.model_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

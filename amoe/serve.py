@@ -280,9 +280,9 @@ def api_key(server: ServerSection) -> str | None:
 
 
 def _model_dir(config: AmoeConfig) -> Path:
-    """The checkpoint; without --model the demo model's directory, which also supplies the tokenizer when an
-    emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the demo
-    tokenizer's ids, which are valid in any larger vocabulary)."""
+    """The checkpoint; without --model the shipped default model's directory, which also supplies the tokenizer
+    when an emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the
+    default tokenizer's ids, which are valid in any larger vocabulary)."""
     if config.model.path is not None:
         return Path(config.model.path)
     if config.parallel.mode == "local" and config.executor.kind == "emulated":

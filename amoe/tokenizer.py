@@ -221,15 +221,19 @@ class IncrementalDetokenizer:
         return delta
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 2048) -> int:
-    """Train a byte-level BPE on the embedded corpus; write tokenizer.json and tokenizer_config.json.
+def write_tokenizer(
+    out_dir: str | Path, vocab_size: int, model_max_length: int = 2048, corpus: Sequence[str] | None = None
+) -> int:
+    """Train a byte-level BPE on `corpus` (lines; default: the embedded text); write tokenizer.json and
+    tokenizer_config.json.
 
     Deterministic: the same arguments give byte-identical files. Returns the vocabulary size, which is at most
     `vocab_size` (less if the corpus runs out of merges).
     """
     if vocab_size < _MIN_VOCAB:
         raise ConfigError(f"a byte-level tokenizer needs vocab_size >= {_MIN_VOCAB}; got {vocab_size}")
-    backend = _train_byte_level_bpe(vocab_size)
+    lines = _corpus().splitlines(keepends=True) if corpus is None else corpus
+    backend = _train_byte_level_bpe(vocab_size, lines)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / TOKENIZER_FILE).write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
@@ -239,7 +243,7 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int 
     return backend.get_vocab_size()
 
 
-def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
+def _train_byte_level_bpe(vocab_size: int, lines: Sequence[str]) -> tokenizers.Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -250,7 +254,7 @@ def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
         show_progress=False,
     )
     # The trainer breaks ties in pair counts by the pair itself, so merges do not depend on thread count.
-    backend.train_from_iterator(_corpus().splitlines(keepends=True), trainer)
+    backend.train_from_iterator(lines, trainer)
     # As in Mixtral's tokenizer.json: the post-processor starts every encoded prompt with <s>.
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 1)]
