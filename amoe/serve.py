@@ -17,6 +17,7 @@ from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
 from amoe.perf.model.check import check_executor
 from coordinator.api.app import abort_all, create_app
+from coordinator.api.tools import ToolServing
 from coordinator.api.validation import ModelInfo
 from coordinator.requests.backend import Backend
 
@@ -143,6 +144,9 @@ class AmoeServer:
             vocab_size=vocab,
             grammars=grammars,
             sampling_defaults=defaults,
+            tools=ToolServing(
+                self.config.server.tool_call_parser, self.config.server.enable_auto_tool_choice
+            ),
         )
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
