@@ -13,7 +13,7 @@ import json
 from collections.abc import Generator
 from dataclasses import dataclass
 
-from amoe.tool_calls.json_scan import JsonScanner
+from amoe.tool_calls.json_scan import JsonScanner, Member
 
 _WS = " \t\n\r"
 
@@ -117,7 +117,7 @@ class FormatReader:
         self._base = self._pos
 
     def _emit(self, event: Event) -> None:
-        if not isinstance(event, Text) or event.text:
+        if not isinstance(event, (Text, CallArguments)) or event.text:
             self._events.append(event)
 
     # ---- reading steps (generators: `x = yield from self._step()`)
@@ -230,13 +230,14 @@ class FormatReader:
                 return False
 
     def _call_object(self, arguments_key: str) -> Generator[None, None, int | None]:
-        """A call written as one JSON object with its "name" and its arguments (an object) under `arguments_key`,
-        in either order; other members are ignored. The call's index, or None if it is malformed."""
+        """A call written as one JSON object with its "name" and its arguments (an object, or a string holding
+        one, as vLLM reads it) under `arguments_key`, in either order; other members are ignored. The call's index,
+        or None if it is malformed."""
         if (yield from self._peek()) != "{":
             return None
-        scanner, index, sent, base = JsonScanner(), None, -1, self._base
+        scanner, index, sent = JsonScanner(), None, -1
         while True:
-            self._pos = scanner.scan(self._text, self._pos - base) + base
+            self._pos = scanner.scan(self._text, self._pos - self._base) + self._base
             if scanner.failed:
                 return None
             members = {m.key: m for m in reversed(scanner.members)}  # the first of a repeated key counts
@@ -246,15 +247,30 @@ class FormatReader:
                 if index is None:
                     return None
             if index is not None and args is not None and args.start >= 0:
-                if self._text[args.start] != "{":
+                sent = self._send_arguments(index, args, sent)
+                if sent is None:
                     return None
-                upto = args.end if args.end is not None else self._pos - base
-                self._emit(CallArguments(index, self._text[max(sent, args.start) : upto]))
-                sent = upto
             if scanner.done:
                 return index if args is not None and args.end is not None else None
             if not (yield from self._wait()):
                 return None
+
+    def _send_arguments(self, index: int, args: Member, sent: int) -> int | None:
+        """Send what has been read of a call object's arguments past `sent` (positions in _text, which no call
+        trims); where they have been sent to, or None if they are no object."""
+        if self._text[args.start] == "{":
+            upto = args.end if args.end is not None else self._pos - self._base
+            self._emit(CallArguments(index, self._text[max(sent, args.start) : upto]))
+            return upto
+        if self._text[args.start] != '"':
+            return None
+        if args.end is None or sent == args.end:  # a string goes out whole, once read
+            return sent
+        text = _object_in_string(self._text[args.start : args.end])
+        if text is None:
+            return None
+        self._emit(CallArguments(index, text))
+        return args.end
 
     def _call_array(self, start: int, arguments_key: str) -> Reading:
         """Calls as the items of a JSON array (its "[" read already), each a `_call_object`."""
@@ -280,6 +296,15 @@ class FormatReader:
         yield from self._skip_ws()
         if (yield from self._peek()) is not None:
             yield from self._fail(self._pos)
+
+
+def _object_in_string(literal: str) -> str | None:
+    """The JSON object a JSON string literal holds, as text; None if it holds none."""
+    text = json.loads(literal)
+    try:
+        return text if isinstance(json.loads(text), dict) else None
+    except json.JSONDecodeError:
+        return None
 
 
 def _prefix_tail(text: str, marker: str, start: int) -> int:
