@@ -166,6 +166,20 @@ def test_forced_arguments_stream_in_pieces_after_a_first_delta_with_the_id_and_n
 
 
 @pytest.mark.timeout(300)
+def test_the_eos_that_ends_an_answer_is_not_its_text(client):
+    """The mistral parser needs special tokens in the text (its marker is one), so an answer under `auto` keeps
+    them; the eos that ends it is no text, as in vLLM, unless include_stop_str_in_output asks for it."""
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0, "logit_bias": {"2": 100}}  # </s> at once
+    for extra in ({"tools": TOOLS}, {"extra_body": {"skip_special_tokens": False}}, {}):
+        reply = client.chat.completions.create(model=MODEL, **body, **extra)
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("", "stop"), extra
+        assert reply.usage.completion_tokens == 1
+    kept = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    reply = client.chat.completions.create(model=MODEL, **body, extra_body=kept)
+    assert reply.choices[0].message.content == "</s>"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [

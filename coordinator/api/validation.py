@@ -75,6 +75,9 @@ class ModelInfo:
     # --generation-config's defaults (amoe.generation_config): what a request leaves unset; max_tokens also caps
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     tools: ToolServing = ToolServing()  # the server's tool-call parser and whether `auto` may use it
+    eos_token_ids: frozenset[int] = (
+        frozenset()
+    )  # the model's: sampling one ends a request (unless ignore_eos)
 
 
 def prepare_completions(
@@ -301,15 +304,25 @@ def _prepare(
     elif cap is not None:
         max_tokens = min(max_tokens, cap)
     stop = _stop_strings(req.stop)
+    params = _sampling_params(req, max_tokens, stop, model, options)
     return PreparedRequest(
         request_id=request_id,
         response_id=response_id or f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop, model, options),
+        sampling_params=params,
         stop=stop,
+        end_token_ids=_end_token_ids(params, model),
         **extra,
     )
+
+
+def _end_token_ids(params: SamplingParams, model: ModelInfo) -> frozenset[int]:
+    """The tokens that end the request when sampled: as in vLLM, the one that does is not part of the text (even
+    with skip_special_tokens false) unless include_stop_str_in_output asks for it."""
+    if params.include_stop_str_in_output:
+        return frozenset()
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else model.eos_token_ids)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
