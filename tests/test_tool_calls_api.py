@@ -140,6 +140,26 @@ def test_required_calls_name_the_tools_with_arguments_their_schemas_accept(clien
 
 
 @pytest.mark.timeout(300)
+def test_required_calls_keep_references_into_a_tools_defs(client):
+    """vLLM's schema gathers every tool's $defs at the top of the array's schema, where their $refs point."""
+    place = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+             "additionalProperties": False}  # fmt: skip
+    route = {"type": "object", "$defs": {"place": place}, "additionalProperties": False,
+             "properties": {"start": {"$ref": "#/$defs/place"}, "end": {"$ref": "#/$defs/place"}},
+             "required": ["start", "end"]}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "plan_route", "parameters": route}}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=tools, tool_choice="required", max_tokens=200, temperature=1.0, n=3,
+        seed=3,
+    )  # fmt: skip
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == "plan_route"
+            jsonschema.validate(json.loads(call.function.arguments), route)
+
+
+@pytest.mark.timeout(300)
 def test_forced_arguments_stream_in_pieces_after_a_first_delta_with_the_id_and_name(client):
     body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
             "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "stream": True}  # fmt: skip
@@ -196,6 +216,8 @@ def test_the_eos_that_ends_an_answer_is_not_its_text(client):
          "JSON schema of an object"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
           "properties": {"x": {"type": "nope"}}}}}], "tool_choice": "required"}, "tools", "invalid"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+          "tool_choice": "required"}, "tools", "$defs"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
          "either use constraints for structured outputs or tools"),
         ({"tools": TOOLS, "messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",

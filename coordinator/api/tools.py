@@ -164,7 +164,10 @@ def _calls_schema(tools: dict[str, dict], parallel: bool) -> dict:
     items, defs = [], {}
     for name, parameters in tools.items():
         schema = _object_schema(parameters)
-        for key, value in schema.pop("$defs", {}).items():
+        own = schema.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise bad_request(f"the parameters of {name!r} have a $defs that is not an object", "tools")
+        for key, value in own.items():
             if key in defs and defs[key] != value:
                 raise bad_request(
                     f"Tool definition '{key}' has multiple schemas, which is not supported.", "tools"
