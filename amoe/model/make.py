@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_FILE = "generation_config.json"
 DEMO_PRESET = "tiny"
 # Bump the suffix whenever make_model's output changes, so that caches made by older versions are not reused.
-DEMO_MODEL_NAME = "tiny-v1"
+DEMO_MODEL_NAME = "tiny-v2"
 
 _announced = False
 
