@@ -10,11 +10,12 @@ TORCH_INDEX ?=
 # the libzmq pyzmq's wheel bundles) and Prometheus (only tests/test_metrics_prometheus.py needs it; it skips without).
 SYS_PKGS    ?= libzmq3-dev prometheus
 PY          := $(VENV)/bin/python
+comma       := ,
 PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.amoe-installed
 CPP_SOURCES := $(wildcard cpp/*.cpp cpp/*.h)
 
-.PHONY: install serve test test-busy test-gpu lint format bench bench-gpu clean
+.PHONY: install serve test test-busy test-gpu golden lint format bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -53,6 +54,13 @@ test-busy: install lint
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# The model's own figures the tests compare with (tests/golden/*.json), computed again by the functions the tests
+# call; after a change to the model, review them as a data diff: `git diff tests/golden`. GOLDEN_AREAS=bounds,...
+# writes only those files.
+GOLDEN_AREAS ?=
+golden: install
+	AMOE_DEVICE=cpu $(PY) -m tests.golden $(subst $(comma), ,$(GOLDEN_AREAS))
 
 lint: install
 	$(VENV)/bin/ruff check amoe coordinator tests bench examples deploy tools

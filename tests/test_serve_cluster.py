@@ -173,7 +173,9 @@ def test_a_client_that_disconnects_frees_its_kv_blocks(server):
         raise AssertionError(f"KV not freed: {report}")
 
 
-@pytest.mark.timeout(90)
+# Slow: "promptly" is wall time after the kill (a wide margin).
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_without_restarts_a_killed_runtime_fails_requests_and_the_server_exits_non_zero(model_dir):
     """Fail-stop (--server-max-restarts 0): in-flight requests fail promptly, the server drains and exits 1 (so an
     orchestrator restarts it), and no process is left behind."""
@@ -208,12 +210,12 @@ def test_without_restarts_a_killed_runtime_fails_requests_and_the_server_exits_n
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
             os.kill(runtimes[2], signal.SIGKILL)
             killed = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
             return killed
 
         killed = asyncio.run(scenario())
         assert [kind for kind, _ in outcomes] == ["error"] * 3
-        assert all(t - killed < 10 for _, t in outcomes)
+        assert all(t - killed < 30 for _, t in outcomes)
         assert server.proc.wait(30) == 1
         log = "\n".join(server.lines)
         assert "the cluster cannot recover" in log and "expert runtime 2" in log and "SIGKILL" in log

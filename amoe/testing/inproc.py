@@ -26,6 +26,25 @@ from amoe.structured import Grammars
 logger = logging.getLogger(__name__)
 
 
+def _attention_executor(
+    runtime: int, model_dir: str | Path | None, cfg, emulation, num_kv_blocks: int, block_size: int,
+    dtype: torch.dtype | None,
+) -> AttentionExecutor:  # fmt: skip
+    """An attention runtime's executor: its requests' state over `num_kv_blocks` KV blocks, and its attention
+    computed by torch on the checkpoint or by the emulation."""
+    requests = RankRequests(
+        vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=num_kv_blocks,
+        block_size=block_size, max_model_len=min(cfg.max_position_embeddings, num_kv_blocks * block_size),
+        grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
+    )  # fmt: skip
+    if emulation is not None:
+        compute = emulation.attention(runtime)
+    else:
+        model = build_attention_rank(model_dir, cfg, dtype)
+        compute = TorchAttention(model, cfg, num_kv_blocks, block_size)
+    return AttentionExecutor(requests, compute, cfg)
+
+
 class InProcessCluster:
     """`num_attn_ranks` attention runtimes and `num_expert_ranks` expert runtimes over one LoopbackHub, with torch
     executors on a checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.runtime.emulated.Emulation).
@@ -59,7 +78,6 @@ class InProcessCluster:
         self.placement = Placement.disaggregated(num_attn_ranks, num_expert_ranks, cfg.num_expert_ids)
         hub = core.LoopbackHub(self.placement.num_runtimes)
         self.engines, self.executors = [], []
-        max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
         for runtime in range(self.placement.num_runtimes):
             ecfg = core.engine_config(
                 runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
@@ -68,17 +86,9 @@ class InProcessCluster:
             )  # fmt: skip
             engine = core.Engine(ecfg, hub.communicator(runtime))
             if ecfg.is_attention:
-                requests = RankRequests(
-                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=num_kv_blocks,
-                    block_size=block_size, max_model_len=max_model_len,
-                    grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
-                )  # fmt: skip
-                if emulation is not None:
-                    compute = emulation.attention(runtime)
-                else:
-                    model = build_attention_rank(model_dir, cfg, dtype)
-                    compute = TorchAttention(model, cfg, num_kv_blocks, block_size)
-                executor = AttentionExecutor(requests, compute, cfg)
+                executor = _attention_executor(
+                    runtime, model_dir, cfg, emulation, num_kv_blocks, block_size, dtype
+                )
             elif emulation is not None:
                 executor = emulation.expert_executor(runtime)
             elif (

@@ -4,6 +4,7 @@ registers it)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import asdict
@@ -118,7 +119,7 @@ def plan_json(plan: Plan, req: PlanRequest) -> dict:
     }
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """`amoe plan` (amoe.cli)."""
     gpus = parse_gpus(args.gpus)
     model_dir = getattr(args, "model", None)
