@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amoe.errors import ConfigError
+from amoe.tool_calls.formats import PARSERS
 
 # The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
 POLICIES = ("defrag", "mtfs", "flfs", "wave", "waves")
@@ -263,6 +264,10 @@ class ServerSection:
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
     # runtime and routed tokens per expert, for models whose layer count would make too many series.
     metrics_per_layer: bool = True
+    # Tool calling as vLLM serves it (docs/tools.md): the family's wire format that `tool_choice: "auto"` reads
+    # calls in (vLLM's parser names), and whether `auto` is served at all (without it, a 400 as in vLLM).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -287,6 +292,10 @@ class ServerSection:
                 raise ConfigError(f"server.{name} must be >= 0; got {getattr(self, name)}")
         if not isinstance(self.metrics_per_layer, bool):
             raise ConfigError(f"server.metrics_per_layer must be true or false; got {self.metrics_per_layer}")
+        if self.tool_call_parser is not None:
+            _choice("server.tool_call_parser (--tool-call-parser)", self.tool_call_parser, tuple(PARSERS))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 @dataclass(frozen=True)
@@ -495,7 +504,10 @@ _VLLM_ALIASES = {
     ("server", "api_key"): "--api-key",
     ("server", "served_model_name"): "--served-model-name",
     ("server", "seed"): "--seed",
+    ("server", "tool_call_parser"): "--tool-call-parser",
 }
+# vLLM's on/off flags, given without a value (`--enable-auto-tool-choice`); amoe's own spelling takes one.
+_VLLM_SWITCHES = {("server", "enable_auto_tool_choice"): "--enable-auto-tool-choice"}
 
 _ALIASES = {
     **_VLLM_ALIASES,
@@ -561,6 +573,11 @@ def add_config_flags(
             flag = f"--{section}-{f.name}".replace("_", "-")
             names = [_ALIASES[(section, f.name)], flag] if (section, f.name) in _ALIASES else [flag]
             group = vllm if (section, f.name) in _VLLM_ALIASES else own
+            if (section, f.name) in _VLLM_SWITCHES:
+                vllm.add_argument(
+                    _VLLM_SWITCHES[(section, f.name)], dest=f"{section}__{f.name}", action="store_const",
+                    const=True, default=None, help=f"({flag} true)",
+                )  # fmt: skip
             group.add_argument(
                 *names,
                 dest=f"{section}__{f.name}",

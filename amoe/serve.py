@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -17,6 +18,7 @@ from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
 from amoe.perf.model.check import check_executor
 from coordinator.api.app import abort_all, create_app
+from coordinator.api.tools import ToolServing
 from coordinator.api.validation import ModelInfo
 from coordinator.requests.backend import Backend
 
@@ -143,6 +145,10 @@ class AmoeServer:
             vocab_size=vocab,
             grammars=grammars,
             sampling_defaults=defaults,
+            tools=ToolServing(
+                self.config.server.tool_call_parser, self.config.server.enable_auto_tool_choice
+            ),
+            eos_token_ids=_eos_token_ids(model_dir, eos),
         )
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
@@ -296,6 +302,19 @@ def _default_name(config: AmoeConfig, model_dir: Path) -> str:
     if config.model.path is None and config.executor.kind == "emulated" and config.executor.profile:
         return config.executor.profile
     return model_dir.name
+
+
+def _eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
+    """What ends a request when sampled: the tokenizer's eos and config.json's eos_token_id (one id or a list)."""
+    ids = set() if tokenizer_eos is None else {tokenizer_eos}
+    try:
+        eos = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # no readable config (an emulated profile): the tokenizer's
+        eos = None
+    ids |= {
+        e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)
+    }
+    return frozenset(ids)
 
 
 def _detokenizer_factory(tokenizer):

@@ -155,8 +155,10 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=True):
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True):
-        parts = (f"<{m['role']}>{m['content']}" if self.roles else m["content"] for m in messages)
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        parts = [f"<{m['role']}>{m['content']}" if self.roles else m["content"] for m in messages]
+        if tools is not None:  # the tools' names lead, as a chat template lists them
+            parts.insert(0, "<tools>" + ",".join(t["function"]["name"] for t in tools))
         return self.encode("".join(parts), add_special_tokens=False)
 
     def decode(self, ids, skip_special_tokens=True):
