@@ -83,3 +83,13 @@ def test_the_served_default_model_writes_english(capsys):
         code = main(["default-model", "words", "--base-url", url, "--prompt", "Once upon a time"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["dictionary_fraction"] >= 0.9 and result["words"] >= 20, result
+
+
+def test_the_shipped_tokenizer_config_is_what_training_writes_today():
+    """The chat template travels in tokenizer_config.json: a template change must reach the shipped model too
+    (training writes it fresh, so a stale shipped copy would differ from a retrained model's)."""
+    from amoe.model.make import DEFAULT_MODEL_DIR
+    from amoe.tokenizer import CONFIG_FILE, _tokenizer_config
+
+    shipped = json.loads((DEFAULT_MODEL_DIR / CONFIG_FILE).read_text())
+    assert shipped == _tokenizer_config(shipped["model_max_length"])
