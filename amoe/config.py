@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amoe.errors import ConfigError
+from amoe.tool_calls.formats import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _positive(name: str, value: float) -> None:
 class ModelSection:
     """Which checkpoint to serve and how to hold it."""
 
-    path: str | None = None  # None: the embedded tiny demo model
+    path: str | None = None  # None: the shipped default model (amoe.model.make.default_model_path)
     # auto: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16 (amoe.device.model_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -282,6 +283,10 @@ class ServerSection:
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
     # runtime and routed tokens per expert, for models whose layer count would make too many series.
     metrics_per_layer: bool = True
+    # Tool calling as vLLM serves it (docs/tools.md): the family's wire format that `tool_choice: "auto"` reads
+    # calls in (vLLM's parser names), and whether `auto` is served at all (without it, a 400 as in vLLM).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -306,6 +311,10 @@ class ServerSection:
                 raise ConfigError(f"server.{name} must be >= 0; got {getattr(self, name)}")
         if not isinstance(self.metrics_per_layer, bool):
             raise ConfigError(f"server.metrics_per_layer must be true or false; got {self.metrics_per_layer}")
+        if self.tool_call_parser is not None:
+            _choice("server.tool_call_parser (--tool-call-parser)", self.tool_call_parser, tuple(PARSERS))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 @dataclass(frozen=True)
@@ -568,7 +577,10 @@ _VLLM_ALIASES = {
     ("server", "api_key"): "--api-key",
     ("server", "served_model_name"): "--served-model-name",
     ("server", "seed"): "--seed",
+    ("server", "tool_call_parser"): "--tool-call-parser",
 }
+# vLLM's on/off flags, given without a value (`--enable-auto-tool-choice`); amoe's own spelling takes one.
+_VLLM_SWITCHES = {("server", "enable_auto_tool_choice"): "--enable-auto-tool-choice"}
 
 _ALIASES = {
     **_VLLM_ALIASES,
@@ -633,6 +645,11 @@ def add_config_flags(
         for f in dataclasses.fields(section_cls):
             names = _flag_names(section, f.name)
             group = vllm if (section, f.name) in _VLLM_ALIASES else own
+            if (section, f.name) in _VLLM_SWITCHES:
+                vllm.add_argument(
+                    _VLLM_SWITCHES[(section, f.name)], dest=f"{section}__{f.name}", action="store_const",
+                    const=True, default=None, help=f"(--{section}-{f.name} true)".replace("_", "-"),
+                )  # fmt: skip
             group.add_argument(
                 *names,
                 dest=f"{section}__{f.name}",
@@ -662,15 +679,14 @@ def command_flags(config: AmoeConfig, always: tuple[str, ...] = ()) -> list[str]
         for name, value in values.items():
             if value is None or (name not in changed.get(section, {}) and f"{section}.{name}" not in always):
                 continue  # a flag cannot unset a field: only fields whose default is None hold None
-            text = (
-                str(value).lower()
-                if isinstance(value, bool)
-                else f"{value:g}"
-                if type(value) is float
-                else value
-            )
-            flags += [_flag_names(section, name)[0], str(text)]
+            flags += [_flag_names(section, name)[0], _flag_text(value)]
     return flags
+
+
+def _flag_text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def config_from_args(args: argparse.Namespace) -> AmoeConfig:

@@ -28,7 +28,8 @@ from amoe.curve import ClusterKeys, load_secret
 from amoe.errors import ConfigError, TransportError
 from amoe.hostaddr import route_ip
 from amoe.rendezvous import Rendezvous
-from coordinator.launcher import LocalLauncher, exit_text
+from coordinator.cluster.launcher import exit_text
+from coordinator.cluster.local_launcher import LocalLauncher
 
 logger = logging.getLogger(__name__)
 

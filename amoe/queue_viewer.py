@@ -48,7 +48,9 @@ def run_queues(args: argparse.Namespace) -> int:
 
 
 @dataclass
-class Runtime:
+class RuntimeQueues:
+    """One runtime's row of the view: its tokens queued, pool parts and busy / idle clocks."""
+
     role: str = ""
     depth: float = 0.0
     pool_parts: float = 0.0
@@ -61,7 +63,7 @@ class Runtime:
 class Snapshot:
     """What one /metrics page says about the queues."""
 
-    runtimes: dict[int, Runtime] = field(default_factory=dict)
+    runtimes: dict[int, RuntimeQueues] = field(default_factory=dict)
     experts: dict[tuple[int, int], float] = field(default_factory=dict)  # (block, expert) -> tokens
     attention: dict[tuple[int, int], float] = field(default_factory=dict)  # (block, rank) -> tokens
 
@@ -97,7 +99,7 @@ def parse(text: str) -> Snapshot:
 def _take(snap: Snapshot, name: str, labels: dict[str, str], value: float) -> None:
     if "runtime" not in labels or not labels["runtime"].lstrip("-").isdigit():
         return
-    rt = snap.runtimes.setdefault(int(labels["runtime"]), Runtime())
+    rt = snap.runtimes.setdefault(int(labels["runtime"]), RuntimeQueues())
     if labels.get("role"):
         rt.role = labels["role"]
     if name == "amoe_runtime_queue_depth_tokens":
@@ -148,7 +150,7 @@ def _runtime_table(snap: Snapshot, previous: Snapshot | None, width: int) -> lis
     return rows
 
 
-def _shares(rt: Runtime, before: Runtime | None) -> tuple[str, str]:
+def _shares(rt: RuntimeQueues, before: RuntimeQueues | None) -> tuple[str, str]:
     """Busy and stall share of the runtime's time between the reports two frames show ("-" on the first, or
     when no new report came): on the runtime's clock, as reports arrive a heartbeat apart, not with each frame."""
     if before is None or rt.uptime_s <= before.uptime_s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -16,9 +17,10 @@ from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
 from amoe.perf.model.check import check_emulation
-from coordinator.api_server import abort_all, create_app
-from coordinator.backend import Backend
-from coordinator.validation import ModelInfo
+from coordinator.api.app import abort_all, create_app
+from coordinator.api.tools import ToolServing
+from coordinator.api.validation import ModelInfo
+from coordinator.requests.backend import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,10 @@ class AmoeServer:
             vocab_size=vocab,
             grammars=grammars,
             sampling_defaults=defaults,
+            tools=ToolServing(
+                self.config.server.tool_call_parser, self.config.server.enable_auto_tool_choice
+            ),
+            eos_token_ids=_eos_token_ids(model_dir, eos),
         )
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
@@ -160,7 +166,7 @@ class AmoeServer:
         return backend, backend.engine.max_model_len, backend.engine.model_config.vocab_size
 
     async def _start_cluster(self, model_dir: Path):
-        from coordinator.cluster_backend import ClusterBackend
+        from coordinator.requests.cluster_backend import ClusterBackend
 
         par, ex, em = self.config.parallel, self.config.executor, self.config.emulation
         if par.mode == "ep":
@@ -280,9 +286,9 @@ def api_key(server: ServerSection) -> str | None:
 
 
 def _model_dir(config: AmoeConfig) -> Path:
-    """The checkpoint; without --model the demo model's directory, which also supplies the tokenizer when an
-    emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the demo
-    tokenizer's ids, which are valid in any larger vocabulary)."""
+    """The checkpoint; without --model the shipped default model's directory, which also supplies the tokenizer
+    when an emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the
+    default tokenizer's ids, which are valid in any larger vocabulary)."""
     if config.model.path is not None:
         return Path(config.model.path)
     if config.parallel.mode == "local" and config.executor.kind == "emulated":
@@ -296,6 +302,19 @@ def _default_name(config: AmoeConfig, model_dir: Path) -> str:
     if config.model.path is None and config.executor.kind == "emulated" and config.emulation.profile:
         return config.emulation.profile
     return model_dir.name
+
+
+def _eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
+    """What ends a request when sampled: the tokenizer's eos and config.json's eos_token_id (one id or a list)."""
+    ids = set() if tokenizer_eos is None else {tokenizer_eos}
+    try:
+        eos = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # no readable config (an emulated profile): the tokenizer's
+        eos = None
+    ids |= {
+        e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)
+    }
+    return frozenset(ids)
 
 
 def _detokenizer_factory(tokenizer):

@@ -46,10 +46,10 @@ _PLANE = re.compile(
 )  # amoe serve's start-up line: "serving ... (..., nccl transport, ...)"
 
 
-class Timer:
+class DeviceTimer:
     """Wall seconds of a block, the GPU's queued work included (the host only enqueues kernels)."""
 
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> DeviceTimer:
         _synchronize()
         self.wall = time.perf_counter()
         return self
@@ -77,7 +77,7 @@ def run_amoe(
     llm = LLM(model_dir, device=device, dtype=dtype, max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up: kernels, allocator
-    with Timer() as timer:
+    with DeviceTimer() as timer:
         outs = llm.generate(prompts, params)
     del llm
     _free_gpu()
@@ -91,7 +91,7 @@ def run_hf(
 
     first = torch.device(device, 0) if device == "cuda" else torch.device(device)
     model = MixtralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(first).eval()
-    timer, tokens = hf_generate(model, prompts, new_tokens, Timer, first)
+    timer, tokens = hf_generate(model, prompts, new_tokens, DeviceTimer, first)
     del model
     _free_gpu()
     return timer.wall, tokens

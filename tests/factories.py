@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from amoe.config import AmoeConfig
+from amoe.testing.servers import ServerProcess
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 1024) -> list[list[int]]:
@@ -135,39 +134,61 @@ class AliveProcess:
         self.returncode = -9
 
 
-class Server:
-    """`amoe serve --port 0 FLAGS` as a child process; the URL is parsed from its log."""
+def config_of(*flags: str) -> AmoeConfig:
+    """The config `amoe serve FLAGS` serves, by the real command line's parser: for tests whose settings read best
+    as the flags a user types (the server then gets the config, as every ServerProcess does)."""
+    from amoe.cli import build_parser
+    from amoe.config import config_from_args
+
+    return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+
+class CheckedServer(ServerProcess):
+    """`with CheckedServer(*flags) as url:` serves the config of `amoe serve FLAGS` (config_of) for the block;
+    leaving it, the server must drain on SIGINT and exit 0."""
 
     def __init__(self, *flags: str) -> None:
-        env = {**os.environ, "AMOE_LOG_LEVEL": "INFO"}
-        cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *flags]
-        self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(config_of(*flags), startup_timeout_s=90, env={"AMOE_LOG_LEVEL": "INFO"})
 
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+    def __exit__(self, *exc: object) -> None:
+        code = self.stop(timeout_s=30)
+        assert code == 0, "\n".join(self.lines)
 
-    def __enter__(self) -> str:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                if match := re.search(r"amoe serve: listening on (http://\S+)$", line):
-                    return match.group(1)
-            assert self.proc.poll() is None, "server exited early:\n" + "\n".join(self.lines)
-            time.sleep(0.05)
-        raise AssertionError("no listening line:\n" + "\n".join(self.lines))
 
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(2)
-        try:
-            assert self.proc.wait(30) == 0, "\n".join(self.lines)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+class CharTokenizer:
+    """A tokenizer double: each character is its code point, 1 is BOS; a chat is its messages' contents, each after
+    `<role>` when `roles`."""
+
+    def __init__(self, roles: bool = True) -> None:
+        self.roles = roles
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        parts = [f"<{m['role']}>{m['content']}" if self.roles else m["content"] for m in messages]
+        if tools is not None:  # the tools' names lead, as a chat template lists them
+            parts.insert(0, "<tools>" + ",".join(t["function"]["name"] for t in tools))
+        return self.encode("".join(parts), add_special_tokens=False)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class CharDetokenizer:
+    """Token id i is chr(i): one character per token, nothing held back; `fail_on`: a detokenizer bug raised at
+    that character."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.fail_on = fail_on
+
+    def add(self, token_id: int) -> str:
+        if chr(token_id) == self.fail_on:
+            raise RuntimeError("detokenizer bug")
+        return chr(token_id)
+
+    def flush(self) -> str:
+        return ""
 
 
 @contextlib.contextmanager

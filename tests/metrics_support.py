@@ -4,68 +4,27 @@ prepared runtime reports for a backend that hands them out."""
 from __future__ import annotations
 
 import copy
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from factories import config_of
 
 from amoe.runtime.report import BATCH_ROWS_BUCKETS
-from coordinator.backend import RankKV
+from amoe.testing.servers import ServerProcess
+from coordinator.requests.backend import RankKV
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class ServerProcess:
-    """The real `amoe serve` as a child process (its runtimes with it); `url` once it listens."""
-
-    def __init__(self, model_dir: Path, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", "0", *flags]
-        env = {**os.environ, "AMOE_LOG_LEVEL": "INFO", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = ""
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for_url(self, timeout: float = 90) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                match = re.search(r"amoe serve: listening on (http://\S+)$", line)
-                if match:
-                    self.url = match.group(1)
-                    return self.url
-            if self.proc.poll() is not None:
-                raise AssertionError("server exited early:\n" + "\n".join(self.lines[-30:]))
-            time.sleep(0.05)
-        raise AssertionError("no listening line:\n" + "\n".join(self.lines[-30:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the runtimes it spawned too
-                self.proc.wait(10)
+def serve_model(model_dir: Path, *flags: str) -> ServerProcess:
+    """The real `amoe serve` of `model_dir` as a child process in a session of its own (its runtimes with it),
+    started; `wait_for_url()` once it listens."""
+    env = {"AMOE_LOG_LEVEL": "INFO", "PYTHONPATH": str(REPO)}
+    config = config_of("--model", str(model_dir), *flags)
+    return ServerProcess(config, startup_timeout_s=90, env=env, new_session=True, cwd=str(REPO)).start()
 
 
 class FakeBackend:

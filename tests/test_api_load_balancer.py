@@ -5,8 +5,9 @@ import asyncio
 import pytest
 
 from amoe.errors import RequestError
-from coordinator.backend import RankKV
-from coordinator.load_balancer import LoadBalancer, OverloadedError
+from coordinator.requests.backend import RankKV
+from coordinator.requests.errors import Overloaded
+from coordinator.requests.load_balancer import LoadBalancer
 
 BLOCK = 16
 
@@ -102,7 +103,7 @@ def test_full_queue_is_overloaded_and_a_cancelled_waiter_leaves_it():
         await lb.admit("a", BLOCK)
         waiter = asyncio.create_task(lb.admit("w", BLOCK))
         await asyncio.sleep(0)
-        with pytest.raises(OverloadedError, match="max_waiting"):
+        with pytest.raises(Overloaded, match="max_waiting"):
             await lb.admit("x", BLOCK)
         waiter.cancel()  # the client went away while waiting
         with pytest.raises(asyncio.CancelledError):

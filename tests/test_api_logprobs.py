@@ -16,7 +16,7 @@ from amoe.config import AmoeConfig
 from amoe.logprobs import MAX_LOGPROBS
 from amoe.model.make import make_model
 from amoe.tokenizer import Tokenizer
-from coordinator.validation import MAX_PROMPTS
+from coordinator.api.validation import MAX_PROMPTS
 
 MODEL = "tiny-logprobs"
 KV_BLOCKS = 12  # of 16 tokens

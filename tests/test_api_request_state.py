@@ -1,21 +1,12 @@
 """Request output state: incremental text, stop strings cut at their start, held-back text while streaming."""
 
+from factories import CharDetokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amoe.logprobs import Logprobs
 from amoe.request_rules import StopMatcher
-from coordinator.request_state import RequestState
-
-
-class CharDetokenizer:
-    """Token id i is chr(i): one character per token, nothing held back."""
-
-    def add(self, token_id: int) -> str:
-        return chr(token_id)
-
-    def flush(self) -> str:
-        return ""
+from coordinator.requests.request_state import RequestState
 
 
 def ids(text: str) -> list[int]:
@@ -29,6 +20,19 @@ def test_text_accumulates_and_streams_without_stop_strings():
     state.append(ids("c"), "length")
     assert state.take_text() == "c"
     assert (state.text, state.finish_reason, state.num_output_tokens) == ("abc", "length", 3)
+
+
+def test_the_token_that_ends_the_output_is_no_text():
+    """As in vLLM: an eos or stop_token_ids token that stopped the output is counted but not detokenized (a
+    `skip_special_tokens: false` output would otherwise end in "</s>"); when it did not stop it, it is text."""
+    end = frozenset({ord("$")})
+    state = RequestState(CharDetokenizer(), [], num_prompt_tokens=1, end_token_ids=end)
+    state.append(ids("a$b"), None)
+    state.append(ids("c$"), "stop")
+    assert (state.text, state.num_output_tokens, state.finish_reason) == ("a$bc", 5, "stop")
+    capped = RequestState(CharDetokenizer(), [], num_prompt_tokens=1, end_token_ids=end)
+    capped.append(ids("c$"), "length")  # max_tokens ended it, not the token
+    assert capped.text == "c$"
 
 
 def test_stop_string_truncates_and_finishes_with_stop():

@@ -5,13 +5,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
+from factories import config_of
 
 from amoe.model.make import make_model
+from amoe.testing.servers import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -19,43 +19,16 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("ckpt") / "tiny-proc", seed=0)
 
 
-class ServerProcess:
-    def __init__(self, model_dir, *flags: str, new_session: bool = False) -> None:
-        cmd = [sys.executable, "-m", "amoe", "serve", "--model", str(model_dir), "--port", "0", *flags]
-        env = {**os.environ, "AMOE_LOG_LEVEL": "INFO"}
-        self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-            start_new_session=new_session,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for_url(self, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                match = re.search(r"amoe serve: listening on (http://\S+)$", line)
-                if match:
-                    return match.group(1)
-            assert self.proc.poll() is None, "server exited early:\n" + "\n".join(self.lines)
-            time.sleep(0.05)
-        raise AssertionError("no listening line:\n" + "\n".join(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+def start_server(model_dir, *flags: str, new_session: bool = False) -> ServerProcess:
+    env = {"AMOE_LOG_LEVEL": "INFO"}  # the tests read its INFO lines
+    config = config_of("--model", str(model_dir), *flags)
+    return ServerProcess(config, startup_timeout_s=60, env=env, new_session=new_session).start()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_when_idle_exits_0(model_dir, sig):
-    server = ServerProcess(model_dir)
+    server = start_server(model_dir)
     try:
         url = server.wait_for_url()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and not url.endswith(":0")
@@ -63,7 +36,7 @@ def test_signal_when_idle_exits_0(model_dir, sig):
         server.proc.send_signal(sig)
         assert server.proc.wait(45) == 0  # a loaded host may take a while to stop
     finally:
-        server.stop()
+        server.kill()
     assert not [line for line in server.lines if "Traceback" in line]
 
 
@@ -85,7 +58,7 @@ def _signal_mid_stream(url: str, max_tokens: int, send) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
-    server = ServerProcess(model_dir, "--server-drain-timeout-s", "1")
+    server = start_server(model_dir, "--server-drain-timeout-s", "1")
     try:
         url = server.wait_for_url()
         rest = _signal_mid_stream(url, 2000, lambda: server.proc.send_signal(signal.SIGTERM))
@@ -96,7 +69,7 @@ def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
     finally:
-        server.stop()
+        server.kill()
     assert any("SIGTERM: draining" in line for line in server.lines)
     assert any("aborting 1 in-flight requests" in line for line in server.lines)
 
@@ -105,7 +78,7 @@ def test_sigterm_drains_an_in_flight_stream_and_exits_0(model_dir):
 def test_sigterm_to_the_whole_process_group_drains_without_healing(model_dir):
     """systemd and `timeout` signal every process of the group: the runtimes keep serving the drain, none is
     taken for crashed and replaced, and the server exits 0 without killing stragglers."""
-    server = ServerProcess(model_dir, "--server-drain-timeout-s", "5", new_session=True)
+    server = start_server(model_dir, "--server-drain-timeout-s", "5", new_session=True)
     try:
         url = server.wait_for_url()
         rest = _signal_mid_stream(url, 40, lambda: os.killpg(server.proc.pid, signal.SIGTERM))
@@ -113,7 +86,7 @@ def test_sigterm_to_the_whole_process_group_drains_without_healing(model_dir):
         assert rest[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in rest[-2]
     finally:
-        server.stop()
+        server.kill()
     log = "\n".join(server.lines)
     assert "replacing it" not in log and "did not stop" not in log, log
 

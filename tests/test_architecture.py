@@ -1,8 +1,8 @@
 """The shape of the house, checked from the source: no import circles in amoe/ and coordinator/, between modules or
-between packages, the coordinator reaches no model code and no torch (however indirectly), the modelling wing's
-floors import downwards only and the serving product sees only its cost model, production code never imports the
-test harnesses, and the light entry points (the API server, `amoe --help`, `import amoe`) really leave torch
-unloaded."""
+between packages, the coordinator reaches no model code and no torch (however indirectly) and its rooms import one
+way, the modelling wing's floors import downwards only and the serving product sees only its cost model, production
+code never imports the test harnesses, every class name is defined once, and the light entry points (the API
+server, `amoe --help`, `import amoe`) really leave torch unloaded."""
 
 from __future__ import annotations
 
@@ -297,8 +297,10 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_the_api_server_and_import_amoe_leave_torch_out():
-    loaded = _modules_after("import amoe, coordinator.api_server, coordinator.cluster_backend, amoe.serve")
-    assert "coordinator.api_server" in loaded and "amoe" in loaded
+    loaded = _modules_after(
+        "import amoe, coordinator.api.app, coordinator.requests.cluster_backend, amoe.serve"
+    )
+    assert "coordinator.api.app" in loaded and "amoe" in loaded
     assert "torch" not in loaded
 
 
@@ -319,16 +321,113 @@ def test_amoe_help_leaves_torch_out():
     assert "amoe.cli" in loaded and "torch" not in loaded
 
 
-def test_finding_the_demo_model_leaves_torch_out(tmp_path):
-    """`amoe serve` without --model looks the demo model up in the coordinator: once it exists, no torch."""
+def test_finding_the_default_model_leaves_torch_out():
+    """`amoe serve` without --model looks the shipped default model up in the coordinator: no torch."""
     code = (
-        "import os, pathlib\n"
-        f"os.environ['XDG_CACHE_HOME'] = {str(tmp_path)!r}\n"
-        "from amoe.model.make import DEMO_MODEL_NAME\n"
-        f"(pathlib.Path({str(tmp_path)!r}) / 'amoe' / 'models' / DEMO_MODEL_NAME).mkdir(parents=True)\n"
         "from amoe.serve import _model_dir\n"
         "from amoe.config import AmoeConfig\n"
-        "assert _model_dir(AmoeConfig()).name == DEMO_MODEL_NAME\n"
+        "from amoe.model.make import DEFAULT_MODEL_DIR\n"
+        "assert _model_dir(AmoeConfig()) == DEFAULT_MODEL_DIR\n"
     )
     loaded = _modules_after(code)
     assert "amoe.model.make" in loaded and "torch" not in loaded
+
+
+# The coordinator's rooms (docs/serve.md, "The coordinator"), from the top: each may import the rooms below it.
+ROOMS = ("coordinator.api", "coordinator.requests", "coordinator.cluster")
+COORDINATOR_LEAVES = ("coordinator", "coordinator.metrics")  # beside the rooms: every room may use them
+
+
+def test_every_coordinator_module_is_in_a_room():
+    loose = [
+        m
+        for m in graph(lazy_exports=True)
+        if is_under(m, ("coordinator",)) and m not in COORDINATOR_LEAVES and not is_under(m, ROOMS)
+    ]
+    assert not loose, "outside the rooms: " + ", ".join(loose)
+
+
+def room_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from a coordinator room (or leaf) into a room above it."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        if module in COORDINATOR_LEAVES:
+            above: tuple[str, ...] = ROOMS
+        elif is_under(module, ROOMS):
+            room = next(r for r in ROOMS if is_under(module, (r,)))
+            above = ROOMS[: ROOMS.index(room)]
+        else:
+            continue
+        bad += [f"{module} imports {w}" for w in sorted(targets) if is_under(w, above)]
+    return bad
+
+
+def test_the_coordinator_rooms_import_one_way():
+    """api → requests → cluster, counting imports inside functions; the leaves import no room."""
+    bad = room_violations(graph(lazy_exports=True))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_room_rules_catch_an_arrow_back_up():
+    edges = {
+        "coordinator.cluster.x": {"coordinator.requests.y", "amoe.wire"},
+        "coordinator.requests.y": {"coordinator.api.z", "coordinator.cluster.x"},
+        "coordinator.metrics": {"coordinator.cluster.x"},
+        "coordinator.api.z": {"coordinator.requests.y", "coordinator.cluster.x", "coordinator.metrics"},
+    }
+    assert room_violations(edges) == [
+        "coordinator.cluster.x imports coordinator.requests.y",
+        "coordinator.metrics imports coordinator.cluster.x",
+        "coordinator.requests.y imports coordinator.api.z",
+    ]
+
+
+def test_the_request_and_cluster_rooms_speak_no_http():
+    """Their failures are their own errors; only the API room turns them into statuses and response bodies."""
+    edges = graph(lazy_exports=True)
+    http = ("fastapi", "starlette", "pydantic", "uvicorn")
+    bad = [
+        f"{m} imports {w}"
+        for m, targets in sorted(edges.items())
+        if is_under(m, ROOMS[1:])
+        for w in sorted(targets)
+        if is_under(w, http)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+# Where class names must be unique: every folder of Python the repository holds.
+CLASS_FOLDERS = ("amoe", "coordinator", "tests", "bench", "examples", "deploy", "tools")
+
+
+def class_definitions(root: Path = REPO) -> dict[str, list[str]]:
+    """Every class defined anywhere in CLASS_FOLDERS (nested ones too), by name: where each is defined."""
+    found: dict[str, list[str]] = {}
+    for folder in CLASS_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def repeated_names(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Names defined more than once."""
+    return {name: where for name, where in found.items() if len(where) > 1}
+
+
+def test_every_class_name_is_defined_once():
+    repeated = repeated_names(class_definitions())
+    assert not repeated, "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(repeated.items()))
+
+
+def test_a_repeated_class_name_is_found(tmp_path):
+    (tmp_path / "amoe" / "sub").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "amoe" / "a.py").write_text("class Server:\n    class Chunk:\n        pass\n")
+    (tmp_path / "tests" / "b.py").write_text("def f():\n    class Server:\n        pass\n")
+    found = class_definitions(tmp_path)
+    assert repeated_names(found) == {"Server": ["amoe/a.py:1", "tests/b.py:2"]}
+    (tmp_path / "amoe" / "sub" / "c.py").write_text("class Chunk:\n    pass\n")  # a nested class counts too
+    assert set(repeated_names(class_definitions(tmp_path))) == {"Server", "Chunk"}

@@ -110,7 +110,7 @@ def test_a_replaced_peer_gets_new_groups_and_the_survivors_keep_theirs(tmp_path)
     for rank in (
         0,
         2,
-    ):  # the survivors, as a Reconnect makes them (amoe.runtime.aep_runtime.Runtime.reconnect)
+    ):  # the survivors, as a Reconnect makes them (amoe.runtime.aep_runtime.AepRuntime.reconnect)
         comms[rank].reconnect(1, new.endpoint, 1)
         assert comms[rank].unlinked_peers() == [1]
         made[rank][1].rebuild(1, 1)

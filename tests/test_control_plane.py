@@ -14,10 +14,10 @@ from factories import AliveProcess
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import RequestFailed
-from coordinator.backend import TokenDelta
-from coordinator.cluster import ClusterManager
-from coordinator.cluster_backend import ClusterBackend, _Stream
-from coordinator.runtimes import RuntimeProc
+from coordinator.cluster.manager import ClusterManager
+from coordinator.cluster.runtimes import RuntimeProc
+from coordinator.requests.backend import TokenDelta
+from coordinator.requests.cluster_backend import ClusterBackend, _Stream
 
 
 class _Launcher:

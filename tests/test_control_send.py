@@ -12,9 +12,9 @@ from factories import AliveProcess
 
 from amoe import wire
 from amoe.config import AmoeConfig
-from coordinator.cluster_backend import ClusterBackend
-from coordinator.control_plane import ControlPlane
-from coordinator.runtimes import RuntimeProc
+from coordinator.cluster.control_plane import ControlPlane
+from coordinator.cluster.runtimes import RuntimeProc
+from coordinator.requests.cluster_backend import ClusterBackend
 
 
 class _Launch:

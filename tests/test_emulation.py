@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -217,14 +215,33 @@ def test_hot_expert_is_fixed_per_block_and_varies_across_blocks():
 # --- clock and executors ----------------------------------------------------------------------------------
 
 
-def test_hold_sleeps_scaled_time_and_accounts_busy():
-    clock = EmulatedClock(time_scale=10.0)
-    start = time.perf_counter()
+class FakeWall:
+    """Wall time that passes only when slept on, each sleep `late` seconds longer than asked (as time.sleep is)."""
+
+    def __init__(self, late: float) -> None:
+        self.t, self.late, self.asked = 0.0, late, []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.t += seconds + self.late
+
+
+@pytest.mark.parametrize("late", [0.0, 1.5e-4, 2e-3])
+def test_hold_sleeps_scaled_time_and_accounts_busy(late):
+    """Ten holds of 0.5 ms at time scale 10 take 50 ms of wall time: each sleep asks for less by the clock's estimate
+    of the oversleep and the rest is carried into the next hold, so however late the sleeps come back the total is
+    the target's within one sleep's lateness."""
+    wall = FakeWall(late)
+    clock = EmulatedClock(time_scale=10.0, wall=wall.now, sleep=wall.sleep)
     for _ in range(10):
         clock.hold(0.5e-3, "expert", rows=4)  # 5 ms of wall time each
-    wall = time.perf_counter() - start
-    assert 0.045 <= wall <= 0.2  # loose: this machine is shared
+    assert len(wall.asked) == 10  # one sleep a hold
+    assert wall.t == pytest.approx(0.05, abs=max(late, 1e-4))
     stats = clock.stats()
+    assert stats["held_wall_s"] == pytest.approx(wall.t) and stats["elapsed_s"] == pytest.approx(wall.t / 10)
     assert stats["busy_s"] == pytest.approx(5e-3)
     assert stats["kinds"]["expert"] == {"steps": 10, "rows": 40, "busy_s": pytest.approx(5e-3)}
     with pytest.raises(ValueError):

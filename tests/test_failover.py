@@ -19,10 +19,10 @@ from amoe.errors import ConfigError
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
 from amoe.testing.servers import ServerProcess
-from coordinator.backend import RankKV, TokenDelta
-from coordinator.cluster_backend import ClusterBackend
-from coordinator.load_balancer import LoadBalancer
-from coordinator.runtimes import RuntimeProc
+from coordinator.cluster.runtimes import RuntimeProc
+from coordinator.requests.backend import RankKV, TokenDelta
+from coordinator.requests.cluster_backend import ClusterBackend
+from coordinator.requests.load_balancer import LoadBalancer
 
 
 def _balancer(ranks: list[RankKV]) -> LoadBalancer:

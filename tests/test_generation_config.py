@@ -14,8 +14,8 @@ from amoe.generation_config import sampling_defaults
 from amoe.llm import LLM
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest
-from coordinator.validation import ModelInfo, prepare_chat, prepare_completion
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.api.validation import ModelInfo, prepare_chat, prepare_completion
 
 CREATOR = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.01}
 

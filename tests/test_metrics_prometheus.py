@@ -18,10 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from metrics_support import REPO, Load, ServerProcess, series_bound
+from metrics_support import REPO, Load, series_bound, serve_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from amoe.model.make import make_model
+from amoe.testing.servers import ServerProcess
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "amoe.json"
@@ -147,7 +148,7 @@ def live(tmp_path_factory):
             pytest.fail(message)
         pytest.skip(message)
     model = make_model("tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0)
-    server = ServerProcess(model, "--attn-ranks", "2", "--expert-ranks", "4", "--server-drain-timeout-s", "1")
+    server = serve_model(model, "--attn-ranks", "2", "--expert-ranks", "4", "--server-drain-timeout-s", "1")
     prom = None
     try:
         url = server.wait_for_url()

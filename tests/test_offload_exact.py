@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from factories import Server, hf_greedy
+from factories import CheckedServer, hf_greedy
 
 from amoe.config import OffloadSection
 from amoe.llm import LLM
@@ -150,7 +150,7 @@ def test_aep_server_offloads_records_and_reports(ckpt, sizes, reference_texts, t
         "--model", str(ckpt), "--parallel", "aep", "--attn-ranks", "1", "--expert-ranks", "2",
         "--cache-num-kv-blocks", "64", "--offload-budget", str(reader + expert), "--offload-policy", "lru", "--offload-record", str(record),
     )  # fmt: skip
-    with Server(*flags) as url:
+    with CheckedServer(*flags) as url:
         choices = asyncio.run(_complete_all(url))
         # The expert runtimes' counters come with their periodic reports: wait for both (a report, not a fixed time).
         deadline = time.monotonic() + 60

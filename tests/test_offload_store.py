@@ -178,14 +178,14 @@ def test_local_backend_store_on_metrics():
     """The local engine's store shows as runtime 0, role local; its counters stay monotonic."""
     from coordinator.metrics import CoordinatorMetrics
 
-    class Backend:
+    class StoreBackend:  # what the metrics read of a local backend whose engine offloads
         stats = {"hits": 5, "misses": 3, "loads": 4, "evictions": 1, "bytes_read": 4096, "stall_s": 0.5,
                  "prefetches": 1, "prefetch_used": 1, "slots": 2, "resident": 2, "experts": 32}  # fmt: skip
 
         def offload_stats(self):
             return dict(self.stats)
 
-    text = CoordinatorMetrics(Backend()).render().decode()
+    text = CoordinatorMetrics(StoreBackend()).render().decode()
     labels = '{role="local",runtime="0"}'
     for line in (
         f"amoe_offload_hits_total{labels} 5.0",

@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import httpx
 import pytest
-from factories import Server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,11 +173,36 @@ def test_amoe_plan_out_then_amoe_serve_config_serves_the_plan(tmp_path):
     d = written["plan"]["deployment"]
     assert (d["mode"], d["attn_gpu"]) == ("aep", "a100-80g") and d["num_attn"] + d["num_expert"] <= 3
     assert written["executor"]["kind"] == "emulated" and written["scheduler"]["policy"] == "waves"
-    server = Server("--config", str(out), "--time-scale", "4")  # a flag still overlays the file
-    with server as url:
+    # The command a user types (a flag still overlays the file), as a child process.
+    cmd = [sys.executable, "-m", "amoe", "serve", "--config", str(out), "--port", "0", "--time-scale", "4"]
+    server = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AMOE_LOG_LEVEL": "INFO"},
+    )  # fmt: skip
+    lines: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        for line in server.stderr:
+            lines.append(line.rstrip("\n"))
+            if re.search(r"amoe serve: listening on http://\S+$", line):
+                listening.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert listening.wait(120) and server.poll() is None, "\n".join(lines)
+        url = re.search(r"listening on (http://\S+)$", next(x for x in lines if "listening on" in x)).group(1)
         body = {"model": "mixtral-8x7b-mqa:2", "prompt": [11, 12, 13], "max_tokens": 4, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         health = httpx.get(f"{url}/health", timeout=10).json()
+    finally:
+        server.send_signal(2)
+        try:
+            server.wait(60)
+        finally:
+            if server.poll() is None:
+                server.kill()
+    assert server.returncode == 0, "\n".join(lines)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
     runtimes = health["runtimes"]
@@ -186,7 +213,7 @@ def test_amoe_plan_out_then_amoe_serve_config_serves_the_plan(tmp_path):
         "a100-80g",
         4.0,
     )
-    log = "\n".join(server.lines)
+    log = "\n".join(lines)
     assert f"[config] planned by amoe plan: {written['plan']['summary']}" in log
     layout = f"{d['num_attn']} attention + {d['num_expert']} expert runtimes (aep, emulated a100-80g"
     assert layout in log and "waves scheduler" in log

@@ -11,39 +11,21 @@ import json
 from collections.abc import Callable
 
 import pytest
+from factories import CharDetokenizer, CharTokenizer
 
 from amoe.config import ServerSection
 from amoe.errors import EngineDeadError, RequestFailed
-from coordinator.api_server import abort_all, create_app
-from coordinator.backend import Backend, RankKV, TokenDelta
-from coordinator.protocol import CompletionRequest
-from coordinator.validation import ModelInfo, prepare_completion
+from coordinator.api.app import abort_all, create_app
+from coordinator.api.openai_errors import from_exception
+from coordinator.api.protocol import CompletionRequest
+from coordinator.api.validation import ModelInfo, prepare_completion
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
+from coordinator.requests.errors import InternalError, Overloaded, TimedOut
 
 MODEL = "fake"
 BLOCK = 16
 TOTAL_BLOCKS = 8
 BLOCKER = -1  # a reservation made straight on the load balancer, to keep a request waiting for KV
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
-
-    def encode_chat(self, messages, add_generation_prompt=True):
-        return self.encode("".join(m["content"] for m in messages), add_special_tokens=False)
-
-
-class CharDetokenizer:
-    def __init__(self, fail_on: str | None = None) -> None:
-        self.fail_on = fail_on
-
-    def add(self, token_id):
-        if chr(token_id) == self.fail_on:
-            raise RuntimeError("detokenizer bug")
-        return chr(token_id)
-
-    def flush(self):
-        return ""
 
 
 class GatedBackend(Backend):
@@ -225,7 +207,7 @@ class Harness:
         self.model = ModelInfo(MODEL, 64, 100_000)
         self.app = create_app(
             self.backend,
-            CharTokenizer(),
+            CharTokenizer(roles=False),
             self.model,
             lambda ids: detokenizer or CharDetokenizer(),
             server=ServerSection(**server),
@@ -464,7 +446,9 @@ def test_the_token_wait_does_not_lose_a_cancellation_that_comes_with_a_token(off
     async def scenario():
         h = Harness()
         body = CompletionRequest(model=MODEL, prompt="hi", max_tokens=50)
-        lifetime = h.runner.open(prepare_completion(body, CharTokenizer(), h.model, 1), "completions")
+        lifetime = h.runner.open(
+            prepare_completion(body, CharTokenizer(roles=False), h.model, 1), "completions"
+        )
         await h.runner.admit(lifetime)
 
         async def read():
@@ -671,3 +655,17 @@ def test_ending_a_request_twice_aborts_and_counts_it_once():
         h.assert_ended_once("aborted", "abort", stopped=True, reached=True)
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "code", "message"),
+    [
+        (Overloaded("queue full"), 503, "server_error", "overloaded", "queue full"),
+        (TimedOut("no token for 1 s"), 504, "server_error", "timeout", "no token for 1 s"),
+        (InternalError(KeyError("x")), 500, "server_error", None, "internal server error: KeyError: 'x'"),
+    ],
+)
+def test_the_api_gives_each_request_error_its_status(error, status, kind, code, message):
+    """The request room raises its own errors; the API alone turns each into an OpenAI-shaped response."""
+    api = from_exception(error)
+    assert (api.status, api.info.type, api.info.code, api.info.message) == (status, kind, code, message)

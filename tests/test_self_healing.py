@@ -22,7 +22,7 @@ from amoe.placement import Placement
 from amoe.runtime.requests import RankRequests
 from amoe.sampling_params import SamplingParams
 from amoe.testing.servers import ServerProcess
-from coordinator.runtimes import RestartBudget
+from coordinator.cluster.runtimes import RestartBudget
 
 H, K, E, NB = 4, 2, 4, 2
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from factories import Server, check_echo_choice, hf_greedy
+from factories import CheckedServer, check_echo_choice, hf_greedy
 
 from amoe.llm import LLM
 from amoe.model.make import make_model
@@ -70,7 +70,7 @@ async def _complete_all(url: str, prompts, max_tokens, model=None) -> list[dict]
     ids=["ep", "pingpong"],
 )
 def test_sync_modes_match_reference(model_dir, reference, hf_reference, flags):
-    server = Server("--model", str(model_dir), *flags)
+    server = CheckedServer("--model", str(model_dir), *flags)
     with server as url:
         answers = asyncio.run(_complete_all(url, PROMPTS, MAX_TOKENS))
         health = httpx.get(f"{url}/health").json()
@@ -95,7 +95,7 @@ def test_emulated_profile_serves_max_tokens():
         "--executor", "emulated", "--executor-profile", "mixtral-8x7b-mqa", "--executor-top-k", "1",
         "--routing", "skew-exp", "--time-scale", "2", "--attn-ranks", "1", "--expert-ranks", "2",
     )  # fmt: skip
-    with Server(*flags) as url:
+    with CheckedServer(*flags) as url:
         answers = asyncio.run(_complete_all(url, [[11, 12, 13, 14], [20] * 30], [7, 3]))
         health = httpx.get(f"{url}/health").json()
     assert [a["usage"]["completion_tokens"] for a in answers] == [7, 3]
@@ -116,7 +116,7 @@ def test_decode_only_emulation_skips_the_prompt(mode):
         "--routing", "skew-exp", "--time-scale", "2", "--executor-decode-only", "true",
     )  # fmt: skip
     prompts, max_tokens = [[11, 12, 13, 14], [20] * 300, [7]], [7, 3, 5]
-    server = Server(*flags)
+    server = CheckedServer(*flags)
     with server as url:
         answers = asyncio.run(_complete_all(url, prompts, max_tokens))
         time.sleep(1.5)  # runtime stats reach /metrics with the heartbeats (every 0.5 s)

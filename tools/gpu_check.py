@@ -63,7 +63,7 @@ NEEDS_CUDA = ("exactness", "gpu_suite", "bench")
 # What the carried wheels are for: each must import once installed (the extension and the server's modules too).
 IMPORTS = [
     "torch", "zmq", "msgspec", "fastapi", "starlette", "pydantic", "uvicorn", "setproctitle", "llguidance", "openai",
-    "amoe.core", "amoe.llm", "amoe.serve", "amoe.structured", "coordinator.api_server", "transformers",
+    "amoe.core", "amoe.llm", "amoe.serve", "amoe.structured", "coordinator.api.app", "transformers",
 ]  # fmt: skip
 BENCH_ARGS = ["--preset", "small", "--num-prompts", "32", "--new-tokens", "64", "--parallel", "local,aep,ep"]
 BENCH_ARGS += ["--startup-timeout-s", "60"]
@@ -111,7 +111,7 @@ sys.exit(1 if unmet else 0)
 
 
 @dataclass
-class Check:
+class GpuCheck:
     """One run of the check: where things are, what was found, and the JSON document being written."""
 
     out: Path
@@ -145,7 +145,7 @@ class Check:
 STATUSES = ("passed", "failed", "skipped")
 
 
-def run(check: Check, name: str, cmd: list[str], env: dict[str, str] | None = None) -> dict:
+def run(check: GpuCheck, name: str, cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Runs `cmd` from the tree's root in a process group of its own under step `name`'s time box; on timeout the
     whole group (a server and its runtimes too) is stopped. The step's record: status, seconds, box, tail."""
     box = check.boxes[name]
@@ -203,7 +203,7 @@ def _tail(log: Path, marker: str) -> str:
     return section[-TAIL_CHARS:]
 
 
-def skipped(check: Check, name: str, reason: str) -> dict:
+def skipped(check: GpuCheck, name: str, reason: str) -> dict:
     return {"status": "skipped", "seconds": 0.0, "box_s": check.boxes[name], "reason": reason}
 
 
@@ -222,7 +222,7 @@ def last_json(tail: str) -> dict | None:
 # ---- the steps: each returns its record (run's, or skipped's) with its numbers
 
 
-def step_probe(check: Check) -> dict:
+def step_probe(check: GpuCheck) -> dict:
     record = run(check, "probe", [sys.executable, "-c", PROBE])
     found = last_json(record["tail"]) if record["status"] == "passed" else None
     check.cuda = found or {"available": False, "reason": f"the probe failed: {record.get('reason')}"}
@@ -230,12 +230,12 @@ def step_probe(check: Check) -> dict:
     return record
 
 
-def wheel_files(check: Check) -> list[Path]:
+def wheel_files(check: GpuCheck) -> list[Path]:
     files = sorted(check.wheels.glob("*.whl")) if check.wheels.is_dir() else []
     return files[:REHEARSAL_WHEELS] if check.rehearse else files
 
 
-def step_wheels(check: Check) -> dict:
+def step_wheels(check: GpuCheck) -> dict:
     files = wheel_files(check)
     if not files:
         return skipped(check, "wheels", f"no wheels in {check.wheels} (make gpu-wheels prepares them)")
@@ -251,7 +251,7 @@ def step_wheels(check: Check) -> dict:
     return record
 
 
-def step_requirements(check: Check) -> dict:
+def step_requirements(check: GpuCheck) -> dict:
     if not any(check.site.glob("*.dist-info")):
         return skipped(check, "requirements", "no wheels installed")
     record = run(check, "requirements", [sys.executable, "-c", REQUIREMENTS, str(check.site)])
@@ -264,7 +264,7 @@ def built_extension() -> Path | None:
     return found if found.exists() else None
 
 
-def step_build(check: Check) -> dict:
+def step_build(check: GpuCheck) -> dict:
     if check.rehearse:  # a build takes minutes here: the rehearsal uses the one `make install` built
         ext = built_extension()
         if ext:
@@ -278,7 +278,7 @@ def step_build(check: Check) -> dict:
     return record
 
 
-def step_imports(check: Check) -> dict:
+def step_imports(check: GpuCheck) -> dict:
     code = (
         "import importlib, json, sys\nfrom importlib import metadata\nout = {}\n"
         f"for name in {IMPORTS!r}:\n"
@@ -291,7 +291,7 @@ def step_imports(check: Check) -> dict:
     return record
 
 
-def pytest_step(check: Check, name: str, targets: list[str]) -> dict:
+def pytest_step(check: GpuCheck, name: str, targets: list[str]) -> dict:
     """pytest on `targets`, each test's outcome recorded as it ends (tools/pytest_outcomes.py). Without CUDA it
     runs too: tests/gpu's conftest skips every test at collection, saying why, so the step is skipped."""
     outcomes = check.out.parent / f".{name}.outcomes.jsonl"
@@ -308,15 +308,15 @@ def pytest_step(check: Check, name: str, targets: list[str]) -> dict:
     return record
 
 
-def step_exactness(check: Check) -> dict:
+def step_exactness(check: GpuCheck) -> dict:
     return pytest_step(check, "exactness", ["tests/gpu/test_gpu_exactness.py"])
 
 
-def step_gpu_suite(check: Check) -> dict:
+def step_gpu_suite(check: GpuCheck) -> dict:
     return pytest_step(check, "gpu_suite", ["tests/gpu", "--ignore=tests/gpu/test_gpu_exactness.py"])
 
 
-def step_bench(check: Check) -> dict:
+def step_bench(check: GpuCheck) -> dict:
     if not check.cuda.get("available"):
         return skipped(check, "bench", f"needs CUDA: {check.cuda.get('reason')}")
     record = run(check, "bench", [sys.executable, "bench/gpu.py", *BENCH_ARGS])
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     own_site = args.site is None and args.rehearse
     site = Path(tempfile.mkdtemp(prefix="amoe-gpu-site-")) if own_site else args.site or SITE
     site.mkdir(parents=True, exist_ok=True)
-    check = Check(
+    check = GpuCheck(
         args.out, args.out.with_suffix(".log"), site, args.wheels, args.rehearse, args.boxes, set(args.skip)
     )
     check.log.write_text("")

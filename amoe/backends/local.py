@@ -17,7 +17,8 @@ from typing import Any
 
 from amoe.engine.request import EngineOutput
 from amoe.errors import AmoeError, EngineDeadError, RequestFailed
-from coordinator.backend import Backend, RankKV, TokenDelta
+from amoe.sampling_params import SamplingParams
+from coordinator.requests.backend import Backend, RankKV, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class LocalBackend(Backend):
         return [self._kv]
 
     async def generate(
-        self, request_id: int, prompt_token_ids: list[int], sampling_params: Any, rank: int = 0
+        self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, rank: int = 0
     ) -> AsyncIterator[TokenDelta]:
         self._check_alive()
         if rank != 0:

@@ -24,7 +24,7 @@ from amoe.runtime.requests import HeadOutput, RankCapacity, RankRequest
 from amoe.sampling_params import SamplingParams
 
 
-class Runtime(RankCapacity):
+class AepRuntime(RankCapacity):
     """One AEP runtime: attention rank r (requests enter here) or a set of experts."""
 
     def __init__(self, spec: wire.WorkerSpec) -> None:
@@ -64,7 +64,7 @@ class Runtime(RankCapacity):
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    # ---- what the control plane asks of a runtime (the synchronous runtime offers the same)
+    # ---- what the control plane asks of a runtime (amoe.runtime.interface.Runtime)
 
     def add_request(
         self,

@@ -17,6 +17,8 @@ import zmq
 
 from amoe import wire
 from amoe.errors import AmoeError, EngineDeadError
+from amoe.runtime.interface import Runtime
+from amoe.runtime.requests import HeadOutput
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +73,10 @@ class Channel:
         self.sock.close()
 
 
-def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
+def token_publisher(channel: Channel, runtime: int) -> Callable[[HeadOutput], None]:
     """The loop's `publish`: one TokenOut per head step (called on the loop thread, which owns channel)."""
 
-    def publish(out: Any) -> None:  # a HeadOutput
+    def publish(out: HeadOutput) -> None:
         if not out.tokens:
             return
         rids, tokens, reasons = (list(col) for col in zip(*out.tokens))
@@ -96,7 +98,7 @@ def token_publisher(channel: Channel, runtime: int) -> Callable[[Any], None]:
     return publish
 
 
-def serve_commands(channel: Channel, runtime: Any, ready: wire.Ready | None = None) -> None:
+def serve_commands(channel: Channel, runtime: Runtime, ready: wire.Ready | None = None) -> None:
     """Apply the coordinator's commands and send heartbeats until Shutdown, and send `ready` once the runtime is
     linked to every peer; raises if the loop thread failed."""
     next_beat = 0.0
@@ -125,7 +127,7 @@ def serve_commands(channel: Channel, runtime: Any, ready: wire.Ready | None = No
             _apply(channel, runtime, msg)
 
 
-def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
+def _apply(channel: Channel, runtime: Runtime, msg: wire.Message) -> None:
     if isinstance(msg, (wire.Welcome, wire.Shutdown)) or (
         isinstance(msg, (wire.AddRequest, wire.Abort)) and runtime.role != "attention"
     ):
@@ -147,7 +149,7 @@ def _apply(channel: Channel, runtime: Any, msg: wire.Message) -> None:
         logger.warning("runtime %d: unexpected %s dropped", runtime.id, type(msg).__name__)
 
 
-def _add_request(channel: Channel, runtime: Any, msg: wire.AddRequest) -> None:
+def _add_request(channel: Channel, runtime: Runtime, msg: wire.AddRequest) -> None:
     """Admit one request; whatever goes wrong fails that request alone and the runtime serves on."""
     try:
         runtime.add_request(
@@ -161,7 +163,7 @@ def _add_request(channel: Channel, runtime: Any, msg: wire.AddRequest) -> None:
 
 
 def _report_end(
-    channel: Channel, runtime: Any, request_id: int, reason: str, error: str | None = None
+    channel: Channel, runtime: Runtime, request_id: int, reason: str, error: str | None = None
 ) -> None:
     free = runtime.kv_free_blocks
     channel.send(wire.TokenOut(runtime.id, [request_id], [[]], [reason], kv_free_blocks=free, error=error))

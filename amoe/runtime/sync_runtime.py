@@ -66,7 +66,7 @@ class SyncRuntime(RankCapacity):
             max_batch_rows=self.config.scheduler.attn_batch_cap,
         )  # fmt: skip
 
-    # ---- what the control plane asks of a runtime (the AEP runtime offers the same)
+    # ---- what the control plane asks of a runtime (amoe.runtime.interface.Runtime)
 
     def add_request(
         self,

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
 
 import torch
 import zmq
@@ -26,20 +25,21 @@ from amoe.curve import ClusterKeys
 from amoe.log import setup_logging
 from amoe.process import die_with_parent, name_process
 from amoe.runtime.control import Channel, serve_commands, token_publisher
+from amoe.runtime.interface import Runtime
 
 logger = logging.getLogger(__name__)
 
 
-def make_runtime(spec: wire.WorkerSpec) -> Any:
+def make_runtime(spec: wire.WorkerSpec) -> Runtime:
     """The runtime of the configured mode: AEP (C++ engine) or a synchronous baseline (ep / pingpong)."""
     mode = AmoeConfig.from_dict(spec.config).parallel.mode
     if mode in ("ep", "pingpong"):
         from amoe.runtime.sync_runtime import SyncRuntime
 
         return SyncRuntime(spec)
-    from amoe.runtime.aep_runtime import Runtime
+    from amoe.runtime.aep_runtime import AepRuntime
 
-    return Runtime(spec)
+    return AepRuntime(spec)
 
 
 def run(spec: wire.WorkerSpec) -> int:
@@ -72,7 +72,7 @@ def run(spec: wire.WorkerSpec) -> int:
         ctx.term()
 
 
-def _hello(spec: wire.WorkerSpec, runtime: Any) -> wire.Hello:
+def _hello(spec: wire.WorkerSpec, runtime: Runtime) -> wire.Hello:
     """What the coordinator needs from a runtime it never looks inside: where it listens and what it can hold."""
     return wire.Hello(
         runtime=spec.runtime,

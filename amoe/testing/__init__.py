@@ -1,3 +1,4 @@
 """Test and experiment harnesses, kept apart from production code: several runtimes in one process (AEP and the
-synchronous modes over the loopback communicator), a real served cluster driven from Python, and the pure-Python
-scheduling policies the C++ scheduler is checked against. Nothing in amoe/ outside this package imports it."""
+synchronous modes over the loopback communicator), a real served cluster driven from Python, `amoe serve` as a
+child process (ServerProcess), and the pure-Python scheduling policies the C++ scheduler is checked against.
+Nothing that serves imports it; only the studies (amoe.perf.studies), which drive servers as the tests do."""

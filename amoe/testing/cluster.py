@@ -15,8 +15,8 @@ from typing import Any
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
 from amoe.sampling_params import SamplingParams
-from coordinator.backend import TokenDelta
-from coordinator.cluster_backend import ClusterBackend
+from coordinator.requests.backend import TokenDelta
+from coordinator.requests.cluster_backend import ClusterBackend
 
 
 class ServedCluster:

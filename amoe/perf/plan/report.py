@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -91,7 +92,7 @@ def write_plan(path: str, plan: Plan, req: PlanRequest, emulated: bool) -> None:
         raise ConfigError(f"--out: cannot write {path}: {exc.strerror}") from None
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """`amoe plan` (amoe.cli)."""
     gpus = parse_gpus(args.gpus)
     model_dir = getattr(args, "model", None)

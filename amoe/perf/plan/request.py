@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from amoe.config import DEFAULT_POLICY, POLICIES
 from amoe.errors import ConfigError
 from amoe.perf.model.gpus import GPUS
-from amoe.perf.model.models import model_profile
+from amoe.perf.model.models import ModelProfile, model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.prediction import Prediction
@@ -120,7 +120,7 @@ def parse_prices(text: str | None, gpus: dict[str, int]) -> dict[str, float] | N
     return prices
 
 
-def plan_profile(req: PlanRequest):
+def plan_profile(req: PlanRequest) -> ModelProfile:
     """The model a plan is for: a named profile, or the shapes of a checkpoint's config.json (any supported
     family; no weights are read)."""
     if req.model_dir is None:

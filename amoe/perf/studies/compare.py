@@ -226,17 +226,14 @@ async def load_point(
     this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
     import httpx
 
-    from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
     from amoe.bench.serve import run_requests
-    from amoe.bench.workloads import make_requests, make_workload
     from amoe.perf.studies.probe import MetricsProbe
 
     scale = time_scale(setup, p)
     duration_s = duration_s or p.duration_s
     num = max(4, round(rate * duration_s))
-    arrivals = arrival_times(num, rate / scale, 1.0, seed)
-    requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
+    requests, arrivals = _poisson_load(setup, num, rate / scale, seed)
     span = arrivals[-1] if arrivals[-1] > 0 else duration_s * scale
     logger.info(
         "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
@@ -258,17 +255,32 @@ async def load_point(
     window = (start + opens, start + span)
     point = measure(setup, kind, rate, probe, start, window, done, scale)
     if series:
-        inside = [s for s in probe.scrapes if window[0] <= s.t <= window[1]]
-        point["series"] = [
-            (round((s.t - inside[0].t) / scale, 4), s.itl_sum / scale, s.itl_count, s.running, s.tokens)
-            for s in inside
-        ]
-        point["window_s"] = round((inside[-1].t - inside[0].t) / scale, 3) if inside else 0.0
+        point["series"], point["window_s"] = _window_series(probe, window, scale)
     # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
     # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
     point["sent"] = num
     point["server_warnings"] = server.warnings_since(warnings_mark)
     return point
+
+
+def _poisson_load(setup: Setup, num: int, wall_rate: float, seed: int) -> tuple[list, list[float]]:
+    """`num` requests of the setup's workload and their Poisson arrivals at `wall_rate` per wall second."""
+    from amoe.bench.arrivals import arrival_times
+    from amoe.bench.workloads import make_requests, make_workload
+
+    arrivals = arrival_times(num, wall_rate, 1.0, seed)
+    return make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids"), arrivals
+
+
+def _window_series(probe: Any, window: tuple[float, float], scale: float) -> tuple[list[tuple], float]:
+    """Every scrape of the window (emulated seconds from its start, the ITL histogram's sum in emulated seconds
+    and its count, requests running, output tokens), and the window's emulated length."""
+    inside = [s for s in probe.scrapes if window[0] <= s.t <= window[1]]
+    series = [
+        (round((s.t - inside[0].t) / scale, 4), s.itl_sum / scale, s.itl_count, s.running, s.tokens)
+        for s in inside
+    ]
+    return series, round((inside[-1].t - inside[0].t) / scale, 3) if inside else 0.0
 
 
 async def _finish(load: asyncio.Future, grace_s: float) -> list:
