@@ -16,7 +16,7 @@ import uvicorn
 from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
-from amoe.perf.model.check import check_executor
+from amoe.perf.model.check import check_emulation
 from coordinator.api.app import abort_all, create_app
 from coordinator.api.tools import ToolServing
 from coordinator.api.validation import ModelInfo
@@ -37,7 +37,7 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
     if headless and dist.node_rank == 0:
         raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
     config = resolve_device(config)  # --device cuda on a host without CUDA fails here, before anything starts
-    check_executor(config.executor)  # an unknown --gpu / --profile / --routing fails here too
+    check_emulation(config.emulation, config.executor.kind == "emulated")  # an unknown --gpu / --routing too
     _check_ep_pipeline(config)  # a PN above the experts a device hosts too
     if dist.node_rank > 0:
         from amoe.node_agent import main as agent_main
@@ -57,7 +57,7 @@ def _check_ep_pipeline(config: AmoeConfig) -> None:
 
     model_dir = (
         None
-        if config.executor.profile is not None and config.executor.kind == "emulated"
+        if config.emulation.profile is not None and config.executor.kind == "emulated"
         else _model_dir(config)
     )
     em = build.emulation(config, model_dir)
@@ -168,17 +168,17 @@ class AmoeServer:
     async def _start_cluster(self, model_dir: Path):
         from coordinator.requests.cluster_backend import ClusterBackend
 
-        par, ex = self.config.parallel, self.config.executor
+        par, ex, em = self.config.parallel, self.config.executor, self.config.emulation
         if par.mode == "ep":
             layout = f"{par.attn_ranks} ep runtimes (attention + experts each)"
         else:
             layout = f"{par.attn_ranks} attention + {par.expert_ranks} expert runtimes"
         executor = (
-            ex.kind if ex.kind == "torch" else f"emulated {ex.gpu} ×{ex.time_scale:g} time, {ex.routing}"
+            ex.kind if ex.kind == "torch" else f"emulated {em.gpu} ×{em.time_scale:g} time, {em.routing}"
         )
         logger.info(
             "serving %s with %s (%s, %s executor on %s, %s transport, %s scheduler)",
-            ex.profile or model_dir, layout, par.mode, executor, self.config.device.kind, self.config.tensor_plane,
+            em.profile if ex.kind == "emulated" and em.profile else model_dir, layout, par.mode, executor, self.config.device.kind, self.config.tensor_plane,
             self.config.scheduler.policy,
         )  # fmt: skip
         backend = ClusterBackend(self.config, model_dir, on_dead=self._cluster_died)
@@ -299,8 +299,8 @@ def _model_dir(config: AmoeConfig) -> Path:
 
 
 def _default_name(config: AmoeConfig, model_dir: Path) -> str:
-    if config.model.path is None and config.executor.kind == "emulated" and config.executor.profile:
-        return config.executor.profile
+    if config.model.path is None and config.executor.kind == "emulated" and config.emulation.profile:
+        return config.emulation.profile
     return model_dir.name
 
 

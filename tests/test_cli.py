@@ -96,6 +96,8 @@ BAD_FLAGS = {
     "bad-temperature": ([*GENERATE, "--temperature", "-1"], "temperature"),
     "bad-preset": (["make-model", "--preset", "huge", "--out", "x"], "--preset"),
     "unknown-command": (["fly"], "fly"),
+    # the merging wave policy is retired: its name says what replaces it
+    "retired-policy": (["serve", "--scheduler", "wave"], "use waves"),
 }
 
 

@@ -82,7 +82,9 @@ class AepAtScale:
         self.steps, self.counts = steps, counts
         hosted = self._host_experts(model, placed)
         E, nh = self.E, self.ids.shape[0]
-        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        sched = (
+            SchedulerSection()
+        )  # defrag's pick (the rule modelled at scale); K and δ the config's defaults
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
