@@ -8,6 +8,7 @@ import golden
 import numpy as np
 import pytest
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.workloads import mean_context
@@ -16,6 +17,8 @@ from amoe.perf.plan.simulate import scale
 from amoe.perf.plan.simulate.aep_scale import _fifo
 
 ROUTING = "skew-exp:0.0025"
+# The rule these tests are of: defrag's pick among each expert GPU's queued blocks (waves' group cells have theirs).
+DEFRAG = SchedulerSection(policy="defrag")
 
 
 @functools.cache
@@ -37,7 +40,12 @@ def scale32_runs():
         4 * itl,
         0,
     )
-    return model, dep, scale.aep_waves(*args, same_phase=True), scale.aep_waves(*args)
+    return (
+        model,
+        dep,
+        scale.aep_waves(*args, same_phase=True, scheduler=DEFRAG),
+        scale.aep_waves(*args, scheduler=DEFRAG),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,9 @@ def test_an_expert_step_never_holds_more_than_the_cap_and_every_row_is_served_on
     expert (the first arrived first) and leaves the rest queued; rows drawn = rows taken + rows still queued."""
     model = model_profile("deepseek-v3:4", 8)
     dep = Deployment("aep", "h800", 32, "h800", 2, attn_cap=16, expert_cap=3)
-    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1)
+    sim = scale.aep_at_scale(
+        model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 32 * 32, seed=1, scheduler=DEFRAG
+    )
     drawn, taken, most = [0.0], [0.0], [0.0]
     draw, step_times = sim.counts.draw_many, sim.step_times
 
@@ -120,7 +130,9 @@ def test_the_per_block_queues_are_the_pending_waves_rows():
     hold exactly the rows still pending, by each wave's block."""
     model = model_profile("deepseek-v3:4", 8)
     dep = Deployment("aep", "h800", 12, "h800", 4, attn_cap=32, expert_cap=24)
-    sim = scale.aep_at_scale(model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=1)
+    sim = scale.aep_at_scale(
+        model, dep, ROUTING, 2000.0, host_overhead("amoe-paper"), 12 * 96, seed=1, scheduler=DEFRAG
+    )
     sim.run(0.0, 0.003)
     assert sim.rows.sum() > 0  # some rows still pending at the end
     expect = np.zeros_like(sim.queue)
@@ -156,7 +168,9 @@ def test_a_simulation_with_batches_stops_early_and_reports_the_batches_it_measur
 
     model, dep, _, whole = scale32
     itl = 0.00707
-    sim = scale.aep_at_scale(model, dep, ROUTING, mean_context("short"), host_overhead("amoe-paper"), 4096, 0)
+    sim = scale.aep_at_scale(
+        model, dep, ROUTING, mean_context("short"), host_overhead("amoe-paper"), 4096, 0, scheduler=DEFRAG
+    )
     early = sim.run(4 * itl, 8 * itl, batches=32, rel_halfwidth=0.05)
     k = int(round(sim.measured_s / sim.batch_s))
     assert 10 <= k < 32 and sim.measured_s < 8 * itl

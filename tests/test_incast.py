@@ -11,6 +11,7 @@ from dataclasses import replace
 import golden
 import pytest
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
@@ -21,6 +22,8 @@ from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate import lockstep_scale, scale
 
 NONE = host_overhead("none")
+# The policy the AEP figures here are of: defrag's pick at scale, which they were recorded under.
+DEFRAG = SchedulerSection(policy="defrag")
 CTX = 2000.0
 
 
@@ -55,7 +58,9 @@ def nic_limited_plans() -> golden.Figures:
     pp_sim = lockstep_scale.pingpong(model, pp, "uniform", CTX, NONE, pred.concurrency, 0.5, seed=0)
     aep = Deployment("aep", "h800", 128, "h800", 16, attn_cap=128, expert_cap=1024)
     best = bounds.predict(model, aep, q, CTX, NONE, variance=OFF)
-    aep_sim = scale.aep_waves(model, aep, "uniform", CTX, NONE, best.concurrency, 0.5, warmup_s=0.25, seed=0)
+    aep_sim = scale.aep_waves(
+        model, aep, "uniform", CTX, NONE, best.concurrency, 0.5, warmup_s=0.25, seed=0, scheduler=DEFRAG
+    )
     return {
         "pingpong": {"bound": {"tokens_per_s": pred.tokens_per_s, "itl_s": pred.itl_s, "link_s": pred.extra["link_s"],
                                "bottleneck": pred.bottleneck},
@@ -93,7 +98,7 @@ def receiver_never_binds() -> golden.Figures:
     return {
         "pingpong": lockstep_scale.pingpong(model, pp, "uniform", CTX, NONE, 4096, 0.05, seed=0).tokens_per_s,
         "aep_one_phase": scale.aep_waves(
-            model, aep, "uniform", CTX, NONE, 4096, 0.05, 0.05, 0, same_phase=True
+            model, aep, "uniform", CTX, NONE, 4096, 0.05, 0.05, 0, same_phase=True, scheduler=DEFRAG
         ).tokens_per_s,
     }
 

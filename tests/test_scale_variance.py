@@ -5,6 +5,7 @@ each step, AEP's queues each GPU's own step times; off gives the figures the sim
 import golden
 import pytest
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -33,6 +34,9 @@ ITL = 0.00707
 
 # (deployment, requests, duration, warm-up) of each plan; its figures without variance are the golden file's (made,
 # when the entries were first written, from simulate() before the simulation at scale drew any variance).
+# The policy the AEP figures here are of: defrag's pick at scale, which they were recorded under (the convoys that
+# jitter breaks are defrag's; waves' group cells gather a group's waves whatever their phase).
+DEFRAG = SchedulerSection(policy="defrag")
 PLANS = {
     "ep": (EP16, 16 * 64, 0.05, 0.0),
     "ep-eplb-tbo": (EP32_DEPLOYED, 32 * 128, 0.05, 0.0),
@@ -43,8 +47,9 @@ PLANS = {
 
 def _run(model, dep, requests, duration, warmup, variance):
     return simulate(
-        model, dep, ROUTING, CTX, HOST, requests, duration_s=duration, warmup_s=warmup, variance=variance
-    )
+        model, dep, ROUTING, CTX, HOST, requests, duration_s=duration, warmup_s=warmup, variance=variance,
+        scheduler=DEFRAG,
+    )  # fmt: skip
 
 
 @golden.case("scale_variance", params=PLANS)
@@ -122,6 +127,7 @@ def aep_beside_ep_variance_loss() -> golden.Figures:
     model = model_profile("deepseek-v3:4", 8)
     dep = Deployment("aep", "h800", 4, "h800", 28, attn_cap=256, expert_cap=1024)
     window = {"duration_s": 0.1, "warmup_s": 0.04}
+    window |= {"scheduler": DEFRAG}
     aep_off = simulate(model, dep, ROUTING, CTX, HOST, 4096, variance=OFF, **window).tokens_per_s
     aep_losses = [
         1 - simulate(model, dep, ROUTING, CTX, HOST, 4096, variance=StepVariance(0.08, 0.04, seed), **window)

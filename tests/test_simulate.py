@@ -7,6 +7,7 @@ from __future__ import annotations
 import golden
 import pytest
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -19,6 +20,9 @@ from amoe.perf.plan.simulate import simulate
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
 ROUTING = "skew-exp:0.08"
+# The policy the AEP figures below are of: defrag, the serving default when they were recorded (waves' own are
+# tests/test_waves.py's and tests/test_wave_groups.py's).
+DEFRAG = SchedulerSection(policy="defrag")
 
 
 def _bound(model, dep, routing=ROUTING):
@@ -31,8 +35,8 @@ def aep_at_its_bound() -> golden.Figures:
     model = model_profile("mixtral-8x7b-mqa:2", 1)
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, attn_cap=64, expert_cap=512)
     bound = _bound(model, dep)
-    at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency)
-    filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency)
+    at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency, scheduler=DEFRAG)
+    filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency, scheduler=DEFRAG)
     return {
         "bound": {
             "tokens_per_s": bound.tokens_per_s, "itl_s": bound.itl_s, "concurrency": bound.concurrency,
@@ -70,7 +74,7 @@ def grouped_expert_steps() -> golden.Figures:
     runs = {
         "grouped" if g else "one expert a step": simulate(
             model, dep, ROUTING, CTX, HOST, 512, warmup_s=0.05, duration_s=0.1,
-            scheduler=SchedulerSection(group_experts=g),
+            scheduler=SchedulerSection(policy="defrag", group_experts=g),
         )
         for g in (True, False)
     }  # fmt: skip
@@ -199,7 +203,9 @@ def aep_at_small_batches() -> golden.Figures:
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128, policy="defrag").prediction
-    long_run = simulate(model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1)
+    long_run = simulate(
+        model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1, scheduler=DEFRAG
+    )
     return {
         "planned": {"tokens_per_s": planned.tokens_per_s, "itl_s": planned.itl_s},
         "long_run_tokens_per_s": long_run.tokens_per_s,
@@ -228,8 +234,9 @@ def aep_under_an_itl_objective() -> golden.Figures:
     dep = Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     pred = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, SLO_MS / 1e3)
     knee = simulate(
-        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s
-    )
+        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s,
+        scheduler=DEFRAG,
+    )  # fmt: skip
     refined = refine(model, dep, ROUTING, CTX, HOST, pred, SLO_MS, policy="defrag").prediction  # the knee's
     return {
         "bound": {"itl_s": pred.itl_s, "concurrency": pred.concurrency},

@@ -75,7 +75,7 @@ def test_help_groups_vllms_flags(capsys):
     block = "\n".join(group)
     for flag in ("MODEL", "--model", "--dtype", "--max-model-len", "--max-num-seqs", "--served-model-name", "--seed",
                  "--host", "--port", "--api-key", "--gpu-memory-utilization", "--tensor-parallel-size", "--headless",
-                 "--generation-config"):  # fmt: skip
+                 "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser"):  # fmt: skip
         assert flag in block, flag
 
 
@@ -158,3 +158,21 @@ def _first_sampled(model_dir, seed: int) -> str:
     llm = LLM(model=str(model_dir), seed=seed)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     return llm.generate([[5, 6, 7]], [params])[0].outputs[0].text
+
+
+def test_vllms_tool_calling_flags():
+    """`--enable-auto-tool-choice` takes no value, as in vLLM; `--tool-call-parser` names one of vLLM's parsers."""
+    config = parse("/models/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert config.server.enable_auto_tool_choice is True and config.server.tool_call_parser == "hermes"
+    assert parse("--tool-call-parser", "deepseek_v3").server.enable_auto_tool_choice is False
+    assert parse(
+        "--server-enable-auto-tool-choice", "true", "--tool-call-parser", "mistral"
+    ).server.tool_call_parser
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        parse("--enable-auto-tool-choice")
+
+
+def test_an_unknown_tool_call_parser_is_refused_in_one_line(capsys):
+    assert main(["serve", "--tool-call-parser", "llama3_json"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert "--tool-call-parser" in err and "hermes, deepseek_v3, mistral" in err and "\n" not in err, err

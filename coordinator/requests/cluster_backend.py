@@ -404,10 +404,10 @@ class ClusterBackend(Backend):
         report: dict[str, Any] = {"status": self.status, "mode": self.config.parallel.mode}
         if self.status == "degraded":
             report["reason"] = "; ".join(f"replacing {r.name}: {r.lost}" for r in self.cluster.replacing)
-        ex = self.config.executor
-        if ex.kind == "emulated":  # so a benchmark can turn wall time into emulated time (÷ time_scale)
+        ex = self.config.emulation
+        if self.config.executor.kind == "emulated":  # so a benchmark can turn wall time into emulated time
             report["executor"] = {
-                "kind": ex.kind,
+                "kind": "emulated",
                 "gpu": ex.gpu,
                 "profile": ex.profile,
                 "time_scale": ex.time_scale,

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from amoe.config import SchedulerSection
+from amoe.config import DEFAULT_POLICY, SchedulerSection
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GPUS
 from amoe.perf.model.hosts import HostOverhead
@@ -21,7 +21,7 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.bound_pools import wave_group
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
-from amoe.perf.plan.request import AEP_POLICY, BEST, BEST_OF, Plan, check_policy
+from amoe.perf.plan.request import BEST, BEST_OF, Plan, check_policy
 
 if TYPE_CHECKING:
     from amoe.perf.plan.simulate.result import Simulated
@@ -64,7 +64,7 @@ def refine(
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
     variance: StepVariance | None = None,
-    policy: str = AEP_POLICY,
+    policy: str = DEFAULT_POLICY,
     trace: RequestTrace | None = None,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.perf.plan.simulate) where the bound is not enough: AEP at
@@ -82,7 +82,7 @@ def refine(
             return _refine_best(
                 model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance, trace
             )
-        policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
+        policy = DEFAULT_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
     if pred is None:
         pred = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=variance)

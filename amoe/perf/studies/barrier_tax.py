@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from amoe.config import AmoeConfig
 from amoe.errors import ConfigError
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
@@ -33,12 +34,12 @@ from amoe.perf.model.traces import load_trace
 from amoe.perf.model.variance import StepVariance
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.prediction import Prediction
-from amoe.perf.plan.report import serve_command
 from amoe.perf.plan.request import Plan, PlanRequest
+from amoe.perf.plan.serving import plan_config
 from amoe.perf.plan.simulate import simulate
 from amoe.perf.plan.simulate.trace_loads import initial_requests
 from amoe.perf.studies import calibrate, steady
-from amoe.perf.studies.compare_setup import Preset, Setup, emulated_timeouts
+from amoe.perf.studies.compare_setup import Preset, Setup, load_settings
 from amoe.perf.studies.plan_check import startup_timeout_s
 from amoe.testing.servers import ServerProcess
 
@@ -118,28 +119,24 @@ def trace_load(
     return id_requests(lengths, seed=seed), arrivals
 
 
-def flags(case: TaxCase, n: int, pred: dict, scale: float) -> list[str]:
-    """The deployment's emulated `amoe serve` command (as `amoe plan --emulated` prints it), at this scale."""
+def serve_config(case: TaxCase, n: int, pred: dict, scale: float) -> AmoeConfig:
+    """The deployment's emulated config (what `amoe plan --out FILE --emulated` writes), at this scale."""
     pred_ = Prediction(pred["tokens_per_s"], pred["itl_ms"] / 1e3, n * case.per_rank, "barrier")
     req = PlanRequest(case.model_name, {case.gpu: n}, routing=case.routing, step_variance=case.step_variance)
-    argv = serve_command(Plan(case.deployment(n), pred_, None), req, emulated=True).split()[2:]
-    return argv + [
-        "--time-scale", f"{scale:g}", "--server-max-waiting", "1000000", "--transport-timeout-s", "60",
-        *emulated_timeouts(scale),
-    ]  # fmt: skip
+    config = plan_config(Plan(case.deployment(n), pred_, None), req, emulated=True)
+    return config.replace(emulation={"time_scale": scale}, **load_settings(scale))
 
 
 async def measure(case: TaxCase, n: int, pred: dict, scale: float, seed: int = 0) -> dict:
     """One run of the deployment on the emulated runtime from the trace's steady state (module docstring)."""
-    setup = Setup("ep", n, top_k=model_profile(case.model_name).top_k, profile=case.profile, gpu=case.gpu)
+    setup = Setup(case.deployment(n), top_k=model_profile(case.model_name).top_k, profile=case.profile)
     preset = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0, time_scale=scale,
         attn_cap=case.per_rank, expert_cap=512, blocks=case.blocks,
     )  # fmt: skip
     load = functools.partial(trace_load, case, n, seed, scale, pred["tokens_per_s"])
-    server = ServerProcess(
-        flags(case, n, pred, scale), startup_timeout_s=startup_timeout_s(case.deployment(n))
-    )
+    config = serve_config(case, n, pred, scale)
+    server = ServerProcess(config, startup_timeout_s=startup_timeout_s(case.deployment(n)))
     with server:
         point = await steady.steady_point(
             server, setup, preset, seed, n * case.per_rank, pred["itl_ms"] / 1e3, "barrier-tax", load=load

@@ -25,7 +25,7 @@ from amoe.perf.studies.compare_setup import (
     only_groups,
     preset,
     profile_name,
-    serve_flags,
+    serve_config,
     time_scale,
     upper_bound,
 )
@@ -159,7 +159,7 @@ async def _steady(
     """One steady point on a fresh server: `requests` in flight from their steady state, ITL guessed at itl_ms."""
     from amoe.perf.studies.steady import steady_point
 
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         return await steady_point(server, setup, p, seed, requests, itl_ms / 1e3, kind)
 
@@ -167,7 +167,7 @@ async def _steady(
 async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
     """The load sweep of one setup; the base setup of the policy comparison also runs its policy point."""
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
         if with_policy:
@@ -178,7 +178,7 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, rate, kind) for rate in rates]
     return [await _unsaturated(pt, setup, p, seed) for pt in points]
@@ -194,7 +194,7 @@ async def _unsaturated(point: dict[str, Any], setup: Setup, p: Preset, seed: int
         "[compare] %s at %.0f req/s saturated the host (%.2f cores): rerun at time scale %g",
         setup.name, point["rate"], point["host_cores"], time_scale(slower, p),
     )  # fmt: skip
-    server = ServerProcess(serve_flags(slower, p, seed))
+    server = ServerProcess(serve_config(slower, p, seed))
     with server:
         rerun = await load_point(server, slower, p, seed, point["rate"], point["kind"])
     rerun["rerun_of"] = {k: point[k] for k in ("throughput", "itl_ms_mean", "host_cores", "time_scale")}

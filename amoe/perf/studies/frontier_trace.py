@@ -8,7 +8,8 @@ Three things side by side, per layer of one decode step (both micro-batches, ms)
   two micro-batches, balanced routing) and on SGLang's 96-H100 deployment, read off its figure (PUBLISHED below);
 * **the model**: the same categories recomputed from the cost model (cost_model.attention_layer_time's terms,
   ep_scale.slowest_device, bound_ep.ep_exchange_time) for the workload each system really ran, and for the one
-  `amoe bench frontier` predicted (its step reproduces bounds.predict's exactly: tests/test_frontier_trace.py);
+  `amoe bench frontier` predicted (its step reproduces bounds.predict's without step-time variance exactly:
+  tests/test_frontier_trace.py);
 * **a trace** (`--trace FILE`, optional): a Chrome trace as the PyTorch profiler writes it, its GPU kernels summed
   by category (KERNEL_CATEGORIES) per MoE block. Nothing is downloaded: decode.json is not in this repository.
 

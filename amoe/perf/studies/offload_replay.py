@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ConfigError
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
@@ -226,9 +226,7 @@ def mixtral_all_missed(tokens: int = 2) -> dict:
     """Mixtral-8x7B (32 blocks, top-2) through the emulated expert executor with a one-expert budget: every
     token's 64 expert steps each miss (the two experts of a block differ) and wait for a 352 MB copy. Real time
     (time scale 1, ~1 s per token): the tiers read the emulated clock, whose sleeps are only ~0.1 ms accurate."""
-    section = ExecutorSection(
-        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0
-    )
+    section = EmulationSection(gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0)
     profile = model_profile("mixtral-8x7b-mqa")
     expert_bytes = profile.params_of(0) * profile.bytes_per_param
     em = Emulation(section, offload=OffloadSpec(expert_bytes, policy="lru", prefetch=False))

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from amoe.config import DEFAULT_POLICY
 from amoe.errors import ConfigError
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
@@ -37,7 +38,7 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
 from amoe.perf.plan.refine import RESOLUTION
-from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.plan.request import Plan, PlanRequest, check_policy
 from amoe.perf.plan.search import best_per_mode, search
 from amoe.perf.studies import plan_check
 
@@ -49,7 +50,7 @@ MODES = ("aep", "ep", "pingpong")
 
 def cell(
     gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None,
-    step_variance: str = "sourced", aep_policy: str = AEP_POLICY,
+    step_variance: str = "sourced", aep_policy: str = DEFAULT_POLICY,
 ) -> dict:  # fmt: skip
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
     planner's pick; AEP plans simulated with `aep_policy`."""
@@ -108,6 +109,11 @@ def one_copy(mode_row: dict) -> Plan:
     return Plan(dataclasses.replace(d, replicas=1), pred, None)
 
 
+# The policy a measured point's key leaves unnamed: AEP points recorded before --aep-policy ran defrag and their
+# keys carry no policy, so a defrag point's key has none (a format of measured.jsonl, not a default).
+UNNAMED_POLICY = "defrag"
+
+
 class Measured:
     """Measured points by what they run (one copy's plan, top-k, routing, requests), one JSON line each in a file:
     a plan that several cells share (8 and 16 GPUs of the same copies) runs once, and an interrupted --measure
@@ -117,7 +123,7 @@ class Measured:
         self.path = path
         self.run = run  # False: report only what the file holds
         self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.perf.model.variance)
-        self.aep_policy = AEP_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
+        self.aep_policy = DEFAULT_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
         self.points: dict[str, dict] = {}
         if path.exists():
             for line in path.read_text().splitlines():
@@ -132,14 +138,14 @@ class Measured:
         routing: str,
         plan: Plan,
         step_variance: str = "off",
-        aep_policy: str = "defrag",
+        aep_policy: str = UNNAMED_POLICY,
     ) -> str:
         # Points recorded before step-time variance existed ran without it, and AEP points recorded before
         # --aep-policy ran defrag: their keys have no suffix.
         suffix = "" if step_variance == "off" else f" variance {step_variance}"
         # the policy the plan runs: refine's record where it has one (a plan simulated at scale runs defrag)
         aep_policy = plan.prediction.extra.get("aep_policy", aep_policy)
-        if plan.deployment.mode == "aep" and aep_policy != "defrag":
+        if plan.deployment.mode == "aep" and aep_policy != UNNAMED_POLICY:
             suffix += f" policy {aep_policy}"
         return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
 
@@ -311,7 +317,11 @@ FIGURE10_PROFILE = "mixtral-8x7b-16e"
 
 
 def figure10(
-    gpu: str, routing: str, workload: str = "short", measure: tuple | None = None, policy: str = AEP_POLICY
+    gpu: str,
+    routing: str,
+    workload: str = "short",
+    measure: tuple | None = None,
+    policy: str = DEFAULT_POLICY,
 ) -> dict:
     """The paper's Figure 10 setup at full depth (32 blocks): the 16-expert model on one 8-GPU host and on two
     (16 GPUs, links between hosts on the critical path), AEP 4 + 4 → 8 + 8 and EP 8 → 16, each refined by the
@@ -420,7 +430,7 @@ def main(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
     routings = args.routings.split(";") if args.routings else list(ROUTINGS)
-    policy = check_policy(getattr(args, "aep_policy", AEP_POLICY))
+    policy = check_policy(getattr(args, "aep_policy", DEFAULT_POLICY))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measure = _measurement(args, out, policy) if args.measure else None

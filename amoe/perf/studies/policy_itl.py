@@ -44,7 +44,7 @@ async def trace_point(
     from amoe.perf.studies.compare_setup import (
         mean_output_tokens,
         profile_name,
-        serve_flags,
+        serve_config,
         time_scale,
         upper_bound,
     )
@@ -62,7 +62,9 @@ async def trace_point(
     arrivals = arrival_times(num, rate / scale, 1.0, seed)
     requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
     server = ServerProcess(
-        serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+        serve_config(setup, p, seed).replace(
+            emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+        )
     )
     finished: list[tuple[float, float, int, bool]] = []
     with server:
@@ -155,7 +157,7 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""
     from amoe.perf.studies import calibrate
-    from amoe.perf.studies.compare_setup import serve_flags
+    from amoe.perf.studies.compare_setup import serve_config
     from amoe.perf.studies.policy_bench import SETUP, _preset, max_seqs
     from amoe.perf.studies.steady import steady_point
     from amoe.testing.servers import ServerProcess
@@ -167,7 +169,9 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     out = []
     for n in concurrencies:
         server = ServerProcess(
-            serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+            serve_config(setup, p, seed).replace(
+                emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+            )
         )
         with server:
             pt = await steady_point(server, setup, p, seed, n, 0.009, f"closed {n}")

@@ -85,7 +85,9 @@ class AepAtScale:
         self.steps, self.counts = steps, counts
         hosted = self._host_experts(model, placed)
         E, nh = self.E, self.ids.shape[0]
-        sched = scheduler or SchedulerSection()  # the runtime's default pick: defrag, K and δ as defaulted
+        sched = (
+            scheduler or SchedulerSection()
+        )  # the plan's policy, else the serving default; K and δ the config's
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token

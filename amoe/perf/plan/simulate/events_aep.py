@@ -262,8 +262,8 @@ class AepEvents:
             block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
         )
         self.pending[tokens] = self.k
-        # The parts out that return to block + 1, as the engine counts its expected expert outputs (the wave
-        # policy holds a block while any are out; waves: per wave, and a step's tokens are of one wave).
+        # The parts out that return to block + 1, as the engine counts its expected expert outputs (waves holds a
+        # wave while any are out; a step's tokens are of one wave).
         self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k, int(self.wave[tokens[0]]))
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)

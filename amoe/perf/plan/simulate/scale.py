@@ -18,7 +18,7 @@ ITLs), so at scale the simulation changes its unit, not its language:
   its waves in the order they become ready; a wave's block is its attention step, its dispatch (its own w rows'
   counts) through its link out and each expert GPU's link in, the expert steps that take its rows, and the combine
   back; the wave goes on when every part is back (attention waves never split or merge). An expert GPU, when free,
-  runs the rows queued at it as the runtime's default policy picks them (defrag with grouped expert steps: the
+  runs the rows queued at it as defrag picks them (the one expert-side rule modelled here, grouped steps: the
   block maximising LScore(b) + max_e Q[b][e] over its hosted experts' queues, ties to the lowest block; every
   hosted expert's queue of that block, each up to the expert cap, first arrived first), computed exactly from the
   queued counts; rows of one block from different attention GPUs share a step only if they are in when it starts.
