@@ -204,3 +204,39 @@ def test_the_table_says_where_aep_wins_and_what_share_of_its_gain_the_tax_is():
     assert line[-4:] == ["aep", "1.100", "5.00%", "0.500"]  # best, AEP / best, EP's tax, tax / AEP's gain
     cells[0]["per_gpu"] = 900  # AEP behind EP: no gain for the tax to be a share of
     assert table_text(cells, ["p"], [16]).splitlines()[1].split()[-4:] == ["ep", "0.900", "5.00%", "-"]
+
+
+def test_waves_at_scale_gathers_each_group_into_one_step_within_its_bound():
+    """Group cells at scale (docs/scheduler.md): at the bound's concurrency, without variance, waves reaches its
+    bound and no more, with expert steps of every attention GPU's group (defrag's are smaller)."""
+    from amoe.config import SchedulerSection
+    from amoe.perf.model.routing import routing_inclusion
+    from amoe.perf.plan import bounds
+    from amoe.perf.plan.bound_pools import wave_group
+
+    model, none = model_profile("deepseek-v3:4", 8), host_overhead("none")
+    dep = Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
+    pred = bounds.predict(model, dep, routing_inclusion(model, "skew-exp:0.0025"), 2000.0, none, variance=OFF)
+    itl, group = pred.concurrency / pred.tokens_per_s, wave_group(pred.extra, dep.attn_cap)
+
+    def run(policy: str):
+        return simulate(
+            model, dep, "skew-exp:0.0025", 2000.0, none, pred.concurrency, warmup_s=4 * itl, duration_s=8 * itl,
+            variance=OFF, scheduler=SchedulerSection(policy=policy, wave_group=group), level="scale",
+        )  # fmt: skip
+
+    waves, defrag = run("waves"), run("defrag")
+    assert 0.95 * pred.tokens_per_s <= waves.tokens_per_s <= (1 + 1e-9) * pred.tokens_per_s
+    assert waves.expert_rows_per_step > 1.5 * defrag.expert_rows_per_step
+
+
+def test_a_plan_on_a_trace_reads_the_traces_mean_context_and_a_bad_name_is_refused():
+    from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.search import workload_of
+
+    ctx, trace = workload_of(PlanRequest("deepseek-v3", {"h800": 16}, workload="azure-code"))
+    assert len(trace) == 8819
+    assert ctx == pytest.approx(trace.mean_decode_context())
+    assert workload_of(PlanRequest("deepseek-v3", {"h800": 16}))[1] is None  # a paper workload: no trace
+    with pytest.raises(ConfigError, match="unknown trace"):
+        workload_of(PlanRequest("deepseek-v3", {"h800": 16}, workload="nonesuch"))
