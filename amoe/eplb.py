@@ -32,23 +32,29 @@ import numpy as np
 from amoe.errors import ConfigError
 
 
-def replica_counts(load: Sequence[float], num_replicas: int) -> np.ndarray:
+def replica_counts(load: Sequence[float], num_replicas: int, most: int | None = None) -> np.ndarray:
     """int64 [E]: replicas of each expert, R in all, each extra one to the expert with the most load per replica
-    (ties: the lowest id)."""
+    (ties: the lowest id) among those with fewer than `most` (None: no limit)."""
     load = np.asarray(load, dtype=np.float64)
     if num_replicas < len(load):
         raise ConfigError(f"{num_replicas} replicas cannot hold {len(load)} experts")
+    if most is not None and num_replicas > most * len(load):
+        raise ConfigError(f"{num_replicas} replicas exceed {most} of each of {len(load)} experts")
     counts = np.ones(len(load), dtype=np.int64)
     for _ in range(num_replicas - len(load)):
-        counts[int(np.argmax(load / counts))] += 1  # argmax: the first of equals
+        per = load / counts
+        if most is not None:
+            per[counts >= most] = -np.inf
+        counts[int(np.argmax(per))] += 1  # argmax: the first of equals
     return counts
 
 
 def balanced_packing(
-    weights: Sequence[float], ids: Sequence[int], num_packs: int, capacity: int
+    weights: Sequence[float], ids: Sequence[int], num_packs: int, capacity: int, distinct: bool = False
 ) -> list[list[int]]:
     """Item indices per pack, in the order they were placed: items heaviest first (equal weights: the higher id
-    first), each to the lightest pack with fewer than `capacity` items (equal packs: the lowest index)."""
+    first), each to the lightest pack with fewer than `capacity` items (equal packs: the lowest index) — with
+    `distinct`, the lightest of those holding no item of the same id, where there is one."""
     if num_packs < 1 or num_packs * capacity < len(weights):
         raise ConfigError(f"{len(weights)} items do not fit {num_packs} packs of {capacity}")
     order = sorted(range(len(weights)), key=lambda i: (-weights[i], -ids[i]))
@@ -56,6 +62,12 @@ def balanced_packing(
     free = [(0.0, p) for p in range(num_packs)]  # (load so far, pack) of the packs with room: a heap
     for i in order:
         total, p = heapq.heappop(free)
+        skipped = []
+        while distinct and free and any(ids[j] == ids[i] for j in packs[p]):
+            skipped.append((total, p))
+            total, p = heapq.heappop(free)
+        for entry in skipped:
+            heapq.heappush(free, entry)
         packs[p].append(i)
         if len(packs[p]) < capacity:
             heapq.heappush(free, (total + weights[i], p))
@@ -63,23 +75,31 @@ def balanced_packing(
 
 
 def place_layer(
-    load: Sequence[float], num_replicas: int, num_devices: int
+    load: Sequence[float], num_replicas: int, num_devices: int, distinct: bool = False
 ) -> tuple[np.ndarray, list[list[int]]]:
     """The global policy for one layer: (replicas per expert [E], the expert of each replica per device, in the
-    order packed)."""
-    counts = replica_counts(load, num_replicas)
+    order packed). `distinct`: no device holds two replicas of one expert (amoe's runtimes would merge them into
+    one queue), so an expert gets at most one replica a device."""
+    counts = replica_counts(load, num_replicas, num_devices if distinct else None)
     experts = [e for e in range(len(counts)) for _ in range(counts[e])]
     weights = [float(load[e]) / counts[e] for e in experts]
-    packs = balanced_packing(weights, experts, num_devices, math.ceil(num_replicas / num_devices))
+    capacity = math.ceil(num_replicas / num_devices)
+    packs = balanced_packing(weights, experts, num_devices, capacity, distinct)
     return counts, [[experts[i] for i in pack] for pack in packs]
 
 
 def rebalance_experts(
-    load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_devices: int
+    load: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_devices: int,
+    distinct: bool = False,
 ) -> list[list[list[int]]]:
     """Per layer, per device (devices of node n are n·D/N .. (n+1)·D/N - 1), the expert ids of its replicas:
     `load` [layers, E] (tokens per expert), R = `num_replicas` per layer. Hierarchical when `num_groups` contiguous
-    expert groups divide over `num_nodes` nodes (and the devices and replicas over the nodes), else global."""
+    expert groups divide over `num_nodes` nodes (and the devices and replicas over the nodes), else global.
+    `distinct`: as place_layer's (the original does not ask it)."""
     load = np.asarray(load, dtype=np.float64)
     if load.ndim != 2 or not np.all(np.isfinite(load)) or np.any(load < 0):
         raise ConfigError("expert load must be a finite, non-negative [layers, experts] array")
@@ -94,12 +114,12 @@ def rebalance_experts(
         and num_replicas % num_nodes == 0
     )
     if not hierarchical:
-        return [place_layer(row, num_replicas, num_devices)[1] for row in load]
-    return [_hierarchical(row, num_replicas, num_groups, num_nodes, num_devices) for row in load]
+        return [place_layer(row, num_replicas, num_devices, distinct)[1] for row in load]
+    return [_hierarchical(row, num_replicas, num_groups, num_nodes, num_devices, distinct) for row in load]
 
 
 def _hierarchical(
-    load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_devices: int
+    load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_devices: int, distinct: bool
 ) -> list[list[int]]:
     """One layer: groups onto nodes by summed load, then replicate and pack within each node."""
     size = len(load) // num_groups
@@ -109,7 +129,7 @@ def _hierarchical(
     out: list[list[int]] = []
     for groups in nodes:
         experts = [g * size + i for g in groups for i in range(size)]
-        _, packs = place_layer(load[experts], num_replicas // num_nodes, per_node)
+        _, packs = place_layer(load[experts], num_replicas // num_nodes, per_node, distinct)
         out += [[experts[j] for j in pack] for pack in packs]
     return out
 

@@ -172,7 +172,7 @@ class ExpertMap:
         even = len(set(node_of)) > 0 and all(node_of.count(n) == node_of.count(node_of[0]) for n in node_of)
         num_nodes = len(set(node_of)) if even else 1
         plan = eplb.rebalance_experts(
-            load, self.num_experts + num_redundant, num_groups, num_nodes, len(ordered)
+            load, self.num_experts + num_redundant, num_groups, num_nodes, len(ordered), distinct=True
         )
         table = []
         for b, packs in enumerate(plan):
