@@ -140,3 +140,106 @@ def test_layers_that_come_and_go_keep_the_floats(tmp_path):
     alone = ExpertExecutor(build_expert_layer_set(model, cfg, [(0, 0), (0, 5)]))
     cu = [0, 3, 6]
     assert torch.equal(executor._run_groups(0, x, w, [0, 5], cu), alone._run_groups(0, x, w, [0, 5], cu))
+
+
+# ---- a runtime's side of joins and drains (amoe/runtime/replicas.py)
+
+
+class Weights:
+    """An executor's add/remove, counting bytes: 10 a layer."""
+
+    def __init__(self) -> None:
+        self.layers: set = set()
+
+    def add(self, layers) -> int:
+        self.layers |= set(layers)
+        return 10 * len(layers)
+
+    def remove(self, keys) -> int:
+        self.layers -= set(keys)
+        return 10 * len(keys)
+
+
+def replies_until(side, want: int) -> list:
+    """The side's replies once `want` have come (the loop thread's turns run here), within 10 s."""
+    import time
+
+    out, deadline = [], time.monotonic() + 10
+    while len(out) < want and time.monotonic() < deadline:
+        side.between_batches()
+        out += side.replies()
+        time.sleep(0.001)
+    return out
+
+
+def settled(side) -> list:
+    """Every reply until nothing is under way (no load in flight, nothing to land or send), within 10 s."""
+    import time
+
+    out, deadline = [], time.monotonic() + 10
+    while side.busy and time.monotonic() < deadline:
+        side.between_batches()
+        out += side.replies()
+        time.sleep(0.001)
+    return out
+
+
+def test_an_expert_runtime_joins_lands_between_batches_and_drains():
+    import threading
+
+    from amoe import wire
+    from amoe.runtime.replicas import ExpertReplicas
+
+    hub = core.LoopbackHub(3)
+    eng = engine(1, ExpertMap.homes(Placement.disaggregated(1, 2, E), NB), hub)
+    gate = threading.Event()
+
+    def loader(layers):
+        if (1, 3) in layers:
+            raise OSError("the checkpoint is gone")
+        if (0, 3) in layers:
+            gate.wait(10)  # a slow read, cancelled before it lands
+        return dict.fromkeys(layers)
+
+    weights = Weights()
+    side = ExpertReplicas(1, eng, weights, loader, {(b, e) for b in range(NB) for e in (0, 2)}, (NB, E))
+    side.apply(wire.LoadExperts(1, [(0, 1), (1, 1)]))
+    assert replies_until(side, 1) == [wire.ExpertsLoaded(1, 1, [[0, 1], [1, 1]], 20)]
+    assert weights.layers == {(0, 1), (1, 1)} and {(0, 1), (1, 1)} <= side.hosted
+    eng.ingest(expert_rows(0, 1, 2))
+    assert eng.stats()["depth"][("expert", 0, 1)] == 2  # hosted: it takes rows now
+    side.apply(wire.LoadExperts(2, [(1, 3)]))
+    (failed,) = replies_until(side, 1)
+    assert isinstance(failed, wire.PlacementFailed) and "checkpoint is gone" in failed.error
+    side.apply(wire.LoadExperts(3, [(0, 3)]))
+    side.apply(wire.DropExperts(3, [(0, 3)]))  # cancelled while loading
+    gate.set()
+    assert settled(side) == [wire.ExpertsDropped(1, 3, [], 0)]  # and nothing when its weights land
+    assert (0, 3) not in side.hosted | weights.layers
+    side.apply(wire.DropExperts(4, [(0, 1)]))
+    assert replies_until(side, 1) == [wire.ExpertsDropped(1, 4, [[0, 1]], 10)]
+    assert eng.stats()["dropped"]["retired"] == 2 and (0, 1) not in side.hosted
+    side.apply(wire.LoadExperts(5, [(NB, 0)]))
+    assert "outside the model" in side.replies()[0].error
+
+
+def test_an_attention_runtime_switches_and_says_drained_once_nothing_is_owed():
+    from amoe import wire
+    from amoe.runtime.replicas import AttentionReplicas
+
+    hub = core.LoopbackHub(3)
+    start = ExpertMap.homes(Placement.disaggregated(1, 2, E), NB)
+    attn = engine(0, start, hub)
+    side = AttentionReplicas(0, attn, start, num_runtimes=3)
+    attend(attn, [10, 11], expert=0)  # two rows out to runtime 1
+    side.apply(wire.SetExpertMap(1, [(0, 0, [2])]))
+    assert attn.replicas(0, 0) == [2] and side.replies() == []  # runtime 1 still owes two rows
+    answer = dict(request_id=[10, 11], kind=[core.ATTN] * 2, block=[1] * 2, index=[0] * 2, position=[0] * 2,
+                  slot=[1] * 2, expert_id=[0] * 2, weight=[1.0] * 2)  # fmt: skip
+    attn.ingest(core.make_message(torch.zeros(2, H), **answer))
+    assert side.replies() == [wire.Drained(0, 1)]
+    side.apply(wire.SetExpertMap(2, [(0, 0, [7])]))
+    (refused,) = side.replies()
+    assert isinstance(refused, wire.PlacementFailed) and "runtimes of this cluster" in refused.error
+    side.apply(wire.LoadExperts(3, [(0, 0)]))
+    assert isinstance(side.replies()[0], wire.PlacementFailed) and attn.replicas(0, 0) == [2]

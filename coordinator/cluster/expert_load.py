@@ -3,7 +3,8 @@
 Each attention runtime reports, cumulatively, the tokens its router sent to each (block, expert) (`routed`) and the
 head steps it ran (the batches of its layer ATTN (num_blocks, rank)). A step of the cluster is the mean of the
 ranks' head steps; the window's load is what was routed since the snapshot `window_size` steps back. A replaced
-runtime starts its counters from zero again; its old totals are kept, so neither series ever goes back.
+runtime (another `incarnation` in its report) starts its counters from zero again; its old totals are kept, so
+neither series ever goes back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ExpertLoad:
             int, list[np.ndarray]
         ] = {}  # runtime → [last raw, carried over from old processes]
         self._steps: dict[int, list[float]] = {}  # runtime → [last raw, carried over]
+        self._incarnation: dict[int, Any] = {}  # runtime → its process's (RuntimeReporter.incarnation)
         # (steps, total) snapshots, ascending; the first is at or before the window's start (or the start itself)
         self._history: collections.deque[tuple[float, np.ndarray]] = collections.deque(
             [(0.0, np.zeros(self.shape))]
@@ -38,8 +40,11 @@ class ExpertLoad:
         steps = float(
             sum(n for (kind, block, _), n in batches.items() if kind == "attn" and block == self.shape[0])
         )
-        _monotonic(self._routed, runtime, routed)
-        _monotonic(self._steps, runtime, steps)
+        incarnation = stats.get("incarnation")
+        restarted = self._incarnation.get(runtime, incarnation) != incarnation  # a new process of its rank
+        self._incarnation[runtime] = incarnation
+        _monotonic(self._routed, runtime, routed, restarted)
+        _monotonic(self._steps, runtime, steps, restarted)
         now = self.steps
         if now > self._history[-1][0]:
             self._history.append((now, self.total()))
@@ -65,13 +70,14 @@ class ExpertLoad:
         return self.total() - self._history[0][1]
 
 
-def _monotonic(series: dict[int, list], runtime: int, raw) -> None:
-    """Keep `raw` as runtime's last value; a value below the last one is a new process counting from zero."""
+def _monotonic(series: dict[int, list], runtime: int, raw, restarted: bool) -> None:
+    """Keep `raw` as runtime's last value; a new process (another incarnation, or a value below the last one)
+    counts from zero, so the old one's last value is carried over."""
     state = series.get(runtime)
     if state is None:
         series[runtime] = [raw, raw * 0]
         return
     last, carried = state
-    if np.any(np.asarray(raw) < np.asarray(last)):
+    if restarted or np.any(np.asarray(raw) < np.asarray(last)):
         carried = carried + last
     series[runtime] = [raw, carried]

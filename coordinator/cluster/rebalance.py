@@ -58,7 +58,7 @@ class Move:
     drains: dict[int, list[Layer]]
     generations: dict[int, int]  # every runtime's at the start: a replacement shows as another
     reason: str
-    started: float = field(default_factory=time.monotonic)
+    started: float
     phase: str = "join"  # join | drain | free
     loaded: set[int] = field(default_factory=set)
     drained: set[int] = field(default_factory=set)
@@ -86,8 +86,10 @@ class Rebalancer:
         runtimes: list[RuntimeProc],
         send: Callable[[int, wire.Message], bool],
         nodes: Sequence[int],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config, self.eplb = config, config.eplb
+        self.clock = clock  # join_timeout_s is measured on it
         self.runtimes, self._send, self.nodes = runtimes, send, nodes
         self.map: ExpertMap | None = (
             None  # what the attention runtimes route by (after the switch: the target)
@@ -219,7 +221,9 @@ class Rebalancer:
             r: sorted(held - target.hosted_by(r)) for r, held in have.items() if held - target.hosted_by(r)
         }
         gens = {r.id: r.spawned for r in self.runtimes}
-        self.move = Move(self._last_epoch, self.epoch, self.map, target, joins, drains, gens, reason)
+        self.move = Move(
+            self._last_epoch, self.epoch, self.map, target, joins, drains, gens, reason, self.clock()
+        )
         self.counters.rebalances["started"] += 1
         logger.info("[placement] %s rebalance to epoch %d: %d layers join on runtimes %s, %d drain from %s", reason,
                     self._last_epoch, sum(map(len, joins.values())), sorted(joins), sum(map(len, drains.values())),
@@ -280,7 +284,7 @@ class Rebalancer:
     def _follow(self, move: Move) -> None:
         """Advance or fail `move` by what has happened since (answers, losses, deadlines)."""
         if move.phase == "join":
-            late = time.monotonic() - move.started > self.eplb.join_timeout_s
+            late = self.clock() - move.started > self.eplb.join_timeout_s
             lost = [r for r in move.joins if r not in move.loaded and self._replaced(move, r)]
             if lost:
                 self._fail(f"{self.runtimes[lost[0]].name} was lost during its join")
@@ -321,7 +325,7 @@ class Rebalancer:
         self.move = None
         self.counters.rebalances["completed"] += 1
         logger.info("[placement] epoch %d serves (%s rebalance, %.2f s); balancedness now %s", move.epoch, move.reason,
-                    time.monotonic() - move.started, _fmt(self.balancedness()))  # fmt: skip
+                    self.clock() - move.started, _fmt(self.balancedness()))  # fmt: skip
         self._resolve(move.epoch, "completed")
 
     def _fail(self, reason: str) -> None:
