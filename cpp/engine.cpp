@@ -420,9 +420,9 @@ std::vector<int> Engine::replicas(int block, int expert) {
   return queues_.replicas(block, expert);
 }
 
-int64_t Engine::outstanding(int dest, int block, int expert) {
+int64_t Engine::outstanding(const std::vector<std::array<int, 3>>& replicas) {
   std::lock_guard<std::mutex> lock(mu_);  // the expectations are shared with the receptor and dispatcher
-  return queues_.outstanding(dest, block, expert);
+  return queues_.outstanding(replicas);
 }
 
 void Engine::host(int block, int expert) {

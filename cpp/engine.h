@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -79,9 +80,9 @@ class Engine {
   // awaited where they went).
   void set_replicas(int block, int expert, const std::vector<int>& runtimes);
   std::vector<int> replicas(int block, int expert);
-  // Attention runtime: expert outputs still awaited from runtime `dest` for (block, expert) — a drained
-  // replica owes none.
-  int64_t outstanding(int dest, int block, int expert);
+  // Attention runtime: expert outputs still awaited from any of these (runtime, block, expert) replicas — a
+  // drained replica owes none.
+  int64_t outstanding(const std::vector<std::array<int, 3>>& replicas);
   // Expert runtime: (block, expert) takes rows from now on (its weights must have landed in the executor).
   void host(int block, int expert);
   // Expert runtime: rows of (block, expert) arriving from now on are misrouted; those still queued (second

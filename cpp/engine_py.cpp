@@ -334,9 +334,9 @@ void register_engine(py::module_& m) {
       .def("replicas", &Engine::replicas, py::arg("block"), py::arg("expert"),
            py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the dispatcher holds
            "Attention runtime: the replica runtimes of (block, expert).")
-      .def("outstanding", &Engine::outstanding, py::arg("runtime"), py::arg("block"), py::arg("expert"),
+      .def("outstanding", &Engine::outstanding, py::arg("replicas"),
            py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
-           "Attention runtime: expert outputs still awaited from `runtime` for (block, expert).")
+           "Attention runtime: expert outputs still awaited from any of these (runtime, block, expert).")
       .def("host", &Engine::host, py::arg("block"), py::arg("expert"),
            py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
            "Expert runtime: (block, expert) takes rows from now on.")

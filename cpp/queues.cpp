@@ -58,6 +58,7 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
                                  : cfg.num_experts * wave_groups(cfg)),
       groups_(wave_groups(cfg)),
       hosted_(static_cast<size_t>(cfg.num_blocks) * cfg.num_experts, 0),
+      hosted_blocks_(cfg.num_experts, 0),
       scheduler_(cfg.is_attention ? cfg.num_blocks + 1 : cfg.num_blocks, num_cols_, parse_policy(cfg.policy),
                  cfg.lookahead, cfg.decay) {
   cfg_.validate();
@@ -92,24 +93,22 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   }
   if (cfg.hosted.empty()) {
     for (int e : cfg.experts) {
-      for (int b = 0; b < cfg.num_blocks; ++b) {
-        char& h = hosted_[static_cast<size_t>(b) * cfg.num_experts + e];
-        AMOE_CHECK_ARG(!h, "expert " << e << " listed twice");
-        h = 1;
-      }
+      AMOE_CHECK_ARG(hosted_blocks_[e] == 0, "expert " << e << " listed twice");
+      for (int b = 0; b < cfg.num_blocks; ++b) mark_hosted(b, e, true);
     }
   } else {
-    for (int l : cfg.hosted) hosted_[l] = 1;
+    for (int l : cfg.hosted) mark_hosted(l / cfg.num_experts, l % cfg.num_experts, true);
   }
-  count_hosted();
 }
 
-void LayerQueues::count_hosted() {
-  std::vector<char> any(cfg_.num_experts, 0);
-  for (size_t l = 0; l < hosted_.size(); ++l)
-    if (hosted_[l]) any[l % cfg_.num_experts] = 1;
-  const int n = static_cast<int>(std::count(any.begin(), any.end(), 1));
-  scheduler_.set_lookahead_cols(std::max(1, n) * groups_);
+void LayerQueues::mark_hosted(int block, int expert, bool on) {
+  char& h = hosted_[static_cast<size_t>(block) * cfg_.num_experts + expert];
+  if (static_cast<bool>(h) == on) return;
+  h = on ? 1 : 0;
+  int& n = hosted_blocks_[expert];
+  if (on && n++ == 0) ++hosted_experts_;
+  if (!on && --n == 0) --hosted_experts_;
+  scheduler_.set_lookahead_cols(std::max(1, hosted_experts_) * groups_);
 }
 
 void LayerQueues::check_layer(int block, int expert) const {
@@ -120,15 +119,13 @@ void LayerQueues::check_layer(int block, int expert) const {
 void LayerQueues::host(int block, int expert) {
   AMOE_CHECK_ARG(!cfg_.is_attention, "an attention runtime hosts no experts");
   check_layer(block, expert);
-  hosted_[block * cfg_.num_experts + expert] = 1;
-  count_hosted();
+  mark_hosted(block, expert, true);
 }
 
 int64_t LayerQueues::unhost(int block, int expert) {
   AMOE_CHECK_ARG(!cfg_.is_attention, "an attention runtime hosts no experts");
   check_layer(block, expert);
-  hosted_[block * cfg_.num_experts + expert] = 0;
-  count_hosted();
+  mark_hosted(block, expert, false);
   int64_t dropped = 0;
   for (int g = 0; g < groups_; ++g) {
     const int q = block * num_cols_ + g * cfg_.num_experts + expert;
@@ -161,10 +158,14 @@ void LayerQueues::release_inflight(int dest) {
   if (dest >= 0 && dest < static_cast<int>(inflight_.size()) && inflight_[dest] > 0) --inflight_[dest];
 }
 
-int64_t LayerQueues::outstanding(int dest, int block, int expert) const {
+int64_t LayerQueues::outstanding(const std::vector<std::array<int, 3>>& replicas) const {
+  // (runtime, block, expert) packed into one key: ids are < 2^20 (the wire's ranges are narrower still).
+  auto pack = [](int64_t r, int64_t b, int64_t e) { return (r << 40) | (b << 20) | e; };
+  std::unordered_set<int64_t> wanted;
+  for (const auto& [r, b, e] : replicas) wanted.insert(pack(r, b, e));
   int64_t n = 0;
-  for (const auto& [key, e] : expected_)
-    if (e.dest == dest && e.sent.layer.block == block && e.sent.layer.index == expert) ++n;
+  for (const auto& [key, x] : expected_)
+    if (wanted.count(pack(x.dest, x.sent.layer.block, x.sent.layer.index))) ++n;
   return n;
 }
 

@@ -246,8 +246,9 @@ class LayerQueues {
   int choose(int block, int expert, std::vector<int64_t>* load) const;
   // Expert outputs awaited per runtime (cfg.track_requests), the load the replica rule starts from.
   const std::vector<int64_t>& inflight() const { return inflight_; }
-  // Expert outputs awaited from runtime `dest` for (block, expert): what a draining replica still owes.
-  int64_t outstanding(int dest, int block, int expert) const;
+  // Expert outputs awaited from any of these (runtime, block, expert) replicas, in one pass over the record:
+  // what draining replicas still owe.
+  int64_t outstanding(const std::vector<std::array<int, 3>>& replicas) const;
   void check_layer(int block, int expert) const;  // a clear error for a (block, expert) outside the model
   // Whether stats list queue q: a hosted layer's, or one that ran or holds rows (counters stay monotonic).
   bool listed(size_t q) const;
@@ -264,7 +265,9 @@ class LayerQueues {
   double clock_s() const;                   // seconds since construction: the rank barrier's clock
   int queue_index(const LayerId& l) const;  // -1 when not hosted; an attention queue's block (wave 0)
   void release_inflight(int dest);          // an expected_ entry for `dest` was answered or purged
-  void count_hosted();  // the scheduler's look-ahead divides by the experts hosted (Algorithm 1's N_E)
+  // Marks (block, expert) hosted or not, keeping the count of experts hosted in any block: the scheduler's
+  // look-ahead divides by it (Algorithm 1's N_E).
+  void mark_hosted(int block, int expert, bool on);
   // waves on an attention runtime: the request's wave (joining one, counted by the scheduler, if new).
   int wave_of(uint64_t request_id);
   void enqueue_chunk(int q, Chunk&& c);
@@ -280,6 +283,8 @@ class LayerQueues {
   // Expert runtime: its grid has a column per expert id (of each wave group), so a replica can join any; only
   // hosted layers take rows. [num_blocks * num_experts]
   std::vector<char> hosted_;
+  std::vector<int> hosted_blocks_;          // [num_experts] blocks in which each expert is hosted
+  int hosted_experts_ = 0;                  // experts hosted in some block
   std::vector<std::vector<int>> replicas_;  // attention runtime: the live map, as EngineConfig::replicas
   std::vector<int64_t> inflight_;           // attention runtime: expected_ entries per destination runtime
   Scheduler scheduler_;

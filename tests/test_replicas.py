@@ -77,16 +77,16 @@ def test_an_attention_engine_routes_by_the_rule_and_knows_what_each_replica_owes
     got = [recv_n(c, 1) for c in experts]
     rows = [sorted(m.meta()["request_id"].tolist()) for msgs in got for m in msgs]
     assert rows == [[10, 12], [11, 13]]  # alternating, runtime 1 first (a tie goes to the lowest id)
-    assert [attn.outstanding(r, 0, 0) for r in (1, 2)] == [2, 2]
+    assert [attn.outstanding([(r, 0, 0)]) for r in (1, 2)] == [2, 2]
     assert attn.stats()["inflight"] == [0, 2, 2]
     attn.set_replicas(0, 0, [2])  # expert 0 leaves runtime 1: new rows go to 2, runtime 1 still owes its two
     attend(attn, [14, 15], expert=0)
     assert recv_n(experts[0], 1, timeout=0.3) == [] and len(recv_n(experts[1], 1)) == 1
-    assert attn.replicas(0, 0) == [2] and attn.outstanding(1, 0, 0) == 2
+    assert attn.replicas(0, 0) == [2] and attn.outstanding([(1, 0, 0), (2, 0, 1)]) == 2
     answer = dict(request_id=[10, 12], kind=[core.ATTN] * 2, block=[1] * 2, index=[0] * 2, position=[0] * 2,
                   slot=[1] * 2, expert_id=[0] * 2, weight=[1.0] * 2)  # fmt: skip
     attn.ingest(core.make_message(torch.zeros(2, H), **answer))
-    assert attn.outstanding(1, 0, 0) == 0 and attn.stats()["inflight"][1] == 0  # drained: it owes nothing now
+    assert attn.outstanding([(1, 0, 0)]) == 0 and attn.stats()["inflight"][1] == 0  # drained: it owes nothing now
     with pytest.raises(Exception, match="needs a replica"):
         attn.set_replicas(0, 0, [])
     with pytest.raises(Exception, match="outside the model"):

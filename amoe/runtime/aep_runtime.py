@@ -134,6 +134,10 @@ class AepRuntime(RankCapacity):
     def placement_busy(self) -> bool:
         return self.replicas.busy
 
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        return sorted(self.replicas.hosted) if self.attention is None else []
+
     def start(
         self,
         endpoints: list[str],

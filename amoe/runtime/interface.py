@@ -98,6 +98,11 @@ class Runtime(Protocol):
     def placement_busy(self) -> bool:
         """A placement command is under way: the control loop looks for its answer often."""
 
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        """The (block, expert) layers whose weights it holds (an expert runtime of a live placement; else none):
+        its Hello reports them, the coordinator's map is made of them."""
+
     def stats(self) -> dict[str, Any]:
         """The runtime report (docs/CONTRACTS.md "Runtime stats") its heartbeat carries."""
 

@@ -216,7 +216,7 @@ class AttentionReplicas:
     def replies(self) -> list[wire.Message]:
         """Drained for every epoch whose retired replicas owe nothing any more, and any failures."""
         for epoch in sorted(self._draining):
-            if not any(self.engine.outstanding(r, b, e) for r, b, e in self._draining[epoch]):
+            if self.engine.outstanding(self._draining[epoch]) == 0:
                 del self._draining[epoch]
                 self._replies.append(wire.Drained(self.runtime, epoch))
         out, self._replies = self._replies, []

@@ -102,6 +102,10 @@ class SyncRuntime(RankCapacity):
     def placement_busy(self) -> bool:
         return False
 
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        return []  # a synchronous group's experts never move
+
     def start(
         self,
         endpoints: list[str],

@@ -92,14 +92,12 @@ def _hello(spec: wire.WorkerSpec, runtime: Runtime) -> wire.Hello:
 def _model_shape(runtime: Runtime) -> dict:
     """The expert grid and, on an expert runtime of a live placement, the layers it loaded (docs/rebalancing.md)."""
     cfg = runtime.model_config
-    replicas = getattr(runtime, "replicas", None)
-    hosted = sorted(replicas.hosted) if replicas is not None and hasattr(replicas, "hosted") else []
     groups = cfg.router.num_groups if cfg.num_shared_experts == 0 else 1  # a shared expert is in no group
     return {
         "num_blocks": cfg.num_blocks,
         "num_expert_ids": cfg.num_expert_ids,
         "expert_groups": groups,
-        "hosted": [list(layer) for layer in hosted],
+        "hosted": [list(layer) for layer in runtime.hosted_layers],
     }
 
 
