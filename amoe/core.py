@@ -29,7 +29,7 @@ ZmqCommunicator = _core.ZmqCommunicator
 group_by_destination = _core.group_by_destination
 
 
-# The longest a wave-policy runtime holds for a returning wave (cpp/engine.cpp): a guard against a part that never
+# The longest a runtime under waves holds for a returning wave (cpp/engine.cpp): a guard against a part that never
 # returns (a lost row, a failed expert batch), far above a round trip (milliseconds), not a tuning knob.
 MAX_WAVE_HOLD_S = 1.0
 
@@ -51,7 +51,7 @@ def engine_config(
     """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
     defaults when None); validated here so mistakes raise at build time. `track_requests`: an attention
     runtime that holds request state drops rows of requests it does not hold (docs/engine.md). `time_scale`:
-    the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard.
+    the wall seconds per emulated second of an emulated executor, which stretch the waves policy's hold guard.
     `max_requests`: the most requests an attention runtime holds at once (the cache's max_num_seqs, its default
     when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/engine.md "The
     waves rule"), which an expert runtime's block 0 uses too (item 10). `expert_map`: the live placement's

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from amoe.config import AmoeConfig, ExecutorSection
+from amoe.config import AmoeConfig, EmulationSection, ExecutorSection
 from amoe.runtime import build
 from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
@@ -27,12 +27,10 @@ from amoe.testing.sync_inproc import SyncCluster
 
 def measure(devices: int, tokens: int, pn: int, repeats: int) -> tuple[float, float]:
     """(least CPU seconds of one prefill of `tokens` per device, over the repeats; chunks per device in it)."""
-    ex = ExecutorSection(
-        kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=1e-6, routing="uniform"
-    )
+    ex = EmulationSection(profile="deepseek-v2:2", gpu="h800", time_scale=1e-6, routing="uniform")
     em = Emulation(ex)
     parallel = {"mode": "ep", "attn_ranks": devices, "ep_pipelines": pn, "ep_kernel": "grouped"}
-    config = AmoeConfig(executor=ex).replace(parallel=parallel)
+    config = AmoeConfig(executor=ExecutorSection("emulated"), emulation=ex).replace(parallel=parallel)
     pipeline = build.ep_pipeline(
         config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em
     )

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace, label: str, options: dict) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--dir", type=Path, default=Path("/tmp/amoe-bench-offload"), help="checkpoint (made if absent)"
@@ -146,7 +146,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (default 1)")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.child is not None:
         child(args)
         return
@@ -177,15 +181,7 @@ def main() -> None:
         r["from_start"] = r["rss_after"] - r["rss_runtime"]
         r["after_warmup"] = r["rss_after"] - r["rss_before"]
     print_table(args, results, cfg, dense, expert, budget, buffers)
-    checks = memory_checks(results, budget)
-    nc = results[-1]
-    checks.update({
-        "experts_over_budget": len(keys) * expert / budget,
-        "experts_at_least_3x_budget": len(keys) * expert >= 3 * budget,
-        "no_cache_bytes_equal_misses": nc["store"]["bytes_read"] == nc["store"]["misses"] * expert,
-        "no_cache_kernel_read_over_store_read": nc["kernel_read_bytes"] / max(1, nc["store"]["bytes_read"]),
-        "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results),
-    })  # fmt: skip
+    checks = all_checks(results, len(keys), expert, budget)
     for name, value in checks.items():
         print(f"  {name}: {value}")
     summary = {
@@ -205,6 +201,21 @@ def main() -> None:
         and checks["after_warmup_within_bound"]
     ):
         sys.exit(1)
+
+
+def all_checks(results: list[dict], experts: int, expert: int, budget: int) -> dict:
+    """memory_checks, and what the offloaded runs must show: experts well over the budget, the uncached run's reads
+    all misses, every run's tokens the resident run's."""
+    checks = memory_checks(results, budget)
+    nc = results[-1]
+    checks.update({
+        "experts_over_budget": experts * expert / budget,
+        "experts_at_least_3x_budget": experts * expert >= 3 * budget,
+        "no_cache_bytes_equal_misses": nc["store"]["bytes_read"] == nc["store"]["misses"] * expert,
+        "no_cache_kernel_read_over_store_read": nc["kernel_read_bytes"] / max(1, nc["store"]["bytes_read"]),
+        "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results),
+    })  # fmt: skip
+    return checks
 
 
 def print_table(args, results: list[dict], cfg, dense: int, expert: int, budget: int, buffers: int) -> None:

@@ -237,6 +237,79 @@ def _worker_main(rank: int, store_port: int, conn) -> None:
 # ---- the driver ----
 
 
+class _Workers:
+    """The WORLD worker processes, each asked to run a measurement over its pipe."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(WORLD)]
+        self.procs = [
+            ctx.Process(target=_worker_main, args=(r, self.store.port, pipes[r][1]), daemon=True)
+            for r in range(WORLD)
+        ]
+        for p in self.procs:
+            p.start()
+        self.conns = [parent for parent, _ in pipes]
+        table = [c.recv() for c in self.conns]
+        for c in self.conns:
+            c.send(table)
+
+    def run(self, ranks, cmd: str, *cmd_args):
+        for r in ranks:
+            self.conns[r].send((cmd, cmd_args))
+        return [self.conns[r].recv() for r in ranks]
+
+    def stop(self) -> None:
+        for c in self.conns:
+            c.send(("stop", ()))
+        for p in self.procs:
+            p.join(30)
+            if p.exitcode != 0:
+                print(f"warning: worker {p.name} exited with {p.exitcode}")
+
+
+def point_to_point(workers: _Workers, samples: int, quick: bool) -> dict[str, dict[str, dict]]:
+    """One-way latency and throughput per method and size: medians of `samples`. Methods interleave, sample by
+    sample, so a neighbour's load on this shared machine hits them alike."""
+    methods = ("inline", "zmq", "gloo", "raw_gloo", "raw_gloo_warm")
+    p2p: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    print(f"{'one-way':>10} {'size':>6} {'latency us':>11} {'GB/s':>7}   (medians of {samples} samples)")
+    for label, nbytes in SIZES.items():
+        lat_n, thr_n = count_for(nbytes, quick)
+        got: dict[str, list[dict]] = {m: [] for m in methods}
+        for i in range(samples):
+            for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
+                got[method].append(workers.run([0, 1], "p2p", method, nbytes, lat_n, thr_n)[0])
+        for method in methods:
+            res = {k: round(statistics.median(s[k] for s in got[method]), 3) for k in ("lat_us", "gb_s")}
+            p2p[method][label] = res
+            print(f"{method:>10} {label:>6} {res['lat_us']:>11.1f} {res['gb_s']:>7.3f}")
+    return p2p
+
+
+def m_to_n(workers: _Workers, samples: int, rounds: int) -> dict[str, dict]:
+    """SENDERS to RECEIVERS rounds of mixed sizes: seconds and aggregate throughput per method (medians)."""
+    rng = random.Random(0)
+    sizes = [
+        [rng.choice([64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]) for _ in range(RECEIVERS)]
+        for _ in range(SENDERS)
+    ]
+    rows = [[max(1, b // (HIDDEN * 4)) * HIDDEN * 4 for b in row] for row in sizes]
+    total = sum(map(sum, rows)) * rounds
+    mton = {}
+    print(f"\nM-to-N {SENDERS}x{RECEIVERS}, {rounds} rounds, {total / 1e6:.0f} MB")
+    mton_samples: dict[str, list[float]] = {m: [] for m in ("inline", "gloo", "all_to_all")}
+    for _ in range(samples):
+        for method in mton_samples:
+            mton_samples[method].append(max(workers.run(range(WORLD), "mton", method, rounds, sizes)))
+    for method, secs_list in mton_samples.items():
+        secs = statistics.median(secs_list)
+        mton[method] = {"s": round(secs, 4), "gb_s": round(total / secs / 1e9, 3)}
+        print(f"{method:>10} {secs:>8.3f} s {total / secs / 1e9:>7.3f} GB/s aggregate")
+    return mton
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="M-to-N rounds")
@@ -244,62 +317,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller samples (a smoke run)")
     args = parser.parse_args()
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(WORLD)]
-    procs = [
-        ctx.Process(target=_worker_main, args=(r, store.port, pipes[r][1]), daemon=True) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    conns = [parent for parent, _ in pipes]
-    table = [c.recv() for c in conns]
-    for c in conns:
-        c.send(table)
-
-    def run(ranks, cmd, *cmd_args):
-        for r in ranks:
-            conns[r].send((cmd, cmd_args))
-        return [conns[r].recv() for r in ranks]
-
-    # Methods interleave, sample by sample, so a neighbour's load on this shared machine hits them alike.
-    methods = ("inline", "zmq", "gloo", "raw_gloo", "raw_gloo_warm")
-    p2p: dict[str, dict[str, dict]] = {m: {} for m in methods}
-    print(f"{'one-way':>10} {'size':>6} {'latency us':>11} {'GB/s':>7}   (medians of {args.samples} samples)")
-    for label, nbytes in SIZES.items():
-        lat_n, thr_n = count_for(nbytes, args.quick)
-        samples: dict[str, list[dict]] = {m: [] for m in methods}
-        for i in range(args.samples):
-            for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
-                samples[method].append(run([0, 1], "p2p", method, nbytes, lat_n, thr_n)[0])
-        for method in methods:
-            res = {k: round(statistics.median(s[k] for s in samples[method]), 3) for k in ("lat_us", "gb_s")}
-            p2p[method][label] = res
-            print(f"{method:>10} {label:>6} {res['lat_us']:>11.1f} {res['gb_s']:>7.3f}")
-
-    rng = random.Random(0)
-    sizes = [
-        [rng.choice([64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]) for _ in range(RECEIVERS)]
-        for _ in range(SENDERS)
-    ]
-    rows = [[max(1, b // (HIDDEN * 4)) * HIDDEN * 4 for b in row] for row in sizes]
-    total = sum(map(sum, rows)) * args.rounds
-    mton = {}
-    print(f"\nM-to-N {SENDERS}x{RECEIVERS}, {args.rounds} rounds, {total / 1e6:.0f} MB")
-    mton_samples: dict[str, list[float]] = {m: [] for m in ("inline", "gloo", "all_to_all")}
-    for _ in range(args.samples):
-        for method in mton_samples:
-            mton_samples[method].append(max(run(range(WORLD), "mton", method, args.rounds, sizes)))
-    for method, secs_list in mton_samples.items():
-        secs = statistics.median(secs_list)
-        mton[method] = {"s": round(secs, 4), "gb_s": round(total / secs / 1e9, 3)}
-        print(f"{method:>10} {secs:>8.3f} s {total / secs / 1e9:>7.3f} GB/s aggregate")
-    for c in conns:
-        c.send(("stop", ()))
-    for p in procs:
-        p.join(30)
-        if p.exitcode != 0:
-            print(f"warning: worker {p.name} exited with {p.exitcode}")
+    workers = _Workers()
+    p2p = point_to_point(workers, args.samples, args.quick)
+    mton = m_to_n(workers, args.samples, args.rounds)
+    workers.stop()
 
     def ratio(raw: str, ours: str, size: str) -> float:  # raw throughput / ours: <= 1.2 is the target
         return round(p2p[raw][size]["gb_s"] / p2p[ours][size]["gb_s"], 3)

@@ -437,6 +437,18 @@ class _Families:
     """The runtime metric families of one scrape."""
 
     def __init__(self) -> None:
+        self._runtime_families()
+        self._comm_families()
+        self._cluster_families()
+        self._placement_families()
+        rt = ["runtime", "role"]
+        self.offload_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_COUNTERS]
+        self.offload_gauges = [GaugeMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_GAUGES]
+        self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
+        self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
+
+    def _runtime_families(self) -> None:
+        """What each runtime reports of itself: liveness, its counters and gauges, its queues and batches."""
         rt = ["runtime", "role"]
         self.up = GaugeMetricFamily("amoe_runtime_up", "1 for every runtime with a report", labels=rt)
         self.restarts = CounterMetricFamily(
@@ -462,6 +474,10 @@ class _Families:
             "Rows per executed batch, by layer kind",
             labels=["runtime", "kind"],
         )
+
+    def _comm_families(self) -> None:
+        """Each runtime's communicator, and the routers' tokens per (block, expert)."""
+        rt = ["runtime", "role"]
         self.comm_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in COMM_COUNTERS]
         self.comm_dropped = CounterMetricFamily(
             "amoe_comm_dropped_messages", "Inbound messages the communicator dropped, by reason",
@@ -475,6 +491,9 @@ class _Families:
             "Tokens the routers sent to each (block, expert)",
             labels=["block", "expert"],
         )
+
+    def _cluster_families(self) -> None:
+        """The coordinator's control plane and the cluster's recoveries."""
         self.control_dropped = CounterMetricFamily(
             "amoe_coordinator_control_dropped_messages",
             "Control-plane messages the coordinator dropped (malformed, out of range, or from the wrong socket)",
@@ -498,11 +517,6 @@ class _Families:
         self.recovery = HistogramMetricFamily(
             "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
         )
-        self._placement_families()
-        self.offload_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_COUNTERS]
-        self.offload_gauges = [GaugeMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_GAUGES]
-        self.kv_used = GaugeMetricFamily("amoe_kv_used_blocks", "KV-cache blocks in use", labels=["rank"])
-        self.kv_total = GaugeMetricFamily("amoe_kv_total_blocks", "KV-cache blocks", labels=["rank"])
 
     def _placement_families(self) -> None:
         """The live expert map's (docs/rebalancing.md)."""

@@ -176,7 +176,7 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
     const auto deadline =
         t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
     constexpr auto kNever = Clock::time_point::max();
-    // The wave policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob:
+    // The waves policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob:
     // in steady state the wave is back within one round trip (milliseconds); only a lost row (resent after
     // the transport's timeout) or a failed expert batch keeps a part out, and the hold must not wait for
     // those.

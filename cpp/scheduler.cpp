@@ -15,10 +15,8 @@ Policy parse_policy(const std::string& name) {
   if (name == "defrag") return Policy::kDefrag;
   if (name == "mtfs") return Policy::kMtfs;
   if (name == "flfs") return Policy::kFlfs;
-  if (name == "wave") return Policy::kWave;
   if (name == "waves") return Policy::kWaves;
-  AMOE_CHECK_ARG(false,
-                 "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs, wave or waves)");
+  AMOE_CHECK_ARG(false, "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs or waves)");
   return Policy::kDefrag;
 }
 
@@ -30,8 +28,6 @@ const char* policy_name(Policy p) {
       return "mtfs";
     case Policy::kFlfs:
       return "flfs";
-    case Policy::kWave:
-      return "wave";
     case Policy::kWaves:
       return "waves";
   }
@@ -141,8 +137,6 @@ bool Scheduler::pick(int* block, int* col, bool force) {
   holding_ = false;
   if (total_ == 0) return false;
   switch (policy_) {
-    case Policy::kWave:
-      return pick_wave(block, col, force);
     case Policy::kDefrag:
       return pick_defrag(block, col);
     case Policy::kMtfs:
@@ -205,38 +199,6 @@ bool Scheduler::pick_flfs(int* block, int* col) {
     return true;
   }
   return false;
-}
-
-// Wave (docs/engine.md "wave"): a block is served whole (an expert runtime's grouped step takes every hosted
-// expert's queue of it), so blocks are compared by their total rows. A block part of whose wave is still out
-// (pending > 0) is not ready: it waits for the rest, so the wave leaves together instead of as fragments. Of
-// the ready blocks, the one with the most rows; when none is ready, hold (false) unless forced, then the
-// non-ready block with the most rows.
-bool Scheduler::pick_wave(int* block, int* col, bool force) {
-  int64_t ready = 0, waiting = 0;
-  int ready_b = -1, waiting_b = -1;
-  for (int b = 0; b < num_blocks_; ++b) {
-    const int64_t rows = block_total_[b];
-    if (rows == 0) continue;
-    int64_t out = 0;  // the block's parts out, over its columns (wave counts them in column 0)
-    for (int c = 0; c < num_cols_; ++c) out += pending_[static_cast<size_t>(b) * num_cols_ + c];
-    if (out == 0) {
-      if (rows > ready) ready = rows, ready_b = b;
-    } else if (rows > waiting) {
-      waiting = rows, waiting_b = b;
-    }
-  }
-  if (ready_b < 0) {
-    if (!force) {
-      holding_ = true;
-      return false;
-    }
-    ready_b = waiting_b;
-  }
-  if (block_dirty_[ready_b]) refresh_block(ready_b);
-  *block = ready_b;
-  *col = block_argmax_[ready_b];
-  return true;
 }
 
 // Waves (docs/engine.md "The waves rule"), attention side: the columns are waves. A wave's position is the
@@ -484,11 +446,12 @@ void register_scheduler(py::module_& m) {
             return py::make_tuple(b, c);
           },
           py::arg("force") = false, py::arg("now") = py::none(),
-          "The (block, col) to drain next, or None when every queue is empty or (wave) the runtime holds for "
+          "The (block, col) to drain next, or None when every queue is empty or (waves) the runtime holds "
+          "for "
           "a returning wave (holding).")
       .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"), py::arg("col") = 0,
-           "Changes the rows out that will return to a block (the wave policy holds it while any are out; "
-           "waves: per (block, wave column)).")
+           "Changes the rows out that will return to a (block, wave column) (waves holds a wave while any of "
+           "its rows are out).")
       .def("pending", &Scheduler::pending, py::arg("block"), py::arg("col") = 0)
       .def_property("wave_cols", &Scheduler::wave_cols, &Scheduler::set_wave_cols,
                     "waves: the columns are an attention runtime's waves (else an expert runtime's experts).")

@@ -9,7 +9,7 @@
 
 namespace amoe {
 
-enum class Policy { kDefrag, kMtfs, kFlfs, kWave, kWaves };
+enum class Policy { kDefrag, kMtfs, kFlfs, kWaves };
 
 Policy parse_policy(const std::string& name);
 const char* policy_name(Policy p);
@@ -32,8 +32,8 @@ class Scheduler {
   int64_t total() const { return total_; }
 
   // Rows that left this runtime and will come back to `block` (an attention runtime's outstanding expert
-  // outputs, in parts): the wave policy holds a block while part of its wave is still out.
-  // Under `waves` on an attention runtime (wave_cols), per (block, wave column); otherwise column 0.
+  // outputs, in parts), per (block, wave column) under `waves` on an attention runtime (wave_cols): a wave
+  // is not ready while part of it is still out.
   void add_pending(int block, int64_t delta, int col = 0);
   int64_t pending(int block, int col = 0) const {
     return pending_[static_cast<size_t>(block) * num_cols_ + col];
@@ -75,8 +75,8 @@ class Scheduler {
     return v < 0 ? -1.0 : turn_[v];
   }
 
-  // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
-  // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
+  // Picks a non-empty queue; false when all are empty or, under waves, when no wave or cell is ready and
+  // `force` is false (then holding() is true). Ties go to the lowest (block, col).
   bool pick(int* block, int* col, bool force = false);
   bool holding() const { return holding_; }
 
@@ -91,7 +91,6 @@ class Scheduler {
   bool pick_defrag(int* block, int* col);
   bool pick_mtfs(int* block, int* col);
   bool pick_flfs(int* block, int* col);
-  bool pick_wave(int* block, int* col, bool force);
   bool pick_waves(int* block, int* col, bool force);
   bool pick_oldest_block(int* block, int* col, bool force);
   bool pick_oldest_group(int* block, int* col, bool force);

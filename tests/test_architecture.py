@@ -321,16 +321,13 @@ def test_amoe_help_leaves_torch_out():
     assert "amoe.cli" in loaded and "torch" not in loaded
 
 
-def test_finding_the_demo_model_leaves_torch_out(tmp_path):
-    """`amoe serve` without --model looks the demo model up in the coordinator: once it exists, no torch."""
+def test_finding_the_default_model_leaves_torch_out():
+    """`amoe serve` without --model looks the shipped default model up in the coordinator: no torch."""
     code = (
-        "import os, pathlib\n"
-        f"os.environ['XDG_CACHE_HOME'] = {str(tmp_path)!r}\n"
-        "from amoe.model.make import DEMO_MODEL_NAME\n"
-        f"(pathlib.Path({str(tmp_path)!r}) / 'amoe' / 'models' / DEMO_MODEL_NAME).mkdir(parents=True)\n"
         "from amoe.serve import _model_dir\n"
         "from amoe.config import AmoeConfig\n"
-        "assert _model_dir(AmoeConfig()).name == DEMO_MODEL_NAME\n"
+        "from amoe.model.make import DEFAULT_MODEL_DIR\n"
+        "assert _model_dir(AmoeConfig()) == DEFAULT_MODEL_DIR\n"
     )
     loaded = _modules_after(code)
     assert "amoe.model.make" in loaded and "torch" not in loaded
@@ -401,10 +398,6 @@ def test_the_request_and_cluster_rooms_speak_no_http():
 
 # Where class names must be unique: every folder of Python the repository holds.
 CLASS_FOLDERS = ("amoe", "coordinator", "tests", "bench", "examples", "deploy", "tools")
-# Names the modelling wing and the load generator still define a second time (that copy lives under one of these
-# folders; their owner renames them): this list goes once they are renamed.
-MOVING = ("amoe/emulation/", "amoe/bench/", "amoe/perf/")
-MOVING_NAMES = frozenset({"Chunk", "Workload", "Tokenizer"})
 
 
 def class_definitions(root: Path = REPO) -> dict[str, list[str]]:
@@ -420,13 +413,8 @@ def class_definitions(root: Path = REPO) -> dict[str, list[str]]:
 
 
 def repeated_names(found: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Names defined more than once, but for a moving name with one definition outside the moving folders."""
-    out = {}
-    for name, where in found.items():
-        settled = [w for w in where if not w.startswith(MOVING)]
-        if len(where) > 1 and not (name in MOVING_NAMES and len(settled) <= 1):
-            out[name] = where
-    return out
+    """Names defined more than once."""
+    return {name: where for name, where in found.items() if len(where) > 1}
 
 
 def test_every_class_name_is_defined_once():
@@ -435,12 +423,11 @@ def test_every_class_name_is_defined_once():
 
 
 def test_a_repeated_class_name_is_found(tmp_path):
-    (tmp_path / "amoe" / "emulation").mkdir(parents=True)
+    (tmp_path / "amoe" / "sub").mkdir(parents=True)
     (tmp_path / "tests").mkdir()
     (tmp_path / "amoe" / "a.py").write_text("class Server:\n    class Chunk:\n        pass\n")
     (tmp_path / "tests" / "b.py").write_text("def f():\n    class Server:\n        pass\n")
-    (tmp_path / "amoe" / "emulation" / "c.py").write_text("class Chunk:\n    pass\n")
     found = class_definitions(tmp_path)
     assert repeated_names(found) == {"Server": ["amoe/a.py:1", "tests/b.py:2"]}
-    (tmp_path / "tests" / "d.py").write_text("class Chunk:\n    pass\n")  # twice outside the moving folders
+    (tmp_path / "amoe" / "sub" / "c.py").write_text("class Chunk:\n    pass\n")  # a nested class counts too
     assert set(repeated_names(class_definitions(tmp_path))) == {"Server", "Chunk"}

@@ -55,6 +55,8 @@ def test_greedy_tokens_match_the_reference_with_a_late_joiner(tiny_checkpoint, p
     assert int(expert_rows.sum()) == routed * cluster.model_config.num_blocks  # every routed row ran once
 
 
+# Slow: the peer's 0.5 s timeout must really elapse (the margins, 5 and 10 s, are wide).
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["ep", "pingpong"])
 def test_a_silent_peer_raises_engine_dead_instead_of_hanging(tiny_checkpoint, mode):
@@ -71,6 +73,7 @@ class _DeviceLost(BaseException):
     """Not an Exception: what takes a device's whole loop thread down (as a crash would), not one batch."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_a_peer_dying_mid_iteration_fails_generate(tiny_checkpoint, prompts_and_reference):
     prompts, _ = prompts_and_reference

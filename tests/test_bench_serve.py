@@ -309,6 +309,8 @@ def test_a_dead_url_is_a_failed_request():
     assert not result.success and "ConnectError" in result.error
 
 
+# Slow: the client's 0.5 s timeout must really fire (the margin, 5 s, is wide).
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_a_server_that_never_answers_times_out():
     with socket.socket() as listener:  # accepts connections (the backlog) but never reads or answers

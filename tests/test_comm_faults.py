@@ -171,6 +171,8 @@ def _stream_then_die(conn) -> None:
             time.sleep(0.005)
 
 
+# Slow: how soon the receiver reports the dead peer is wall time (seconds at most; the margin is wide).
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_killed_inline_sender_is_reported_and_the_receiver_keeps_serving():
     parent, child = SPAWN.Pipe()
@@ -186,10 +188,10 @@ def test_a_killed_inline_sender_is_reported_and_the_receiver_keeps_serving():
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         t0 = time.monotonic()
-        while 1 not in receiver.failed_peers() and time.monotonic() - t0 < 5:
+        while 1 not in receiver.failed_peers() and time.monotonic() - t0 < 30:
             receiver.recv(0.05)
         assert receiver.failed_peers() == [1]
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0
         receiver.recv(0.5)  # whatever was already queued
         m = message(5, 8, seed=1)
         other.send(0, m)

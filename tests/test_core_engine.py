@@ -263,6 +263,8 @@ def test_head_output_reenters_block_zero_like_a_layer_output():
     assert attn.next_batch(0) is None  # request 6 finished: nothing of it entered
 
 
+# Slow: what it measures is wall time — a real 0.5 s timeout elapsing while another thread holds the CPU.
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_next_batch_releases_the_gil():
     _, _, engines = cluster()
@@ -301,6 +303,8 @@ def test_next_batch_without_timeout_returns_none_on_stop():
     assert not waiter.is_alive() and got == [None]
 
 
+# Slow: stop's latency under a flood of senders is wall time (the margin, 5 s against milliseconds, is wide).
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_stop_under_load_returns_and_is_idempotent():
     placement, hub, engines = cluster()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -36,7 +35,6 @@ def test_auto_is_cpu_here_and_cuda_fails_in_one_line():
 
 
 def test_serve_device_cuda_without_cuda_exits_before_starting(tmp_path):
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "amoe", "serve", "--device", "cuda", "--port", "0"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
@@ -44,13 +42,13 @@ def test_serve_device_cuda_without_cuda_exits_before_starting(tmp_path):
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("amoe: error: --device cuda: "), done.stderr
+    # No model load, no runtime process: it stops at the check (what it logged says so, not how long it took).
     assert "loading" not in done.stdout + done.stderr and "runtime" not in lines[0]
-    assert time.monotonic() - started < 30  # no model load, no runtime process: it stops at the check
 
 
 def test_emulated_runs_on_the_cpu():
     emulated = AmoeConfig().replace(
-        executor={"kind": "emulated", "routing": "uniform"}, device={"kind": "auto"}
+        executor={"kind": "emulated"}, emulation={"routing": "uniform"}, device={"kind": "auto"}
     )
     assert resolve(emulated).device.kind == "cpu"
     with pytest.raises(ConfigError, match="emulated GPUs hold no tensors"):

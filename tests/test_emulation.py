@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection, ExecutorSection
 from amoe.errors import ConfigError
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.calibration import CALIBRATION_POINTS, FIG3_KNEE_ROWS, MEDIUM_MEAN_CONTEXT
-from amoe.perf.model.check import check_executor
+from amoe.perf.model.check import check_emulation
 from amoe.perf.model.gpus import GPUS, gpu_profile
 from amoe.perf.model.hosts import HOSTS, host_overhead
 from amoe.perf.model.models import MODELS, model_profile
@@ -217,27 +215,46 @@ def test_hot_expert_is_fixed_per_block_and_varies_across_blocks():
 # --- clock and executors ----------------------------------------------------------------------------------
 
 
-def test_hold_sleeps_scaled_time_and_accounts_busy():
-    clock = EmulatedClock(time_scale=10.0)
-    start = time.perf_counter()
+class FakeWall:
+    """Wall time that passes only when slept on, each sleep `late` seconds longer than asked (as time.sleep is)."""
+
+    def __init__(self, late: float) -> None:
+        self.t, self.late, self.asked = 0.0, late, []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.t += seconds + self.late
+
+
+@pytest.mark.parametrize("late", [0.0, 1.5e-4, 2e-3])
+def test_hold_sleeps_scaled_time_and_accounts_busy(late):
+    """Ten holds of 0.5 ms at time scale 10 take 50 ms of wall time: each sleep asks for less by the clock's estimate
+    of the oversleep and the rest is carried into the next hold, so however late the sleeps come back the total is
+    the target's within one sleep's lateness."""
+    wall = FakeWall(late)
+    clock = EmulatedClock(time_scale=10.0, wall=wall.now, sleep=wall.sleep)
     for _ in range(10):
         clock.hold(0.5e-3, "expert", rows=4)  # 5 ms of wall time each
-    wall = time.perf_counter() - start
-    assert 0.045 <= wall <= 0.2  # loose: this machine is shared
+    assert len(wall.asked) == 10  # one sleep a hold
+    assert wall.t == pytest.approx(0.05, abs=max(late, 1e-4))
     stats = clock.stats()
+    assert stats["held_wall_s"] == pytest.approx(wall.t) and stats["elapsed_s"] == pytest.approx(wall.t / 10)
     assert stats["busy_s"] == pytest.approx(5e-3)
     assert stats["kinds"]["expert"] == {"steps": 10, "rows": 40, "busy_s": pytest.approx(5e-3)}
     with pytest.raises(ValueError):
         EmulatedClock(time_scale=0)
 
 
-def emulated(**executor) -> ExecutorSection:
-    return ExecutorSection(kind="emulated", routing="skew-exp", **executor)
+def emulated(**emulation) -> EmulationSection:
+    return EmulationSection(routing="skew-exp", **emulation)
 
 
 def test_emulation_config_validation():
-    """The emulation reads the config's executor section: the config checks its generic settings, the emulation
-    (check_executor, which every Emulation runs) the names the cost model owns."""
+    """The emulation reads the config's emulation section: the config checks its generic settings, the emulation
+    (check_emulation, which every Emulation runs) the names the cost model owns."""
     for bad in (
         {"gpu": "v100"},
         {"profile": "gpt-5"},
@@ -247,9 +264,9 @@ def test_emulation_config_validation():
         {"profile": "mixtral-8x7b-mqa", "top_k": 9},
     ):
         with pytest.raises(ConfigError):
-            check_executor(ExecutorSection(kind="emulated", **{"routing": "skew-exp", **bad}))
-    with pytest.raises(ConfigError, match="kind"):
-        Emulation(ExecutorSection(profile="mixtral-8x7b-16e"))
+            check_emulation(EmulationSection(**{"routing": "skew-exp", **bad}))
+    with pytest.raises(ConfigError, match="profile name or a checkpoint"):
+        Emulation(EmulationSection(routing="skew-exp"))
     em = Emulation(emulated(profile="mixtral-8x7b-16e"), wire_hidden=32)
     assert (em.model_config.num_experts, em.model_config.top_k, em.model_config.hidden_size) == (16, 1, 32)
     assert em.profile.hidden_size == 4096  # costs use the real shapes
@@ -306,9 +323,13 @@ def test_expert_runtimes_of_a_heterogeneous_deployment_are_timed_on_their_own_gp
     with pytest.raises(ConfigError):
         Emulation(emulated(profile="mixtral-8x7b-mqa", expert_gpu="v100"))
     with pytest.raises(ConfigError, match="expert-gpu"):
-        AmoeConfig(executor=emulated(expert_gpu="h100"), parallel=ParallelSection(mode="ep", attn_ranks=2))
+        AmoeConfig(
+            executor=ExecutorSection("emulated"),
+            emulation=emulated(expert_gpu="h100"),
+            parallel=ParallelSection(mode="ep", attn_ranks=2),
+        )
     with pytest.raises(ConfigError, match="expert-gpu"):
-        AmoeConfig(executor=ExecutorSection(expert_gpu="h100"))
+        AmoeConfig(emulation=EmulationSection(expert_gpu="h100"))
 
 
 @pytest.mark.timeout(60)

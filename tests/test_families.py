@@ -47,7 +47,7 @@ def _sampled(i: int) -> SamplingParams:
 
 
 @dataclass
-class Case:
+class FamilyCase:
     name: str
     model_dir: Path
     prompts: list[list[int]]
@@ -99,7 +99,7 @@ def _local(model_dir: Path, prompts, params, logits: dict | None = None) -> list
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def case(request, tmp_path_factory) -> Case:
+def case(request, tmp_path_factory) -> FamilyCase:
     model_dir = transformers_checkpoint(
         request.param, tmp_path_factory.mktemp(request.param) / "model", seed=1
     )
@@ -108,7 +108,7 @@ def case(request, tmp_path_factory) -> Case:
     logits: list[torch.Tensor] = []
     greedy = _hf_greedy(model, prompts, logits)
     sampled = _local(model_dir, prompts, [_sampled(i) for i in range(len(prompts))])
-    return Case(request.param, model_dir, prompts, greedy, logits, sampled)
+    return FamilyCase(request.param, model_dir, prompts, greedy, logits, sampled)
 
 
 @pytest.mark.timeout(120)

@@ -3,9 +3,13 @@ breakdown is the model's own (its step equals bounds.predict's), the published f
 kernels are summed by category per MoE block."""
 
 import argparse
+import functools
 import gzip
 import json
+import tempfile
+from pathlib import Path
 
+import golden
 import pytest
 
 from amoe.perf.model import cost_model as cm
@@ -46,14 +50,34 @@ def toy_trace() -> dict:
     return {"traceEvents": events}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One `--breakdown --trace` run over the toy trace (gzipped), its printed lines and breakdown.json."""
-    out = tmp_path_factory.mktemp("breakdown")
+_RUN_DIR: list[
+    tempfile.TemporaryDirectory
+] = []  # kept for the process: the run is shared by tests and golden
+
+
+@functools.cache
+def breakdown_run() -> tuple[Path, int]:
+    """One `--breakdown --trace` run over the toy trace (gzipped): its out directory (breakdown.json) and exit code."""
+    _RUN_DIR.append(tempfile.TemporaryDirectory(prefix="breakdown"))
+    out = Path(_RUN_DIR[-1].name)
     path = out / "decode.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(toy_trace(), f)
     return out, ft.main(argparse.Namespace(trace=str(path), out=str(out)))
+
+
+@pytest.fixture(scope="module")
+def run():
+    return breakdown_run()
+
+
+@golden.case("frontier")
+def decode_breakdown() -> golden.Figures:
+    """The model's per-layer breakdown of each DeepSeek-V3 deployment of `amoe bench frontier --breakdown`, and its
+    report against the published figures (breakdown.json's "model" and "report")."""
+    out, _ = breakdown_run()
+    result = json.loads((out / "breakdown.json").read_text())
+    return {"model": result["model"], "report": result["report"]}
 
 
 def test_trace_categories_per_block(tmp_path):
@@ -123,6 +147,7 @@ def test_attention_parts_are_the_cost_models():
 def test_breakdown_step_is_the_bounds(run):
     out, rc = run
     assert rc == 0
+    decode_breakdown.check()
     result = json.loads((out / "breakdown.json").read_text())
     model = model_profile("deepseek-v3")
     for case in DEPLOYMENTS:

@@ -158,6 +158,8 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
+# Slow: noticing the lost agent waits for its heartbeat timeout in wall time (a wide margin after it).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_node_agent_is_noticed_and_its_runtimes_return_with_it(
     hosts, model_dir, reference, tmp_path
@@ -176,14 +178,14 @@ def test_a_killed_node_agent_is_noticed_and_its_runtimes_return_with_it(
         time.sleep(1.0)
         cluster.agents[2].kill_all()  # the agent and its runtime, as losing the host would
         killed = time.monotonic()
-        deadline = killed + 15
+        deadline = killed + 40
         while time.monotonic() < deadline:
             report = httpx.get(f"{cluster.url}/health", timeout=5).json()
             if report["status"] == "degraded":
                 break
             time.sleep(0.2)
         detected = time.monotonic() - killed
-        assert report["status"] == "degraded" and detected <= 10, (detected, report)
+        assert report["status"] == "degraded" and detected <= 30, (detected, report)
         cluster.agents[2] = cluster.start_agent(2)  # the orchestrator restarts it
         worker.join(180)
         assert not worker.is_alive() and results == reference

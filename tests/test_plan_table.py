@@ -1,11 +1,19 @@
 """`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
 numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
 
+import golden
+
 from amoe.perf.studies import plan_table
 
 
+@golden.case("plan")
+def h100_4_cell() -> golden.Figures:
+    """The plan table's cell of 4 H100s, top-1, skew-exp:0.08, under a 100 ms ITL objective."""
+    return plan_table.cell("h100", 4, 1, "skew-exp:0.08", "mixtral-8x7b-mqa", itl_slo_ms=100)
+
+
 def test_a_cell_has_each_modes_best_plan_and_honours_the_itl_objective():
-    row = plan_table.cell("h100", 4, 1, "skew-exp:0.08", "mixtral-8x7b-mqa", itl_slo_ms=100)
+    row = h100_4_cell.check()
     assert row["pick"] in ("aep", "ep", "pingpong") and {"aep", "ep"} <= set(row)
     for mode in ("aep", "ep", "pingpong"):
         if mode in row:

@@ -86,7 +86,9 @@ def test_an_attention_engine_routes_by_the_rule_and_knows_what_each_replica_owes
     answer = dict(request_id=[10, 12], kind=[core.ATTN] * 2, block=[1] * 2, index=[0] * 2, position=[0] * 2,
                   slot=[1] * 2, expert_id=[0] * 2, weight=[1.0] * 2)  # fmt: skip
     attn.ingest(core.make_message(torch.zeros(2, H), **answer))
-    assert attn.outstanding([(1, 0, 0)]) == 0 and attn.stats()["inflight"][1] == 0  # drained: it owes nothing now
+    assert (
+        attn.outstanding([(1, 0, 0)]) == 0 and attn.stats()["inflight"][1] == 0
+    )  # drained: it owes nothing now
     with pytest.raises(Exception, match="needs a replica"):
         attn.set_replicas(0, 0, [])
     with pytest.raises(Exception, match="outside the model"):

@@ -14,6 +14,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from factories import config_of
 from safetensors.torch import load_file, save_file
 
 from amoe.llm import LLM
@@ -47,7 +48,7 @@ class TaggedServer(ServerProcess):
         self.tag = uuid.uuid4().hex
         # SPT_NOENV: setproctitle must not reuse the environment's memory, where the tag lives.
         env = {"AMOE_LOG_LEVEL": "INFO", "AMOE_TEST_TAG": self.tag, "SPT_NOENV": "1"}
-        super().__init__(["--model", str(model_dir), *flags], startup_timeout_s=90, env=env)
+        super().__init__(config_of("--model", str(model_dir), *flags), startup_timeout_s=90, env=env)
         self.start()
 
     def tagged(self) -> list[psutil.Process]:
@@ -173,7 +174,9 @@ def test_a_client_that_disconnects_frees_its_kv_blocks(server):
         raise AssertionError(f"KV not freed: {report}")
 
 
-@pytest.mark.timeout(90)
+# Slow: "promptly" is wall time after the kill (a wide margin).
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_without_restarts_a_killed_runtime_fails_requests_and_the_server_exits_non_zero(model_dir):
     """Fail-stop (--server-max-restarts 0): in-flight requests fail promptly, the server drains and exits 1 (so an
     orchestrator restarts it), and no process is left behind."""
@@ -208,12 +211,12 @@ def test_without_restarts_a_killed_runtime_fails_requests_and_the_server_exits_n
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
             os.kill(runtimes[2], signal.SIGKILL)
             killed = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
             return killed
 
         killed = asyncio.run(scenario())
         assert [kind for kind, _ in outcomes] == ["error"] * 3
-        assert all(t - killed < 10 for _, t in outcomes)
+        assert all(t - killed < 30 for _, t in outcomes)
         assert server.proc.wait(30) == 1
         log = "\n".join(server.lines)
         assert "the cluster cannot recover" in log and "expert runtime 2" in log and "SIGKILL" in log

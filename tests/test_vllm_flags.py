@@ -77,7 +77,7 @@ def test_vllms_eplb_flags_set_the_eplb_section():
     assert eplb.enable and eplb.log_balancedness and (eplb.window_size, eplb.num_redundant_experts) == (10, 1)
     assert eplb.step_interval == 30  # a --eplb-* flag wins over the JSON
     assert parse("--num-redundant-experts", "2").eplb.num_redundant_experts == 2
-    assert not parse("--enable-eplb", "false").eplb.enable
+    assert not parse("--eplb-enable", "false").eplb.enable
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -106,7 +106,8 @@ def test_help_groups_vllms_flags(capsys):
     block = "\n".join(group)
     for flag in ("MODEL", "--model", "--dtype", "--max-model-len", "--max-num-seqs", "--served-model-name", "--seed",
                  "--host", "--port", "--api-key", "--gpu-memory-utilization", "--tensor-parallel-size", "--headless",
-                 "--generation-config", "--enable-eplb", "--num-redundant-experts", "--eplb-config"):  # fmt: skip
+                 "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser", "--enable-eplb",
+                 "--num-redundant-experts", "--eplb-config"):  # fmt: skip
         assert flag in block, flag
 
 
@@ -189,3 +190,21 @@ def _first_sampled(model_dir, seed: int) -> str:
     llm = LLM(model=str(model_dir), seed=seed)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     return llm.generate([[5, 6, 7]], [params])[0].outputs[0].text
+
+
+def test_vllms_tool_calling_flags():
+    """`--enable-auto-tool-choice` takes no value, as in vLLM; `--tool-call-parser` names one of vLLM's parsers."""
+    config = parse("/models/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert config.server.enable_auto_tool_choice is True and config.server.tool_call_parser == "hermes"
+    assert parse("--tool-call-parser", "deepseek_v3").server.enable_auto_tool_choice is False
+    assert parse(
+        "--server-enable-auto-tool-choice", "true", "--tool-call-parser", "mistral"
+    ).server.tool_call_parser
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        parse("--enable-auto-tool-choice")
+
+
+def test_an_unknown_tool_call_parser_is_refused_in_one_line(capsys):
+    assert main(["serve", "--tool-call-parser", "llama3_json"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert "--tool-call-parser" in err and "hermes, deepseek_v3, mistral" in err and "\n" not in err, err

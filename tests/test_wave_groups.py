@@ -152,8 +152,8 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     from amoe.perf.plan import bounds
     from amoe.perf.plan.bound_pools import wave_group
     from amoe.perf.plan.deployment import Deployment
-    from amoe.perf.plan.report import serve_command
     from amoe.perf.plan.request import Plan, PlanRequest
+    from amoe.perf.plan.serving import plan_config
 
     model = model_profile("mixtral-8x7b-mqa:32", 1)
     dep = Deployment("aep", "a100-80g", 5, "a100-80g", 3, 128, 1024)
@@ -163,9 +163,8 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     )  # fmt: skip
     assert (pred.extra["group_waves"], pred.extra["wave_rows"]) == (2, 128)
     req = PlanRequest("mixtral-8x7b-mqa:32", {"a100-80g": 8}, top_k=1, aep_policy="waves")
-    argv = serve_command(Plan(dep, pred, None), req, emulated=True).split()
-    assert argv[argv.index("--scheduler") + 1] == "waves"
-    assert argv[argv.index("--scheduler-wave-group") + 1] == "2"
+    scheduler = plan_config(Plan(dep, pred, None), req, emulated=True).scheduler
+    assert (scheduler.policy, scheduler.wave_group) == ("waves", 2)
     # a bound whose waves are half the cap's: its group of 8 is 4 of the runtime's waves
     assert wave_group({"group_waves": 8, "wave_rows": 128}, 256) == 4
     with pytest.raises(ConfigError, match="wave_group"):
@@ -204,10 +203,10 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
 
 def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
     """`amoe bench plan-table --measure` serves a row's plan from the table's JSON: the group the simulation ran
-    (refine's extra["wave_group"]) goes into the row and back into the command, not the default of one."""
+    (refine's extra["wave_group"]) goes into the row and back into the served config, not the default of one."""
     from amoe.perf.plan.deployment import Deployment
-    from amoe.perf.plan.report import serve_command
     from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.serving import plan_config
     from amoe.perf.studies.plan_table import one_copy
 
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 128, 256, replicas=2)
@@ -216,6 +215,6 @@ def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
         "bottleneck": "experts", "deployment": dataclasses.asdict(dep), "wave_group": 2,
     }  # fmt: skip
     req = PlanRequest("mixtral-8x7b-mqa:32", {"a100-80g": 8}, top_k=2, aep_policy="waves")
-    argv = serve_command(one_copy(row), req, emulated=True).split()
-    assert argv[argv.index("--scheduler-wave-group") + 1] == "2"
-    assert argv[argv.index("--cache-max-num-seqs") + 1] == "512"  # one copy's 1,024 requests on 2 ranks
+    config = plan_config(one_copy(row), req, emulated=True)
+    assert config.scheduler.wave_group == 2
+    assert config.cache.max_num_seqs == 512  # one copy's 1,024 requests on 2 ranks

@@ -52,7 +52,7 @@ _FILLER_TEXT = (
 )
 
 
-class Tokenizer(Protocol):
+class PromptTokenizer(Protocol):
     """What the benchmark needs from a tokenizer (amoe.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -111,7 +111,7 @@ def make_requests(
     *,
     seed: int = 0,
     prompt_format: str = "ids",
-    tokenizer: Tokenizer | None = None,
+    tokenizer: PromptTokenizer | None = None,
     max_model_len: int | None = None,
 ) -> list[RequestSpec]:
     """The run's requests, the same for the same arguments."""
@@ -158,13 +158,13 @@ def sample_lengths(workload: Workload, num_requests: int, rng: np.random.Generat
     return list(zip(inputs.tolist(), outputs.tolist()))
 
 
-def _id_prompt(length: int, rng: np.random.Generator, tokenizer: Tokenizer | None) -> list[int]:
+def _id_prompt(length: int, rng: np.random.Generator, tokenizer: PromptTokenizer | None) -> list[int]:
     # Random ids: no two prompts share a prefix, so a prefix cache cannot flatter the server.
     low, high = (_DEFAULT_ID_RANGE[0], tokenizer.vocab_size) if tokenizer else _DEFAULT_ID_RANGE
     return rng.integers(low, high, size=length).tolist()
 
 
-def _text_prompt(length: int, rng: np.random.Generator, tokenizer: Tokenizer | None) -> str:
+def _text_prompt(length: int, rng: np.random.Generator, tokenizer: PromptTokenizer | None) -> str:
     words = [str(w) for w in rng.choice(_FILLER_TEXT.split(), size=2 * length)]
     if tokenizer is None:
         return " ".join(words[: max(1, round(length / TOKENS_PER_WORD))])
@@ -179,7 +179,7 @@ def _text_prompt(length: int, rng: np.random.Generator, tokenizer: Tokenizer | N
     return " ".join(words[:lo])
 
 
-def count_tokens(text: str, tokenizer: Tokenizer | None, is_prompt: bool = False) -> int:
+def count_tokens(text: str, tokenizer: PromptTokenizer | None, is_prompt: bool = False) -> int:
     """Tokens in `text`: exact with a tokenizer, else estimated as words × 1.3.
 
     A prompt counts as the server encodes it, with the special tokens its tokenizer adds (e.g. a BOS); a reply
@@ -194,7 +194,7 @@ def sharegpt_requests(
     path: Path,
     num_requests: int,
     rng: np.random.Generator,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: PromptTokenizer | None = None,
     max_model_len: int | None = None,
 ) -> list[RequestSpec]:
     """Requests from a ShareGPT JSON list of {"conversations": [{"from": "human"|"gpt", "value": ...}, ...]}.

@@ -44,7 +44,7 @@ class AepRuntime(RankCapacity):
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
                 top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
                 track_requests=self.role == "attention",
-                time_scale=self.config.executor.time_scale if self.emulation is not None else 1.0,
+                time_scale=self.config.emulation.time_scale if self.emulation is not None else 1.0,
                 max_requests=self.config.cache.max_num_seqs, expert_map=self.expert_map,
             ),
             self.comm,

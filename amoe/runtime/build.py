@@ -31,12 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 def emulation(config: AmoeConfig, model_dir: str | Path | None) -> Emulation | None:
-    """The `Emulation` of the executor section, or None when layers run in torch."""
-    ex = config.executor
-    if ex.kind != "emulated":
+    """The `Emulation` of the emulation section, or None when layers run in torch."""
+    em = config.emulation
+    if config.executor.kind != "emulated":
         return None
     return Emulation(
-        ex, None if ex.profile is not None else load_model_config(model_dir), offload=emulated_offload(config)
+        em, None if em.profile is not None else load_model_config(model_dir), offload=emulated_offload(config)
     )
 
 
@@ -94,8 +94,8 @@ def expert_loader(
 
 def link_delays(config: AmoeConfig, em: Emulation, rank: int) -> tuple[list[float], list[float]]:
     """(latency_s, seconds_per_row) per source runtime for `rank`'s communicator: the emulated GPU's links, with
-    runtimes placed on nodes of `executor.gpus_per_node` (emulated runs only)."""
-    par, ex = config.parallel, config.executor
+    runtimes placed on nodes of `emulation.gpus_per_node` (emulated runs only)."""
+    par, ex = config.parallel, config.emulation
     num_expert = 0 if par.mode == "ep" else par.expert_ranks
     nodes = runtime_nodes(par.mode, par.attn_ranks, num_expert, ex.gpus_per_node)
     return emulated_link_delays(em.gpu, em.profile, nodes, rank, ex.time_scale)
@@ -205,7 +205,7 @@ def attention_executor(
         num_kv_blocks=blocks,
         block_size=config.cache.block_size,
         max_model_len=max_model_len(config, cfg, blocks),
-        skip_prefill=em is not None and config.executor.decode_only,
+        skip_prefill=em is not None and config.emulation.decode_only,
         grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
         computes_logits=em is None,
     )
@@ -259,7 +259,7 @@ def chunk_cost(config: AmoeConfig, devices: int, em: Emulation | None):
     from amoe.perf.model import ep_block
 
     contention = devices / (os.cpu_count() or 1)
-    scale = config.executor.time_scale if em is not None else 1.0
+    scale = config.emulation.time_scale if em is not None else 1.0
     return lambda tokens: ep_block.chunk_host_s(tokens, contention, scale)
 
 
@@ -281,14 +281,14 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
         from amoe.perf.model.shapes import profile_of
 
         profile = em.profile if em is not None else profile_of(cfg)
-        gpu = gpu_profile(config.executor.gpu)
-        host = host_overhead(config.executor.host_overhead)
+        gpu = gpu_profile(config.emulation.gpu)
+        host = host_overhead(config.emulation.host_overhead)
         # The emulated router is seeded alike in every process: `auto` can price its skew (tokens are uniform).
         q = None
         if em is not None:
             from amoe.perf.model.routing import routing_inclusion
 
-            q = routing_inclusion(profile, config.executor.routing, config.executor.seed)
+            q = routing_inclusion(profile, config.emulation.routing, config.emulation.seed)
         choose_pn = ep_block.pipeline_chooser(
             profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em), q
         )

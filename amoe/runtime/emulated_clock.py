@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_DEBT_S = 0.05  # wall seconds of over- or under-sleep carried into later holds
@@ -28,15 +29,25 @@ class KindStats:
 class EmulatedClock:
     """One emulated GPU's time: hold(seconds) blocks for seconds × time_scale of wall time."""
 
-    def __init__(self, time_scale: float = 1.0, spin_s: float = 0.0, speed: float = 1.0, jitter=None) -> None:
+    def __init__(
+        self,
+        time_scale: float = 1.0,
+        spin_s: float = 0.0,
+        speed: float = 1.0,
+        jitter=None,
+        wall: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.time_scale = time_scale
+        # Wall seconds and how to wait for them: the machine's, or a test's fake that advances when slept on.
+        self._wall, self._sleep_for = wall, sleep
         # This GPU's step-time variance (amoe.perf.model.variance): its fixed slowdown, and a callable giving each
         # step's jitter factor (None: none).
         self.speed, self.jitter = speed, jitter
         self.spin_s = spin_s  # wall seconds to busy-wait at the end of a hold; 0 on shared machines
-        self._start = time.perf_counter()
+        self._start = wall()
         self._overshoot = 1e-4  # running estimate of time.sleep's lateness, seconds of wall time
         self._debt = 0.0  # wall seconds the previous holds ran over (negative: ended early)
         self._held_wall = 0.0
@@ -45,7 +56,7 @@ class EmulatedClock:
 
     def now(self) -> float:
         """Emulated seconds since the clock started."""
-        return (time.perf_counter() - self._start) / self.time_scale
+        return (self._wall() - self._start) / self.time_scale
 
     def hold(self, seconds: float, kind: str = "step", rows: int = 0) -> None:
         """Block for `seconds` of emulated time (seconds × time_scale of wall time) and account it as busy;
@@ -77,17 +88,17 @@ class EmulatedClock:
 
     def _sleep(self, wall_s: float) -> float:
         """Sleep ~wall_s minus carried debt; returns the wall time actually spent."""
-        start = time.perf_counter()
+        start = self._wall()
         target = max(0.0, wall_s - self._debt)
         deadline = start + target
         ask = target - self._overshoot - self.spin_s
         if ask > 0:
-            time.sleep(ask)
-            late = time.perf_counter() - (start + ask)
+            self._sleep_for(ask)
+            late = self._wall() - (start + ask)
             self._overshoot += 0.1 * (late - self._overshoot)  # EWMA: adapts to the machine's load
-        while self.spin_s and time.perf_counter() < deadline:
+        while self.spin_s and self._wall() < deadline:
             pass
-        spent = time.perf_counter() - start
+        spent = self._wall() - start
         # Bounded so one descheduled hold (a loaded machine) cannot shorten the next many holds to zero.
         self._debt = min(max(self._debt + spent - wall_s, -MAX_DEBT_S), MAX_DEBT_S)
         return spent

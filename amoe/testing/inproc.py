@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from amoe import core
+from amoe import device as devices
 from amoe.config import SchedulerSection
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import load_model_config
@@ -24,6 +25,25 @@ from amoe.sampling_params import SamplingParams
 from amoe.structured import Grammars
 
 logger = logging.getLogger(__name__)
+
+
+def _attention_executor(
+    runtime: int, model_dir: str | Path | None, cfg, emulation, num_kv_blocks: int, block_size: int,
+    dtype: torch.dtype | None,
+) -> AttentionExecutor:  # fmt: skip
+    """An attention runtime's executor: its requests' state over `num_kv_blocks` KV blocks, and its attention
+    computed by torch on the checkpoint or by the emulation."""
+    requests = RankRequests(
+        vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=num_kv_blocks,
+        block_size=block_size, max_model_len=min(cfg.max_position_embeddings, num_kv_blocks * block_size),
+        grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
+    )  # fmt: skip
+    if emulation is not None:
+        compute = emulation.attention(runtime)
+    else:
+        model = build_attention_rank(model_dir, cfg, dtype)
+        compute = TorchAttention(model, cfg, num_kv_blocks, block_size)
+    return AttentionExecutor(requests, compute, cfg)
 
 
 class InProcessCluster:
@@ -53,13 +73,14 @@ class InProcessCluster:
         if (model_dir is None) == (emulation is None):
             raise ConfigError("give a checkpoint directory (torch executors) or an emulation, not both")
         cfg = emulation.model_config if emulation is not None else load_model_config(model_dir)
+        # None: auto, as every engine picks it (float32 on the CPU, whatever the checkpoint stores).
+        dtype = dtype or devices.model_dtype("auto", cfg.dtype, devices.CPU)
         if num_kv_blocks is None:
             num_kv_blocks = emulation.num_kv_blocks(block_size) if emulation is not None else 256
         self.model_config = cfg
         self.placement = Placement.disaggregated(num_attn_ranks, num_expert_ranks, cfg.num_expert_ids)
         hub = core.LoopbackHub(self.placement.num_runtimes)
         self.engines, self.executors = [], []
-        max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
         for runtime in range(self.placement.num_runtimes):
             ecfg = core.engine_config(
                 runtime, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
@@ -68,17 +89,9 @@ class InProcessCluster:
             )  # fmt: skip
             engine = core.Engine(ecfg, hub.communicator(runtime))
             if ecfg.is_attention:
-                requests = RankRequests(
-                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.stop_token_ids, num_kv_blocks=num_kv_blocks,
-                    block_size=block_size, max_model_len=max_model_len,
-                    grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
-                )  # fmt: skip
-                if emulation is not None:
-                    compute = emulation.attention(runtime)
-                else:
-                    model = build_attention_rank(model_dir, cfg, dtype)
-                    compute = TorchAttention(model, cfg, num_kv_blocks, block_size)
-                executor = AttentionExecutor(requests, compute, cfg)
+                executor = _attention_executor(
+                    runtime, model_dir, cfg, emulation, num_kv_blocks, block_size, dtype
+                )
             elif emulation is not None:
                 executor = emulation.expert_executor(runtime)
             elif (

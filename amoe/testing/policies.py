@@ -35,19 +35,6 @@ def flfs(depths: list[list[int]]) -> tuple[int, int] | None:
     return None
 
 
-def wave(depths: list[list[int]], pending: list[int] | None = None) -> tuple[int, int] | None:
-    """Blocks whole, compared by their total rows; a block with rows still out (pending[b] > 0) waits for them.
-    Of the ready blocks the fullest, and its deepest queue; None when nothing is waiting or nothing is ready (a
-    hold: the C++ scheduler's `holding`)."""
-    pending = pending or [0] * len(depths)
-    totals = [sum(row) if pending[b] == 0 else 0 for b, row in enumerate(depths)]
-    if max(totals) == 0:
-        return None
-    b = totals.index(max(totals))
-    row = depths[b]
-    return b, max(range(len(row)), key=lambda c: (row[c], -c))
-
-
 class Waves:
     """The `waves` rule (docs/engine.md "The waves rule") as the C++ scheduler keeps it, with its state: the grid's
     rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
@@ -206,11 +193,8 @@ class Waves:
         return b, w
 
 
-def pick(
-    policy: str, depths: list[list[int]], lookahead: int, decay: float, pending: list[int] | None = None
-) -> tuple[int, int] | None:
-    if policy == "wave":
-        return wave(depths, pending)
+def pick(policy: str, depths: list[list[int]], lookahead: int, decay: float) -> tuple[int, int] | None:
+    """The stateless policies' pick (`waves` keeps state: the Waves class)."""
     if policy == "defrag":
         return defrag(depths, lookahead, decay)
     if policy == "mtfs":

@@ -80,8 +80,10 @@ class ClusterBackend(Backend):
         *,
         control_bind: str = "ipc",
         on_dead: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._clock = clock  # when unconfirmed aborts stop holding their blocks back
         self.cluster = ClusterManager(config, model_dir, self, control_bind=control_bind)
         self._on_dead = on_dead  # told when the cluster cannot recover (`amoe serve` then drains and exits)
         self.readmitted = 0  # requests admitted again after their attention runtime was lost
@@ -224,7 +226,7 @@ class ClusterBackend(Backend):
         """Abort sequences at the request's attention rank and hold their blocks back until the rank confirms.
         The rank frees an unconfirmable abort's KV after server.abort_timeout_s (and confirms); the hold outlives
         that by as much again, in case the rank itself is gone."""
-        deadline = time.monotonic() + 2 * self.config.server.abort_timeout_s
+        deadline = self._clock() + 2 * self.config.server.abort_timeout_s
         per_seq = -(-stream.num_kv_blocks // len(stream.outputs))
         for index in indices:
             seq_id = stream.seq_id(request_id, index)
@@ -388,7 +390,7 @@ class ClusterBackend(Backend):
     def _expire_aborts(self) -> None:
         """An abort no runtime confirmed within server.abort_timeout_s stops holding its blocks back: the runtime
         frees an unconfirmed abort's KV after the same time (amoe/runtime/requests.py), and nothing waits forever."""
-        now = time.monotonic()
+        now = self._clock()
         for request_id in [r for r, (_, _, deadline) in self._aborting.items() if now > deadline]:
             logger.warning("request %d: its abort was never confirmed; releasing its KV blocks", request_id)
             del self._aborting[request_id]
@@ -403,10 +405,10 @@ class ClusterBackend(Backend):
         report: dict[str, Any] = {"status": self.status, "mode": self.config.parallel.mode}
         if self.status == "degraded":
             report["reason"] = "; ".join(f"replacing {r.name}: {r.lost}" for r in self.cluster.replacing)
-        ex = self.config.executor
-        if ex.kind == "emulated":  # so a benchmark can turn wall time into emulated time (÷ time_scale)
+        ex = self.config.emulation
+        if self.config.executor.kind == "emulated":  # so a benchmark can turn wall time into emulated time
             report["executor"] = {
-                "kind": ex.kind,
+                "kind": "emulated",
                 "gpu": ex.gpu,
                 "profile": ex.profile,
                 "time_scale": ex.time_scale,

@@ -6,14 +6,19 @@ amoe.perf.model.eps), and the choosers the runtime's `auto` asks for its pipelin
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from amoe.perf.model.eps import Chunk, EpLayer, a2a_time, pipeline_time
+from amoe.perf.model.eps import EpLayer, PipelineChunk, a2a_time, pipeline_time
 from amoe.perf.model.gpus import GpuProfile
 from amoe.perf.model.kernels import best_kernel, curves_for, experts_time
 from amoe.perf.model.models import ModelProfile
+
+if TYPE_CHECKING:
+    from amoe.perf.model.hosts import HostOverhead
 
 # ---- the runtime's `auto` (amoe.runtime.sync.eps.ExpertPipeline)
 
@@ -64,57 +69,84 @@ def pipeline_chooser(
     of CPU per new total instead of ~60 (every device's process asks it)."""
     from amoe.perf.model.cost_model import NO_HOST
 
-    host = host or NO_HOST
     if inclusion is None:
         ids = model.num_experts
         q = np.full((1, ids), model.top_k / model.num_experts)
     else:
         q = np.asarray(inclusion, dtype=float)
         ids = q.shape[1]
-    sampled = q[np.unique(np.linspace(0, len(q) - 1, min(len(q), CHOOSER_BLOCKS)).round().astype(int))]
     distinct, counts = np.unique(q, axis=0, return_counts=True)  # uniform routing: one block
     experts = tuple(tuple(e for e in range(ids) if e % devices == d) for d in range(devices))
-    fewest = min((len(es) for es in experts if es), default=1)
-    # No block with n chunks is faster than its communication stream's 2 n collectives (each pays the fixed cost)
-    # or, when every expert gets rows, its compute stream's n host steps: PNs above that bound are not priced.
-    curves = curves_for(gpu)
-    step_s = host.expert_step_s if bool((q > 0).all()) else 0.0
+    host = host or NO_HOST
+    pricing = _PnPricing(
+        model, gpu, host, devices, max_pipelines, chunk_host, experts,
+        sampled=q[np.unique(np.linspace(0, len(q) - 1, min(len(q), CHOOSER_BLOCKS)).round().astype(int))],
+        distinct=distinct, counts=counts, fewest=min((len(es) for es in experts if es), default=1),
+        a2a_fixed_s=curves_for(gpu).a2a_fixed_s,
+        # every expert gets rows: each chunk pays a host step on the compute stream
+        step_s=host.expert_step_s if bool((q > 0).all()) else 0.0,
+    )  # fmt: skip
+    return functools.lru_cache(maxsize=4096)(pricing.choose)
 
-    def floor(n: int, per_chunk: float) -> float:
-        m = min(n, fewest)  # the block caps its chunks at the fewest hosted experts
-        return max(2 * m * curves.a2a_fixed_s, m * step_s) + n * per_chunk
 
-    @functools.lru_cache(maxsize=4096)
-    def choose(total_rows: int) -> int:
+@dataclass(frozen=True, eq=False)
+class _PnPricing:
+    """What pipeline_chooser prices an iteration's PN on: the model and GPU, the experts of each device, the blocks'
+    routing (sampled, and every distinct block with how often it occurs), the host's step and chunk costs."""
+
+    model: ModelProfile
+    gpu: GpuProfile
+    host: HostOverhead
+    devices: int
+    max_pipelines: int
+    chunk_host: Callable[[float], float] | None
+    experts: tuple[tuple[int, ...], ...]
+    sampled: np.ndarray  # [sampled blocks, expert ids]
+    distinct: np.ndarray  # [distinct blocks, expert ids]
+    counts: np.ndarray  # [distinct blocks] how many blocks each stands for
+    fewest: int
+    a2a_fixed_s: float
+    step_s: float
+
+    def floor(self, n: int, per_chunk: float) -> float:
+        """No block with n chunks is faster than its communication stream's 2 n collectives (each pays the fixed
+        cost) or, when every expert gets rows, its compute stream's n host steps: PNs above it are not priced."""
+        m = min(n, self.fewest)  # the block caps its chunks at the fewest hosted experts
+        return max(2 * m * self.a2a_fixed_s, m * self.step_s) + n * per_chunk
+
+    def choose(self, total_rows: int) -> int:
         total = max(1, total_rows)
-        tokens = total / devices
-        per_chunk = chunk_host(tokens) if chunk_host is not None else 0.0
+        tokens = total / self.devices
+        per_chunk = self.chunk_host(tokens) if self.chunk_host is not None else 0.0
 
         def block_rows(shares: np.ndarray) -> list[tuple]:
-            return [tuple(tuple(float(total * s[e]) for e in es) for es in experts) for s in shares]
+            return [tuple(tuple(float(total * s[e]) for e in es) for es in self.experts) for s in shares]
 
         def mean_block(n: int, rows: list[tuple], weights) -> float:
             t = sum(
-                w * _ep_block_moe_time(model, gpu, host, r, experts, float(tokens), n, "auto")
+                w
+                * _ep_block_moe_time(
+                    self.model, self.gpu, self.host, r, self.experts, float(tokens), n, "auto"
+                )
                 for r, w in zip(rows, weights)
             )
             return t / sum(weights) + n * per_chunk
 
-        rows = block_rows(sampled)
+        rows = block_rows(self.sampled)
         times: dict[int, float] = {}
-        for n in range(1, max_pipelines + 1):
+        for n in range(1, self.max_pipelines + 1):
             # floor(n) grows with n: once it is above the close calls' margin, no larger PN is picked or refined
-            if times and floor(n, per_chunk) > min(times.values()) * (1 + CHOOSER_REFINE):
+            if times and self.floor(n, per_chunk) > min(times.values()) * (1 + CHOOSER_REFINE):
                 break
-            times[n] = mean_block(n, rows, [1] * len(sampled))
+            times[n] = mean_block(n, rows, [1] * len(self.sampled))
         best = min(times.values())
         close = [n for n in times if times[n] <= best * (1 + CHOOSER_REFINE)]
-        if len(close) > 1 and len(distinct) > len(sampled):  # a close call: settle it on every distinct block
-            every = block_rows(distinct)
-            times = {n: mean_block(n, every, counts) for n in close}
+        if len(close) > 1 and len(self.distinct) > len(
+            self.sampled
+        ):  # a close call: settle it on every block
+            every = block_rows(self.distinct)
+            times = {n: mean_block(n, every, self.counts) for n in close}
         return min(times, key=lambda n: (times[n], n))
-
-    return choose
 
 
 def kernel_chooser(model: ModelProfile, gpu: GpuProfile):
@@ -175,7 +207,7 @@ def _ep_block_moe_time(model, gpu, host, rows, experts, tokens_per_device, pipel
             slowest = max(slowest, seen[work])
             sent += len(group) / len(es) / devices
         a2a = a2a_time(curves, layer, sent)
-        chunks.append(Chunk(a2a, slowest, a2a))
+        chunks.append(PipelineChunk(a2a, slowest, a2a))
     return pipeline_time(chunks, overlap=pn > 1, interference=curves.interference)
 
 

@@ -34,7 +34,7 @@ from amoe.perf.model.models import ModelProfile
 
 
 @dataclass(frozen=True)
-class Chunk:
+class PipelineChunk:
     """One pipeline chunk's dispatch, expert compute and combine, in seconds (compute on every SM)."""
 
     dispatch_s: float
@@ -43,7 +43,7 @@ class Chunk:
 
 
 def pipeline_time(
-    chunks: Sequence[Chunk],
+    chunks: Sequence[PipelineChunk],
     overlap: bool = True,
     interference: float = INTERFERENCE,
     before_s: float = 0.0,
@@ -132,7 +132,7 @@ def a2a_time(curves: EpsCurves, layer: EpLayer, fraction: float, fp8: bool = Fal
 
 def layer_chunks(
     gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, pipelines: int, kernel: str, fp8=False, sms=None
-) -> list[Chunk]:
+) -> list[PipelineChunk]:
     """The PN chunks of an EP layer: chunk p's experts are the p-th group of the local ones (split as evenly as
     whole experts allow), its all-to-alls carry the copies bound for them. kernel "auto": per chunk. `fp8`: both
     all-to-alls move FP8 (Table II's footnote 2: "the communication datatype"); `sms`: the GEMMs' SM cap."""
@@ -145,7 +145,7 @@ def layer_chunks(
         compute = experts_time(gpu, curves.curve(k), k, rows, layer.hidden, layer.inter, sms=sms)
         fixed = curves.layer_fixed_s * frac / 2
         a2a = a2a_time(curves, layer, frac, fp8) + fixed
-        chunks.append(Chunk(a2a, compute, a2a))
+        chunks.append(PipelineChunk(a2a, compute, a2a))
     return chunks
 
 

@@ -97,7 +97,10 @@ def ep_exchange_time(model: ModelProfile, gpu: GpuProfile, rows: float, dep: Dep
     )
 
 
-def _ep_at_scale(model, dep, q, gpu, b, mean_context, host) -> Prediction:
+def _ep_at_scale(
+    model: ModelProfile, dep: Deployment, q: np.ndarray, gpu: GpuProfile, b: int, mean_context: float,
+    host: HostOverhead,
+) -> Prediction:  # fmt: skip
     """EP with EPLB and/or two-batch overlap (amoe.perf.model.ep_scale): per block the slowest device of the
     expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on."""
     from amoe.perf.model import ep_scale as scale

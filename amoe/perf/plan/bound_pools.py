@@ -5,12 +5,14 @@ docstring), and the transfers between the pools: each end's link, the slower of 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.gpus import GpuProfile, LinkProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.variance import SOURCED, StepVariance, expected_max
@@ -21,7 +23,7 @@ from amoe.perf.plan.prediction import MEMORY, Prediction
 # ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links (issue 35, incast)
 
 
-def pool_link(gpu: GpuProfile, dep: Deployment):
+def pool_link(gpu: GpuProfile, dep: Deployment) -> LinkProfile:
     """The link a transfer between the pools takes on `gpu`'s end: NVLink when both pools fit in one node, else
     its NIC (one 400 Gb/s NIC per H800)."""
     return gpu.nvlink if dep.num_attn + dep.num_expert <= dep.gpus_per_node else gpu.network
@@ -43,11 +45,11 @@ class PoolLinks:
     expert_in: float
     expert_out: float
 
-    def out_s(self, attn_rows, expert_rows):
+    def out_s(self, attn_rows: ArrayLike, expert_rows: ArrayLike) -> np.ndarray:
         """The dispatch: `attn_rows` leave each attention GPU, `expert_rows` reach the busiest expert GPU."""
         return self.latency + np.maximum(attn_rows * self.attn_out, expert_rows * self.expert_in)
 
-    def back_s(self, attn_rows, expert_rows):
+    def back_s(self, attn_rows: ArrayLike, expert_rows: ArrayLike) -> np.ndarray:
         """The combine: `expert_rows` leave the busiest expert GPU, `attn_rows` reach each attention GPU."""
         return self.latency + np.maximum(attn_rows * self.attn_in, expert_rows * self.expert_out)
 
@@ -86,7 +88,7 @@ def disaggregated_bound(
     return _aep(model, dep, q, ga, ge, placed, b, ctx, host, max(b, kv_requests), itl_slo_s, variance)
 
 
-def doublings(start: int, stop: int):
+def doublings(start: int, stop: int) -> Iterator[int]:
     c = start
     while c < stop:
         yield c
@@ -100,8 +102,10 @@ MAX_WAVES = 64
 
 
 def _aep(
-    model, dep, q, ga, ge, placed, b, ctx, host, kv_requests, itl_slo_s=None, variance=SOURCED
-) -> Prediction:
+    model: ModelProfile, dep: Deployment, q: np.ndarray, ga: GpuProfile, ge: GpuProfile, placed: list[list[int]],
+    b: int, ctx: int, host: HostOverhead, kv_requests: int, itl_slo_s: float | None = None,
+    variance: StepVariance = SOURCED,
+) -> Prediction:  # fmt: skip
     """AEP's bound with its critical path (as ping-pong's): each attention GPU keeps W waves of w rows in flight
     (w ≤ the attention batch b, W · w ≤ the requests its KV holds). An expert GPU serves a block's rows of m waves
     of every rank as one grouped step only if they reach it together, and then they travel together: per block
@@ -129,11 +133,9 @@ def _aep(
     times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
     iteration ("link": the expert GPU with the most rows over the blocks, or an attention GPU's own w · k per
     block), extra["link_s"]."""
-    blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
+    A = dep.num_attn
     links = pool_links(model, dep)
     share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
-    hottest = share.max(axis=1)  # [blocks] the busiest receiver of each block sets its transfers
-    per_iteration = float(share.sum(axis=0).max())  # the busiest expert GPU's rows per token and iteration
     s_own = variance.speeds(0, A)  # [A] each attention GPU's own speed
     # Every rank at the slowest one's: the ranks' groups meet at every block's expert step (the docstring), so the
     # step waits for the slowest rank's attention and the others idle the difference. The per-rank arrays stay
@@ -144,73 +146,125 @@ def _aep(
     key = steps_key(model, ge, placed, q, dep.expert_cap, host)
     points = []
     for w in doublings(1, b):
-        t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
-        t_head = cm.head_time(model, ga, w, host=host)
-        # Each block's dispatch and combine: a wave's w · k row copies on the attention GPU's link, the A waves'
-        # rows the hottest expert GPU gets on its own (issue 35: with A > E that end is the slower).
-        moves = float(np.sum(links.out_s(w * k, A * w * hottest) + links.back_s(w * k, A * w * hottest)))
-        attn_busy = blocks * t_attn + t_head  # one wave's attention-GPU seconds per iteration
-        # A wave's seconds per iteration on the busiest NIC in its busier direction (bytes only: latencies
-        # overlap): the expert GPU receiving and returning the most rows, or an attention GPU's own rows.
-        link_1 = max(
-            A * w * per_iteration * max(links.expert_in, links.expert_out),
-            blocks * w * k * max(links.attn_out, links.attn_in),
-        )
-        # Per group size m (a rank's waves that meet at every block's expert GPUs as one grouped step, with the
-        # other ranks' m waves): each expert GPU's seconds for one group's steps of an iteration at its speed, and
-        # the group's wait at each block's slowest expert GPU summed over the blocks — its expectation (jitter) is
-        # computed only for a size that could still be the best (`_best_group`; most of `amoe plan`'s time at 256
-        # GPUs was expected_max, issue 35). Filled as W doubles: m = W is the only new size, so the cached steps
-        # are asked exactly as often as before.
-        sizes, steps_of, works, floors, waits = [], [], [], [], []
+        wave = _wave_costs(model, dep, ga, ctx, host, links, share, w)
+        groups = _GroupSizes(variance.jitter)
         for W in doublings(1, max(1, min(MAX_WAVES, kv_requests // w))):
             # [blocks, expert GPUs] at their speeds
-            steps = grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host, key) * s_exp
-            sizes.append(W)
-            steps_of.append(steps)
-            works.append(steps.sum(axis=0))
-            # expected_max is never below its largest lower end (the same operations: a lower bound to the bit).
-            floors.append(float(np.sum((steps * (1 - variance.jitter)).max(axis=1))))
-            waits.append(math.nan)
-            m = np.array(sizes)
-            ok = np.flatnonzero(W % m == 0)  # groups of equal size (W a doubling: every smaller doubling)
-            m = m[ok]
-            per_gpu = (W // m)[:, None] * np.array(works)[ok]  # [sizes, GPUs]: W / m groups' steps
-            experts = per_gpu.max(axis=1)
-            link = W * link_1
-            rest = np.maximum(W * attn_busy * s_attn, np.maximum(experts, link)[:, None])  # [sizes, A]
-            # Each rank's group's critical path but its wait: per block its m attention steps one after another
-            # (and m heads), one wave's transfers each way (the earlier waves' rows move while the later waves'
-            # attention runs); the wait is the grouped step over the m waves of every rank.
-            base = moves + m[:, None] * attn_busy * s_attn  # [sizes, A]
-            best = _best_group(W * w, base, rest, ok, floors, waits, steps_of, variance.jitter)
-            paths = base[best] + waits[ok[best]]
-            itls = np.maximum(paths, rest[best])
-            group, experts, per_gpu = int(m[best]), float(experts[best]), per_gpu[best]
-            path = float(paths.max())
-            concurrency = A * W * w
-            tps = float(np.sum(W * w / itls))
-            itl = concurrency / tps
-            worst = float(itls.max())  # the slowest rank's bottleneck names the point
-            side = {
-                path: "critical path",
-                W * attn_busy * slowest: "attention",
-                experts: "experts",
-                link: "link",
-            }[worst]
-            points.append(
-                Prediction(
-                    tokens_per_s=tps, itl_s=itl, concurrency=concurrency, bottleneck=side,
-                    attention_tokens_per_s=float(np.sum(w / (attn_busy * s_own))),
-                    expert_tokens_per_s=concurrency / experts,
-                    expert_skew=float(per_gpu.max() / per_gpu.mean()),
-                    extra={"waves": W, "wave_rows": w, "group_waves": group, "critical_path_s": path,
-                           "link_s": link},
-                )
-            )  # fmt: skip
-            if W * attn_busy * slowest >= max(path, experts, link):
+            groups.add(W, grouped_steps(model, ge, placed, q, A * W * w, dep.expert_cap, host, key) * s_exp)
+            point, attention_bound = _aep_point(groups, W, w, wave, s_own, s_attn, slowest)
+            points.append(point)
+            if attention_bound:
                 break  # attention-bound on every rank: more waves only lengthen ITL
-    # Under an ITL objective only the points that meet it (none: the best, which the planner then drops).
+    return _operating_point(points, itl_slo_s)
+
+
+@dataclass(frozen=True)
+class _WaveCosts:
+    """One wave of w rows: its attention-GPU seconds per iteration, its blocks' transfers, and its seconds per
+    iteration on the busiest NIC."""
+
+    attn_busy: float
+    moves: float
+    link: float
+
+
+def _wave_costs(
+    model: ModelProfile,
+    dep: Deployment,
+    ga: GpuProfile,
+    ctx: int,
+    host: HostOverhead,
+    links: PoolLinks,
+    share: np.ndarray,
+    w: int,
+) -> _WaveCosts:
+    blocks, A, k = model.num_blocks, dep.num_attn, model.experts_per_token
+    hottest = share.max(axis=1)  # [blocks] the busiest receiver of each block sets its transfers
+    per_iteration = float(share.sum(axis=0).max())  # the busiest expert GPU's rows per token and iteration
+    t_attn = cm.decode_attention_time(model, ga, w, ctx, host)
+    t_head = cm.head_time(model, ga, w, host=host)
+    # Each block's dispatch and combine: a wave's w · k row copies on the attention GPU's link, the A waves'
+    # rows the hottest expert GPU gets on its own (with A > E that end is the slower).
+    moves = float(np.sum(links.out_s(w * k, A * w * hottest) + links.back_s(w * k, A * w * hottest)))
+    # A wave's seconds per iteration on the busiest NIC in its busier direction (bytes only: latencies
+    # overlap): the expert GPU receiving and returning the most rows, or an attention GPU's own rows.
+    link = max(
+        A * w * per_iteration * max(links.expert_in, links.expert_out),
+        blocks * w * k * max(links.attn_out, links.attn_in),
+    )
+    return _WaveCosts(attn_busy=blocks * t_attn + t_head, moves=moves, link=link)
+
+
+@dataclass
+class _GroupSizes:
+    """Per group size m (a rank's waves that meet at every block's expert GPUs as one grouped step, with the other
+    ranks' m waves): each expert GPU's seconds for one group's steps of an iteration at its speed, and the group's
+    wait at each block's slowest expert GPU summed over the blocks — its expectation (jitter) is computed only for
+    a size that could still be the best (`_best_group`; most of `amoe plan`'s time at 256 GPUs was expected_max).
+    Filled as W doubles: m = W is the only new size, so the cached steps are asked exactly as often as before."""
+
+    jitter: float
+    sizes: list[int] = field(default_factory=list)
+    steps_of: list[np.ndarray] = field(default_factory=list)  # [blocks, expert GPUs] per size
+    works: list[np.ndarray] = field(default_factory=list)  # [expert GPUs] per size
+    floors: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)  # nan until computed
+
+    def add(self, size: int, steps: np.ndarray) -> None:
+        self.sizes.append(size)
+        self.steps_of.append(steps)
+        self.works.append(steps.sum(axis=0))
+        # expected_max is never below its largest lower end (the same operations: a lower bound to the bit).
+        self.floors.append(float(np.sum((steps * (1 - self.jitter)).max(axis=1))))
+        self.waits.append(math.nan)
+
+
+def _aep_point(
+    groups: _GroupSizes,
+    W: int,
+    w: int,
+    wave: _WaveCosts,
+    s_own: np.ndarray,
+    s_attn: np.ndarray,
+    slowest: float,
+) -> tuple[Prediction, bool]:
+    """AEP's point with W waves of w rows per attention GPU, at the group size that gives the most throughput; and
+    whether it is attention-bound on every rank."""
+    A = len(s_attn)
+    m = np.array(groups.sizes)
+    ok = np.flatnonzero(W % m == 0)  # groups of equal size (W a doubling: every smaller doubling)
+    m = m[ok]
+    per_gpu = (W // m)[:, None] * np.array(groups.works)[ok]  # [sizes, GPUs]: W / m groups' steps
+    experts = per_gpu.max(axis=1)
+    link = W * wave.link
+    rest = np.maximum(W * wave.attn_busy * s_attn, np.maximum(experts, link)[:, None])  # [sizes, A]
+    # Each rank's group's critical path but its wait: per block its m attention steps one after another
+    # (and m heads), one wave's transfers each way (the earlier waves' rows move while the later waves'
+    # attention runs); the wait is the grouped step over the m waves of every rank.
+    base = wave.moves + m[:, None] * wave.attn_busy * s_attn  # [sizes, A]
+    best = _best_group(W * w, base, rest, ok, groups.floors, groups.waits, groups.steps_of, groups.jitter)
+    paths = base[best] + groups.waits[ok[best]]
+    itls = np.maximum(paths, rest[best])
+    group, experts, per_gpu = int(m[best]), float(experts[best]), per_gpu[best]
+    path = float(paths.max())
+    concurrency = A * W * w
+    tps = float(np.sum(W * w / itls))
+    attention = W * wave.attn_busy * slowest
+    worst = float(itls.max())  # the slowest rank's bottleneck names the point
+    side = {path: "critical path", attention: "attention", experts: "experts", link: "link"}[worst]
+    point = Prediction(
+        tokens_per_s=tps, itl_s=concurrency / tps, concurrency=concurrency, bottleneck=side,
+        attention_tokens_per_s=float(np.sum(w / (wave.attn_busy * s_own))),
+        expert_tokens_per_s=concurrency / experts,
+        expert_skew=float(per_gpu.max() / per_gpu.mean()),
+        extra={"waves": W, "wave_rows": w, "group_waves": group, "critical_path_s": path, "link_s": link},
+    )  # fmt: skip
+    return point, attention >= max(path, experts, link)
+
+
+def _operating_point(points: list[Prediction], itl_slo_s: float | None) -> Prediction:
+    """The least concurrency within 3 % of the most throughput any point reaches; under an ITL objective only the
+    points that meet it (none: the best, which the planner then drops)."""
     points = [p for p in points if itl_slo_s is None or p.itl_s <= itl_slo_s] or points
     most = max(p.tokens_per_s for p in points)
     return min((p for p in points if p.tokens_per_s >= 0.97 * most), key=lambda p: (p.concurrency, p.itl_s))
@@ -224,7 +278,10 @@ def wave_group(extra: dict, attn_cap: int) -> int:
     return max(1, m * w // attn_cap)
 
 
-def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list, jitter: float) -> int:
+def _best_group(
+    rows: int, base: np.ndarray, rest: np.ndarray, ok: np.ndarray, floors: list[float], waits: list[float],
+    steps_of: list[np.ndarray], jitter: float,
+) -> int:  # fmt: skip
     """The group size (index into `ok`) with the most throughput Σ_r rows / max(base_r + wait, rest_r), the
     smallest of equals. A size's wait (expected_max over each block's expert GPUs, summed; cached in `waits`) is
     computed only while the size could still beat the best so far with its wait at its floor (never above it)."""
@@ -242,7 +299,10 @@ def _best_group(rows, base, rest, ok, floors: list, waits: list, steps_of: list,
     return best
 
 
-def _pingpong(model, dep, q, ga, ge, placed, b, ctx, host, variance=SOURCED) -> Prediction:
+def _pingpong(
+    model: ModelProfile, dep: Deployment, q: np.ndarray, ga: GpuProfile, ge: GpuProfile, placed: list[list[int]],
+    b: int, ctx: int, host: HostOverhead, variance: StepVariance = SOURCED,
+) -> Prediction:  # fmt: skip
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
     micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
     (`PoolLinks`), and the iteration is at least the busiest NIC's time for its m micro-batches' rows of every

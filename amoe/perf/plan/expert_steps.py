@@ -7,6 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
+from amoe.perf.model.gpus import GpuProfile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
 
 
 def expert_shares(placed: list[list[int]], q: np.ndarray) -> np.ndarray:
@@ -26,15 +29,18 @@ _STEPS_CACHE: dict = {}
 _STEPS_CACHE_MAX = 8192
 
 
-def steps_key(model, gpu, placed, q, cap: int, host) -> int:
+def steps_key(
+    model: ModelProfile, gpu: GpuProfile, placed: list[list[int]], q: np.ndarray, cap: int, host: HostOverhead
+) -> int:
     """`grouped_steps`' cache key but its rows: hashing the model, host and placement was half of AEP's bound's
     time at 256 GPUs, so a caller asking for many row counts computes it once (64 bits, as q's hash already was)."""
     return hash((model, gpu.name, tuple(map(tuple, placed)), q.shape, hash(q.tobytes()), cap, host))
 
 
 def grouped_steps(
-    model, gpu, placed, q, rows_in: float, cap: int, host, key: int | None = None
-) -> np.ndarray:
+    model: ModelProfile, gpu: GpuProfile, placed: list[list[int]], q: np.ndarray, rows_in: float, cap: int,
+    host: HostOverhead, key: int | None = None,
+) -> np.ndarray:  # fmt: skip
     """[blocks, expert GPUs]: each expert GPU's grouped step(s) over its experts' share of `rows_in` rows of a
     block (an expert over the cap takes several steps): cost_model.grouped_expert_time for every (block, GPU) at
     once (the planner asks this for every candidate and wave count). `key`: `steps_key` of the other arguments."""
@@ -46,7 +52,10 @@ def grouped_steps(
     return _STEPS_CACHE[key]
 
 
-def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, host) -> np.ndarray:
+def _grouped_steps_uncached(
+    model: ModelProfile, gpu: GpuProfile, placed: list[list[int]], q: np.ndarray, rows_in: float, cap: int,
+    host: HostOverhead,
+) -> np.ndarray:  # fmt: skip
     num_ids = q.shape[1]
     where = np.zeros((num_ids, len(placed)))
     for g, experts in enumerate(placed):
@@ -89,7 +98,10 @@ def _grouped_steps_uncached(model, gpu, placed, q, rows_in: float, cap: int, hos
 VECTORISED_MIN_EXPERTS = 65
 
 
-def block_steps(model, gpu, placed, q, rows_in: float, host, vectorised: bool = False) -> np.ndarray:
+def block_steps(
+    model: ModelProfile, gpu: GpuProfile, placed: list[list[int]], q: np.ndarray, rows_in: float,
+    host: HostOverhead, vectorised: bool = False,
+) -> np.ndarray:  # fmt: skip
     """[blocks, GPUs]: each GPU's grouped step over its experts' share of `rows_in` rows of each block, with no cap.
     Vectorised (`grouped_steps`, cached) for frontier profiles or when asked: grouped_expert_time's formula in
     another summation order, within 2 ulp of it (4.4e-16 relative, measured on DeepSeek-V3 and Mixtral tables);

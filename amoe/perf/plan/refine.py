@@ -6,17 +6,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from amoe.config import DEFAULT_POLICY, SchedulerSection
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GPUS
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.routing import routing_inclusion
-from amoe.perf.model.variance import StepVariance
+from amoe.perf.model.variance import SOURCED, StepVariance
 from amoe.perf.plan import bounds
 from amoe.perf.plan.bound_pools import wave_group
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
-from amoe.perf.plan.request import AEP_POLICY, BEST, BEST_OF, Plan, check_policy
+from amoe.perf.plan.request import BEST, BEST_OF, Plan, check_policy
+
+if TYPE_CHECKING:
+    from amoe.perf.plan.simulate.result import Simulated
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +50,16 @@ SIM_BATCHES = 32
 
 
 def refine(
-    model,
+    model: ModelProfile,
     dep: Deployment,
     routing: str,
     ctx: float,
-    host,
+    host: HostOverhead,
     pred: Prediction | None = None,
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
     variance: StepVariance | None = None,
-    policy: str = AEP_POLICY,
+    policy: str = DEFAULT_POLICY,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.perf.plan.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
@@ -63,14 +70,10 @@ def refine(
     step-time variance (None: the sourced one, as `bounds.predict` and `simulate` default to). `policy`: the
     scheduling policy an AEP plan's runtimes run (its simulation's; the other modes have no scheduler); BEST: each
     of BEST_OF, keeping the one that gives more within the objective (extra["aep_policy"] names it)."""
-    from amoe.config import SchedulerSection
-    from amoe.perf.model.variance import SOURCED
-    from amoe.perf.plan.simulate import simulate
-
     if check_policy(policy) == BEST:
         if dep.mode == "aep":
             return _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance)
-        policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
+        policy = DEFAULT_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
     if pred is None:
         pred = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=variance)
@@ -80,71 +83,17 @@ def refine(
     if pred.tokens_per_s <= 0:
         return Plan(dep, pred, None)
     one = replace(dep, replicas=1)
-    ceiling = _max_requests(model, one, ctx)
-    bound_tps = pred.tokens_per_s / dep.replicas
-
-    def run(c: int):
-        # In rounds of a token's way round (its ITL): the estimate settles to within ~2 % after a warm-up of 4 and
-        # over a window of 8 (measured on 2-block and full-depth plans). The bound's ITL first; where batches stay
-        # small the simulated ITL is several times that (3.4× on the full-depth check's AEP plan), and a window of
-        # 8 bound ITLs would be 2 of the simulated ones: then again in rounds of the simulated ITL. AEP at scale
-        # stops the window early once its batch-means interval is within ±1 % (SIM_BATCHES).
-        itl, cpu = c / bound_tps, time.process_time()
-        sim = simulate(
-            model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=variance,
-            batches=SIM_BATCHES, scheduler=scheduler,
-        )  # fmt: skip
-        if sim.itl_s > 1.5 * itl:
-            sim = simulate(
-                model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
-                variance=variance, batches=SIM_BATCHES, scheduler=scheduler,
-            )  # fmt: skip
-        logger.info(
-            "[plan] simulated %s at %d requests a copy: %.0f tok/s, ITL %.1f ms (%.1f s CPU)", describe(one), c,
-            sim.tokens_per_s, sim.itl_s * 1e3, time.process_time() - cpu,
-        )  # fmt: skip
-        return sim
-
+    run = _CopyRuns(model, one, routing, ctx, host, variance, scheduler, pred.tokens_per_s / dep.replicas)
     sims = [run(per_copy)]
-    # Double while that still gains more than 3 %; never when the simulation is within 3 % of the bound already
-    # (no schedule beats the bound, so no concurrency could gain more).
-    while (
-        dep.mode == "aep" and concurrency is None and len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < (1 - RESOLUTION) * bound_tps
-        and 2 * sims[-1].concurrency <= ceiling
-    ):  # fmt: skip
-        if itl_slo_ms is not None and 2 * sims[-1].concurrency / bound_tps * 1e3 > itl_slo_ms:
-            break  # even at the bound's rate twice the requests would miss the objective
-        more = run(2 * sims[-1].concurrency)
-        sims.append(more)
-        if more.tokens_per_s < 1.03 * sims[-2].tokens_per_s:
-            break
-    # Under an ITL objective none of those may meet it (the bound's point is its knee, where the schedule runs a
-    # little slower than the bound): then fewer requests, aimed by Little's law at 95 % of the objective.
-    fewer = sims[0]
-    while (
-        dep.mode == "aep" and concurrency is None and itl_slo_ms is not None and len(sims) <= 2 * SIM_DOUBLINGS
-        and not any(s.itl_s * 1e3 <= itl_slo_ms for s in sims) and fewer.concurrency > one.num_attn
-    ):  # fmt: skip
-        target = int(fewer.concurrency * 0.95 * itl_slo_ms / (fewer.itl_s * 1e3))
-        fewer = run(max(one.num_attn, min(target, fewer.concurrency - 1)))
-        sims.append(fewer)
+    if dep.mode == "aep" and concurrency is None:
+        _more_requests(run, sims, _max_requests(model, one, ctx), itl_slo_ms)
+        _fewer_requests(run, sims, itl_slo_ms)
     ok = [s for s in sims if itl_slo_ms is None or s.itl_s * 1e3 <= itl_slo_ms] or sims[:1]
     most = max(s.tokens_per_s for s in ok)
     sim = next(s for s in ok if s.tokens_per_s >= (1 - RESOLUTION) * most)
     extra = {**pred.extra, "bound": pred.tokens_per_s, "simulated": True, "wave_group": scheduler.wave_group}
     if dep.mode == "aep":
-        # The simulation at scale models one expert-side rule, defrag's (amoe.perf.plan.simulate.scale), whatever
-        # the policy asked: a plan simulated there is served with the policy its figure is of, not with one its
-        # prediction never ran (the 32-runtime check under waves measured 1.30× that defrag prediction).
-        from amoe.perf.plan.simulate.scale import is_exact
-
-        ran = policy if is_exact(one, sim.concurrency, model.num_expert_ids) else "defrag"
-        if ran != policy:
-            logger.info(
-                "[plan] %s is simulated at scale, where only defrag is modelled: served with it",
-                describe(one),
-            )
-        extra["aep_policy"] = ran
+        extra["aep_policy"] = _policy_simulated(model, one, sim, policy)
     refined = replace(
         pred, tokens_per_s=sim.tokens_per_s * dep.replicas, itl_s=sim.itl_s,
         concurrency=sim.concurrency * dep.replicas, extra=extra,
@@ -152,7 +101,93 @@ def refine(
     return Plan(dep, refined, None)
 
 
-def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance) -> Plan:
+@dataclass(frozen=True)
+class _CopyRuns:
+    """Simulations of one copy of a plan at a given concurrency, in rounds of a token's way round (its ITL)."""
+
+    model: ModelProfile
+    one: Deployment
+    routing: str
+    ctx: float
+    host: HostOverhead
+    variance: StepVariance
+    scheduler: SchedulerSection
+    bound_tps: float  # one copy's bound
+
+    def __call__(self, c: int) -> Simulated:
+        # Looked up at each call: a test may put a spy in the simulation's place.
+        from amoe.perf.plan.simulate import simulate
+
+        # The estimate settles to within ~2 % after a warm-up of 4 ITLs and over a window of 8 (measured on 2-block
+        # and full-depth plans). The bound's ITL first; where batches stay small the simulated ITL is several times
+        # that (3.4× on the full-depth check's AEP plan), and a window of 8 bound ITLs would be 2 of the simulated
+        # ones: then again in rounds of the simulated ITL. AEP at scale stops the window early once its batch-means
+        # interval is within ±1 % (SIM_BATCHES).
+        model, one, routing, ctx, host = self.model, self.one, self.routing, self.ctx, self.host
+        itl, cpu = c / self.bound_tps, time.process_time()
+        sim = simulate(
+            model, one, routing, ctx, host, c, warmup_s=4 * itl, duration_s=8 * itl, variance=self.variance,
+            batches=SIM_BATCHES, scheduler=self.scheduler,
+        )  # fmt: skip
+        if sim.itl_s > 1.5 * itl:
+            sim = simulate(
+                model, one, routing, ctx, host, c, warmup_s=4 * sim.itl_s, duration_s=8 * sim.itl_s,
+                variance=self.variance, batches=SIM_BATCHES, scheduler=self.scheduler,
+            )  # fmt: skip
+        logger.info(
+            "[plan] simulated %s at %d requests a copy: %.0f tok/s, ITL %.1f ms (%.1f s CPU)", describe(one), c,
+            sim.tokens_per_s, sim.itl_s * 1e3, time.process_time() - cpu,
+        )  # fmt: skip
+        return sim
+
+
+def _more_requests(run: _CopyRuns, sims: list[Simulated], ceiling: int, itl_slo_ms: float | None) -> None:
+    """Double an AEP copy's requests while that still gains more than 3 %; never when the simulation is within 3 %
+    of the bound already (no schedule beats the bound, so no concurrency could gain more)."""
+    while (
+        len(sims) <= SIM_DOUBLINGS and sims[-1].tokens_per_s < (1 - RESOLUTION) * run.bound_tps
+        and 2 * sims[-1].concurrency <= ceiling
+    ):  # fmt: skip
+        if itl_slo_ms is not None and 2 * sims[-1].concurrency / run.bound_tps * 1e3 > itl_slo_ms:
+            break  # even at the bound's rate twice the requests would miss the objective
+        more = run(2 * sims[-1].concurrency)
+        sims.append(more)
+        if more.tokens_per_s < 1.03 * sims[-2].tokens_per_s:
+            break
+
+
+def _fewer_requests(run: _CopyRuns, sims: list[Simulated], itl_slo_ms: float | None) -> None:
+    """Under an ITL objective none of the runs may meet it (the bound's point is its knee, where the schedule runs a
+    little slower than the bound): then fewer requests, aimed by Little's law at 95 % of the objective."""
+    fewer = sims[0]
+    while (
+        itl_slo_ms is not None and len(sims) <= 2 * SIM_DOUBLINGS
+        and not any(s.itl_s * 1e3 <= itl_slo_ms for s in sims) and fewer.concurrency > run.one.num_attn
+    ):  # fmt: skip
+        target = int(fewer.concurrency * 0.95 * itl_slo_ms / (fewer.itl_s * 1e3))
+        fewer = run(max(run.one.num_attn, min(target, fewer.concurrency - 1)))
+        sims.append(fewer)
+
+
+def _policy_simulated(model: ModelProfile, one: Deployment, sim: Simulated, policy: str) -> str:
+    """The policy an AEP plan's figure is of. The simulation at scale models one expert-side rule, defrag's
+    (amoe.perf.plan.simulate.scale), whatever the policy asked: a plan simulated there is served with the policy its
+    figure is of, not with one its prediction never ran (the 32-runtime check under waves measured 1.30× that
+    defrag prediction)."""
+    from amoe.perf.plan.simulate.scale import is_exact
+
+    ran = policy if is_exact(one, sim.concurrency, model.num_expert_ids) else "defrag"
+    if ran != policy:
+        logger.info(
+            "[plan] %s is simulated at scale, where only defrag is modelled: served with it", describe(one)
+        )
+    return ran
+
+
+def _refine_best(
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, pred: Prediction | None,
+    itl_slo_ms: float | None, concurrency: int | None, variance: StepVariance | None,
+) -> Plan:  # fmt: skip
     """refine() with each policy of BEST_OF; the plan whose simulation meets the ITL objective with the most
     tokens/s (ties and misses: the earlier policy). A plan simulated at scale models defrag only (refine's record):
     one run is then all there is to compare."""
@@ -177,7 +212,7 @@ def _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, 
     return best
 
 
-def _max_requests(model, dep: Deployment, ctx: float) -> int:
+def _max_requests(model: ModelProfile, dep: Deployment, ctx: float) -> int:
     """The most requests refine's doublings take one copy to: SIM_MAX_REQUESTS where the simulation is event-level,
     else what the attention GPUs' KV cache holds at the mean context."""
     from amoe.perf.plan.simulate.scale import is_exact

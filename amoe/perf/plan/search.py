@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -53,7 +54,7 @@ def counts(n: int) -> list[int]:
     return sorted(grid | {n})
 
 
-def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray):
+def candidates(req: PlanRequest, num_experts: int, inclusion: np.ndarray) -> Iterator[Deployment]:
     """Every deployment of the search space that fits the GPUs."""
     types = sorted(req.gpus)
     common = {"gpus_per_node": req.gpus_per_node}

@@ -10,7 +10,7 @@ import argparse
 import importlib
 from typing import Any
 
-from amoe.config import POLICIES
+from amoe.config import DEFAULT_POLICY, POLICIES
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 
 # amoe.perf.studies.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
@@ -183,7 +183,11 @@ def add_bench_policies_command(sub: Any) -> None:
     p = sub.add_parser(
         "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
     )
-    p.add_argument("--policies", default="defrag,mtfs,flfs,wave", help="comma-separated (default: all four)")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated (default: all four, {','.join(POLICIES)})",
+    )
     p.add_argument("--blocks", type=int, default=8, help="blocks of the model profile kept (default: 8)")
     p.add_argument(
         "--loads", default="0.5,1.3", help="request rates as fractions of the bound's; must include 0.5"
@@ -214,13 +218,13 @@ def add_bench_policies_command(sub: Any) -> None:
 
 
 def add_aep_policy(p: argparse.ArgumentParser) -> None:
-    """`--aep-policy` (amoe.perf.plan.request.AEP_POLICY; checked there against amoe.config.POLICIES, so that
-    `--help` imports nothing heavy)."""
+    """`--aep-policy` (default amoe.config.DEFAULT_POLICY; checked by amoe.perf.plan.request.check_policy against
+    amoe.config.POLICIES, so that `--help` imports nothing heavy)."""
     p.add_argument(
-        "--aep-policy", default="waves", metavar="POLICY",
+        "--aep-policy", default=DEFAULT_POLICY, metavar="POLICY",
         help="the scheduling policy AEP plans are simulated, measured and served with (`amoe serve --scheduler`): "
-        "waves (default) | defrag | mtfs | flfs | wave | best (each plan simulated with waves and with defrag, served "
-        "with the one that gives more within --itl-slo-ms)",
+        f"{' | '.join(POLICIES)} | best (each plan simulated with waves and with defrag, served with the one that "
+        f"gives more within --itl-slo-ms); default {DEFAULT_POLICY}",
     )  # fmt: skip
 
 
@@ -319,6 +323,15 @@ def add_plan_command(sub: Any) -> None:
         help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument(
+        "--out", metavar="FILE",
+        help="write the best plan as a config file (`amoe serve --config FILE` serves it; its `plan` block records "
+        "the prediction)",
+    )  # fmt: skip
+    p.add_argument(
+        "--emulated", action="store_true",
+        help="with --out: the plan on emulated GPUs of its types, as `amoe bench plan-check` runs it",
+    )  # fmt: skip
     p.set_defaults(run=run_plan)
 
 
@@ -347,7 +360,7 @@ def add_bench_waves_emulated_command(sub: Any) -> None:
         "waves-emulated",
         help="AEP plans at 32 blocks on the emulated runtime under a policy, against the bound",
     )
-    p.add_argument("--policy", default="waves", choices=POLICIES)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--plans", default="0,1,2", help="indices into waves_emulated.PLANS, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -25,7 +25,7 @@ from amoe.perf.studies.compare_setup import (
     only_groups,
     preset,
     profile_name,
-    serve_flags,
+    serve_config,
     time_scale,
     upper_bound,
 )
@@ -159,7 +159,7 @@ async def _steady(
     """One steady point on a fresh server: `requests` in flight from their steady state, ITL guessed at itl_ms."""
     from amoe.perf.studies.steady import steady_point
 
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         return await steady_point(server, setup, p, seed, requests, itl_ms / 1e3, kind)
 
@@ -167,7 +167,7 @@ async def _steady(
 async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
     """The load sweep of one setup; the base setup of the policy comparison also runs its policy point."""
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
         if with_policy:
@@ -178,7 +178,7 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, rate, kind) for rate in rates]
     return [await _unsaturated(pt, setup, p, seed) for pt in points]
@@ -194,7 +194,7 @@ async def _unsaturated(point: dict[str, Any], setup: Setup, p: Preset, seed: int
         "[compare] %s at %.0f req/s saturated the host (%.2f cores): rerun at time scale %g",
         setup.name, point["rate"], point["host_cores"], time_scale(slower, p),
     )  # fmt: skip
-    server = ServerProcess(serve_flags(slower, p, seed))
+    server = ServerProcess(serve_config(slower, p, seed))
     with server:
         rerun = await load_point(server, slower, p, seed, point["rate"], point["kind"])
     rerun["rerun_of"] = {k: point[k] for k in ("throughput", "itl_ms_mean", "host_cores", "time_scale")}
@@ -226,17 +226,14 @@ async def load_point(
     this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
     import httpx
 
-    from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
     from amoe.bench.serve import run_requests
-    from amoe.bench.workloads import make_requests, make_workload
     from amoe.perf.studies.probe import MetricsProbe
 
     scale = time_scale(setup, p)
     duration_s = duration_s or p.duration_s
     num = max(4, round(rate * duration_s))
-    arrivals = arrival_times(num, rate / scale, 1.0, seed)
-    requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
+    requests, arrivals = _poisson_load(setup, num, rate / scale, seed)
     span = arrivals[-1] if arrivals[-1] > 0 else duration_s * scale
     logger.info(
         "[compare] %s: %.1f req/s (emulated), %d requests over %.0f s wall", setup.name, rate, num, span
@@ -258,17 +255,32 @@ async def load_point(
     window = (start + opens, start + span)
     point = measure(setup, kind, rate, probe, start, window, done, scale)
     if series:
-        inside = [s for s in probe.scrapes if window[0] <= s.t <= window[1]]
-        point["series"] = [
-            (round((s.t - inside[0].t) / scale, 4), s.itl_sum / scale, s.itl_count, s.running, s.tokens)
-            for s in inside
-        ]
-        point["window_s"] = round((inside[-1].t - inside[0].t) / scale, 3) if inside else 0.0
+        point["series"], point["window_s"] = _window_series(probe, window, scale)
     # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
     # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
     point["sent"] = num
     point["server_warnings"] = server.warnings_since(warnings_mark)
     return point
+
+
+def _poisson_load(setup: Setup, num: int, wall_rate: float, seed: int) -> tuple[list, list[float]]:
+    """`num` requests of the setup's workload and their Poisson arrivals at `wall_rate` per wall second."""
+    from amoe.bench.arrivals import arrival_times
+    from amoe.bench.workloads import make_requests, make_workload
+
+    arrivals = arrival_times(num, wall_rate, 1.0, seed)
+    return make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids"), arrivals
+
+
+def _window_series(probe: Any, window: tuple[float, float], scale: float) -> tuple[list[tuple], float]:
+    """Every scrape of the window (emulated seconds from its start, the ITL histogram's sum in emulated seconds
+    and its count, requests running, output tokens), and the window's emulated length."""
+    inside = [s for s in probe.scrapes if window[0] <= s.t <= window[1]]
+    series = [
+        (round((s.t - inside[0].t) / scale, 4), s.itl_sum / scale, s.itl_count, s.running, s.tokens)
+        for s in inside
+    ]
+    return series, round((inside[-1].t - inside[0].t) / scale, 3) if inside else 0.0
 
 
 async def _finish(load: asyncio.Future, grace_s: float) -> list:

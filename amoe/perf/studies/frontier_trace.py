@@ -90,7 +90,7 @@ DEEPGEMM_MASKED_2X512 = ((4096, 7168, 1040), (7168, 2048, 916))
 
 
 @dataclass(frozen=True)
-class Workload:
+class TraceWorkload:
     """What one GPU runs per decode step: `requests` in flight, `queries` rows each (2 with one MTP draft)."""
 
     name: str
@@ -107,22 +107,22 @@ class Workload:
         return self.requests * self.queries
 
 
-def workloads() -> dict[str, Workload]:
+def workloads() -> dict[str, TraceWorkload]:
     """The workloads `amoe bench frontier` predicted and the ones the published systems ran."""
     out = {
-        f"{c.name} (as predicted)": Workload(
+        f"{c.name} (as predicted)": TraceWorkload(
             c.name, c.gpu, c.devices, c.batch_per_gpu, 1, c.kv_length, c.redundant_experts, ROUTING
         )
         for c in DEPLOYMENTS
     }
     # The profile as DeepSeek ran it: 2 routed experts a GPU (EP128, no redundancy), balanced routing, 2 rows per
     # request (one MTP draft: what SGLang's 18,598 credits, PROFILE_MTP_ACCEPTED, and what its MLA core time fits).
-    out["deepseek-profile (as run: MTP)"] = Workload(
+    out["deepseek-profile (as run: MTP)"] = TraceWorkload(
         "deepseek-profile", "h800", 128, 128, 2, 4096, 0, "uniform"
     )
     day6 = next(c for c in DEPLOYMENTS if c.name == "deepseek-day6")
     load = round(DAY6_PER_NODE / 8 / DAY6_REQUEST_SPEED)
-    out["deepseek-day6 (at the day's mean load)"] = Workload(
+    out["deepseek-day6 (at the day's mean load)"] = TraceWorkload(
         day6.name, day6.gpu, day6.devices, load, 1, day6.kv_length, day6.redundant_experts, ROUTING
     )
     return out
@@ -160,7 +160,7 @@ def inclusion(routing: str) -> np.ndarray:
     return routing_inclusion(model_profile("deepseek-v3"), routing, 0)
 
 
-def model_breakdown(w: Workload) -> dict:
+def model_breakdown(w: TraceWorkload) -> dict:
     """The model's decode step for `w`, per category: ms per layer (both micro-batches, the step's total over the
     61 layers), the exchange's wire time, the block (max of the two streams) and the step."""
     model, gpu, host = model_profile("deepseek-v3"), gpu_profile(w.gpu), host_overhead("none")
@@ -311,6 +311,30 @@ def main(args) -> int:
     )  # a bad file fails before the model
     model = {name: model_breakdown(w) for name, w in workloads().items()}
     rep = report(model)
+    print_report(model, rep)
+    result = {
+        "published": PUBLISHED,
+        "published_tbo_ablation": PUBLISHED_TBO_ABLATION,
+        "kernel_benchmarks": kernel_benchmarks(),
+        "model": model,
+        "report": rep,
+    }
+    if trace is not None:
+        result["trace"] = trace_breakdown(trace)
+        print_trace(args.trace, result["trace"], model)
+    if getattr(args, "out", None):
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "breakdown.json").write_text(json.dumps(result, indent=1))
+    summary = {
+        part: {k: round(v, 4) for k, v in rep[part].items()} for part in ("profile", "sglang", "day6", "tbo")
+    }
+    print(json.dumps({"frontier_breakdown": summary}))
+    return 0
+
+
+def print_report(model: dict, rep: dict) -> None:
+    """The per-layer table, the model's block of each deployment, and the report against the published figures."""
     print(
         "ms per decode layer, both micro-batches (published: SGLang's figure; model: the step's total over 61 layers)"
     )
@@ -343,38 +367,20 @@ def main(args) -> int:
           f"{o['published_tbo_gain']:.2f}x (the model: {o['model_tbo_gain']:.2f}x)")  # fmt: skip
     print(f"Day 6 1.60: {d['requests_per_gpu']:.0f} requests a GPU on the day's mean: load {d['load_factor']:.3f} x "
           f"remaining {d['remaining']:.3f} = {d['ratio']:.3f}")  # fmt: skip
-    result = {
-        "published": PUBLISHED,
-        "published_tbo_ablation": PUBLISHED_TBO_ABLATION,
-        "kernel_benchmarks": kernel_benchmarks(),
-        "model": model,
-        "report": rep,
-    }
-    if trace is not None:
-        t = trace_breakdown(trace)
-        result["trace"] = t
-        print()
-        print(f"trace {args.trace}: device {t['device']}, {t['kernels']} kernels, {t['blocks']:g} MoE blocks, wall "
-              f"{t['wall_us'] / 1e3:.1f} ms. µs per MoE block (both micro-batches), beside the model at the "
-              "profile's workload:")  # fmt: skip
-        for cat in CATEGORIES:
-            print(f"  {cat:<16}{t['per_block_us'][cat]:>10.1f}{run_block_us(model, cat):>10.1f}")
-        print(f"  {'idle (gaps)':<16}{t['idle_per_block_us']:>10.1f}")
-        for cat, names in t["top_kernels"].items():
-            if names:
-                print(f"  {cat}: {'; '.join(n[:60] for n in names)}")
-    if getattr(args, "out", None):
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "breakdown.json").write_text(json.dumps(result, indent=1))
-    summary = {
-        "profile": {k: round(v, 4) for k, v in p.items()},
-        "sglang": {k: round(v, 4) for k, v in s.items()},
-        "day6": {k: round(v, 4) for k, v in d.items()},
-        "tbo": {k: round(v, 4) for k, v in o.items()},
-    }
-    print(json.dumps({"frontier_breakdown": summary}))
-    return 0
+
+
+def print_trace(path: str, t: dict, model: dict) -> None:
+    """A trace's kernels per MoE block by category, beside the model's at the profile's workload."""
+    print()
+    print(f"trace {path}: device {t['device']}, {t['kernels']} kernels, {t['blocks']:g} MoE blocks, wall "
+          f"{t['wall_us'] / 1e3:.1f} ms. µs per MoE block (both micro-batches), beside the model at the "
+          "profile's workload:")  # fmt: skip
+    for cat in CATEGORIES:
+        print(f"  {cat:<16}{t['per_block_us'][cat]:>10.1f}{run_block_us(model, cat):>10.1f}")
+    print(f"  {'idle (gaps)':<16}{t['idle_per_block_us']:>10.1f}")
+    for cat, names in t["top_kernels"].items():
+        if names:
+            print(f"  {cat}: {'; '.join(n[:60] for n in names)}")
 
 
 def run_block_us(model: dict, cat: str) -> float:

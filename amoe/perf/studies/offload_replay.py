@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ConfigError
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
@@ -226,9 +226,7 @@ def mixtral_all_missed(tokens: int = 2) -> dict:
     """Mixtral-8x7B (32 blocks, top-2) through the emulated expert executor with a one-expert budget: every
     token's 64 expert steps each miss (the two experts of a block differ) and wait for a 352 MB copy. Real time
     (time scale 1, ~1 s per token): the tiers read the emulated clock, whose sleeps are only ~0.1 ms accurate."""
-    section = ExecutorSection(
-        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0
-    )
+    section = EmulationSection(gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0)
     profile = model_profile("mixtral-8x7b-mqa")
     expert_bytes = profile.params_of(0) * profile.bytes_per_param
     em = Emulation(section, offload=OffloadSpec(expert_bytes, policy="lru", prefetch=False))
@@ -267,20 +265,37 @@ def ordering_counts(rows: list[dict]) -> dict:
     }
 
 
+def _replay_recorded(args: argparse.Namespace, out: dict) -> int:
+    """--routing FILE: the hit ratio of a recorded routing, its first half the training trace, at one capacity."""
+    trace = read_routing(args.routing)
+    train, test = trace.split(len(trace.sequences) // 2)
+    m = SimpleNamespace(blocks=trace.num_blocks, experts=trace.num_experts, expert_bytes=args.expert_bytes,
+                        dense_bytes=0, capacity=args.capacity or trace.num_blocks * trace.num_experts // 6)  # fmt: skip
+    out["origin"] = trace.origin
+    out["hit_ratio"] = hit_ratios("recorded", m, train, test, 1, [m.capacity])
+    print(json.dumps(out))
+    return 0
+
+
+def _task_traces(enc_dec: bool, n_train: int, n_test: int) -> dict:
+    """Each model shape's synthetic task routing: (training trace, test trace), seeded."""
+    traces = {}
+    for name, m in MODELS.items():
+        model = TaskRouting(
+            num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing,
+            encoder_blocks=m.encoder_blocks if enc_dec else 0,
+        )  # fmt: skip
+        traces[name] = model.generate(n_train, seed=1), model.generate(n_test, seed=2)
+    return traces
+
+
 def main(args: argparse.Namespace) -> int:
     """`amoe bench offload-replay` (its flags: amoe.perf.studies.commands)."""
     start = time.time()
     n_train, n_test = (120, 48) if args.quick else (300, 160)
     out: dict = {"bench": "offload_replay", "eamc_size": EAMC_SIZE, "enc_dec": args.enc_dec}
     if args.routing:
-        trace = read_routing(args.routing)
-        train, test = trace.split(len(trace.sequences) // 2)
-        m = SimpleNamespace(blocks=trace.num_blocks, experts=trace.num_experts, expert_bytes=args.expert_bytes,
-                            dense_bytes=0, capacity=args.capacity or trace.num_blocks * trace.num_experts // 6)  # fmt: skip
-        out["origin"] = trace.origin
-        out["hit_ratio"] = hit_ratios("recorded", m, train, test, 1, [m.capacity])
-        print(json.dumps(out))
-        return 0
+        return _replay_recorded(args, out)
     out["origin"] = {}
     for key in ("statistics", "hit_ratio", "recall", "recall_paper_blocks", "recall_oracle_eamc", "latency"):
         out[key] = []
@@ -288,14 +303,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
-    traces = {}
-    for name, m in MODELS.items():
-        model = TaskRouting(
-            num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, **m.routing,
-            encoder_blocks=m.encoder_blocks if args.enc_dec else 0,
-        )  # fmt: skip
-        traces[name] = model.generate(n_train, seed=1), model.generate(n_test, seed=2)
-        out["origin"][name] = traces[name][1].origin
+    traces = _task_traces(args.enc_dec, n_train, n_test)
+    out["origin"].update({name: test.origin for name, (_, test) in traces.items()})
     # Part by part over both shapes, the cheap and the issue's first questions first: a run cut short keeps them.
     for name in MODELS:
         train, _ = traces[name]

@@ -19,6 +19,7 @@ Prints a markdown table and a final JSON line; writes plan_table.json to --out.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import itertools
@@ -29,6 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from amoe.config import DEFAULT_POLICY
 from amoe.errors import ConfigError
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
@@ -36,7 +38,7 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
 from amoe.perf.plan.refine import RESOLUTION
-from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.plan.request import Plan, PlanRequest, check_policy
 from amoe.perf.plan.search import best_per_mode, search
 from amoe.perf.studies import plan_check
 
@@ -48,7 +50,7 @@ MODES = ("aep", "ep", "pingpong")
 
 def cell(
     gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None,
-    step_variance: str = "sourced", aep_policy: str = AEP_POLICY,
+    step_variance: str = "sourced", aep_policy: str = DEFAULT_POLICY,
 ) -> dict:  # fmt: skip
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
     planner's pick; AEP plans simulated with `aep_policy`."""
@@ -107,6 +109,11 @@ def one_copy(mode_row: dict) -> Plan:
     return Plan(dataclasses.replace(d, replicas=1), pred, None)
 
 
+# The policy a measured point's key leaves unnamed: AEP points recorded before --aep-policy ran defrag and their
+# keys carry no policy, so a defrag point's key has none (a format of measured.jsonl, not a default).
+UNNAMED_POLICY = "defrag"
+
+
 class Measured:
     """Measured points by what they run (one copy's plan, top-k, routing, requests), one JSON line each in a file:
     a plan that several cells share (8 and 16 GPUs of the same copies) runs once, and an interrupted --measure
@@ -116,7 +123,7 @@ class Measured:
         self.path = path
         self.run = run  # False: report only what the file holds
         self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.perf.model.variance)
-        self.aep_policy = AEP_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
+        self.aep_policy = DEFAULT_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
         self.points: dict[str, dict] = {}
         if path.exists():
             for line in path.read_text().splitlines():
@@ -131,14 +138,14 @@ class Measured:
         routing: str,
         plan: Plan,
         step_variance: str = "off",
-        aep_policy: str = "defrag",
+        aep_policy: str = UNNAMED_POLICY,
     ) -> str:
         # Points recorded before step-time variance existed ran without it, and AEP points recorded before
         # --aep-policy ran defrag: their keys have no suffix.
         suffix = "" if step_variance == "off" else f" variance {step_variance}"
         # the policy the plan runs: refine's record where it has one (a plan simulated at scale runs defrag)
         aep_policy = plan.prediction.extra.get("aep_policy", aep_policy)
-        if plan.deployment.mode == "aep" and aep_policy != "defrag":
+        if plan.deployment.mode == "aep" and aep_policy != UNNAMED_POLICY:
             suffix += f" policy {aep_policy}"
         return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
 
@@ -310,7 +317,11 @@ FIGURE10_PROFILE = "mixtral-8x7b-16e"
 
 
 def figure10(
-    gpu: str, routing: str, workload: str = "short", measure: tuple | None = None, policy: str = AEP_POLICY
+    gpu: str,
+    routing: str,
+    workload: str = "short",
+    measure: tuple | None = None,
+    policy: str = DEFAULT_POLICY,
 ) -> dict:
     """The paper's Figure 10 setup at full depth (32 blocks): the 16-expert model on one 8-GPU host and on two
     (16 GPUs, links between hosts on the critical path), AEP 4 + 4 → 8 + 8 and EP 8 → 16, each refined by the
@@ -419,20 +430,10 @@ def main(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
     routings = args.routings.split(";") if args.routings else list(ROUTINGS)
-    policy = check_policy(getattr(args, "aep_policy", AEP_POLICY))
+    policy = check_policy(getattr(args, "aep_policy", DEFAULT_POLICY))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    measure = None
-    if args.measure:
-        from amoe.perf.studies import calibrate
-
-        measured = Measured(out / "measured.jsonl", run=not args.report_measured)
-        measured.step_variance = args.step_variance
-        measured.aep_policy = policy
-        base = getattr(args, "time_scale", 40.0)
-        if not base > 0:
-            raise ConfigError(f"--time-scale must be positive; got {base:g}")
-        measure = (*(calibrate.scaled(base) if measured.run else (base, 0.0)), measured)
+    measure = _measurement(args, out, policy) if args.measure else None
     if args.figure10:
         for routing in routings:
             print(
@@ -451,22 +452,7 @@ def main(args) -> int:
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
             rows = list(pool.map(cell, *zip(*grid)))
     if measure:
-        # The sourced skew's rows first, then the stress case, then affinity: an interrupted run has the most
-        # telling part (the points are kept; a rerun measures only what is missing).
-        order = sorted(
-            rows, key=lambda r: ({ROUTINGS[0]: 0, ROUTINGS[2]: 1}.get(r["routing"], 2), rows.index(r))
-        )
-        run_modes = tuple((getattr(args, "measure_modes", None) or ",".join(MODES)).split(","))
-        bad = set(run_modes) - set(MODES)
-        if bad:
-            raise ConfigError(f"--measure-modes takes {', '.join(MODES)}; got {', '.join(sorted(bad))}")
-        chosen = _row_indices(getattr(args, "measure_rows", None), len(rows))
-        for row in order:
-            here = run_modes if rows.index(row) in chosen else ()
-            asyncio.run(measure_row(row, args.profile, *measure, run_modes=here, itl_slo_ms=args.itl_slo_ms))
-            print(
-                json.dumps({k: v for k, v in row.items() if k not in ("aep", "ep", "pingpong")}), flush=True
-            )
+        _measure_rows(args, rows, measure)
     for row in rows:
         print(json.dumps(row), flush=True)
     print(markdown(rows))
@@ -480,39 +466,71 @@ def main(args) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
     if args.measure:
-        done = [r for r in rows if "measured_pick" in r]
-        aep = [r["aep"]["measured_fraction_of_bound"] for r in rows if "measured" in r.get("aep", {})]
-        of_bounds = [r["measured_of_bounds_ratio"] for r in rows if "measured_of_bounds_ratio" in r]
-        two = [
-            r["measured_two_scrapes_of_bounds_ratio"]
-            for r in rows
-            if "measured_two_scrapes_of_bounds_ratio" in r
-        ]
-        summary.update(
-            measured_cells=len(done), measured_picks_agree=sum(r["measured_pick"] == r["pick"] for r in done),
-            measured_picks={m: sum(r["measured_pick"] == m for r in done) for m in ("aep", "ep", "pingpong")},
-            measured_picks_within_slo_agree=sum(r.get("measured_pick_within_slo") == r["pick"] for r in done),
-            measured_itl_ms={f"{r['gpu']} top{r['top_k']} {m}": r[m].get("measured_itl_ms") for r in rows
-                             for m in MODES if "measured" in r.get(m, {})},
-            measured_itl_misses_slo=sum(not r[m].get("measured_meets_itl_slo", True) for r in rows for m in MODES
-                                        if "measured" in r.get(m, {})),
-            measured_over_predicted=sorted(
-                r[m]["measured_over_predicted"] for r in rows for m in ("aep", "ep", "pingpong")
-                if "measured" in r.get(m, {})
-            ),
-            # The issue's goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
-            measured_aep_at_085_of_bound=f"{sum(f >= 0.85 for f in aep)} of {len(aep)}",
-            measured_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in of_bounds)} of {len(of_bounds)}",
-            fit_over_two_scrapes=fit_over_two_scrapes(measure[2].points),
-            measured_of_bounds_ratio=sorted(of_bounds),
-            measured_by={b: sum(r[m].get("measured_by") == b for r in rows for m in ("aep", "ep", "pingpong")
-                             if "measured" in r.get(m, {})) for b in ("little", "two scrapes")},
-            two_scrapes_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in two)} of {len(two)}",
-            # rows decided again as close calls (measure_row): the pick at the table's time scale and after
-            measured_close_calls={f"{r['gpu']} top{r['top_k']} {r['routing']}": [
-                r["close_call"]["pick_at_table_scale"], r["measured_pick"] if r["close_call"]["runs"] else None]
-                for r in rows if "close_call" in r},
-        )  # fmt: skip
+        summary.update(_measured_summary(rows, measure[2]))
     (out / "plan_table.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary))
     return 0
+
+
+def _measurement(args: argparse.Namespace, out: Path, policy: str) -> tuple[float, float, Measured]:
+    """--measure: the base time scale (scaled by the host probe when it runs anything), the probe, and the file of
+    measured points."""
+    from amoe.perf.studies import calibrate
+
+    measured = Measured(out / "measured.jsonl", run=not args.report_measured)
+    measured.step_variance = args.step_variance
+    measured.aep_policy = policy
+    base = getattr(args, "time_scale", 40.0)
+    if not base > 0:
+        raise ConfigError(f"--time-scale must be positive; got {base:g}")
+    return (*(calibrate.scaled(base) if measured.run else (base, 0.0)), measured)
+
+
+def _measure_rows(args: argparse.Namespace, rows: list[dict], measure: tuple[float, float, Measured]) -> None:
+    """Measure the rows' plans (measure_row), the sourced skew's rows first, then the stress case, then affinity:
+    an interrupted run has the most telling part (the points are kept; a rerun measures only what is missing)."""
+    order = sorted(rows, key=lambda r: ({ROUTINGS[0]: 0, ROUTINGS[2]: 1}.get(r["routing"], 2), rows.index(r)))
+    run_modes = tuple((getattr(args, "measure_modes", None) or ",".join(MODES)).split(","))
+    bad = set(run_modes) - set(MODES)
+    if bad:
+        raise ConfigError(f"--measure-modes takes {', '.join(MODES)}; got {', '.join(sorted(bad))}")
+    chosen = _row_indices(getattr(args, "measure_rows", None), len(rows))
+    for row in order:
+        here = run_modes if rows.index(row) in chosen else ()
+        asyncio.run(measure_row(row, args.profile, *measure, run_modes=here, itl_slo_ms=args.itl_slo_ms))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("aep", "ep", "pingpong")}), flush=True)
+
+
+def _measured_summary(rows: list[dict], measured: Measured) -> dict:
+    """The summary's measured part: picks, ITLs, measured over predicted, the goals, the close calls."""
+    done = [r for r in rows if "measured_pick" in r]
+    aep = [r["aep"]["measured_fraction_of_bound"] for r in rows if "measured" in r.get("aep", {})]
+    of_bounds = [r["measured_of_bounds_ratio"] for r in rows if "measured_of_bounds_ratio" in r]
+    two = [
+        r["measured_two_scrapes_of_bounds_ratio"] for r in rows if "measured_two_scrapes_of_bounds_ratio" in r
+    ]
+    return dict(
+        measured_cells=len(done), measured_picks_agree=sum(r["measured_pick"] == r["pick"] for r in done),
+        measured_picks={m: sum(r["measured_pick"] == m for r in done) for m in ("aep", "ep", "pingpong")},
+        measured_picks_within_slo_agree=sum(r.get("measured_pick_within_slo") == r["pick"] for r in done),
+        measured_itl_ms={f"{r['gpu']} top{r['top_k']} {m}": r[m].get("measured_itl_ms") for r in rows
+                         for m in MODES if "measured" in r.get(m, {})},
+        measured_itl_misses_slo=sum(not r[m].get("measured_meets_itl_slo", True) for r in rows for m in MODES
+                                    if "measured" in r.get(m, {})),
+        measured_over_predicted=sorted(
+            r[m]["measured_over_predicted"] for r in rows for m in ("aep", "ep", "pingpong")
+            if "measured" in r.get(m, {})
+        ),
+        # The issue's goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
+        measured_aep_at_085_of_bound=f"{sum(f >= 0.85 for f in aep)} of {len(aep)}",
+        measured_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in of_bounds)} of {len(of_bounds)}",
+        fit_over_two_scrapes=fit_over_two_scrapes(measured.points),
+        measured_of_bounds_ratio=sorted(of_bounds),
+        measured_by={b: sum(r[m].get("measured_by") == b for r in rows for m in ("aep", "ep", "pingpong")
+                         if "measured" in r.get(m, {})) for b in ("little", "two scrapes")},
+        two_scrapes_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in two)} of {len(two)}",
+        # rows decided again as close calls (measure_row): the pick at the table's time scale and after
+        measured_close_calls={f"{r['gpu']} top{r['top_k']} {r['routing']}": [
+            r["close_call"]["pick_at_table_scale"], r["measured_pick"] if r["close_call"]["runs"] else None]
+            for r in rows if "close_call" in r},
+    )  # fmt: skip

@@ -4,7 +4,6 @@ points (amoe.perf.studies.compare) and steady points (amoe.perf.studies.steady) 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 
@@ -14,7 +13,7 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
     from amoe.perf.studies import calibrate
     from amoe.perf.studies.probe import histogram_quantile
 
-    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
+    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": setup.record(), "rate": rate}
     point["time_scale"] = scale
     window = probe.window(*window)
     completed = [r for r in done if r.success]

@@ -2,7 +2,7 @@
 by an open stream of requests (Poisson arrivals; a finished request's place is taken by the next arrival, none is
 resent), at a fraction of the bound's request rate below saturation and at one above it.
 
-    amoe bench policies [--policies defrag,mtfs,flfs,wave] [--blocks 8] [--loads 0.5,1.3] [--repeats 2]
+    amoe bench policies [--policies defrag,mtfs,flfs,waves] [--blocks 8] [--loads 0.5,1.3] [--repeats 2]
         [--seed S] [--out DIR]
 
 Reports per policy its throughput at its maximum (the overload point: what it sustains while arrivals exceed it,
@@ -59,7 +59,7 @@ from amoe.perf.studies.compare_setup import (
     Setup,
     mean_output_tokens,
     profile_name,
-    serve_flags,
+    serve_config,
     upper_bound,
 )
 from amoe.testing.servers import ServerProcess
@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 # 2 + 2 A100s, top-1, short requests: the smallest AEP deployment with more than one attention rank (so waves of
 # two ranks meet at the experts). Caps 64 / 256 keep the host's work per emulated second within one core.
-SETUP = Setup("aep", 2, 2, top_k=1, workload="short", gpu="a100-80g", group="policies")
+# Named by defrag (the recorded runs' name for it, docs/findings.md); each policy's point replaces it.
+SETUP = Setup.of("aep", 2, 2, gpu="a100-80g", policy="defrag", top_k=1, workload="short", group="policies")
 HALF = 0.5
 # The half-load point (module docstring, "The half-load point"): emulated seconds of arrivals, the warm-up left out
 # and the batches its interval is computed over.
@@ -91,10 +92,9 @@ def _plan_inputs(p: Preset):
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.workloads import mean_context
-    from amoe.perf.plan.deployment import Deployment
 
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
-    dep = Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
+    dep = replace(SETUP.deployment, attn_cap=p.attn_cap, expert_cap=p.expert_cap)
     return model, dep, host_overhead("amoe-paper"), mean_context(SETUP.workload)
 
 
@@ -136,10 +136,12 @@ async def _policy_points(
 ) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
-    extra = ["--step-variance", step_variance] + (["--cache-max-num-seqs", str(seqs)] if seqs else [])
+    config = serve_config(setup, p, seed).replace(emulation={"step_variance": step_variance})
+    if seqs:
+        config = config.replace(cache={"max_num_seqs": seqs})
     if policy == "waves" and group:
-        extra += ["--scheduler-wave-group", str(group)]
-    server = ServerProcess(serve_flags(setup, p, seed) + extra)  # the later flag wins
+        config = config.replace(scheduler={"wave_group": group})
+    server = ServerProcess(config)
     with server:
         points = []
         for load in p.loads:

@@ -44,7 +44,7 @@ async def trace_point(
     from amoe.perf.studies.compare_setup import (
         mean_output_tokens,
         profile_name,
-        serve_flags,
+        serve_config,
         time_scale,
         upper_bound,
     )
@@ -62,7 +62,9 @@ async def trace_point(
     arrivals = arrival_times(num, rate / scale, 1.0, seed)
     requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
     server = ServerProcess(
-        serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+        serve_config(setup, p, seed).replace(
+            emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+        )
     )
     finished: list[tuple[float, float, int, bool]] = []
     with server:
@@ -78,12 +80,25 @@ async def trace_point(
 
             results, _ = await run_requests(client, requests, arrivals, on_done=done)
             await probe.stop()
-    scrapes = [
+    scrapes, reqs = _in_emulated_seconds(probe.scrapes, arrivals, results, start, scale)
+    return {
+        "policy": policy, "seed": seed, "load": load, "duration_s": duration_s, "rate": rate, "sent": num,
+        "time_scale": scale, "probe_us": round(probe_s * 1e6, 1), "max_num_seqs_per_rank": seqs,
+        "scrapes": scrapes, "requests": reqs,
+    }  # fmt: skip
+
+
+def _in_emulated_seconds(
+    scrapes: list, arrivals: list[float], results: list, start: float, scale: float
+) -> tuple[list[dict], list[dict]]:
+    """The point's scrapes and its requests (arrival, latency, output tokens, success), times in emulated seconds
+    from the point's `start`."""
+    out = [
         {
             "t": (s.t - start) / scale, "running": s.running, "tokens": s.tokens, "itl_sum": s.itl_sum / scale,
             "itl_count": s.itl_count, "queue_tokens": s.queue_tokens, "cpu_s": s.cpu_s,
         }
-        for s in probe.scrapes
+        for s in scrapes
     ]  # fmt: skip
     reqs = [
         {
@@ -94,11 +109,7 @@ async def trace_point(
         }
         for a, r in zip(arrivals, results)
     ]
-    return {
-        "policy": policy, "seed": seed, "load": load, "duration_s": duration_s, "rate": rate, "sent": num,
-        "time_scale": scale, "probe_us": round(probe_s * 1e6, 1), "max_num_seqs_per_rank": seqs,
-        "scrapes": scrapes, "requests": reqs,
-    }  # fmt: skip
+    return out, reqs
 
 
 def binned(trace: dict, width: float) -> list[dict]:
@@ -146,7 +157,7 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""
     from amoe.perf.studies import calibrate
-    from amoe.perf.studies.compare_setup import serve_flags
+    from amoe.perf.studies.compare_setup import serve_config
     from amoe.perf.studies.policy_bench import SETUP, _preset, max_seqs
     from amoe.perf.studies.steady import steady_point
     from amoe.testing.servers import ServerProcess
@@ -158,7 +169,9 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     out = []
     for n in concurrencies:
         server = ServerProcess(
-            serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+            serve_config(setup, p, seed).replace(
+                emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+            )
         )
         with server:
             pt = await steady_point(server, setup, p, seed, n, 0.009, f"closed {n}")
@@ -190,23 +203,8 @@ def analyse(trace: dict) -> list[str]:
     lines.append(" t    running  tok/s   itl_ms")
     for b in binned(trace, 0.25):
         lines.append(f" {b['t']:5.2f} {b['running']:7.1f} {b['tok_per_s'] or 0:8.0f} {b['itl_ms'] or 0:7.2f}")
-    series = [(s["t"], s["itl_sum"], s["itl_count"], s["running"]) for s in sc]
     end = trace["duration_s"]
-    for a, e, k in [
-        (2.4, 4.0, 4),
-        (2.4, 4.0, 8),
-        (1.0, 4.0, 6),
-        (1.5, 5.5, 4),
-        (1.0, end, 7),
-        (1.0, end, 14),
-    ]:
-        r = batch_means(series, a, e, k)
-        lag1 = None if r["lag1"] is None else round(r["lag1"], 2)
-        means = [round(m * 1e3, 2) for m in r["batch_means"]]
-        lines.append(
-            f"  window [{a},{e}] {k} batches: itl {r['value'] * 1e3:.2f} ms ±{r['ci_rel'] * 100:.1f}% "
-            f"lag1 {lag1} means {means}"
-        )
+    lines += _batch_means_lines([(s["t"], s["itl_sum"], s["itl_count"], s["running"]) for s in sc], end)
     for w in (0.1, 0.25):
         bins = [b for b in binned(trace, w) if b["t"] >= 1.0 and b["itl_ms"] and b["t"] + w <= end]
         itl = correlation_time([b["itl_ms"] for b in bins], w)
@@ -230,6 +228,28 @@ def analyse(trace: dict) -> list[str]:
                 f"   arrived [{a},{e}): n {len(sel)} mean {statistics.fmean(sel):.2f} p90 {q(sel, 0.9):.2f} "
                 f"lifetime {statistics.fmean(life):.2f} s"
             )
+    return lines
+
+
+def _batch_means_lines(series: list[tuple], end: float) -> list[str]:
+    """The ITL's batch-means interval over several windows and batch counts (the bench's old window, [2.4, 4.0],
+    first), with the batches' lag-1 correlation and their means."""
+    lines = []
+    for a, e, k in [
+        (2.4, 4.0, 4),
+        (2.4, 4.0, 8),
+        (1.0, 4.0, 6),
+        (1.5, 5.5, 4),
+        (1.0, end, 7),
+        (1.0, end, 14),
+    ]:
+        r = batch_means(series, a, e, k)
+        lag1 = None if r["lag1"] is None else round(r["lag1"], 2)
+        means = [round(m * 1e3, 2) for m in r["batch_means"]]
+        lines.append(
+            f"  window [{a},{e}] {k} batches: itl {r['value'] * 1e3:.2f} ms ±{r['ci_rel'] * 100:.1f}% "
+            f"lag1 {lag1} means {means}"
+        )
     return lines
 
 

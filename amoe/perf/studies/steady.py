@@ -65,23 +65,15 @@ async def steady_point(
     reused)."""
     import httpx
 
-    from amoe.bench.arrivals import arrival_times
     from amoe.bench.client import BenchClient
     from amoe.bench.serve import run_requests
-    from amoe.bench.workloads import make_requests, make_workload, steady_state_requests
     from amoe.perf.studies.probe import MetricsProbe
 
     scale = time_scale(setup, p)
     itl_wall = itl_s * scale
     window_itls = max(WINDOW_ITLS, math.ceil(min_window_wall_s / itl_wall))
-    workload = make_workload(setup.workload)
-    # The replacements: enough for every request to end twice over within the point.
-    ends = math.ceil(2 * concurrency * (WARMUP_ITLS + window_itls + 2) / workload.output_range[0])
-    requests = steady_state_requests(workload, concurrency, seed=seed)
-    requests += make_requests(workload, ends, seed=seed, prompt_format="ids")
     rate = concurrency / itl_s  # requests per emulated second: the first `concurrency` within one ITL
-    arrivals = arrival_times(concurrency, rate / scale, 1.0, seed)
-    arrivals += [arrivals[-1]] * ends  # queued behind the concurrency limit: each starts as one ends
+    requests, arrivals = _steady_load(setup, concurrency, seed, window_itls, rate / scale)
     logger.info(
         "[steady] %s: %d requests over %.1f s wall, then %d + %d ITLs of %.2f s wall",
         setup.name, concurrency, arrivals[-1], WARMUP_ITLS, window_itls, itl_wall,
@@ -116,6 +108,30 @@ async def steady_point(
         await asyncio.gather(load, return_exceptions=True)
     point = measure(setup, kind, rate, probe, start, window, [], scale)
     point.update(concurrency=concurrency, guessed_itl_ms=itl_s * 1e3, window_itls=window_itls)
+    _warn_of_a_point_short_of_its_load(setup, point, concurrency)
+    return point
+
+
+def _steady_load(
+    setup: Setup, concurrency: int, seed: int, window_itls: int, wall_rate: float
+) -> tuple[list, list[float]]:
+    """The point's requests, the steady state's `concurrency` and enough replacements for every request to end
+    twice over within the point, and their arrivals: the first `concurrency` at `wall_rate` (per wall second), the
+    replacements queued behind the concurrency limit (each starts as one ends)."""
+    from amoe.bench.arrivals import arrival_times
+    from amoe.bench.workloads import make_requests, make_workload, steady_state_requests
+
+    workload = make_workload(setup.workload)
+    ends = math.ceil(2 * concurrency * (WARMUP_ITLS + window_itls + 2) / workload.output_range[0])
+    requests = steady_state_requests(workload, concurrency, seed=seed)
+    requests += make_requests(workload, ends, seed=seed, prompt_format="ids")
+    arrivals = arrival_times(concurrency, wall_rate, 1.0, seed)
+    arrivals += [arrivals[-1]] * ends
+    return requests, arrivals
+
+
+def _warn_of_a_point_short_of_its_load(setup: Setup, point: dict[str, Any], concurrency: int) -> None:
+    """Say so when the coordinator ended requests during the point, or fewer than all were running."""
     failed = {r: n for r, n in point["ended"].items() if r in FAILED}
     if failed:
         logger.warning(
@@ -126,7 +142,6 @@ async def steady_point(
             "[steady] %s: %.0f of %d requests running in the window",
             setup.name, point["running_mean"], concurrency,
         )  # fmt: skip
-    return point
 
 
 def _itl_since(probe, t0: float) -> float | None:

@@ -61,21 +61,21 @@ async def one(
     bound = B.predict(model, dep, routing_inclusion(model, ROUTING), mean_context("short"),
                       host_overhead("amoe-paper"))  # fmt: skip
     check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
-    preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # flags() carries --scheduler POLICY
+    preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # the plan's config runs POLICY
     scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
-    argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale)
-    # waves: the plan's command carries the bound's wave group (docs/engine.md "The waves rule" item 13); a later
-    # flag wins, so --wave-group N serves the same plan with N instead (0: items 9-10, per rank).
+    config = plan_check.serve_config(check, Plan(dep, bound, None), preset, scale)
+    # waves: the plan's config carries the bound's wave group (docs/engine.md "The waves rule" item 13);
+    # --wave-group N serves the same plan with N instead (0: items 9-10, per rank).
     wave_group = bound_wave_group(bound.extra, cap) if group < 0 else group
     if policy == "waves" and group >= 0:
-        argv += ["--scheduler-wave-group", str(group)]
-    setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
+        config = config.replace(scheduler={"wave_group": group})
+    setup = Setup(dep, policy=policy, top_k=k, profile="mixtral-8x7b-mqa")
     run = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,
         time_scale=scale, attn_cap=cap, expert_cap=ecap, blocks=BLOCKS,
     )  # fmt: skip
     start = time.monotonic()
-    server = ServerProcess(argv, startup_timeout_s=plan_check.startup_timeout_s(dep))
+    server = ServerProcess(config, startup_timeout_s=plan_check.startup_timeout_s(dep))
     with server:
         point = await steady.steady_point(
             server, setup, run, seed, bound.concurrency, bound.itl_s, "plan", preset.min_window_s

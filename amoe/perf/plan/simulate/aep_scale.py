@@ -14,12 +14,13 @@ timeline's events (docs/emulation.md, "Speed").
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 
 from amoe.config import SchedulerSection
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.gpus import GpuProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.variance import OFF, StepVariance
@@ -27,6 +28,23 @@ from amoe.perf.plan.bound_pools import pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
 from amoe.perf.plan.simulate.result import Simulated
+
+
+class RowCounts(Protocol):
+    """What this simulation draws its rows from (scale.Counts)."""
+
+    def draw_many(self, blocks: np.ndarray, tokens: int, now_s: float) -> np.ndarray: ...
+
+
+class StepCosts(Protocol):
+    """The grouped step costs it prices its expert steps with (scale.GroupedSteps): [expert ids] rows → [expert
+    GPUs] seconds, and the model, GPU and host they are of."""
+
+    model: ModelProfile
+    gpu: GpuProfile
+    host: HostOverhead
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray: ...
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
@@ -48,8 +66,9 @@ class AepAtScale:
 
     def __init__(
         self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead,
-        concurrency: int, seed: int, *, counts, steps, same_phase: bool = False, variance: StepVariance = OFF,
-    ):  # fmt: skip
+        concurrency: int, seed: int, *, counts: RowCounts, steps: StepCosts, same_phase: bool = False,
+        variance: StepVariance = OFF,
+    ) -> None:  # fmt: skip
         # counts (scale.Counts) and steps (scale.GroupedSteps over dep's placement) come from the
         # caller (scale.aep_at_scale), so this module does not import the one that imports it.
         ga = gpu_profile(dep.attn_gpu)
@@ -61,19 +80,11 @@ class AepAtScale:
         self.cap = dep.expert_cap
         placed = dep.experts_on(model.num_expert_ids)
         self.steps, self.counts = steps, counts
-        # Only GPUs hosting an expert take part (more expert GPUs than expert ids leave some idle).
-        self.gpus = np.array([g for g, p in enumerate(placed) if p], dtype=np.int64)
-        hosted = [placed[g] for g in self.gpus]
-        self.E = E = len(hosted)
-        num_ids, nh = model.num_expert_ids, max(len(p) for p in hosted)
-        # [nh, E] the expert id of each GPU's k-th hosted expert (num_ids: padding, a column of zeros)
-        self.ids = np.array([p + [num_ids] * (nh - len(p)) for p in hosted], dtype=np.int64).T
-        self.num_hosted = np.array([len(p) for p in hosted], dtype=float)
-        # [nh, E] each hosted expert's SwiGLU width (0: padding, never busy)
-        self.inter = np.array(
-            [[model.intermediate_of(e) if e < num_ids else 0 for e in row] for row in self.ids], float
-        )
-        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        hosted = self._host_experts(model, placed)
+        E, nh = self.E, self.ids.shape[0]
+        sched = (
+            SchedulerSection()
+        )  # defrag's pick (the rule modelled at scale); K and δ the config's defaults
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
@@ -85,18 +96,7 @@ class AepAtScale:
         for experts in hosted:
             one[min(experts, key=model.intermediate_of)] = 1.0
         self.step_min = self.steps(one)[self.gpus]
-        # Step-time variance (docs/emulation.md "Step-time variance at scale"): attention GPU a is device a, expert
-        # GPU g device A + g; each step × the device's speed × a jitter drawn when the step is committed. The
-        # look-ahead takes the least a step can then be.
-        self.variance = variance
-        self.attn_min = self.attn
-        if not variance.is_off:
-            self.a_speed = variance.speeds(0, A)
-            self.e_speed = np.array([variance.speed(A + int(g)) for g in self.gpus])
-            self.jit_rng = variance.jitter_rng(A + dep.num_expert)
-            low = 1.0 - variance.jitter
-            self.step_min = self.step_min * self.e_speed * low
-            self.attn_min = self.attn * float(self.a_speed.min()) * low
+        self._vary(variance, dep.num_expert)
         # Each wave starts at a block drawn from the seed (as the one timeline's waves were): per attention GPU, or
         # one draw for all of them (same_phase: the old one timeline).
         rng = np.random.default_rng([seed, 36])
@@ -117,6 +117,36 @@ class AepAtScale:
         self.pend = np.zeros((S, E), dtype=bool)
         self.arr = np.full((S, E), np.inf)
         self.step_end, self.out_end = np.zeros(S), np.zeros(S)
+
+    def _host_experts(self, model: ModelProfile, placed: list[list[int]]) -> list[list[int]]:
+        """The expert GPUs that take part (those hosting an expert: more expert GPUs than expert ids leave some
+        idle), their hosted experts' ids [nh, E] (num_ids: padding, a column of zeros) and SwiGLU widths (0:
+        padding, never busy); the hosted experts of each."""
+        self.gpus = np.array([g for g, p in enumerate(placed) if p], dtype=np.int64)
+        hosted = [placed[g] for g in self.gpus]
+        self.E = len(hosted)
+        num_ids, nh = model.num_expert_ids, max(len(p) for p in hosted)
+        self.ids = np.array([p + [num_ids] * (nh - len(p)) for p in hosted], dtype=np.int64).T
+        self.num_hosted = np.array([len(p) for p in hosted], dtype=float)
+        self.inter = np.array(
+            [[model.intermediate_of(e) if e < num_ids else 0 for e in row] for row in self.ids], float
+        )
+        return hosted
+
+    def _vary(self, variance: StepVariance, num_expert: int) -> None:
+        """Step-time variance (docs/emulation.md "Step-time variance at scale"): attention GPU a is device a, expert
+        GPU g device A + g; each step × the device's speed × a jitter drawn when the step is committed. The
+        look-ahead takes the least a step can then be."""
+        A = self.A
+        self.variance = variance
+        self.attn_min = self.attn
+        if not variance.is_off:
+            self.a_speed = variance.speeds(0, A)
+            self.e_speed = np.array([variance.speed(A + int(g)) for g in self.gpus])
+            self.jit_rng = variance.jitter_rng(A + num_expert)
+            low = 1.0 - variance.jitter
+            self.step_min = self.step_min * self.e_speed * low
+            self.attn_min = self.attn * float(self.a_speed.min()) * low
 
     def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
         """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: scale.GroupedSteps'
@@ -206,25 +236,7 @@ class AepAtScale:
         # each step's factor (the GPU's speed × its jitter), or none without variance
         f = None if self.variance.is_off else self.a_speed[gpus] * self.variance.draw(self.jit_rng, len(gpus))
         if is_head.any():
-            s, g = slot[is_head], gpus[is_head]
-            if f is None:
-                self.a_free[g] = begin[is_head] + self.head
-                self.attn_busy += self.head * int(counted[is_head].sum())
-            else:
-                held = self.head * f[is_head]
-                self.a_free[g] = begin[is_head] + held
-                self.attn_busy += float(held[counted[is_head]].sum())
-            self.ready[s], self.layer[s] = self.a_free[g], 0
-            if self.bins is not None:
-                if f is None:
-                    self.bins[1] += (
-                        np.bincount(self._batch(begin[is_head & counted]), minlength=self.bins.shape[1])
-                        * self.head
-                    )
-                else:
-                    self.bins[1] += np.bincount(
-                        self._batch(begin[is_head & counted]), held[counted[is_head]], self.bins.shape[1]
-                    )
+            self._heads(slot[is_head], gpus[is_head], begin[is_head], counted[is_head], f, is_head)
         att = ~is_head
         if not att.any():
             return
@@ -247,7 +259,32 @@ class AepAtScale:
                 else np.bincount(self._batch(b[counted[att]]), held[counted[att]], self.bins.shape[1])
             )
         order = np.argsort(sent, kind="stable")
-        s, g, t = s[order], g[order], sent[order]
+        self._dispatch(s[order], g[order], sent[order])
+
+    def _heads(
+        self, s: np.ndarray, g: np.ndarray, begin: np.ndarray, counted: np.ndarray, f: np.ndarray | None,
+        is_head: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Waves `s` of GPUs `g` run the head at `begin`: their next token starts at block 0 when it is done."""
+        if f is None:
+            self.a_free[g] = begin + self.head
+            self.attn_busy += self.head * int(counted.sum())
+        else:
+            held = self.head * f[is_head]
+            self.a_free[g] = begin + held
+            self.attn_busy += float(held[counted].sum())
+        self.ready[s], self.layer[s] = self.a_free[g], 0
+        if self.bins is not None:
+            if f is None:
+                self.bins[1] += (
+                    np.bincount(self._batch(begin[counted]), minlength=self.bins.shape[1]) * self.head
+                )
+            else:
+                self.bins[1] += np.bincount(self._batch(begin[counted]), held[counted], self.bins.shape[1])
+
+    def _dispatch(self, s: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+        """Waves `s` of GPUs `g`, sorted by the time `t` their attention step ends, send their rows to the expert
+        GPUs: drawn per hosted expert, on each end's link, and queued there."""
         drawn = self.counts.draw_many(self.layer[s], self.w, float(t[0]))  # [n, ids]
         drawn = np.concatenate([drawn, np.zeros((len(s), 1))], axis=1)[:, self.ids]  # [n, nh, E]
         into = drawn.sum(1)  # [n, E] rows each expert GPU receives
@@ -274,20 +311,8 @@ class AepAtScale:
         take them) less those of waves not in by its start; only the picked block's waves are read row by row.
         Every count is a whole number, so these sums are exact in any order: the same steps as summing the
         queued waves' [waves, hosted, GPUs] rows every round (88 % of a 32 + 32 plan's simulation, measured)."""
-        L, G = self.L, len(gpus)
-        pend, arr = self.pend[:, gpus], self.arr[:, gpus]  # [S, G]
-        queued = pend & (arr <= start)  # waves queued at each deciding GPU by its start
-        q = self.queue[:, :, gpus]  # [L, nh, G]: Q[b][e], pending rows ...
-        late_s, late_g = np.nonzero(pend & ~queued)
-        if len(late_s):  # ... less those not in yet
-            np.subtract.at(q, (self.layer[late_s], slice(None), late_g), self.rows[late_s, :, gpus[late_g]])
-        # defrag (cpp/scheduler.cpp pick_defrag): LScore(b) + the block's deepest queue, non-empty blocks only,
-        # ties to the lowest block.
-        total = q.sum(1)  # [L, G]
-        spread = total / self.num_hosted[gpus]
-        blocks = np.arange(L)
-        lscore = sum(d * spread[(blocks + k + 1) % L] for k, d in enumerate(self.decay))
-        pick = np.where(total > 0, lscore + q.max(1), -np.inf).argmax(0)  # [G]
+        G = len(gpus)
+        queued, pick = self._defrag_pick(gpus, start)
         # (wave, GPU) pairs this step takes rows from, by GPU, then by wave
         pair_g, pair_s = np.nonzero((queued & (self.layer[:, None] == pick[None, :])).T)
         on = gpus[pair_g]
@@ -319,6 +344,31 @@ class AepAtScale:
         self.e_out[gpus] = out
         np.maximum.at(self.step_end, pair_s, done[pair_g])
         np.maximum.at(self.out_end, pair_s, out[pair_g])
+        self._count_expert_steps(start, dur, sent)
+        waves = np.unique(pair_s)
+        finished = waves[~self.pend[waves].any(1)]
+        if len(finished):
+            self._back(finished[np.argsort(self.layer[finished], kind="stable")])  # by block, as they were
+
+    def _defrag_pick(self, gpus: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[S, G] the waves queued at each of `gpus` by its `start`, and [G] the block defrag picks for each."""
+        L = self.L
+        pend, arr = self.pend[:, gpus], self.arr[:, gpus]  # [S, G]
+        queued = pend & (arr <= start)  # waves queued at each deciding GPU by its start
+        q = self.queue[:, :, gpus]  # [L, nh, G]: Q[b][e], pending rows ...
+        late_s, late_g = np.nonzero(pend & ~queued)
+        if len(late_s):  # ... less those not in yet
+            np.subtract.at(q, (self.layer[late_s], slice(None), late_g), self.rows[late_s, :, gpus[late_g]])
+        # defrag (cpp/scheduler.cpp pick_defrag): LScore(b) + the block's deepest queue, non-empty blocks only,
+        # ties to the lowest block.
+        total = q.sum(1)  # [L, G]
+        spread = total / self.num_hosted[gpus]
+        blocks = np.arange(L)
+        lscore = sum(d * spread[(blocks + k + 1) % L] for k, d in enumerate(self.decay))
+        return queued, np.where(total > 0, lscore + q.max(1), -np.inf).argmax(0)
+
+    def _count_expert_steps(self, start: np.ndarray, dur: np.ndarray, sent: np.ndarray) -> None:
+        """Expert steps started at `start`, `dur` long, sending `sent` rows: counted when they start in the window."""
         lo, hi = self.window
         counted = (start >= lo) & (start < hi)
         self.exp_busy += float(dur[counted].sum())
@@ -329,10 +379,6 @@ class AepAtScale:
             self.bins[2] += np.bincount(which, dur[counted], nb)
             self.bins[3] += np.bincount(which, minlength=nb)
             self.bins[4] += np.bincount(which, sent[counted], nb)
-        waves = np.unique(pair_s)
-        finished = waves[~self.pend[waves].any(1)]
-        if len(finished):
-            self._back(finished[np.argsort(self.layer[finished], kind="stable")])  # by block, as they were
 
     def _back(self, slots: np.ndarray) -> None:
         """Waves whose every part is done: each attention GPU's link in takes its wave's rows once the last step

@@ -36,6 +36,7 @@ executor holds it; the barriers of EP and ping-pong wait for the slowest device'
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model import ep_block
@@ -46,6 +47,7 @@ from amoe.perf.model.routing import RouterOverride, RoutingSpec, routing_inclusi
 from amoe.perf.model.variance import StepVariance
 from amoe.perf.plan.bound_ep import ep_exchange_time
 from amoe.perf.plan.bound_pools import pool_link
+from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.result import Simulated
 from amoe.perf.plan.simulate.scale import Nics
 
@@ -65,7 +67,7 @@ class Steps:
             return t
         return t * self.speed[device] * float(self.variance.draw(self.rng))
 
-    def times(self, first: int, t) -> np.ndarray:
+    def times(self, first: int, t: ArrayLike) -> np.ndarray:
         t = np.asarray(t, dtype=float)
         if self.variance.is_off:
             return t
@@ -81,7 +83,7 @@ def router_of(model: ModelProfile, routing: str, seed: int) -> RouterOverride:
 
 
 def simulate_ep(
-    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
     seed: int, steps: Steps,
 ) -> Simulated:  # fmt: skip
     """EP iterations with this iteration's routing: the barrier waits for the slowest device's grouped GEMM."""
@@ -134,8 +136,21 @@ def simulate_ep(
     )
 
 
+def _expert_steps(
+    model: ModelProfile, ge: GpuProfile, host: HostOverhead, steps: Steps, placed: list[list[int]],
+    counts: np.ndarray, arrive: np.ndarray, e_free: np.ndarray, exp_busy: float, A: int,
+) -> float:  # fmt: skip
+    """Each expert GPU's grouped step over its experts' rows of `counts` once they have `arrive`d: `e_free` [GPUs]
+    moves to each step's end; returns `exp_busy` with their seconds added. Expert GPU g is device A + g."""
+    for g, es in enumerate(placed):
+        step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
+        e_free[g] = max(e_free[g], arrive[g]) + step
+        exp_busy += step
+    return exp_busy
+
+
 def simulate_pingpong(
-    model: ModelProfile, dep, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
+    model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int, duration_s: float,
     seed: int, steps: Steps,
 ) -> Simulated:  # fmt: skip
     """Ping-pong iterations in lock-step (module docstring): the attention GPUs are alike (same batch), so one
@@ -176,10 +191,7 @@ def simulate_pingpong(
                 counts = np.bincount(ids.reshape(-1), minlength=model.num_expert_ids)
                 into = np.array([float(counts[es].sum()) for es in placed])
                 arrive = nics.dispatch(sent[i], into)
-                for g, es in enumerate(placed):
-                    step = steps.time(A + g, cm.grouped_expert_time(model, ge, counts[es].tolist(), host, es))
-                    e_free[g] = max(e_free[g], arrive[g]) + step
-                    exp_busy += step
+                exp_busy = _expert_steps(model, ge, host, steps, placed, counts, arrive, e_free, exp_busy, A)
                 back.append(nics.combine(e_free, into, float(e_free.max())))
             step = attn if blk < L - 1 else head
             for i in range(m):

@@ -6,24 +6,27 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from amoe.config import SchedulerSection
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.gpus import LinkProfile, gpu_profile
+from amoe.perf.model.hosts import HostOverhead
+from amoe.perf.model.models import ModelProfile
 from amoe.perf.plan.bound_pools import pool_link
+from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.events import Steps, router_of
 from amoe.perf.plan.simulate.result import Simulated
 
 
 class AepEvents:
     def __init__(
-        self, model, dep, routing, ctx, host, concurrency, sched: SchedulerSection, seed: int, steps: Steps,
-        stagger_ranks: bool = False, rank_barrier: bool = True,
+        self, model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
+        sched: SchedulerSection, seed: int, steps: Steps, stagger_ranks: bool = False, rank_barrier: bool = True,
     ) -> None:  # fmt: skip
-        from amoe import core
-
         self.model, self.dep, self.host, self.ctx = model, dep, host, int(round(ctx))
         self.steps = steps
         self.ga, self.ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
@@ -42,38 +45,8 @@ class AepEvents:
         self.rank_of = np.repeat(np.arange(A), per_rank)  # token id -> its attention rank
         self.position = np.zeros(self.concurrency, dtype=np.int64)
         self.pending = np.zeros(self.concurrency, dtype=np.int64)  # expert parts of a token still out
-        new = core.Scheduler
-        # waves (docs/engine.md "The waves rule"): rank r keeps W = ceil(its requests / attention cap) waves, one
-        # column each; a request's wave is its rank's state (`wave`), joined densely as the runtime admits them.
-        waves = sched.policy == "waves"
-        cols = [-(-n // dep.attn_cap) if waves else 1 for n in per_rank]
-        self.attn_sched = [
-            new(self.blocks + 1, max(1, cols[r]), sched.policy, sched.lookahead, sched.decay)
-            for r in range(A)
-        ]
-        self.wave = np.zeros(self.concurrency, dtype=np.int64)  # token id -> its column on its rank's grid
-        if waves:
-            for r in range(A):
-                self.attn_sched[r].wave_cols = True
-                for t in np.flatnonzero(self.rank_of == r):
-                    self.wave[t] = self.attn_sched[r].admit(dep.attn_cap)
-        # waves, item 13: an expert GPU's columns are (wave group, hosted expert), as the engine's are, when the
-        # expert side gathers by wave group; one group otherwise.
-        W = max(cols)
-        self.wave_group = sched.wave_group if waves and rank_barrier else 0
-        self.groups = -(-W // self.wave_group) if self.wave_group else 1
-        self.exp_sched = [
-            new(self.blocks, max(1, len(p)) * self.groups, sched.policy, sched.lookahead, sched.decay)
-            for p in placed
-        ]
-        # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
-        # block 0 for waves up to ceil(blocks / W) back. Item 13: per (rank, wave), a (block, group) cell for its
-        # group's waves, block 0 for them wherever they are.
-        if waves and rank_barrier:
-            for es, p in zip(self.exp_sched, placed):
-                es.set_rank_barrier(A, core.MAX_WAVE_HOLD_S, -(-self.blocks // W))
-                if self.wave_group:
-                    es.set_wave_groups(W, self.wave_group, len(p))
+        cols = self._attention_schedulers(sched, per_rank)
+        self._expert_schedulers(sched, max(cols), rank_barrier)
         # Queues hold arrays of token ids (attention) or of (token, expert) parts (experts), oldest first.
         self.attn_q = [
             [[deque() for _ in range(max(1, cols[r]))] for _ in range(self.blocks + 1)] for r in range(A)
@@ -88,22 +61,74 @@ class AepEvents:
         self.link = pool_link(self.ga, dep)
         self.link_e = pool_link(self.ge, dep)
         self.row_bytes = model.hidden_size * model.bytes_per_activation
-        # When each GPU's link in is next free: it takes one message at a time (issue 35, the incast).
+        # When each GPU's link in is next free: it takes one message at a time (the incast).
         self.in_free_a, self.in_free_e = np.zeros(A), np.zeros(E)
-        # Each request starts at a random layer of its iteration (block 0..B-1 or the head), as in a deployment
-        # whose requests arrived at different times. All at block 0 would move in waves that small batches never
-        # break up, and the planner's short window would count a wave's crest: 17 % over the runtime's measured
-        # throughput at 32 requests per block (docs/results.md, "Plan check at full depth").
+        self._start_requests(seed, per_rank, stagger_ranks)
+        self.stats = {"attn_rows": 0, "attn_steps": 0, "exp_rows": 0, "exp_steps": 0,
+                      "attn_busy": 0.0, "exp_busy": 0.0}  # fmt: skip
+        self.window = (0.0, 0.0)
+
+    def _attention_schedulers(self, sched: SchedulerSection, per_rank: list[int]) -> list[int]:
+        """Each attention rank's scheduler, and its columns: under waves (docs/engine.md "The waves rule") rank r
+        keeps W = ceil(its requests / attention cap) waves, one column each; a request's wave is its rank's state
+        (`wave`), joined densely as the runtime admits them."""
+        from amoe import core
+
+        dep = self.dep
+        waves = sched.policy == "waves"
+        cols = [-(-n // dep.attn_cap) if waves else 1 for n in per_rank]
+        self.attn_sched = [
+            core.Scheduler(self.blocks + 1, max(1, cols[r]), sched.policy, sched.lookahead, sched.decay)
+            for r in range(dep.num_attn)
+        ]
+        self.wave = np.zeros(self.concurrency, dtype=np.int64)  # token id -> its column on its rank's grid
+        if waves:
+            for r in range(dep.num_attn):
+                self.attn_sched[r].wave_cols = True
+                for t in np.flatnonzero(self.rank_of == r):
+                    self.wave[t] = self.attn_sched[r].admit(dep.attn_cap)
+        return cols
+
+    def _expert_schedulers(self, sched: SchedulerSection, W: int, rank_barrier: bool) -> None:
+        """Each expert GPU's scheduler. Under waves, item 13: its columns are (wave group, hosted expert), as the
+        engine's are, when the expert side gathers by wave group; one group otherwise."""
+        from amoe import core
+
+        waves = sched.policy == "waves"
+        self.wave_group = sched.wave_group if waves and rank_barrier else 0
+        self.groups = -(-W // self.wave_group) if self.wave_group else 1
+        self.exp_sched = [
+            core.Scheduler(
+                self.blocks, max(1, len(p)) * self.groups, sched.policy, sched.lookahead, sched.decay
+            )
+            for p in self.placed
+        ]
+        # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
+        # block 0 for waves up to ceil(blocks / W) back. Item 13: per (rank, wave), a (block, group) cell for its
+        # group's waves, block 0 for them wherever they are.
+        if waves and rank_barrier:
+            for es, p in zip(self.exp_sched, self.placed):
+                es.set_rank_barrier(self.dep.num_attn, core.MAX_WAVE_HOLD_S, -(-self.blocks // W))
+                if self.wave_group:
+                    es.set_wave_groups(W, self.wave_group, len(p))
+
+    def _start_requests(self, seed: int, per_rank: list[int], stagger_ranks: bool) -> None:
+        """Each request starts at a random layer of its iteration (block 0..B-1 or the head), as in a deployment
+        whose requests arrived at different times. All at block 0 would move in waves that small batches never
+        break up, and the planner's short window would count a wave's crest: 17 % over the runtime's measured
+        throughput at 32 requests per block (docs/results.md, "Plan check at full depth").
+
+        stagger_ranks: the runtime's ranks fill their waves from arrivals at their own times, so their waves are
+        out of phase; here rank r starts at a time drawn uniformly over one of its attention-bound iterations
+        (every block and the head, once per wave), independently of the other ranks."""
+        dep, A = self.dep, self.dep.num_attn
         layer = np.random.default_rng(seed).integers(0, self.blocks + 1, self.concurrency)
-        # stagger_ranks: the runtime's ranks fill their waves from arrivals at their own times, so their waves are
-        # out of phase; here rank r starts at a time drawn uniformly over one of its attention-bound iterations
-        # (every block and the head, once per wave), independently of the other ranks.
         start = np.zeros(A)
         if stagger_ranks:
             u = np.random.default_rng([seed, 1]).random(A)
             for r in range(A):
                 rows = max(1, min(dep.attn_cap, per_rank[r]))
-                step = cm.decode_attention_time(model, self.ga, rows, self.ctx, host)
+                step = cm.decode_attention_time(self.model, self.ga, rows, self.ctx, self.host)
                 start[r] = u[r] * (self.blocks + 1) * -(-per_rank[r] // rows) * step
         for r in range(A):
             mine = np.flatnonzero(self.rank_of == r)
@@ -112,9 +137,6 @@ class AepEvents:
                     self._at(start[r], self._enqueue_attn, r, first, mine[layer[mine] == first])
                 else:
                     self._enqueue_attn(r, first, mine[layer[mine] == first])
-        self.stats = {"attn_rows": 0, "attn_steps": 0, "exp_rows": 0, "exp_steps": 0,
-                      "attn_busy": 0.0, "exp_busy": 0.0}  # fmt: skip
-        self.window = (0.0, 0.0)
 
     # ---- queues
 
@@ -156,15 +178,15 @@ class AepEvents:
 
     # ---- events
 
-    def _at(self, t: float, fn, *args) -> None:
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
 
-    def _wake(self, dev) -> None:
+    def _wake(self, dev: tuple[str, int]) -> None:
         if not self.busy[dev]:
             self.busy[dev] = True
             self._at(self.now, self._start, dev)
 
-    def _start(self, dev) -> None:
+    def _start(self, dev: tuple[str, int]) -> None:
         kind, i = dev
         sched = self.attn_sched[i] if kind == "a" else self.exp_sched[i]
         picked = sched.pick(now=self.now)
@@ -223,7 +245,7 @@ class AepEvents:
     def _move(self, rows: int) -> float:
         return self.link.latency + rows * self.row_bytes / self.link.usable_bandwidth
 
-    def _arrival(self, free: np.ndarray, dev: int, rows: int, link) -> float:
+    def _arrival(self, free: np.ndarray, dev: int, rows: int, link: LinkProfile) -> float:
         """When a message of `rows` rows sent now is in GPU `dev`: its time on the sender's link, as each message
         was priced alone, unless the receiver's link (`free`: when each is next idle) is still taking earlier
         messages, one at a time. Many attention GPUs sending to one expert GPU queue there (issue 35)."""
@@ -240,8 +262,8 @@ class AepEvents:
             block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
         )
         self.pending[tokens] = self.k
-        # The parts out that return to block + 1, as the engine counts its expected expert outputs (the wave
-        # policy holds a block while any are out; waves: per wave, and a step's tokens are of one wave).
+        # The parts out that return to block + 1, as the engine counts its expected expert outputs (waves holds a
+        # wave while any are out; a step's tokens are of one wave).
         self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k, int(self.wave[tokens[0]]))
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)

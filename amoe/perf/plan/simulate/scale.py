@@ -18,7 +18,7 @@ ITLs), so at scale the simulation changes its unit, not its language:
   its waves in the order they become ready; a wave's block is its attention step, its dispatch (its own w rows'
   counts) through its link out and each expert GPU's link in, the expert steps that take its rows, and the combine
   back; the wave goes on when every part is back (attention waves never split or merge). An expert GPU, when free,
-  runs the rows queued at it as the runtime's default policy picks them (defrag with grouped expert steps: the
+  runs the rows queued at it as defrag picks them (the one expert-side rule modelled here, grouped steps: the
   block maximising LScore(b) + max_e Q[b][e] over its hosted experts' queues, ties to the lowest block; every
   hosted expert's queue of that block, each up to the expert cap, first arrived first), computed exactly from the
   queued counts; rows of one block from different attention GPUs share a step only if they are in when it starts.
@@ -40,6 +40,9 @@ gives the numbers it gave.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
@@ -53,6 +56,9 @@ from amoe.perf.plan.bound_ep import ep_exchange_time, ep_placements
 from amoe.perf.plan.bound_pools import pool_link, pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.result import Simulated
+
+if TYPE_CHECKING:
+    from amoe.perf.plan.simulate.aep_scale import AepAtScale
 
 EXACT_MAX_GPUS = 16  # one copy of at most this many GPUs: the event-level simulation (today's plans)
 EXACT_MAX_REQUESTS = 16384  # ... and at most this many requests (the cap the planner had)
@@ -131,7 +137,9 @@ class GroupedSteps:
     once: [expert ids] -> [expert GPUs] seconds. `placed`: each GPU's experts, or a [expert ids, GPUs] matrix of
     the share of an expert's rows each copy serves (EPLB's redundant copies; each copy reads its own weights)."""
 
-    def __init__(self, model: ModelProfile, gpu: GpuProfile, placed, host: HostOverhead) -> None:
+    def __init__(
+        self, model: ModelProfile, gpu: GpuProfile, placed: list[list[int]] | np.ndarray, host: HostOverhead
+    ) -> None:
         num_ids = model.num_expert_ids
         if isinstance(placed, np.ndarray):
             self.where = placed
@@ -210,7 +218,7 @@ def aep_waves(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, warmup_s: float, seed: int, same_phase: bool = False, batches: int = 0,
     variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.perf.plan.simulate.aep_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
     simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none).
@@ -224,7 +232,7 @@ def aep_waves(
 def aep_at_scale(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     seed: int, same_phase: bool = False, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> AepAtScale:  # fmt: skip
     """The own-phase AEP simulation of `dep` (amoe.perf.plan.simulate.aep_scale.AepAtScale), with this module's routing
     counts and grouped step costs."""
     from amoe.perf.plan.simulate.aep_scale import AepAtScale
@@ -240,7 +248,7 @@ def aep_at_scale(
 def ep(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
     counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated.
     `variance`: each device's steps × its speed × a jitter per barrier, the barrier at the slowest
@@ -297,10 +305,54 @@ def ep(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Lockstep:
+    """One ping-pong iteration in lock-step: its m micro-batches' attention steps block by block, each block's
+    expert steps of every expert GPU at once, both ends' links."""
+
+    counts: Counts
+    steps: GroupedSteps
+    nics: Nics
+    rows: int
+    m: int
+    L: int
+    attn: float
+    head: float
+
+    def iteration(
+        self, a_free: float, now: float, exp_busy: float, a_steps: np.ndarray | None, e_jit: np.ndarray | None
+    ) -> tuple[float, float]:
+        """From `a_free` (the iteration's start after its BEGIN message): when its last attention step ends, and
+        `exp_busy` with its expert GPUs' seconds added. `now`: the routing's time (shifting skew). `a_steps`
+        [L + 1, m] and `e_jit` [L, m, E]: the iteration's varied attention steps and expert jitters (None: none)."""
+        varied, steps, nics, m = a_steps is not None, self.steps, self.nics, self.m
+        e_free = np.full(steps.where.shape[1], a_free)
+        sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
+        for i in range(m):
+            a_free += float(a_steps[0, i]) if varied else self.attn
+            sent.append(a_free)
+        for blk in range(self.L):
+            returned = []
+            for i in range(m):
+                drawn = self.counts.draw(blk, self.rows, now)
+                per_gpu = steps(drawn)
+                if varied:
+                    per_gpu = per_gpu * e_jit[blk, i]
+                into = drawn @ steps.where
+                e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
+                exp_busy += float(per_gpu.sum())
+                returned.append(nics.combine(e_free, into, float(e_free.max())))
+            step = self.attn if blk < self.L - 1 else self.head
+            for i in range(m):
+                a_free = max(a_free, returned[i]) + (float(a_steps[blk + 1, i]) if varied else step)
+                sent[i] = a_free
+        return a_free, exp_busy
+
+
 def pingpong(
     model: ModelProfile, dep: Deployment, routing: str, ctx: float, host: HostOverhead, concurrency: int,
     duration_s: float, seed: int, variance: StepVariance = OFF,
-):  # fmt: skip
+) -> Simulated:  # fmt: skip
     """Ping-pong's lock-step (amoe.perf.plan.simulate.events.simulate_pingpong) with counts and every expert GPU's step
     at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed × jitter),
     each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale")."""
@@ -322,6 +374,8 @@ def pingpong(
         rng = variance.jitter_rng(A + E)
         # [L + 1, m] each attention step's length, [L, m, E] each expert GPU's jitter: drawn per iteration
         kinds = np.concatenate([np.full(L, attn), [head]])
+    lock = _Lockstep(counts, steps, nics, rows, m, L, attn, head)
+    a_steps = e_jit = None
     while now < duration_s or iterations < 8:
         if varied:
             # The attention steps of one iteration: block 0's m steps first, then after block b the m steps of
@@ -331,29 +385,8 @@ def pingpong(
             )
             a_steps = a_steps.max(2)
             e_jit = variance.draw(rng, L * m * E).reshape(L, m, E) * e_speed
-        a_free = now + begin
-        e_free = np.full(E, a_free)
-        sent = []  # when each micro-batch's attention step ends (its dispatch leaves)
-        for i in range(m):
-            a_free += float(a_steps[0, i]) if varied else attn
-            sent.append(a_free)
-        for blk in range(L):
-            returned = []
-            for i in range(m):
-                drawn = counts.draw(blk, rows, now)
-                per_gpu = steps(drawn)
-                if varied:
-                    per_gpu = per_gpu * e_jit[blk, i]
-                into = drawn @ steps.where
-                e_free = np.maximum(e_free, nics.dispatch(sent[i], into)) + per_gpu
-                exp_busy += float(per_gpu.sum())
-                returned.append(nics.combine(e_free, into, float(e_free.max())))
-            step = attn if blk < L - 1 else head
-            for i in range(m):
-                a_free = max(a_free, returned[i]) + (float(a_steps[blk + 1, i]) if varied else step)
-                sent[i] = a_free
+        now, exp_busy = lock.iteration(now + begin, now, exp_busy, a_steps, e_jit)
         attn_busy += m * (L * attn + head)
-        now = a_free
         iterations += 1
     tokens = rows * m
     tps = tokens * iterations / now
