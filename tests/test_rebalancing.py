@@ -88,6 +88,13 @@ def to(table):
     return step
 
 
+async def settled(backend) -> dict:
+    """The placement once no rebalance is under way (one the last steps started finishes its drain)."""
+    while (report := backend.placement())["rebalancing"] is not None:
+        await asyncio.sleep(0.02)
+    return report
+
+
 async def metrics_text(backend) -> str:
     return CoordinatorMetrics(backend).render().decode()
 
@@ -156,3 +163,23 @@ def test_a_failed_rebalance_leaves_the_old_map_serving(model_dir, hf_tokens, mon
     assert "lost during its join" in report["last_error"]
     assert report["replicas"] == with_0 and (0, 5) not in hosted[1] and (1, 6) not in hosted[2]
     assert 'amoe_placement_rebalances_total{outcome="failed"} 2.0' in text
+
+
+@pytest.mark.timeout(180)
+def test_the_periodic_rebalance_runs_on_the_emulated_executor():
+    """`--enable-eplb` with a short step interval on emulated Mixtral (skewed routing): EPLB's map for the measured
+    load replaces the start-up one while 8 streams run — the joins' weights land after the modelled PCIe copy —,
+    balancing the expert runtimes better, and every stream gets all its tokens."""
+    cfg = AmoeConfig().replace(
+        parallel={"attn_ranks": 1, "expert_ranks": 2}, device={"kind": "cpu"}, executor={"kind": "emulated"},
+        emulation={"profile": "mixtral-8x7b-mqa:2", "top_k": 2, "routing": "skew-exp", "time_scale": 2},
+        eplb={"enable": True, "num_redundant_experts": 2, "window_size": 20, "step_interval": 20},
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    with ServedCluster(None, cfg) as cluster:
+        out = cluster.generate([[11, 12, 13, 14]] * 8, params, timeout=150)
+        report = cluster.call(settled(cluster.backend), 60)
+    assert [len(o) for o in out] == [120] * 8
+    counts = report["rebalances"]
+    assert counts["started"] >= 1 and counts["failed"] == 0 and counts["completed"] == counts["started"]
+    assert report["moved_bytes"] > 0 and report["rebalancing"] is None

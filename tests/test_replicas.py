@@ -50,7 +50,8 @@ def test_the_rule_spreads_one_dispatch_and_prefers_the_shorter_backlog():
 def engine(runtime: int, expert_map: ExpertMap, hub: core.LoopbackHub) -> core.Engine:
     placement = Placement.disaggregated(1, 2, E)  # experts 0, 2 on runtime 1; 1, 3 on runtime 2
     cfg = core.engine_config(
-        runtime, placement, num_blocks=NB, num_experts=E, top_k=1, hidden=H, scheduler=SchedulerSection(),
+        runtime, placement, num_blocks=NB, num_experts=E, top_k=1, hidden=H,
+        scheduler=SchedulerSection(policy="defrag"),  # a batch at once: what is tested here is the routing
         track_requests=True, expert_map=expert_map,
     )  # fmt: skip
     return core.Engine(cfg, hub.communicator(runtime))
