@@ -116,7 +116,7 @@ class ParallelSection:
     # aep / pingpong: the expert runtime (0..expert_ranks-1) of each expert, "0,1,2,3,0,1,2,3"; None: e mod M.
     # `amoe plan` writes one that balances a skewed routing.
     expert_map: str | None = None
-    # ep: EPS-MoE's expert pipeline (docs/serve.md "The expert pipeline"): each block's experts run as PN chunks,
+    # ep: EPS-MoE's expert pipeline (docs/eps.md "Serving with it"): each block's experts run as PN chunks,
     # one group of every device's hosted experts each, chunk p's all-to-all in flight while chunk p-1 computes.
     # "N" (1..the experts a device hosts) or "auto" (the cost model's choice per iteration's load); None: 1.
     ep_pipelines: str | None = None
@@ -170,10 +170,11 @@ class SchedulerSection:
     # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
     # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
     group_experts: bool = True
-    # waves, expert side (docs/engine.md "The waves rule" item 13): the waves of each attention rank that make one
+    # waves, expert side (docs/scheduler.md "Group cells"): the waves of each attention rank that make one
     # group, which an expert runtime serves as one (block, group) step once every rank's waves of the group are
-    # in. 0: the expert side gathers per rank (items 9-10). A plan sets its bound's group (`amoe plan` prints
-    # it): the right size depends on the expert GPU's cost of a step, which the serving config does not know.
+    # in. 0: the expert side gathers per rank (the straggler wait and the meeting block). A plan sets its
+    # bound's group (`amoe plan` prints it): the right size depends on the expert GPU's cost of a step, which
+    # the serving config does not know.
     wave_group: int = 0
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ class EmulationSection:
     decode_only: bool = False
     # GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
     gpus_per_node: int = 0
-    # Each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/emulation.md):
+    # Each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/cost-model.md):
     # sourced (Sinha et al. SC'22 across GPUs, DeepEP #208 per step) | off | SPREAD[,jitter=J][,seed=N]
     step_variance: str = "sourced"
 

@@ -53,10 +53,10 @@ def engine_config(
     runtime that holds request state drops rows of requests it does not hold (docs/engine.md). `time_scale`:
     the wall seconds per emulated second of an emulated executor, which stretch the waves policy's hold guard.
     `max_requests`: the most requests an attention runtime holds at once (the cache's max_num_seqs, its default
-    when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/engine.md "The
-    waves rule"), which an expert runtime's block 0 uses too (item 10). `expert_map`: the live placement's
-    replicas (docs/rebalancing.md) an attention runtime routes by and an expert runtime hosts; None: each
-    expert of every block on its home runtime."""
+    when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/scheduler.md
+    "Wave size"), which an expert runtime's block 0 uses too (the meeting block). `expert_map`: the live
+    placement's replicas (docs/rebalancing.md) an attention runtime routes by and an expert runtime hosts; None:
+    each expert of every block on its home runtime."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -78,10 +78,10 @@ def engine_config(
     # 25 emulated ms, shorter than one ITL, and the guard would decide what the policy does.
     cfg.max_wave_hold_s = MAX_WAVE_HOLD_S * time_scale
     cfg.track_requests = track_requests and cfg.is_attention
-    if sched.policy == "waves":  # attention: its waves; experts: how far back block 0 waits (item 10)
+    if sched.policy == "waves":  # attention: its waves; experts: block 0's meeting span
         requests = CacheSection().max_num_seqs if max_requests is None else max_requests
         cfg.num_waves = max(1, -(-requests // sched.attn_batch_cap))
-        cfg.wave_group = sched.wave_group  # expert side: its groups of those waves (item 13)
+        cfg.wave_group = sched.wave_group  # expert side: its groups of those waves (group cells)
     cfg.validate()
     return cfg
 

@@ -44,7 +44,7 @@ void EngineConfig::validate() const {
 
 namespace {
 
-// Item 13: an expert runtime under waves groups its columns by wave group (wave_group > 0).
+// Group cells: an expert runtime under waves groups its columns by wave group (wave_group > 0).
 int wave_groups(const EngineConfig& cfg) {
   if (cfg.is_attention || cfg.policy != "waves" || cfg.wave_group <= 0) return 1;
   return (std::max(1, cfg.num_waves) + cfg.wave_group - 1) / cfg.wave_group;
@@ -64,14 +64,15 @@ LayerQueues::LayerQueues(const EngineConfig& cfg)
   cfg_.validate();
   waves_ = cfg.is_attention && cfg.policy == "waves";
   scheduler_.set_wave_cols(waves_);
-  // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md items 9-10).
+  // waves, expert side: a block waits for the attention ranks on their way to it (docs/scheduler.md
+  // "The straggler wait", "The meeting block").
   rank_barrier_ = !cfg.is_attention && cfg.policy == "waves";
-  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks
-  // back.
+  // Block 0 is where the ranks' waves meet (the meeting block): it waits for ranks up to ceil(num_blocks / W)
+  // blocks back.
   if (rank_barrier_)
     scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
                                 (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
-  // Item 13: the columns are (group, hosted expert); the notes per (rank, wave).
+  // Group cells: the columns are (group, hosted expert); the notes per (rank, wave).
   if (rank_barrier_ && cfg.wave_group > 0)
     scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group, cfg.num_experts);
   queues_.resize(static_cast<size_t>(scheduler_.num_blocks()) * num_cols_);
@@ -239,7 +240,7 @@ void LayerQueues::ingest(Message&& msg) {
       continue;
     }
     if (m.layer.kind == kExpert) {
-      // Expert rows are independent: ready as soon as they arrive (in their wave's group, item 13).
+      // Expert rows are independent: ready as soon as they arrive (in their wave's group, group cells).
       const int qg = q + group_of(m.wave) * cfg_.num_experts;
       MuQueue& mq = queues_[qg];
       mq.rows.push_back(ExpertRow{m, TensorRef{msg.data, i}});
@@ -247,7 +248,7 @@ void LayerQueues::ingest(Message&& msg) {
       scheduler_.add(qg / num_cols_, qg % num_cols_, 1);
       if (rank_barrier_) scheduler_.arrived(qg / num_cols_, m.attn_rank, now, m.wave);
     } else if (waves_) {
-      // The row's wave travels with its expert parts (item 13): the expert side groups by it.
+      // The row's wave travels with its expert parts (group cells): the expert side groups by it.
       RowMeta mw = m;
       mw.wave = wave_of(m.request_id);
       ingest_attention_row(q * num_cols_ + mw.wave, mw, msg.data, i);
@@ -415,15 +416,15 @@ bool LayerQueues::drain(Drained* out, bool force) {
   if (picked.layer.kind == kExpert) {
     if (cfg_.group_experts == 1) {
       // The block's every hosted expert in one step: one host step and one kernel sequence for all of them
-      // (of the picked column's wave group, item 13).
+      // (of the picked column's wave group, group cells).
       const int per = cfg_.num_experts, first = (col / per) * per;
       for (int c = first; c < first + per; ++c) out->num_rows += take_expert_rows(b, c, out);
     } else {
       out->num_rows = take_expert_rows(b, col, out);
     }
     if (rank_barrier_) {
-      // Each attention rank (wave, with groups) served here is on its way to the next block (items 9, 13);
-      // each once per step.
+      // Each attention rank (wave, with groups) served here is on its way to the next block (the straggler
+      // wait, group cells); each once per step.
       const int waves = cfg_.wave_group > 0 ? std::max(1, cfg_.num_waves) : 1;
       std::vector<char> seen(cfg_.attn_runtime.size() * waves, 0);
       for (const ExpertRow& r : out->rows) {

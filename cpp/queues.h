@@ -56,12 +56,13 @@ struct EngineConfig {
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
-  // waves (docs/engine.md "The waves rule"): the attention runtimes' W waves, ceil(their most requests /
-  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert
-  // runtime's block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
+  // waves (docs/scheduler.md): the attention runtimes' W waves, ceil(their most requests / attn_cap)
+  // (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert runtime's block 0
+  // waits for waves up to ceil(num_blocks / W) blocks back (the meeting block). 1 otherwise.
   int num_waves = 1;
-  // waves, expert side (item 13): the waves of each attention rank that make one group, which an expert
-  // runtime serves as one (block, group) step and gathers over the ranks; 0: per rank (items 9-10).
+  // waves, expert side (group cells): the waves of each attention rank that make one group, which an expert
+  // runtime serves as one (block, group) step and gathers over the ranks; 0: per rank (the straggler wait,
+  // the meeting block).
   int wave_group = 0;
 
   void validate() const;
@@ -214,8 +215,8 @@ class LayerQueues {
   // holds for a returning wave (holding(); `force` takes the best block anyway).
   bool drain(Drained* out, bool force = false);
   bool holding() const { return scheduler_.holding(); }
-  // Holding under the expert side's rank barrier (waves, docs/engine.md item 9): when the earliest wait ends
-  // (time_point::max() otherwise): the engine wakes then even if nothing arrives.
+  // Holding under the expert side's rank barrier (docs/scheduler.md "The straggler wait"): when the earliest
+  // wait ends (time_point::max() otherwise): the engine wakes then even if nothing arrives.
   std::chrono::steady_clock::time_point release_at() const;
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
@@ -279,7 +280,7 @@ class LayerQueues {
 
   EngineConfig cfg_;
   int num_cols_;
-  int groups_ = 1;  // expert runtime under waves with wave_group > 0: wave groups (item 13)
+  int groups_ = 1;  // expert runtime under waves with wave_group > 0: wave groups (group cells)
   // Expert runtime: its grid has a column per expert id (of each wave group), so a replica can join any; only
   // hosted layers take rows. [num_blocks * num_experts]
   std::vector<char> hosted_;
@@ -289,7 +290,7 @@ class LayerQueues {
   std::vector<int64_t> inflight_;           // attention runtime: expected_ entries per destination runtime
   Scheduler scheduler_;
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
-  // Item 13: the group of an expert row's wave (0 without groups or for a wave outside the attention ranks').
+  // Group cells: the group of an expert row's wave (0 without groups or for a wave outside the ranks').
   int group_of(int32_t wave) const;
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests

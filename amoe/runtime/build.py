@@ -42,7 +42,7 @@ def emulation(config: AmoeConfig, model_dir: str | Path | None) -> Emulation | N
 
 def emulated_offload(config: AmoeConfig):
     """`--offload-budget` on the emulated executor: each emulated device holds that many bytes of routed experts in
-    its memory, the rest wait in host memory (docs/offload.md "Emulated tiers"); None without a budget."""
+    its memory, the rest wait in host memory (docs/offload-policy.md "Emulated tiers"); None without a budget."""
     off = config.offload
     if off.budget is None:
         return None

@@ -1,4 +1,4 @@
-"""EP as it is deployed at scale (issue 35): redundant experts placed by EPLB, two-batch overlap, DeepEP's
+"""EP as it is deployed at scale: redundant experts placed by EPLB, two-batch overlap, DeepEP's
 dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from counts rather than per token.
 
 * **EPLB** (github.com/deepseek-ai/EPLB, as DeepSeek and SGLang deploy it): per layer, the R redundant slots go one
@@ -11,7 +11,7 @@ dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from c
 * **Counts at scale**: a block's rows per expert over T tokens are drawn as independent binomials (T, q_e) from
   the exact inclusion probabilities: the same per-expert mean and variance as T keyed top-k draws, without their
   within-token correlation (k of E experts), at a cost that does not grow with T — what lets the simulation run
-  256 devices of 256 tokens (docs/emulation.md "Simulation at scale").
+  256 devices of 256 tokens (docs/simulation.md "Simulation at scale").
 """
 
 from __future__ import annotations
