@@ -37,6 +37,7 @@ const char* policy_name(Policy p) {
 Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead, double decay)
     : num_blocks_(num_blocks),
       num_cols_(num_cols),
+      lookahead_cols_(num_cols),
       policy_(policy),
       lookahead_(lookahead),
       decay_(decay),
@@ -55,6 +56,11 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
   AMOE_CHECK_ARG(lookahead >= 0, "lookahead must be >= 0, got " << lookahead);
   AMOE_CHECK_ARG(decay >= 0.0, "decay must be >= 0, got " << decay);
   for (int k = 0; k <= lookahead; ++k) decay_pow_.push_back(std::pow(decay, static_cast<double>(k)));
+}
+
+void Scheduler::set_lookahead_cols(int n) {
+  AMOE_CHECK_ARG(n > 0, "the look-ahead's columns must be positive, got " << n);
+  lookahead_cols_ = n;
 }
 
 void Scheduler::add(int block, int col, int64_t delta) { set(block, col, depth(block, col) + delta); }
@@ -150,7 +156,7 @@ bool Scheduler::pick(int* block, int* col, bool force) {
 // step.
 bool Scheduler::pick_defrag(int* block, int* col) {
   double best = -1.0;
-  const double ne = static_cast<double>(num_cols_);
+  const double ne = lookahead_cols_;
   for (int b = 0; b < num_blocks_; ++b) {
     if (block_total_[b] == 0) continue;
     double lscore = 0.0;

@@ -21,6 +21,11 @@ class Scheduler {
  public:
   Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead, double decay);
 
+  // Algorithm 1's N_E, the look-ahead's divisor: the columns in use (default: every column). An expert
+  // runtime's grid has a column per expert id, so it sets the number of experts it hosts.
+  void set_lookahead_cols(int n);
+  int lookahead_cols() const { return static_cast<int>(lookahead_cols_); }
+
   void add(int block, int col, int64_t delta);
   void set(int block, int col, int64_t depth);
   int64_t depth(int block, int col) const { return depth_[block * num_cols_ + col]; }
@@ -107,6 +112,7 @@ class Scheduler {
   int note(int rank, int wave) const;
 
   int num_blocks_, num_cols_;
+  double lookahead_cols_;
   Policy policy_;
   int lookahead_;
   double decay_;

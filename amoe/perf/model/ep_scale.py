@@ -16,11 +16,9 @@ dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from c
 
 from __future__ import annotations
 
-import heapq
-import math
-
 import numpy as np
 
+from amoe import eplb
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GpuProfile
 from amoe.perf.model.hosts import HostOverhead
@@ -28,27 +26,10 @@ from amoe.perf.model.models import ModelProfile
 
 
 def eplb_placement(load: np.ndarray, num_devices: int, redundant: int) -> list[list[tuple[int, float]]]:
-    """Per device, its (expert id, share of that expert's tokens) copies for one layer's expected `load`."""
-    num = len(load)
-    copies = np.ones(num, dtype=np.int64)
-    heap = [(-float(load[e]), e) for e in range(num)]
-    heapq.heapify(heap)
-    for _ in range(redundant):
-        _, e = heapq.heappop(heap)
-        copies[e] += 1
-        heapq.heappush(heap, (-float(load[e]) / copies[e], e))
-    items = sorted(
-        ((float(load[e]) / copies[e], e) for e in range(num) for _ in range(copies[e])), reverse=True
-    )
-    slots = math.ceil((num + redundant) / num_devices)
-    where: list[list[tuple[int, float]]] = [[] for _ in range(num_devices)]
-    free = [(0.0, d) for d in range(num_devices)]  # (load so far, device), devices with a free slot
-    for share_load, e in items:
-        total, d = heapq.heappop(free)
-        where[d].append((e, 1.0 / copies[e]))
-        if len(where[d]) < slots:
-            heapq.heappush(free, (total + share_load, d))
-    return where
+    """Per device, its (expert id, share of that expert's tokens) copies for one layer's expected `load`: EPLB's
+    global policy, the one implementation the serving product rebalances with (amoe.eplb)."""
+    counts, packs = eplb.place_layer(load, len(load) + redundant, num_devices)
+    return [[(e, 1.0 / counts[e]) for e in pack] for pack in packs]
 
 
 def device_rows(
