@@ -116,7 +116,7 @@ class ParallelSection:
     # aep / pingpong: the expert runtime (0..expert_ranks-1) of each expert, "0,1,2,3,0,1,2,3"; None: e mod M.
     # `amoe plan` writes one that balances a skewed routing.
     expert_map: str | None = None
-    # ep: EPS-MoE's expert pipeline (docs/serve.md "The expert pipeline"): each block's experts run as PN chunks,
+    # ep: EPS-MoE's expert pipeline (docs/eps.md "Serving with it"): each block's experts run as PN chunks,
     # one group of every device's hosted experts each, chunk p's all-to-all in flight while chunk p-1 computes.
     # "N" (1..the experts a device hosts) or "auto" (the cost model's choice per iteration's load); None: 1.
     ep_pipelines: str | None = None
@@ -170,10 +170,11 @@ class SchedulerSection:
     # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
     # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
     group_experts: bool = True
-    # waves, expert side (docs/engine.md "The waves rule" item 13): the waves of each attention rank that make one
+    # waves, expert side (docs/scheduler.md "Group cells"): the waves of each attention rank that make one
     # group, which an expert runtime serves as one (block, group) step once every rank's waves of the group are
-    # in. 0: the expert side gathers per rank (items 9-10). A plan sets its bound's group (`amoe plan` prints
-    # it): the right size depends on the expert GPU's cost of a step, which the serving config does not know.
+    # in. 0: the expert side gathers per rank (the straggler wait and the meeting block). A plan sets its
+    # bound's group (`amoe plan` prints it): the right size depends on the expert GPU's cost of a step, which
+    # the serving config does not know.
     wave_group: int = 0
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ class EmulationSection:
     decode_only: bool = False
     # GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
     gpus_per_node: int = 0
-    # Each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/emulation.md):
+    # Each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/cost-model.md):
     # sourced (Sinha et al. SC'22 across GPUs, DeepEP #208 per step) | off | SPREAD[,jitter=J][,seed=N]
     step_variance: str = "sourced"
 
@@ -397,6 +398,38 @@ class OffloadSection:
 
 
 @dataclass(frozen=True)
+class EplbSection:
+    """Redundant experts and live rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: `aep` only."""
+
+    # vLLM's --enable-eplb: recompute the placement every step_interval steps from the last window_size steps' load
+    enable: bool = False
+    # Extra replicas per block beyond one per expert, placed at start-up by expected load (a shared expert first)
+    num_redundant_experts: int = 0
+    window_size: int = (
+        1000  # steps of expert load a rebalance looks at (a step: one head step of a rank, mean)
+    )
+    step_interval: int = 3000  # steps between rebalances (beyond window_size only the last window_size count)
+    log_balancedness: bool = False  # log each block's balancedness (mean / max runtime load)
+    log_balancedness_interval: int = 1  # steps between those logs
+    # amoe's own: a rebalance whose new replicas' weights have not all landed by then fails (the old map serves on)
+    join_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("enable", "log_balancedness"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"eplb.{name} must be true or false; got {getattr(self, name)!r}")
+        if isinstance(self.num_redundant_experts, bool) or self.num_redundant_experts < 0:
+            raise ConfigError(f"eplb.num_redundant_experts must be >= 0; got {self.num_redundant_experts}")
+        for name in ("window_size", "step_interval", "log_balancedness_interval", "join_timeout_s"):
+            _positive(f"eplb.{name}", getattr(self, name))
+
+    @property
+    def live(self) -> bool:
+        """Whether the placement can change while serving (redundant replicas or rebalancing)."""
+        return self.enable or self.num_redundant_experts > 0
+
+
+@dataclass(frozen=True)
 class AmoeConfig:
     """Everything a deployment is configured by; built once, never mutated after start-up."""
 
@@ -411,6 +444,7 @@ class AmoeConfig:
     server: ServerSection = field(default_factory=ServerSection)
     dist: DistSection = field(default_factory=DistSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
+    eplb: EplbSection = field(default_factory=EplbSection)
 
     def __post_init__(self) -> None:
         if self.dist.multi_node and (self.parallel.mode != "aep" or self.tensor_plane != "inline"):
@@ -448,6 +482,23 @@ class AmoeConfig:
                 f"--offload-budget serves --parallel local or aep (expert runtimes hold the store); got --parallel "
                 f"{self.parallel.mode}"
             )
+
+        self._check_eplb()
+
+    def _check_eplb(self) -> None:
+        if not self.eplb.live:
+            return
+        if self.parallel.mode != "aep":
+            raise ConfigError(
+                "--num-redundant-experts and --enable-eplb serve --parallel aep (its experts are queues a replica "
+                f"can join); got --parallel {self.parallel.mode}"
+            )
+        if self.offload.budget is not None:
+            raise ConfigError(
+                "--num-redundant-experts and --enable-eplb do not combine with --offload-budget"
+            )
+        if self.parallel.expert_ranks < 2:
+            raise ConfigError("redundant experts and rebalancing need --expert-ranks 2 or more")
 
     @property
     def tensor_plane(self) -> str:
@@ -578,9 +629,13 @@ _VLLM_ALIASES = {
     ("server", "served_model_name"): "--served-model-name",
     ("server", "seed"): "--seed",
     ("server", "tool_call_parser"): "--tool-call-parser",
+    ("eplb", "num_redundant_experts"): "--num-redundant-experts",
 }
 # vLLM's on/off flags, given without a value (`--enable-auto-tool-choice`); amoe's own spelling takes one.
-_VLLM_SWITCHES = {("server", "enable_auto_tool_choice"): "--enable-auto-tool-choice"}
+_VLLM_SWITCHES = {
+    ("server", "enable_auto_tool_choice"): "--enable-auto-tool-choice",
+    ("eplb", "enable"): "--enable-eplb",
+}
 
 _ALIASES = {
     **_VLLM_ALIASES,
@@ -658,7 +713,24 @@ def add_config_flags(
                 metavar=f.name.upper(),
                 help=f"(default: {_default_of(f)})",
             )
+    if "eplb" in sections:
+        vllm.add_argument(
+            "--eplb-config", dest="eplb_json", type=_json_object, default=None, metavar="JSON",
+            help='vLLM\'s EPLBConfig as JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+            '"num_redundant_experts": 2, "log_balancedness": true}\' (the --eplb-* flags win over it)',
+        )  # fmt: skip
     return vllm
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse turns the error into its one-line usage message)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of settings")
+    return value
 
 
 def _flag_names(section: str, name: str) -> list[str]:
@@ -693,6 +765,8 @@ def config_from_args(args: argparse.Namespace) -> AmoeConfig:
     """The config file (if any) overlaid with the flags given on the command line."""
     config = AmoeConfig.from_file(args.config) if getattr(args, "config", None) else AmoeConfig()
     changes: dict[str, dict] = {}
+    if getattr(args, "eplb_json", None):  # vLLM's --eplb-config: its field names are the section's
+        changes["eplb"] = dict(args.eplb_json)
     for key, value in _dist_env().items():  # flags win over the environment
         if getattr(args, f"dist__{key}", None) is None:
             changes.setdefault("dist", {})[key] = value

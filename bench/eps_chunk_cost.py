@@ -1,4 +1,4 @@
-"""The host's wall time per EP pipeline chunk (docs/results.md "EPS-MoE", eps.CHUNK_HOST_CPU_S): the emulated EP
+"""The host's wall time per EP pipeline chunk (docs/eps.md, eps.CHUNK_HOST_CPU_S): the emulated EP
 group in one process (amoe.runtime.sync.group, a thread per device, the loopback hub) at a time scale so small that
 every GPU and link hold is ~0, so what is left is the runtime's host work — routing, the split of the copies into
 chunks, one message per peer each way per chunk, the expert step's bookkeeping, the gather. One prefill of

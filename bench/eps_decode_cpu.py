@@ -1,4 +1,4 @@
-"""The host's CPU in EP decode with and without the expert pipeline (docs/results.md "EPS-MoE", round 5): the
+"""The host's CPU in EP decode with and without the expert pipeline (docs/findings.md "EPS-MoE"): the
 emulated EP group in one process (amoe.runtime.sync.group, a thread per device, the loopback hub) at a time scale
 so small that every GPU and link hold is ~0, so what is left is the runtime's host work. For each setting, decode
 requests (`--requests` per device, 8-token prompts, `--tokens` each) are sent at once; the process's CPU time per
@@ -84,7 +84,7 @@ def chooser_cpu(args, em: Emulation) -> dict:
 def pieces_cpu(args, em: Emulation) -> dict:
     """µs of CPU per call of what PN 1 with `--ep-kernel auto` does per block and device beyond EP without the
     pipeline, at decode's rows (`--requests` a device, the emulated wire's width): the split of the copies into
-    one chunk and the gather back (what PN 1 did before round 5), the kernel choice, and the chunk's pricing by the
+    one chunk and the gather back (what PN 1 once did), the kernel choice, and the chunk's pricing by the
     kernel curves against the grouped step's."""
     import numpy as np
     import torch

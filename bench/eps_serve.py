@@ -1,6 +1,6 @@
 """EPS-MoE on the emulated EP runtime: `amoe serve --executor emulated --parallel ep` with and without the expert
 pipeline, prefill throughput (long prompts, max_tokens 1) and decode throughput, in emulated tokens per second
-(wall throughput × the time scale). Prints a table and a final JSON line (docs/results.md "EPS-MoE").
+(wall throughput × the time scale). Prints a table and a final JSON line (docs/findings.md "EPS-MoE").
 
     python bench/eps_serve.py [--profile deepseek-v2:2] [--gpu h800] [--devices 8] [--seq-lens 1024,8192]
         [--pipelines 1,5,20,auto] [--time-scale 150] [--decode-repeats 1]

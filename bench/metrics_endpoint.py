@@ -5,7 +5,7 @@ stack with nothing to render, so metrics/health is the cost of the page itself, 
     .venv/bin/python bench/metrics_endpoint.py [--requests 40] [--clients 4]
 
 Then the page's writer alone, in this process: amoe's `text_format` against prometheus_client's `generate_latest` on
-the families of the live page (same bytes, checked). Target (issue 6): median /metrics under load below 50 ms.
+the families of the live page (same bytes, checked). Target: median /metrics under load below 50 ms.
 The last line is JSON.
 """
 

@@ -91,8 +91,10 @@ def series_bound(
     per_runtime = 40 + 2 * 15
     queues = 3 * (layers if per_layer else runtimes)
     routing = num_experts * (num_blocks if per_layer else 1)
+    # The live placement (aep): replicas per (block,) expert, balancedness per block (or one), a fixed dozen more.
+    placement = routing + (num_blocks if per_layer else 1) + 12
     requests = 120  # the request metrics: a fixed set
-    return per_runtime * runtimes + queues + routing + 2 * num_attn + requests
+    return per_runtime * runtimes + queues + routing + placement + 2 * num_attn + requests
 
 
 class Load:

@@ -1,5 +1,5 @@
 """`amoe bench compare --preset ci`: starts an emulated AEP and an EP deployment, sweeps two rates against each,
-and writes sane numbers (not the AEP / EP ratio: that is what docs/results.md records) and both plots."""
+and writes sane numbers (not the AEP / EP ratio: that is what docs/findings.md records) and both plots."""
 
 import asyncio
 import dataclasses
@@ -45,7 +45,7 @@ def test_parse_metrics_sums_series_and_quantiles():
     )
     s = parse_metrics(text, t=1.0)
     assert s.finished == {"stop": 7.0, "error": 0.0}
-    # The batches the runtime ran, by step kind over every runtime: rows per step over a window (Issue 35's check).
+    # The batches the runtime ran, by step kind over every runtime: rows per step over a window (set beside a prediction's).
     assert s.batch_rows == {"attn": [120.0, 3.0], "expert": [512.0, 1.0]}
     later = parse_metrics(text.replace("} 90.0", "} 190.0").replace('"0"} 2.0', '"0"} 4.0'), t=2.0)
     assert rows_per_step(s, later) == {"attn": 50.0}  # 100 more rows in 2 more steps; no new expert step

@@ -512,7 +512,7 @@ def merged_path_bound() -> golden.Figures:
 def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     """An expert GPU serves m waves of a block as one grouped step only if they reach it together, and then they
     travel together: per block their m attention steps run in turn and the merged step is on their path
-    (docs/emulation.md "Waves that share an expert step travel together"). The bound is recomputed here from
+    (docs/simulation.md "Waves that share an expert step travel together"). The bound is recomputed here from
     cost_model's step times and `_grouped_steps`, for every group size m at the bound's own (w, W); the bound
     before this correction (one wave's path with every wave's rows in one expert step) is above it on this plan."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))

@@ -1,7 +1,7 @@
-"""The planner's check (issue 20): `amoe bench plan-check --preset ci` runs two plans on emulated GPUs, one AEP and one
+"""The planner's check: `amoe bench plan-check --preset ci` runs two plans on emulated GPUs, one AEP and one
 EP, and compares their measured maxima with what the planner predicts. The suite checks that the comparison runs
 and is reported; how close the measurements come is a benchmark's finding (the full preset, 7 plans, 10 %, is
-recorded in docs/results.md), since an emulated run on a busy host is as much slower as the host is busy."""
+recorded in docs/findings.md), since an emulated run on a busy host is as much slower as the host is busy."""
 
 import dataclasses
 import json
@@ -108,7 +108,7 @@ def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_config():
 
 
 def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
-    """scale32 (issue 35): 16 + 16 DeepSeek-V3 runtimes at 4 blocks, top-8 over 256 experts, at the fixed 4,096
+    """scale32: 16 + 16 DeepSeek-V3 runtimes at 4 blocks, top-8 over 256 experts, at the fixed 4,096
     requests its prediction is made at and the routing it assumed (not Mixtral's default skew). The config only: the
     run itself is a benchmark (32 processes)."""
     p = plan_check.PRESETS["scale32"]
@@ -163,7 +163,7 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     rows = json.loads((tmp_path / "plan_check.json").read_text())["plans"]
     assert summary["plans"] == 2 and all(r["measured"] > 0 for r in rows)
     # How close each measurement comes to its prediction is the benchmark's finding (`amoe bench plan-check` prints it;
-    # docs/results.md records it): an emulated run on a busy host is slower or faster by as much as the host is
+    # docs/findings.md records it): an emulated run on a busy host is slower or faster by as much as the host is
     # busy, so the suite checks that every plan ran and was compared, not the ratio.
     assert len(summary["ratios"]) == len(rows), (summary, rows)
     assert all(ratio > 0 for ratio in summary["ratios"].values()), result.stdout

@@ -157,9 +157,10 @@ def test_each_run_reports_its_interval_and_the_spread_its_own(tmp_path):
 
 
 def test_waves_is_served_with_the_bounds_wave_group_and_the_others_without(monkeypatch):
-    """`amoe bench policies` runs waves as `amoe plan` would serve it: with the bound's wave group (docs/engine.md
-    item 13; 4 waves of 64 on the 4-block 2 + 2 A100 setup); before, it served items 9-10, which cannot tell a
-    rank's waves apart. The other policies have no group to set."""
+    """`amoe bench policies` runs waves as `amoe plan` would serve it: with the bound's wave group
+    (docs/scheduler.md "Group cells"; 4 waves of 64 on the 4-block 2 + 2 A100 setup); before, it served the
+    straggler wait and the meeting block, which cannot tell a rank's waves apart. The other policies have no
+    group to set."""
     import asyncio
 
     served: dict[str, AmoeConfig] = {}

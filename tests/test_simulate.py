@@ -53,7 +53,7 @@ def test_aep_reaches_its_critical_path_bound_at_the_bounds_own_concurrency():
     step — the waves in flight that hide it, and expert steps that gather those waves' rows. It is a bound: four
     times its requests reach it and do not beat it (up to the rounding of expected loads to whole rows). At its own
     concurrency — the knee, where every wave must be in step — the schedule runs below it (how far, here, is the
-    golden file's; on the benchmark's plans, docs/results.md's finding)."""
+    golden file's; on the benchmark's plans, docs/findings.md)."""
     f = aep_at_its_bound.check()
     bound, filled = f["bound"], f["filled"]
     assert bound["concurrency"] == 2 * bound["waves"] * bound["wave_rows"]  # two attention GPUs
@@ -214,11 +214,12 @@ def aep_at_small_batches() -> golden.Figures:
 
 
 def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest():
-    """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests that all
-    started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs (2 simulated
-    ones) counted a wave's crest (docs/results/plan_check_depth/small_batches.jsonl). Requests now start at random layers
-    and the window is counted in simulated ITLs: the planner's estimate is the long-run rate. (Whether it is the
-    runtime's is the benchmark's question, `amoe bench plan-check`, never a constant pinned here.)"""
+    """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests
+    that all started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs
+    (2 simulated ones) counted a wave's crest (experiments/2026-11-25-plan-check-depth/small_batches.jsonl).
+    Requests now start at random layers and the window is counted in simulated ITLs: the planner's estimate is
+    the long-run rate. (Whether it is the runtime's is the benchmark's question, `amoe bench plan-check`,
+    never a constant pinned here.)"""
     f = aep_at_small_batches.check()
     assert f["planned"]["itl_s"] > 128 / f["bound_tokens_per_s"]  # small batches: slower than the bound's ITL
     assert f["planned"]["tokens_per_s"] == pytest.approx(f["long_run_tokens_per_s"], rel=0.05)
@@ -258,11 +259,12 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
 
 
 def test_an_attention_steps_rows_reach_each_expert_gpu_as_one_message(monkeypatch):
-    """The engine sends an attention step's rows for one expert runtime as one message (cpp/engine.cpp send_grouped),
-    so under `waves` an expert GPU's grouped step takes all of them or none. The simulation once sent one message per
-    hosted expert, one after another on the link: item 9's hold for a rank ended at the first, the block was served
-    with part of the wave and the rest went in a later step — a wave split in two that held its attention rank back
-    (docs/results.md "One message per expert GPU"). Every attention step's rows for a GPU land in one expert step."""
+    """The engine sends an attention step's rows for one expert runtime as one message (cpp/engine.cpp
+    send_grouped), so under `waves` an expert GPU's grouped step takes all of them or none. The simulation
+    once sent one message per hosted expert, one after another on the link: the straggler wait for a rank
+    ended at the first, the block was served with part of the wave and the rest went in a later step — a wave
+    split in two that held its attention rank back (experiments/2026-11-27-sim-one-message-per-gpu). Every
+    attention step's rows for a GPU land in one expert step."""
     from amoe.config import SchedulerSection
     from amoe.perf.plan.simulate.events_aep import AepEvents
 

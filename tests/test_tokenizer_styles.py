@@ -111,7 +111,7 @@ class Style:
 
 STYLES = {
     "llama-bos-post-processor": Style(LLAMA_SPECIALS, _BOS, _LLAMA_CONFIG, "writes-bos", adds_bos=True),
-    # The report: a BOS token is defined (and add_bos_token set) but tokenizer.json adds nothing.
+    # The reported case: a BOS token is defined (and add_bos_token set) but tokenizer.json adds nothing.
     "no-post-processor": Style(LLAMA_SPECIALS, None, _LLAMA_CONFIG, "writes-bos", adds_bos=False),
     # As transformers 4 saves a Llama tokenizer made with add_bos_token=False.
     "add-bos-token-false": Style(

@@ -81,7 +81,7 @@ def _expected_max_by_the_grid(scales, jitter):
 
 
 def test_expected_max_drops_only_devices_that_cannot_change_it_bit_for_bit():
-    """Devices that cannot be the slowest are dropped and answers are memoised (issue 35: `amoe plan`'s time on 256
+    """Devices that cannot be the slowest are dropped and answers are memoised (`amoe plan`'s time on 256
     GPUs): every answer equals the full grid's to the last bit, batched rows as each row alone."""
     rng = np.random.default_rng(7)
     dropped = 0

@@ -1,4 +1,4 @@
-"""Wave groups (docs/engine.md "The waves rule" item 13, issue 32): the attention runtime writes each row's wave
+"""Wave groups (docs/scheduler.md "Group cells"): the attention runtime writes each row's wave
 into its expert parts, the expert runtime serves one (block, group) a step and waits for its group's waves on
 their way; the C++ scheduler picks what the Python oracle picks; a plan's command carries its bound's group; in
 the simulation the groups bring out-of-phase ranks to the bound where gathering per rank does not."""
@@ -64,7 +64,7 @@ def test_expert_wave_groups_match_the_oracle(blocks, experts, ranks, waves, grou
 def test_a_group_waits_for_its_own_wave_and_another_group_goes_first():
     """Two ranks, two waves, one wave a group, 4 blocks: (rank 1, wave 0) is on its way to block 2, so rank 0's
     wave 0 waits there — while rank 1's wave 1, in the other group at the same block, is served at once. Per rank
-    (items 9-10) rank 1 would count as arrived the moment its wave 1 did."""
+    (the straggler wait) rank 1 would count as arrived the moment its wave 1 did."""
     s = core.Scheduler(4, 2, "waves", 0, 0.0)
     s.set_rank_barrier(2, 10.0)
     s.set_wave_groups(2, 1, 1)
@@ -91,8 +91,8 @@ def test_a_group_waits_for_its_own_wave_and_another_group_goes_first():
 
 def test_block_0_waits_for_a_groups_wave_wherever_it_is():
     """8 blocks: (rank 1, wave 0) was last served at block 2, six blocks before block 0, after it last arrived
-    there; rank 0's wave 0 at block 0 waits for it until 2 x 6 turn-arounds after that serving (items 9-10 looked
-    only ceil(8 / W) blocks back); (rank 1, wave 1) of the other group is not waited for."""
+    there; rank 0's wave 0 at block 0 waits for it until 2 x 6 turn-arounds after that serving (the meeting
+    block looked only ceil(8 / W) blocks back); (rank 1, wave 1) of the other group is not waited for."""
     s = core.Scheduler(8, 2, "waves", 0, 0.0)
     s.set_rank_barrier(2, 100.0)
     s.set_wave_groups(2, 1, 1)
@@ -172,9 +172,10 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
 
 
 def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound():
-    """H100 6 + 2 top-1 at 32 blocks, the corrected bound's 3,072 requests (W = 2 waves of 256 a rank, the bound's
-    group one wave of every rank), ranks started out of phase: per rank (items 9-10) a rank's wave that fell one
-    step behind is run alone every block, at ~0.76 of the bound; the bound's groups reach it."""
+    """H100 6 + 2 top-1 at 32 blocks, the corrected bound's 3,072 requests (W = 2 waves of 256 a rank, the
+    bound's group one wave of every rank), ranks started out of phase: per rank (the straggler wait) a rank's
+    wave that fell one step behind is run alone every block, at ~0.76 of the bound; the bound's groups reach
+    it."""
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.routing import routing_inclusion

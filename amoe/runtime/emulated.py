@@ -22,7 +22,7 @@ from amoe.model.config import ModelConfig
 from amoe.model.logprobs import HeadSample
 from amoe.perf.model import cost_model, kernels
 from amoe.perf.model.check import check_emulation
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.gpus import PCIE4_X16, gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTracker, build_tiers
@@ -217,6 +217,25 @@ class EmulatedExpertExecutor:
         self.clock.hold(t, "expert", rows)
         if self.tiers is not None:
             self._step_end = self._step_start + t  # t includes the wait for copies
+
+    def layer_bytes(self, layers) -> int:
+        """The weight bytes of these (block, expert) layers on the emulated GPU."""
+        p = self.em.profile
+        return sum(p.params_of(e) * p.bytes_per_param for _, e in layers)
+
+    def join_wall_s(self, layers) -> float:
+        """Wall seconds a join's weights take to land: host memory to the GPU over PCIe (the checkpoint read
+        counted as cached), stretched by the time scale like every emulated step."""
+        emulated = PCIE4_X16.latency + self.layer_bytes(layers) / PCIE4_X16.usable_bandwidth
+        return emulated * self.em.config.time_scale
+
+    def add(self, layers) -> int:
+        """A join's layers landed (there are no weights to hold): their bytes."""
+        return self.layer_bytes(layers)
+
+    def remove(self, keys) -> int:
+        """A drain's layers freed: their bytes."""
+        return self.layer_bytes(keys)
 
     def stats(self) -> dict:
         """The clock's busy time; with offloading also the tiers' hits, misses, bytes, recall and stall time."""

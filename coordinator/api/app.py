@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from amoe import __version__
 from amoe.config import ServerSection
 from amoe.errors import AmoeError
+from coordinator.api.admin import add_admin_routes
 from coordinator.api.auth import ApiKeyMiddleware, authorized
 from coordinator.api.body_limit import BodyLimitMiddleware
 from coordinator.api.logprobs import TokenTexts
@@ -62,7 +63,7 @@ from coordinator.requests.serving import RequestRunner, end_all
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 500, 503, 504)
 }
 
 
@@ -122,6 +123,7 @@ def create_app(
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
     _add_tokenizer_routes(app, served)
+    add_admin_routes(app, backend)
     return app
 
 

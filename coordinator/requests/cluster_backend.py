@@ -36,7 +36,8 @@ import msgspec
 
 from amoe import wire
 from amoe.config import AmoeConfig
-from amoe.errors import EngineDeadError, RequestError, RequestFailed
+from amoe.errors import ConfigError, EngineDeadError, RequestError, RequestFailed
+from amoe.expert_map import ExpertMap
 from amoe.request_rules import SeedSource, sequence_seed
 from amoe.sampling_params import SamplingParams
 from coordinator.cluster.manager import ClusterManager
@@ -421,6 +422,37 @@ class ClusterBackend(Backend):
             for rank, r in enumerate(self.cluster.attn_runtimes)
         ]
         return report
+
+    def placement(self) -> dict[str, Any] | None:
+        rebalancer = self.cluster.placement
+        return None if rebalancer is None else rebalancer.report()
+
+    def placement_metrics(self) -> dict[str, Any] | None:
+        """What /metrics exports of the live placement (coordinator/metrics.py)."""
+        rebalancer = self.cluster.placement
+        if rebalancer is None or rebalancer.map is None:
+            return None
+        return {
+            "epoch": rebalancer.epoch,
+            "counters": rebalancer.counters,
+            "replicas": rebalancer.map.counts(),
+            "balancedness": rebalancer.balancedness(),
+        }
+
+    async def rebalance(self, replicas: list | None = None, wait: bool = False) -> dict[str, Any]:
+        rebalancer = self.cluster.placement
+        if rebalancer is None:
+            return await super().rebalance(replicas, wait)
+        self._check_alive()
+        try:  # RebalanceBusy (another under way, a runtime being replaced) goes to the caller as it is
+            target = await rebalancer.planned() if replicas is None else ExpertMap.of(replicas)
+            epoch = rebalancer.start(target, "admin")
+        except ConfigError as exc:  # a map this cluster cannot serve
+            raise RequestError(str(exc), "replicas") from None
+        outcome = "started" if rebalancer.move is not None and rebalancer.move.epoch == epoch else "unchanged"
+        if wait and outcome == "started":
+            outcome = await rebalancer.wait(epoch)
+        return {"epoch": epoch, "outcome": outcome, **rebalancer.report()}
 
     def runtime_stats(self) -> list[dict]:
         """The latest report of each live runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""

@@ -2,7 +2,7 @@
 
 Units are SI throughout (bytes, seconds, FLOP/s). "Datasheet" numbers are NVIDIA's published peaks; "calibrated"
 numbers were fitted to the AMoE paper (papers/004, §2.1 Figure 3 and §5.4 Figure 13); "assumed" numbers have no
-published figure in our sources and are marked so. docs/emulation.md derives the calibration and compares the
+published figure in our sources and are marked so. docs/cost-model.md derives the calibration and compares the
 cost model's predictions with the paper (the table is checked by tests/test_emulation.py). Model shapes are in
 `models`, host overheads in `hosts`, the paper's calibration points in `calibration`.
 """
@@ -55,7 +55,7 @@ class GpuProfile:
         return self.hbm_bandwidth * self.memory_efficiency
 
 
-# Calibrated, not measured by us, jointly to two figures of the AMoE paper (derivation in docs/emulation.md):
+# Calibrated, not measured by us, jointly to two figures of the AMoE paper (derivation in docs/cost-model.md):
 # - Figure 3: a Mixtral 8x7B expert layer on an A100 40GB gains throughput almost linearly with batch "until the
 #   batch size of 128". Under the roofline the knee sits at ≈ usable_flops / usable_bandwidth rows (2 FLOPs and
 #   2 bytes per weight); read at powers of two, the figure puts it between 128 and 256.

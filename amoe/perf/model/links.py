@@ -1,7 +1,7 @@
 """Emulated links between runtimes: the node each runtime's GPU sits on, and the hold the receiving communicator
 puts on a message from each peer (NVLink within a node, the network across nodes). See docs/emulation.md, "Links".
-Also the time of EP's dispatch or combine all-to-all among the devices of a group (docs/emulation.md "EP's
-all-to-all"), NVLink within a node and DeepEP's measured RDMA bandwidth across nodes.
+Also the time of EP's dispatch or combine all-to-all among the devices of a group, NVLink within a node and
+DeepEP's measured RDMA bandwidth across nodes (docs/cost-model.md "EP as deployed at scale").
 
 The communicator (`ZmqCommunicator.set_link_delays`) applies the holds; this module only prices them. Pure functions.
 """
@@ -57,9 +57,9 @@ def link_delays(
     return latency, per_row
 
 
-# ---- the EP exchange's latency (docs/emulation.md "EP's all-to-all", with sources)
+# ---- the EP exchange's latency (docs/simulation.md "Bounds", EP, with sources)
 
-# Assumed, within the issue's "tens of µs" for an NCCL all-to-all of small messages among the 8 GPUs of an NVLink
+# Assumed, within the "tens of µs" of an NCCL all-to-all of small messages among the 8 GPUs of an NVLink
 # node: a fixed cost per collective on top of its bytes at NVLink speed.
 A2A_FIXED_NVLINK_S = 20e-6
 # DeepEP (github.com/deepseek-ai/DeepEP README, "Low-latency kernels with pure RDMA": H800, one CX7 400 Gb/s NIC

@@ -39,7 +39,7 @@ class ModelProfile:
     eos_token_id: int | None = 2
     source: str = ""
     full_blocks: int | None = None  # a `NAME:N` profile: the model's own depth (None: num_blocks)
-    # FP8 serving (issue 35): GEMMs with FP8 weights run at this multiple of the BF16 peak (2.0 on Hopper: H100/H800
+    # FP8 serving: GEMMs with FP8 weights run at this multiple of the BF16 peak (2.0 on Hopper: H100/H800
     # SXM datasheet, 1,979 dense FP8 vs 989 BF16 TFLOPS); 1.0 for BF16 weights. The attention core (FlashMLA) and
     # the lm_head stay BF16.
     gemm_speedup: float = 1.0
@@ -280,7 +280,7 @@ MODELS: dict[str, ModelProfile] = {
     ),
     "deepseek-v3-like": _deepseek_v3_like(),
     "deepseek-v2": _deepseek_v2(),
-    # Frontier profiles (issue 35), from their config.json shapes.
+    # Frontier profiles (docs/cost-model.md "Profiles"), from their config.json shapes.
     "deepseek-v3": _deepseek_v3(),
     "qwen3-235b-a22b": _qwen3_moe(
         "qwen3-235b-a22b",

@@ -22,7 +22,7 @@ def expert_shares(placed: list[list[int]], q: np.ndarray) -> np.ndarray:
 
 
 # grouped_steps' answers, keyed by everything they depend on: the planner asks the same (placement, rows) for every
-# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates, issue 35).
+# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates).
 _STEPS_CACHE: dict = {}
 
 
@@ -64,7 +64,7 @@ def _grouped_steps_uncached(
     inter = np.array([model.intermediate_of(e) for e in range(num_ids)], dtype=float)
     rows = rows_in * q  # [blocks, ids]
     # Each GPU's most loaded expert per block, by a segmented max over the experts sorted by GPU (a [blocks, ids,
-    # GPUs] product was most of the planner's time at 256 GPUs, issue 35); GPUs without experts take 0.
+    # GPUs] product was most of the planner's time at 256 GPUs); GPUs without experts take 0.
     order = np.argsort(gpu_of, kind="stable")
     firsts = np.searchsorted(gpu_of[order], np.arange(len(placed)))
     hosting = np.bincount(gpu_of, minlength=len(placed)) > 0
@@ -80,7 +80,7 @@ def _grouped_steps_uncached(
     gate_up_f, gate_up_b = (4 * r * h * inter) @ where, (2 * weights + r * (h + 2 * inter) * ba) @ where
     act_b = (r * 3 * inter * ba) @ where
     down_f, down_b = (2 * r * inter * h) @ where, (weights + r * (inter + h) * ba) @ where
-    # FP8 GEMMs (issue 35); a speed-up of 1.0 leaves BF16 profiles as they were.
+    # FP8 GEMMs (docs/cost-model.md "Profiles"); a speed-up of 1.0 leaves BF16 profiles as they were.
     flops = gpu.usable_flops * model.gemm_speedup
     gpu_s = (
         np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)

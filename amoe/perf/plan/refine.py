@@ -39,14 +39,14 @@ SIM_DOUBLINGS = 3
 
 
 # Requests of one copy up to which AEP's refinement doubles concurrency event by event (~2 s for 6,000 at full depth);
-# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.perf.plan.simulate.scale, issue 35), which
+# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.perf.plan.simulate.scale), which
 # doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
 
 
 # AEP at scale (amoe.perf.plan.simulate.aep_scale) splits refine's window of 8 ITLs into this many batches and stops at
 # the first k ≥ 10 whose batch-means 95 % interval of throughput is within ±1 % (the rule written down before its
-# series were looked at; docs/results.md "`amoe plan` on 256 H800s"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
+# series were looked at; docs/simulation.md "A stopping rule"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
 SIM_BATCHES = 32
 
 
@@ -86,7 +86,7 @@ def refine(
     variance = variance or SOURCED
     if pred is None:
         pred = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=variance)
-    # waves: the expert side gathers the bound's group of waves (docs/engine.md "The waves rule" item 13)
+    # waves: the expert side gathers the bound's group of waves (docs/scheduler.md "Group cells")
     scheduler = SchedulerSection(policy=policy, wave_group=wave_group(pred.extra, dep.attn_cap))
     per_copy = concurrency or pred.concurrency // dep.replicas
     if pred.tokens_per_s <= 0:

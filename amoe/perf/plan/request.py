@@ -65,7 +65,7 @@ class PlanRequest:
     eps: bool = False
     # the GPUs' step-time variance the plans assume (amoe.perf.model.variance): sourced | off | SPREAD[,...]
     step_variance: str = "sourced"
-    # Frontier planning (issue 35): a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
+    # Frontier planning: a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
     # published DeepSeek-V3 deployments ran), and EP also as deployed at scale: EPLB's redundant experts (this
     # many) and two-batch overlap.
     context: float | None = None

@@ -7,6 +7,7 @@ module when it runs."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 from typing import Any
 
@@ -16,6 +17,12 @@ from amoe.perf.model.routing import DEFAULT_LAMBDA
 # amoe.perf.studies.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
 PLAN_CHECK_PRESETS = ("ci", "depth", "full", "scale32", "variance")
 OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.perf.studies.plan_check.sample_checks)
+
+
+def dated_out(topic: str) -> str:
+    """A study's default --out: a new run folder experiments/<today, UTC>-<topic>, where run data lives (docs/
+    holds the manual only)."""
+    return f"experiments/{datetime.datetime.now(datetime.timezone.utc).date().isoformat()}-{topic}"
 
 
 def add_bench_compare_command(sub: Any) -> None:
@@ -71,7 +78,7 @@ def add_bench_plan_check_command(sub: Any) -> None:
     p.add_argument(
         "--time-scale", type=float, default=None,
         help="the preset's time scale on the reference host (stretched by the host probe as usual); a larger one "
-        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays (docs/results.md)",
+        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays",
     )  # fmt: skip
     _step_variance(p)
     add_aep_policy(p)
@@ -89,7 +96,7 @@ def add_bench_plan_table_command(sub: Any) -> None:
         "--routings", default=None, help="';'-separated routing specs (default: the three of the table)"
     )
     p.add_argument("--profile", default="mixtral-8x7b-mqa")
-    p.add_argument("--out", default="docs/results/plan_table")
+    p.add_argument("--out", default=dated_out("plan-table"), help="default: experiments/DATE-plan-table")
     p.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
     p.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL objective")
     p.add_argument(
@@ -133,7 +140,7 @@ def add_bench_plan_scale_command(sub: Any) -> None:
         "--routing", default=None, help="the skew the plans assume (default: the sourced skew-exp)"
     )
     p.add_argument("--itl-slo-ms", type=float, default=None)
-    p.add_argument("--out", default="docs/results/scale")
+    p.add_argument("--out", default=dated_out("plan-scale"), help="default: experiments/DATE-plan-scale")
     p.add_argument("--simulate", action="store_true", help="refine each best plan by the simulation")
     p.set_defaults(run=run_plan_scale)
 
@@ -143,7 +150,7 @@ def add_bench_frontier_command(sub: Any) -> None:
         "frontier",
         help="the model's predictions of published DeepSeek-V3 deployments (EP72-EP144), out of sample",
     )
-    p.add_argument("--out", default="docs/results/frontier")
+    p.add_argument("--out", default=dated_out("frontier"), help="default: experiments/DATE-frontier")
     p.add_argument(
         "--table", action="store_true", help="AEP, ping-pong and EP at 16-256 GPUs under 50/100 ms ITL"
     )
@@ -221,7 +228,7 @@ def add_bench_policies_command(sub: Any) -> None:
     )
     p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
-    p.add_argument("--out", default="docs/results/policies")
+    p.add_argument("--out", default=dated_out("policies"), help="default: experiments/DATE-policies")
     p.add_argument(
         "--report", default=None, metavar="JSON", help="summarise a recorded policies.json again; run nothing"
     )
@@ -379,8 +386,8 @@ def add_bench_waves_emulated_command(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--wave-group", type=int, default=-1,
-        help="waves: the expert side's wave group (docs/engine.md item 13); -1 (default): the bound's, as the plan's "
-        "command sets it; 0: per rank (items 9-10)",
+        help="waves: the expert side's wave group (docs/scheduler.md \"Group cells\"); -1 (default): the bound's, as "
+        "the plan's command sets it; 0: per rank (the straggler wait and the meeting block)",
     )  # fmt: skip
     p.add_argument(
         "--time-scale", type=float, default=None,
@@ -459,7 +466,7 @@ def add_bench_offload_replay_command(sub: Any) -> None:
     p.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
     p.add_argument(
         "--enc-dec", action="store_true",
-        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload.md Round 5)",
+        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload-policy.md)",
     )  # fmt: skip
     p.set_defaults(run=_runner("offload_replay"))
 
@@ -475,7 +482,7 @@ def add_bench_offload_locality_command(sub: Any) -> None:
     )
     p.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
     p.add_argument(
-        "--enc-dec", action="store_true", help="round 5: the round-3 constants on the encoder-decoder shapes"
+        "--enc-dec", action="store_true", help="the sourced constants on the encoder-decoder shapes"
     )
     p.set_defaults(run=_runner("offload_locality"))
 

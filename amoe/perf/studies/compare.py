@@ -3,7 +3,7 @@ against each with `amoe bench serve`'s machinery, and report throughput against 
 cost model's upper bound and the headline ratios (AEP / EP, fraction of the bound, defrag vs mtfs / flfs).
 
 Everything is in emulated time: wall seconds / time scale. Writes `--out DIR`: results.json, throughput_vs_itl.png,
-queue_depth.png; prints a table and one final JSON line. See docs/results.md.
+queue_depth.png; prints a table and one final JSON line. The recorded runs: docs/findings.md.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ async def load_point(
     for requests to finish (`completed`) before cancelling them.
 
     Requests are not streamed: the server's histograms give TTFT and ITL, and one SSE event per token would cost
-    this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
+    this 2-core host more CPU than the emulated runtimes."""
     import httpx
 
     from amoe.bench.client import BenchClient
@@ -257,7 +257,7 @@ async def load_point(
     if series:
         point["series"], point["window_s"] = _window_series(probe, window, scale)
     # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
-    # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
+    # from a deployment that was not the planned one must say so.
     point["sent"] = num
     point["server_warnings"] = server.warnings_since(warnings_mark)
     return point

@@ -25,7 +25,7 @@ def headline(points: list[dict[str, Any]], p: Preset, seed: int = 0) -> dict[str
     return out
 
 
-# Two runs of a preset agree when every headline ratio is within this fraction of its median (issue 20).
+# Two runs of a preset agree when every headline ratio is within this fraction of its median.
 AGREEMENT = 0.05
 # The headline figures that are ratios: what the repeats' agreement is judged on.
 _RATIO_WORDS = ("_over_", "fraction", "defrag_vs_")

@@ -113,10 +113,10 @@ def _measured(mode: str, attn: int, experts: int = 0, **knobs) -> Setup:
 
 
 _AEP = _measured("aep", 4, 4)
-# AEP and EP run at one time scale. Until issue 20 EP ran at twice it: its Python barrier exchange cost each device
+# AEP and EP run at one time scale. EP once ran at twice it: its Python barrier exchange cost each device
 # ~2.6 ms of host time per block, all 8 waking together on 2 cores after each barrier; the C++ exchange
 # (cpp/exchange.h) costs ~0.1 ms, and the plan check's EP plans measure within 6 % of their predictions at AEP's
-# scale (docs/results.md "Planner").
+# scale (experiments/2026-11-25-plan-check-full).
 _EP = _measured("ep", 8)
 
 
@@ -136,7 +136,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # 4 of Mixtral's 32 blocks: a short request lives ~1 s emulated, so the window [60 %, 100 %] of a 2 s point is
     # near steady state. Time scale 25 keeps the host (2 cores) at about one core at AEP's top load; the loads
-    # reach EP's saturation and AEP's. See docs/results.md.
+    # reach EP's saturation and AEP's (experiments/2026-11-25-compare-quick-steady).
     "quick": Preset(
         sweeps=_group("main", _AEP, _EP),
         loads=(0.5, 1.0), policy_load=0.5, policy_base=_AEP,
@@ -229,7 +229,7 @@ def serve_config(setup: Setup, p: Preset, seed: int) -> AmoeConfig:
         "decode_only": True,
     }  # fmt: skip
     # Each deployment's maximum: a rank takes as many requests as its KV holds (as the recorded runs did). AEP
-    # needs far more in flight than its batch caps to fill them (docs/emulation.md "Simulation"); with the default
+    # needs far more in flight than its batch caps to fill them (docs/simulation.md "Simulation"); with the default
     # 256 per rank the quick preset's AEP measured 0.48 of its bound instead of ~0.8.
     config = to_config(deployment, max_num_seqs=1_000_000, policy=setup.policy, emulation=emulation)
     return config.replace(**load_settings(time_scale(setup, p)))

@@ -1,11 +1,11 @@
 """`amoe bench frontier`: the cost model and the simulation against published large-scale deployments, out of
-sample (issue 35).
+sample.
 
 The calibration is fixed before any prediction and is the one the model already had: compute at 0.60 and HBM at
-0.85 of the datasheet peaks (fitted to the AMoE paper's A100 figures, docs/emulation.md "Calibration"), links at
+0.85 of the datasheet peaks (fitted to the AMoE paper's A100 figures, docs/cost-model.md "Calibration"), links at
 0.80, DeepEP's low-latency RDMA bandwidths (links.DEEPEP_RDMA_GBPS), FP8 GEMMs at twice the BF16 peak (Hopper
 datasheet), and host overhead "none": both systems run decode under CUDA graphs. Nothing below is fitted to the
-published throughputs; a miss is reported with its reason (docs/results.md "Frontier deployments").
+published throughputs; a miss is reported with its reason (docs/findings.md "Frontier models at scale").
 
     amoe bench frontier [--out DIR]
     amoe bench frontier --table [--profiles deepseek-v3,qwen3-235b-a22b] [--sizes 16,32,64,128,256]
@@ -39,7 +39,7 @@ CALIBRATION = {
     "gemm_speedup_fp8": 2.0,
     "all_to_all": "DeepEP low-latency RDMA bandwidth by EP size (README, H800 + CX7 400 Gb/s)",
 }
-# The documented rescaling of the Mixtral-measured skew to 256 experts (docs/emulation.md: λ · 8 / E), fixed
+# The documented rescaling of the Mixtral-measured skew to 256 experts (docs/cost-model.md: λ · 8 / E), fixed
 # before the predictions; DeepSeek-V3's auxiliary-loss-free balancing keeps its experts near even.
 ROUTING = f"skew-exp:{DEFAULT_LAMBDA * 8 / 256:g}"
 

@@ -1,5 +1,5 @@
 """`amoe bench frontier --breakdown [--trace FILE]`: why the model over-predicts the published DeepSeek-V3
-deployments (docs/results.md "Block by block against DeepSeek's profile"), per component of a decode layer.
+deployments (experiments/2026-11-27-frontier-tables), per component of a decode layer.
 
 Three things side by side, per layer of one decode step (both micro-batches, ms):
 
@@ -13,7 +13,7 @@ Three things side by side, per layer of one decode step (both micro-batches, ms)
 * **a trace** (`--trace FILE`, optional): a Chrome trace as the PyTorch profiler writes it, its GPU kernels summed
   by category (KERNEL_CATEGORIES) per MoE block. Nothing is downloaded: decode.json is not in this repository.
 
-Nothing here changes or fits the model (issue 35 forbids refitting after seeing the deployments): it explains the
+Nothing here changes or fits the model (nothing is refitted after seeing the deployments): it explains the
 1.35-1.60x of `amoe bench frontier` and names the one structural term the model lacks.
 """
 
@@ -290,7 +290,7 @@ def report(model: dict) -> dict:
     stream = sum(pub["deepseek-profile"][c] for c in CATEGORIES)
     stream_s = [sum(pub["sglang-96xh100"][c] for c in CATEGORIES), sgl["compute_ms"]]
     # The model at the profile's workload with its GEMMs at DeepGEMM's published speeds and DeepEP's unit-test
-    # stream time added (what a future round would price: docs/results.md), everything else its own.
+    # stream time added (what the model does not price yet), everything else its own.
     benched = sum(bench.get(c, run["layer_ms"][c]) for c in CATEGORIES)
     rows["compute stream"] = [stream, run["compute_ms"], benched, stream_s[0], stream_s[1]]
     rows["exchange wire"] = ["hidden", run["exchange_ms"], run["exchange_ms"], "hidden", sgl["exchange_ms"]]

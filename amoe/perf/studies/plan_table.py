@@ -1,6 +1,6 @@
-"""The planner's table at full model depth (issue 20): for each GPU type × top-k × pool size × routing, the best
+"""The planner's table at full model depth: for each GPU type × top-k × pool size × routing, the best
 plan of each mode (AEP, EP, ping-pong; copies allowed) as `amoe plan` ranks them, each with its corrected bound,
-its refined prediction (the discrete-event simulation, docs/emulation.md "Simulation"; ping-pong analytic) and the
+its refined prediction (the discrete-event simulation, docs/simulation.md "Simulation"; ping-pong analytic) and the
 fraction of the bound it reaches, AEP / EP against the bounds' AEP / EP, and the planner's pick.
 
     amoe bench plan-table [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
@@ -12,7 +12,7 @@ and the row reports measured throughput (× copies) beside the prediction. At th
 up to an hour per point on a 2-core host; an ITL objective (--itl-slo-ms) keeps the plans to fewer requests:
 
     amoe bench plan-table --measure --itl-slo-ms 150 --gpus a100-80g --sizes 8 --top-k 1 \
-        --routings skew-exp:0.08 --out docs/results/plan_table_measured
+        --routings skew-exp:0.08 --out experiments/DATE-plan-table-measured
 
 Prints a markdown table and a final JSON line; writes plan_table.json to --out.
 """
@@ -42,7 +42,7 @@ from amoe.perf.plan.request import Plan, PlanRequest, check_policy
 from amoe.perf.plan.search import best_per_mode, search
 from amoe.perf.studies import plan_check
 
-# The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
+# The sourced skew, the same with request affinity, and the stress case (docs/cost-model.md "Routing override").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
 PROFILE = "mixtral-8x7b-mqa"
 MODES = ("aep", "ep", "pingpong")
@@ -73,7 +73,7 @@ def cell(
             "simulated": bool(pred.extra.get("simulated")), "bottleneck": pred.bottleneck,
             "deployment": dataclasses.asdict(plan.deployment),
         }  # fmt: skip
-        if "wave_group" in pred.extra:  # how --measure serves it under waves (docs/engine.md item 13)
+        if "wave_group" in pred.extra:  # how --measure serves it under waves' group cells
             modes[mode]["wave_group"] = pred.extra["wave_group"]
     row = {
         "gpu": gpu,
@@ -162,7 +162,7 @@ def little_rate(runs: list[dict]) -> float | None:
     producing (~1 % high at ~100 tokens a request). Within 1.1 % of the counter's least-squares slope on 27 of the
     first 31 points with both; on the other 4 the counter is too coarse to tell (7–8 steps, or 20 uneven ones,
     scraped 4 times an ITL: where the steps fell is known only to ±10 %), while the ITL histogram times every
-    token (docs/results.md). None if no run recorded both."""
+    token (experiments/2026-11-25-plan-table-full-depth). None if no run recorded both."""
     rates = [
         r["running_mean"] / (r["itl_ms"] / 1e3) for r in runs if r.get("itl_ms") and r.get("running_mean")
     ]
@@ -219,10 +219,10 @@ def readings(got: dict, replicas: int, predicted: float) -> dict:
 # A close call: a row whose two best measured modes are within the simulation's resolution of each other
 # (plan.RESOLUTION). One run at the table's time scale cannot order them: two runs of one plan differ by up to 2 %
 # there, and on eight emulated runtimes AEP's measured 2-3 % under its simulation at scale ~64 and at it at 2.5x
-# that (docs/results.md "Headroom"). So every mode of the row runs CLOSE_CALL_RUNS more times, in turn within each
+# that (experiments/2026-11-28-headroom). So every mode of the row runs CLOSE_CALL_RUNS more times, in turn within each
 # run, at CLOSE_CALL_SCALE times the time scale (the host's own delays that much smaller against every emulated
 # step), and the row reads the means. The rule was written down before the runs that first applied it
-# (docs/results/headroom/100_row2_scale100_runs/RULE.md), then coded as it stands.
+# (experiments/2026-11-28-close-call/RULE.md), then coded as it stands.
 CLOSE_CALL_SCALE = 2.5
 CLOSE_CALL_RUNS = 3
 
@@ -521,7 +521,7 @@ def _measured_summary(rows: list[dict], measured: Measured) -> dict:
             r[m]["measured_over_predicted"] for r in rows for m in ("aep", "ep", "pingpong")
             if "measured" in r.get(m, {})
         ),
-        # The issue's goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
+        # The goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
         measured_aep_at_085_of_bound=f"{sum(f >= 0.85 for f in aep)} of {len(aep)}",
         measured_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in of_bounds)} of {len(of_bounds)}",
         fit_over_two_scrapes=fit_over_two_scrapes(measured.points),

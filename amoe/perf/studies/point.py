@@ -46,7 +46,7 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
         attention_idle=busy_fractions(first, last, "attention_idle"),
         rows_per_step=rows_per_step(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
-        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
+        # machine's core count the host, not the emulated GPUs, sets the pace: marked.
         host_cores=host,
         saturated=calibrate.saturated(host),
         running_mean=round(
@@ -95,7 +95,7 @@ def token_rate_fit(series: list[tuple[float, float]], scale: float) -> float | N
 
 def rows_per_step(first, last) -> dict[str, float]:
     """Mean rows per step of each kind (attn, head, expert) over the window, all runtimes together: the batches the
-    runtime actually ran, to set beside the ones a prediction assumed (docs/results.md, Issue 35)."""
+    runtime actually ran, to set beside the ones a prediction assumed."""
     out = {}
     for kind, (rows, steps) in sorted(last.batch_rows.items()):
         rows0, steps0 = first.batch_rows.get(kind, (0.0, 0.0))

@@ -1,4 +1,4 @@
-"""The scheduling policies under Poisson arrivals (issue 32): each policy's AEP deployment on emulated GPUs, loaded
+"""The scheduling policies under Poisson arrivals: each policy's AEP deployment on emulated GPUs, loaded
 by an open stream of requests (Poisson arrivals; a finished request's place is taken by the next arrival, none is
 resent), at a fraction of the bound's request rate below saturation and at one above it.
 
@@ -14,12 +14,12 @@ Each rank holds at most the requests the planner's prediction of this deployment
 the least concurrency within 3 % of the most it simulates); arrivals beyond wait in the coordinator's queue and
 replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
 its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
-draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
-arrivals"). `waves` is served with the bound's wave group, as `amoe plan` prints it (`wave_group`; before stop 51
-it ran without one, the expert side's items 9-10, and its half-load ITL did not repeat).
+draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (experiments/2026-11-26-policies-poisson). `waves`
+is served with the bound's wave group, as `amoe plan` prints it (`wave_group`; it once ran without one, by the
+straggler wait and the meeting block, and its half-load ITL did not repeat).
 
-The half-load point (decided 2026-11-27 from its traces, docs/results.md "Why the half-load ITL differed between
-runs", before the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
+The half-load point (decided 2026-11-27 from its traces, experiments/2026-11-27-policies-half-load-window, before
+the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
 output token whose interval ended in it, so by Little's law the time-average of the requests in flight over the
 arrivals' token rate. The ITL is correlated over 0.15–1.1 emulated seconds, the requests in flight over
 0.5–2.2 s (a request lives ~0.9 s), so the old window, the last 40 % of 4 s (1.6 s), held one to a few
@@ -111,9 +111,10 @@ def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
 
 
 def wave_group(p: Preset, step_variance: str = "sourced") -> int:
-    """The expert side's wave group `waves` is served with: the bound's (docs/engine.md "The waves rule" item 13),
-    as `amoe plan` prints it for this deployment. Without it waves ran items 9-10, which note arrivals per rank and
-    cannot tell a rank's waves apart (the runs before stop 51)."""
+    """The expert side's wave group `waves` is served with: the bound's (docs/scheduler.md "Group cells"), as
+    `amoe plan` prints it for this deployment. Without it waves runs the straggler wait and the meeting block,
+    which note arrivals per rank and cannot tell a rank's waves apart (the runs in
+    experiments/2026-11-27-policies-poisson-repeats)."""
     from amoe.perf.model.routing import routing_inclusion
     from amoe.perf.model.variance import StepVariance
     from amoe.perf.plan import bounds

@@ -1,4 +1,4 @@
-"""What a half-load point of `amoe bench policies` measures, and how precisely (issue 32): the ITL's time series
+"""What a half-load point of `amoe bench policies` measures, and how precisely: the ITL's time series
 and its confidence interval by batch means.
 
 A half-load point's ITL is the coordinator's ITL histogram differenced over a window: the mean over every output
@@ -9,8 +9,8 @@ window are therefore not independent samples; batch means over stretches longer 
 honest interval (Law & Kelton, "Simulation Modeling and Analysis", §9.5.3: the method of batch means).
 
 `python -m amoe.perf.studies.policy_itl --policy waves --seed 0 --duration 10 --out DIR` runs one half-load point
-(niced by the caller) and writes every scrape and every request's latency, for the analysis in docs/results.md
-("Why the half-load ITL differed between seeds").
+(niced by the caller) and writes every scrape and every request's latency, for the analysis in
+experiments/2026-11-27-policies-half-load-window.
 """
 
 from __future__ import annotations
@@ -184,9 +184,10 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
 
 
 def analyse(trace: dict) -> list[str]:
-    """The lines of docs/results/policies_itl_traces/analysis.txt for one trace: host CPU, requests in flight /
-    token rate / ITL in 0.25 s bins, batch-means intervals over several windows (the bench's old one, [2.4, 4.0],
-    first), correlation times, and the requests' own latency per token by when they arrived."""
+    """The lines of experiments/2026-11-27-policies-half-load-window/traces/analysis.txt for one trace: host
+    CPU, requests in flight / token rate / ITL in 0.25 s bins, batch-means intervals over several windows (the
+    bench's old one, [2.4, 4.0], first), correlation times, and the requests' own latency per token by when
+    they arrived."""
     sc = trace["scrapes"]
     head = {
         k: round(v, 2) if isinstance(v, float) else v

@@ -1,11 +1,11 @@
 """Each frontier-table cell's plan at its concurrency, simulated without and with the sourced step-time variance
-(the same window, routing and seeds; issue 35, v35): what the variance alone does to the plan a table shows. Reads
+(the same window, routing and seeds): what the variance alone does to the plan a table shows. Reads
 `amoe bench frontier --table` JSON lines; one JSON line per cell with a plan.
 
     amoe bench variance-same-plans experiments/2026-11-27-frontier-step-variance/table_deepseek_v3_variance.jsonl
 
 The window is refine's at the cell's ITL (warm-up 4 ITLs, 8 ITLs measured, AEP's batch-means stop); `off` is the
-simulation at scale as it was before v35, to the last digit (tests/test_scale_variance.py).
+simulation at scale as it was before it drew the variance, to the last digit (tests/test_scale_variance.py).
 """
 
 from __future__ import annotations

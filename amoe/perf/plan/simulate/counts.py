@@ -120,7 +120,7 @@ def share_matrix(num_ids: int, placement: list[list[tuple[int, float]]]) -> np.n
 
 
 class Nics:
-    """Transfers between the pools on both ends' links (issue 35, incast), each link direction carrying one
+    """Transfers between the pools on both ends' links (the incast), each link direction carrying one
     message set at a time (full duplex: in and out apart): the alike attention GPUs' one NIC (their timeline) and
     each expert GPU's. A dispatch of `rows` rows per attention GPU (their row copies, rows · top-k) leaves the
     attention GPU's link out and enters each expert GPU's link in with the rows it gets from all A attention GPUs;

@@ -96,7 +96,7 @@ def ep(
 ) -> Simulated:  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
     counts, each device's grouped GEMM over its expert copies, the barriers at the slowest device; returns
-    Simulated. `variance`: each device's steps × its speed × a jitter per barrier (docs/emulation.md "Step-time
+    Simulated. `variance`: each device's steps × its speed × a jitter per barrier (docs/simulation.md "Step-time
     variance at scale"). `trace`: each device's attention from its own requests (module docstring)."""
     gpu = gpu_profile(dep.attn_gpu)
     n, halves = dep.num_attn, 2 if dep.two_batch_overlap else 1
@@ -208,7 +208,7 @@ def pingpong(
 ) -> Simulated:  # fmt: skip
     """Ping-pong's lock-step (amoe.perf.plan.simulate.events.simulate_pingpong) with counts and every expert GPU's
     step at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed ×
-    jitter), each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale").
+    jitter), each expert GPU's step × its speed × its jitter (docs/simulation.md "Step-time variance at scale").
     `trace`: each attention GPU's micro-batches from its own requests (module docstring)."""
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
