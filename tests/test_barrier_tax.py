@@ -240,3 +240,39 @@ def test_a_plan_on_a_trace_reads_the_traces_mean_context_and_a_bad_name_is_refus
     assert workload_of(PlanRequest("deepseek-v3", {"h800": 16}))[1] is None  # a paper workload: no trace
     with pytest.raises(ConfigError, match="unknown trace"):
         workload_of(PlanRequest("deepseek-v3", {"h800": 16}, workload="nonesuch"))
+
+
+def test_an_emulated_devices_step_is_what_its_gpu_clocks_held_not_the_wall_time_around_them():
+    """The barrier tax's steps on emulated GPUs: the clocks' held seconds (cost model × speed × jitter × time scale)
+    summed over the device's attention and expert clocks, however long the host took around them; a device
+    without a clock counts the wall time of its busy sections."""
+    from types import SimpleNamespace
+
+    from amoe.runtime.emulated_clock import EmulatedClock
+    from amoe.runtime.sync.stats import gpu_clock
+
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    def clock(speed: float) -> EmulatedClock:
+        return EmulatedClock(100.0, speed=speed, jitter=lambda: 1.02, wall=lambda: now[0], sleep=sleep)
+
+    attn, experts = clock(1.1), clock(0.9)
+    device = gpu_clock(SimpleNamespace(compute=SimpleNamespace(clock=attn)), SimpleNamespace(clock=experts))
+    stats = SyncStats(1, 2, device)
+    with stats.busy():
+        attn.hold(0.001, "attention")
+        torch.zeros(64, 64).sum()  # host work around the hold: not the GPU's step
+    assert stats.take_step() == pytest.approx(0.001 * 1.1 * 1.02 * 100)
+    with stats.busy():
+        experts.hold(0.002, "expert")
+    assert stats.take_step() == pytest.approx(0.002 * 0.9 * 1.02 * 100)
+    assert stats.take_step() == 0.0  # nothing held since
+    assert gpu_clock(SimpleNamespace(compute=SimpleNamespace(clock=attn)), None) is not None
+    assert gpu_clock(SimpleNamespace(compute=object()), None) is None  # a torch executor: no clock
+    plain = SyncStats(1, 2)
+    with plain.busy():
+        pass
+    assert 0.0 <= plain.take_step() == pytest.approx(plain.busy_s)

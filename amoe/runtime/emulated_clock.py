@@ -51,6 +51,9 @@ class EmulatedClock:
         self._overshoot = 1e-4  # running estimate of time.sleep's lateness, seconds of wall time
         self._debt = 0.0  # wall seconds the previous holds ran over (negative: ended early)
         self._held_wall = 0.0
+        # Wall seconds of the steps as this GPU runs them (cost model × speed × jitter × time scale), whatever the
+        # host's sleeps and the Python around them took: what a barrier's peers wait for on this GPU.
+        self.gpu_wall_s = 0.0
         self._kinds: dict[str, KindStats] = defaultdict(KindStats)
         self._lock = threading.Lock()  # stats() may be read from another thread while the loop holds
 
@@ -68,6 +71,7 @@ class EmulatedClock:
             stats.steps += 1
             stats.rows += rows
             stats.busy_s += seconds
+        self.gpu_wall_s += seconds * self.time_scale
         if seconds > 0:
             self._held_wall += self._sleep(seconds * self.time_scale)
 

@@ -14,7 +14,7 @@ import torch
 from amoe.model.config import ModelConfig
 from amoe.runtime.requests import HeadOutput, RankRequest
 from amoe.runtime.sync.batch import Chunk, LayerBatch, TokenInbox
-from amoe.runtime.sync.stats import SyncStats
+from amoe.runtime.sync.stats import SyncStats, gpu_clock
 from amoe.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ class SyncDevice:
         self.attn_rank = attn_rank
         self.max_batch_rows = max_batch_rows
         self.hosted_experts = [e for e, d in enumerate(self.expert_device) if d == rank]
-        self.stats = SyncStats(cfg.num_blocks, cfg.num_expert_ids)
+        self.stats = SyncStats(cfg.num_blocks, cfg.num_expert_ids, gpu_clock(attention, experts))
         self._failures: list[HeadOutput] = []  # loop thread only
         self.iteration_rows = 0  # the current iteration's rows on all devices (the BEGIN barrier's total)
 
