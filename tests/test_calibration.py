@@ -77,3 +77,41 @@ def test_a_borrowed_architecture_must_say_why(copy):
     copy.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="ada borrows 'hopper' without a why"):
         calibrations.load("2026-11-29")
+
+
+def test_every_gpu_has_its_architectures_constants():
+    from amoe.perf.model.gpus import SHEETS
+
+    cal = calibrations.load()
+    for sheet in SHEETS.values():
+        assert isinstance(cal.for_arch(sheet.arch), KernelConstants)
+
+
+def test_the_active_calibrations_derived_constants_follow_from_its_sources():
+    """Every derived Hopper constant is what calibration_derive computes from the file's own sources with the
+    code as it stands: a change of the model that moves one needs a new dated calibration."""
+    from amoe.perf.studies import calibration_derive
+
+    raw = calibrations.load_raw(calibrations.ACTIVE)
+    derived = calibration_derive.derive(raw)
+    stored = {**raw["architectures"]["hopper"]["constants"], **raw["exchange"]}
+    for key, value in derived.items():
+        if key in stored:
+            assert value == pytest.approx(float(stored[key]["value"]), rel=1e-9, abs=1e-15), key
+
+
+def test_naming_a_calibration_prices_every_gpu_with_it(copy, monkeypatch):
+    """`--calibration NAME`: the GPU profiles (and through them every kernel time) take that file's constants."""
+    from amoe.perf.model import gpus
+
+    raw = json.loads(copy.read_text())
+    raw["name"] = "2027-01-01"
+    raw["architectures"]["hopper"]["constants"]["launch_s"]["value"] = 9e-6
+    (copy.parent / "2027-01-01.json").write_text(json.dumps(raw))
+    kept = dict(gpus.GPUS)
+    try:
+        gpus.apply_calibration("2027-01-01")
+        assert gpus.gpu_profile("h100").launch_s == 9e-6
+        assert gpus.gpu_profile("a100-80g") == kept["a100-80g"]  # Ampere's constants are the same in both
+    finally:
+        gpus.GPUS.update(kept)

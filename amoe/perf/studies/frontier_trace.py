@@ -20,22 +20,22 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model import ep_scale as scale
-from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.links import all_to_all_time
-from amoe.perf.model.models import ModelProfile, model_profile
+from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
-from amoe.perf.plan.bound_ep import ep_placements
+from amoe.perf.plan.bound_ep import ep_micro_batch, ep_placements
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.studies.chrome_trace import CATEGORIES, read_trace, trace_breakdown
-from amoe.perf.studies.frontier import DEPLOYMENTS, ROUTING
+from amoe.perf.studies.frontier import ROUTING
 
 # SGLang's blog figure "Decode Time Breakdown" (lmsys.org/blog/2025-05-05-large-scale-ep, image
 # public/images/blog/large_scale_ep/profile-decode.png of lm-sys/lm-sys.github.io; read from the copy in
@@ -108,49 +108,29 @@ class TraceWorkload:
 
 
 def workloads() -> dict[str, TraceWorkload]:
-    """The workloads `amoe bench frontier` predicted and the ones the published systems ran."""
+    """The workloads `amoe bench frontier` predicted before the kernel calibration (the built-in deployments file's
+    decode lines at one row a request) and the ones the published systems ran."""
     out = {
-        f"{c.name} (as predicted)": TraceWorkload(
-            c.name, c.gpu, c.devices, c.batch_per_gpu, 1, c.kv_length, c.redundant_experts, ROUTING
-        )
-        for c in DEPLOYMENTS
+        "deepseek-day6 (as predicted)": TraceWorkload(
+            "deepseek-day6", "h800", 144, 128, 1, 4989, 32, ROUTING
+        ),
+        "deepseek-profile (as predicted)": TraceWorkload(
+            "deepseek-profile", "h800", 128, 128, 1, 4096, 0, ROUTING
+        ),
+        "sglang-96xh100 (as predicted)": TraceWorkload(
+            "sglang-96xh100", "h100", 72, 256, 1, 2000, 32, ROUTING
+        ),
     }
     # The profile as DeepSeek ran it: 2 routed experts a GPU (EP128, no redundancy), balanced routing, 2 rows per
     # request (one MTP draft: what SGLang's 18,598 credits, PROFILE_MTP_ACCEPTED, and what its MLA core time fits).
     out["deepseek-profile (as run: MTP)"] = TraceWorkload(
         "deepseek-profile", "h800", 128, 128, 2, 4096, 0, "uniform"
     )
-    day6 = next(c for c in DEPLOYMENTS if c.name == "deepseek-day6")
     load = round(DAY6_PER_NODE / 8 / DAY6_REQUEST_SPEED)
     out["deepseek-day6 (at the day's mean load)"] = TraceWorkload(
-        day6.name, day6.gpu, day6.devices, load, 1, day6.kv_length, day6.redundant_experts, ROUTING
+        "deepseek-day6", "h800", 144, load, 1, 4989, 32, ROUTING
     )
     return out
-
-
-def attention_parts(model: ModelProfile, gpu: GpuProfile, requests: int, queries: int, ctx: int) -> dict:
-    """cost_model.attention_layer_time's terms, one by one (host none): their sum is that function's value."""
-    chunk = np.full(requests, float(queries))
-    ctxs = np.full(requests, float(ctx))
-    rows = float(chunk.sum())
-    h, ba = model.hidden_size, model.bytes_per_activation
-    proj = cm.roofline(
-        gpu,
-        2 * rows * model.attn_params / model.gemm_speedup,
-        model.attn_params * model.bytes_per_param + 4 * rows * h * ba,
-    )
-    kv_bytes = float(ctxs.sum()) * model.kv_bytes_per_token + rows * model.kv_bytes_per_token
-    attended = float((chunk * (ctxs - (chunk - 1) / 2)).sum())
-    core = cm.roofline(gpu, attended * model.attn_flops_per_context_token, kv_bytes)
-    elementwise = (
-        (cm.ATTENTION_ELEMENTWISE_PASSES + model.experts_per_token) * rows * h * ba / gpu.usable_bandwidth
-    )
-    return {
-        "gemm": proj,
-        "attention_core": core,
-        "other": elementwise,
-        "launch": cm.ATTENTION_KERNELS * gpu.launch_s,
-    }
 
 
 @functools.lru_cache(maxsize=4)
@@ -170,23 +150,26 @@ def model_breakdown(w: TraceWorkload) -> dict:
     )  # fmt: skip
     q = inclusion(w.routing)
     mb_requests, rows = w.requests // 2, w.rows / 2  # one micro-batch
-    attn = attention_parts(model, gpu, mb_requests, w.queries, w.kv_length)
-    attn_s = sum(attn.values())
-    dispatch = all_to_all_time(model, gpu, rows, w.devices, 8, model.dispatch_bytes)
-    combine = all_to_all_time(model, gpu, rows, w.devices, 8)
+    parts = cm.attention_parts(
+        model, gpu, np.full(mb_requests, w.queries), np.full(mb_requests, w.kv_length), host
+    )
+    mb = ep_micro_batch(model, gpu, rows, w.kv_length, dep, host, w.queries)
+    attn_s, dispatch, combine = mb.stage_in + mb.stage_out, mb.dispatch, mb.combine
     experts, blocks = [], []
     for blk, placement in enumerate(ep_placements(model, dep, q)):
         slowest, _ = scale.slowest_device(
             model, gpu, scale.device_rows(placement, w.devices * rows * q[blk]), host
         )
         experts.append(slowest)
-        blocks.append(scale.block_time(attn_s, slowest, dispatch + combine, True))
+        blocks.append(scale.block_time(replace(mb, experts=slowest), True))
     expert_launch = cm.EXPERT_KERNELS * gpu.launch_s
-    moe = float(np.mean(experts)) - expert_launch
-    per_block = dict(attn)
-    per_block["moe"] = moe
-    per_block["launch"] += expert_launch
-    per_block["dispatch"] = per_block["combine"] = 0.0  # on the compute stream: the model has the wire only
+    per_block = {
+        "gemm": parts["gemm_in"] + parts["gemm_out"], "attention_core": parts["core"],
+        "other": parts["elementwise"], "launch": parts["launches"] + expert_launch,
+        "moe": float(np.mean(experts)) - expert_launch,
+        # on the compute stream: the receive kernels' wait for the wire beyond the stage they hide behind
+        "dispatch": max(0.0, dispatch - mb.stage_in), "combine": max(0.0, combine - mb.stage_out),
+    }  # fmt: skip
     to_layer = 2 * model.num_blocks / MODEL_LAYERS * 1e3  # both micro-batches, over the 61 layers, in ms
     head = cm.head_time(model, gpu, w.rows, host=host)
     step = head + sum(blocks)
@@ -200,13 +183,13 @@ def model_breakdown(w: TraceWorkload) -> dict:
         "exchange_ms": 2 * (dispatch + combine) * model.num_blocks / MODEL_LAYERS * 1e3,
         # The whole batch's exchange in one go (no overlap): what SGLang's TBO ablation exposes.
         "exchange_no_tbo_ms": (
-            all_to_all_time(model, gpu, 2 * rows, w.devices, 8, model.dispatch_bytes)
-            + all_to_all_time(model, gpu, 2 * rows, w.devices, 8)
+            all_to_all_time(model, gpu, 2 * rows, w.devices, 8, "dispatch")
+            + all_to_all_time(model, gpu, 2 * rows, w.devices, 8, "combine")
         ) * model.num_blocks / MODEL_LAYERS * 1e3,
-        "block_us": {"attention": attn_s * 1e6, "mla_core": attn["attention_core"] * 1e6,
+        "block_us": {"attention": attn_s * 1e6, "mla_core": parts["core"] * 1e6,
                      "experts": float(np.mean(experts)) * 1e6, "dispatch": dispatch * 1e6, "combine": combine * 1e6,
                      "block": float(np.mean(blocks)) * 1e6},
-        "bound": "exchange" if 2 * (dispatch + combine) > compute else "compute",
+        "bound": "exchange" if per_block["dispatch"] + per_block["combine"] > 0 else "compute",
         "step_ms": step * 1e3,
         # With an MTP draft, SGLang's credit for DeepSeek's profile: 1.6 tokens a request a step.
         "tokens_per_s_per_node": 8 * w.requests * (1 + PROFILE_MTP_ACCEPTED * (w.queries - 1)) / step,
