@@ -18,6 +18,7 @@ from amoe.errors import AmoeError, ConfigError, RequestError
 from amoe.log import setup_logging
 from amoe.offload.cli import add_offload_command
 from amoe.queue_viewer import add_queues_command  # light: its heavy imports are in its run function
+from amoe.train.cli import add_default_model_command
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 def add_generate_command(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text offline, in this process")
-    p.add_argument("--model", metavar="PATH", help="model directory (default: the random-weight demo model)")
+    p.add_argument("--model", metavar="PATH", help="model directory (default: the shipped default model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
     p.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
@@ -91,7 +92,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.parallel != "local" or args.ep_pipelines is not None or args.ep_kernel is not None:
         return _generate_ep(args, given, offload)
     options = {f"offload_{name}": value for name, value in vars(offload).items()}
-    # model None: the demo model, built on first use; LLM logs that it is random-weight
+    # model None: the shipped default model
     llm = LLM(model=args.model, generation_config=args.generation_config, **options)
     params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     prompts = _chat_prompts(llm, args.prompt) if args.chat else args.prompt
@@ -210,6 +211,7 @@ SUBCOMMANDS = (
     add_bench_and_plan_commands,
     add_queues_command,
     add_offload_command,
+    add_default_model_command,
 )
 
 

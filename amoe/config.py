@@ -5,15 +5,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from amoe.errors import ConfigError
+from amoe.tool_calls.formats import PARSERS
 
-# The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen.
-POLICIES = ("defrag", "mtfs", "flfs", "wave", "waves")
+logger = logging.getLogger(__name__)
+
+# The layer schedulers of AMoE §3.4: the paper's defragging Algorithm 1 and its two strawmen, and `waves`, which
+# keeps each attention rank's requests in waves that stay apart (docs/scheduler.md).
+POLICIES = ("defrag", "mtfs", "flfs", "waves")
+# The one default policy of `amoe serve`, `amoe plan` and every study: what the planner simulates and serves, at
+# 0.97-1.02 of AEP's bound at 32 blocks where defrag reaches 0.41-0.54 (docs/findings.md). defrag gives the lower
+# ITL at light load (docs/scheduler.md).
+DEFAULT_POLICY = "waves"
+# Policies no longer served, and what replaces each: `wave` merged waves and measured the worst of five.
+RETIRED_POLICIES = {"wave": "waves"}
 # Weight and activation dtypes by name (amoe.device maps them to torch dtypes; this module stays torch-free).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_SYNONYMS = {"half": "float16", "float": "float32"}
@@ -38,7 +49,7 @@ def _positive(name: str, value: float) -> None:
 class ModelSection:
     """Which checkpoint to serve and how to hold it."""
 
-    path: str | None = None  # None: the embedded tiny demo model
+    path: str | None = None  # None: the shipped default model (amoe.model.make.default_model_path)
     # auto: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else bfloat16 (amoe.device.model_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -105,7 +116,7 @@ class ParallelSection:
     # aep / pingpong: the expert runtime (0..expert_ranks-1) of each expert, "0,1,2,3,0,1,2,3"; None: e mod M.
     # `amoe plan` writes one that balances a skewed routing.
     expert_map: str | None = None
-    # ep: EPS-MoE's expert pipeline (docs/serve.md "The expert pipeline"): each block's experts run as PN chunks,
+    # ep: EPS-MoE's expert pipeline (docs/eps.md "Serving with it"): each block's experts run as PN chunks,
     # one group of every device's hosted experts each, chunk p's all-to-all in flight while chunk p-1 computes.
     # "N" (1..the experts a device hosts) or "auto" (the cost model's choice per iteration's load); None: 1.
     ep_pipelines: str | None = None
@@ -149,7 +160,7 @@ class ParallelSection:
 class SchedulerSection:
     """The per-runtime layer scheduler (AMoE §3.4)."""
 
-    policy: str = "defrag"
+    policy: str = DEFAULT_POLICY
     lookahead: int = (
         4  # K of Algorithm 1: blocks looked ahead (the paper gives no value; 4 is what amoe serves with)
     )
@@ -159,13 +170,18 @@ class SchedulerSection:
     # An expert runtime runs every hosted expert's queue of the block it picks as one grouped step (one host step,
     # one kernel sequence), as EP and ping-pong run a device's experts; false: one (block, expert) queue a step.
     group_experts: bool = True
-    # waves, expert side (docs/engine.md "The waves rule" item 13): the waves of each attention rank that make one
+    # waves, expert side (docs/scheduler.md "Group cells"): the waves of each attention rank that make one
     # group, which an expert runtime serves as one (block, group) step once every rank's waves of the group are
-    # in. 0: the expert side gathers per rank (items 9-10). A plan sets its bound's group (`amoe plan` prints
-    # it): the right size depends on the expert GPU's cost of a step, which the serving config does not know.
+    # in. 0: the expert side gathers per rank (the straggler wait and the meeting block). A plan sets its
+    # bound's group (`amoe plan` prints it): the right size depends on the expert GPU's cost of a step, which
+    # the serving config does not know.
     wave_group: int = 0
 
     def __post_init__(self) -> None:
+        if self.policy in RETIRED_POLICIES:
+            raise ConfigError(
+                f"scheduler.policy {self.policy} is retired: use {RETIRED_POLICIES[self.policy]} (docs/scheduler.md)"
+            )
         _choice("scheduler.policy", self.policy, POLICIES)
         if self.wave_group < 0:
             raise ConfigError(f"scheduler.wave_group must be >= 0; got {self.wave_group}")
@@ -192,43 +208,48 @@ class TransportSection:
 
 @dataclass(frozen=True)
 class ExecutorSection:
-    """What runs a layer: real torch computation, or an emulated GPU holding the runtime for a predicted time."""
+    """What runs a layer: real torch computation, or an emulated GPU holding the runtime for a predicted time (its
+    settings: the emulation section)."""
 
     kind: str = "torch"
-    gpu: str = "a100-80g"  # emulated: a100-40g | a100-80g | h100 | h200
-    # emulated: the expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as
-    # MegaScale-Infer runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV
-    # are priced on --gpu (the attention GPUs), as the bounds (amoe.perf.plan.bounds) price them.
+
+    def __post_init__(self) -> None:
+        _choice("executor.kind", self.kind, ("torch", "emulated"))
+
+
+@dataclass(frozen=True)
+class EmulationSection:
+    """The emulated GPUs (docs/emulation.md): which GPUs the cost model prices and how the emulated executor runs
+    them. Read with `executor.kind = emulated`; `gpu` also prices a torch EP deployment's `--ep-pipelines auto`."""
+
+    gpu: str = "a100-80g"  # a100-40g | a100-80g | h100 | h200
+    # The expert runtimes' GPU when it differs (a heterogeneous AEP or ping-pong deployment, as MegaScale-Infer
+    # runs: attention on memory-rich GPUs, experts on compute-rich ones); "": --gpu. Links and KV are priced on
+    # --gpu (the attention GPUs), as the bounds (amoe.perf.plan.bounds) price them.
     expert_gpu: str = ""
-    profile: str | None = (
-        None  # emulated: model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
-    )
-    top_k: int | None = None  # emulated: override the profile's top-k
-    time_scale: float = 1.0  # emulated: wall seconds per emulated second
-    routing: str = (
-        "model"  # model | uniform | skew-exp[:λ] (benchmarks override the router, as the paper does)
-    )
+    profile: str | None = None  # model shapes to cost (mixtral-8x7b-mqa, ...); None: the checkpoint's
+    top_k: int | None = None  # override the profile's top-k
+    time_scale: float = 1.0  # wall seconds per emulated second
+    # model | uniform | skew-exp[:λ] (benchmarks override the router, as the paper does)
+    routing: str = "model"
     seed: int = 0  # of the routing override
-    host_overhead: str = "amoe-paper"  # emulated: host cost per row of the serving system (amoe-paper | none)
-    # emulated: skip prefill as the AMoE paper's evaluation does (KV "populated with dummy data"): a prompt's KV is
-    # taken as written and only its last token enters, so throughput is decode throughput.
+    host_overhead: str = "amoe-paper"  # host cost per row of the serving system (amoe-paper | none)
+    # Skip prefill as the AMoE paper's evaluation does (KV "populated with dummy data"): a prompt's KV is taken as
+    # written and only its last token enters, so throughput is decode throughput.
     decode_only: bool = False
-    # emulated: GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
+    # GPUs per node, which decides whether a message crosses NVLink or the network; 0: one node
     gpus_per_node: int = 0
-    # emulated: each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/emulation.md):
+    # Each GPU's fixed speed and each step's jitter (amoe.perf.model.variance, docs/cost-model.md):
     # sourced (Sinha et al. SC'22 across GPUs, DeepEP #208 per step) | off | SPREAD[,jitter=J][,seed=N]
     step_variance: str = "sourced"
 
     def __post_init__(self) -> None:
-        _choice("executor.kind", self.kind, ("torch", "emulated"))
-        if self.decode_only and self.kind != "emulated":
-            raise ConfigError("executor.decode_only needs --executor emulated (real weights must prefill)")
-        _positive("executor.time_scale", self.time_scale)
+        _positive("emulation.time_scale", self.time_scale)
         if self.top_k is not None:
-            _positive("executor.top_k", self.top_k)
+            _positive("emulation.top_k", self.top_k)
         if self.gpus_per_node < 0:
-            raise ConfigError(f"executor.gpus_per_node must be >= 0; got {self.gpus_per_node}")
-        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.perf.model.check.check_executor
+            raise ConfigError(f"emulation.gpus_per_node must be >= 0; got {self.gpus_per_node}")
+        # The names (GPU, profile, host overhead, routing) are the cost model's: amoe.perf.model.check.check_emulation
         # checks them where an emulation is built (`amoe serve` before it starts anything, every Emulation), so
         # that the serving config does not import the modelling.
 
@@ -263,6 +284,10 @@ class ServerSection:
     # /metrics: queue depths and batch counters per layer (runtime, block, expert | rank); false sums them per
     # runtime and routed tokens per expert, for models whose layer count would make too many series.
     metrics_per_layer: bool = True
+    # Tool calling as vLLM serves it (docs/tools.md): the family's wire format that `tool_choice: "auto"` reads
+    # calls in (vLLM's parser names), and whether `auto` is served at all (without it, a 400 as in vLLM).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -287,6 +312,10 @@ class ServerSection:
                 raise ConfigError(f"server.{name} must be >= 0; got {getattr(self, name)}")
         if not isinstance(self.metrics_per_layer, bool):
             raise ConfigError(f"server.metrics_per_layer must be true or false; got {self.metrics_per_layer}")
+        if self.tool_call_parser is not None:
+            _choice("server.tool_call_parser (--tool-call-parser)", self.tool_call_parser, tuple(PARSERS))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 @dataclass(frozen=True)
@@ -369,6 +398,38 @@ class OffloadSection:
 
 
 @dataclass(frozen=True)
+class EplbSection:
+    """Redundant experts and live rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: `aep` only."""
+
+    # vLLM's --enable-eplb: recompute the placement every step_interval steps from the last window_size steps' load
+    enable: bool = False
+    # Extra replicas per block beyond one per expert, placed at start-up by expected load (a shared expert first)
+    num_redundant_experts: int = 0
+    window_size: int = (
+        1000  # steps of expert load a rebalance looks at (a step: one head step of a rank, mean)
+    )
+    step_interval: int = 3000  # steps between rebalances (beyond window_size only the last window_size count)
+    log_balancedness: bool = False  # log each block's balancedness (mean / max runtime load)
+    log_balancedness_interval: int = 1  # steps between those logs
+    # amoe's own: a rebalance whose new replicas' weights have not all landed by then fails (the old map serves on)
+    join_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("enable", "log_balancedness"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"eplb.{name} must be true or false; got {getattr(self, name)!r}")
+        if isinstance(self.num_redundant_experts, bool) or self.num_redundant_experts < 0:
+            raise ConfigError(f"eplb.num_redundant_experts must be >= 0; got {self.num_redundant_experts}")
+        for name in ("window_size", "step_interval", "log_balancedness_interval", "join_timeout_s"):
+            _positive(f"eplb.{name}", getattr(self, name))
+
+    @property
+    def live(self) -> bool:
+        """Whether the placement can change while serving (redundant replicas or rebalancing)."""
+        return self.enable or self.num_redundant_experts > 0
+
+
+@dataclass(frozen=True)
 class AmoeConfig:
     """Everything a deployment is configured by; built once, never mutated after start-up."""
 
@@ -379,9 +440,11 @@ class AmoeConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     transport: TransportSection = field(default_factory=TransportSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
+    emulation: EmulationSection = field(default_factory=EmulationSection)
     server: ServerSection = field(default_factory=ServerSection)
     dist: DistSection = field(default_factory=DistSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
+    eplb: EplbSection = field(default_factory=EplbSection)
 
     def __post_init__(self) -> None:
         if self.dist.multi_node and (self.parallel.mode != "aep" or self.tensor_plane != "inline"):
@@ -405,7 +468,9 @@ class AmoeConfig:
             )
         if self.executor.kind == "emulated" and self.device.kind == "cuda":
             raise ConfigError("emulated GPUs hold no tensors: --executor emulated runs with --device cpu")
-        if self.executor.expert_gpu and (self.executor.kind != "emulated" or self.parallel.mode == "ep"):
+        if self.emulation.decode_only and self.executor.kind != "emulated":
+            raise ConfigError("emulation.decode_only needs --executor emulated (real weights must prefill)")
+        if self.emulation.expert_gpu and (self.executor.kind != "emulated" or self.parallel.mode == "ep"):
             raise ConfigError(
                 "--expert-gpu times the expert runtimes of an emulated aep or pingpong deployment (an EP device "
                 f"runs attention and experts on one GPU); got --executor {self.executor.kind} "
@@ -417,6 +482,23 @@ class AmoeConfig:
                 f"--offload-budget serves --parallel local or aep (expert runtimes hold the store); got --parallel "
                 f"{self.parallel.mode}"
             )
+
+        self._check_eplb()
+
+    def _check_eplb(self) -> None:
+        if not self.eplb.live:
+            return
+        if self.parallel.mode != "aep":
+            raise ConfigError(
+                "--num-redundant-experts and --enable-eplb serve --parallel aep (its experts are queues a replica "
+                f"can join); got --parallel {self.parallel.mode}"
+            )
+        if self.offload.budget is not None:
+            raise ConfigError(
+                "--num-redundant-experts and --enable-eplb do not combine with --offload-budget"
+            )
+        if self.parallel.expert_ranks < 2:
+            raise ConfigError("redundant experts and rebalancing need --expert-ranks 2 or more")
 
     @property
     def tensor_plane(self) -> str:
@@ -442,11 +524,28 @@ class AmoeConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def changes(self) -> dict:
+        """The sections and fields that differ from the built-in defaults: a short config file that reads back to
+        this config (defaults that come from the environment, such as AMOE_DEVICE, stay the reader's)."""
+        default = AmoeConfig()
+        out: dict[str, dict] = {}
+        for name in _SECTIONS:
+            mine, theirs = dataclasses.asdict(getattr(self, name)), dataclasses.asdict(getattr(default, name))
+            if changed := {k: v for k, v in mine.items() if v != theirs[k]}:
+                out[name] = changed
+        return out
+
     @classmethod
     def from_dict(cls, data: dict) -> AmoeConfig:
+        """The config of a JSON object of sections. Also read: a `plan` block (`amoe plan --out`'s record of its
+        prediction: logged, not a setting) and the emulated executor's settings under their former section,
+        `executor` (read as `emulation`'s, with one log line)."""
         if not isinstance(data, dict):
             raise ConfigError("config must be a JSON object of sections")
-        return cls().replace(**data)
+        data = dict(data)
+        if PLAN_KEY in data:
+            _log_plan(data.pop(PLAN_KEY))
+        return cls().replace(**_former_sections(data))
 
     @classmethod
     def from_file(cls, path: str | Path) -> AmoeConfig:
@@ -462,6 +561,40 @@ class AmoeConfig:
 
 
 _SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(AmoeConfig)}
+# The top-level key of a config file that holds `amoe plan`'s record of a plan (its deployment and predicted
+# figures): a file that serves the plan also says what it was planned to do. `summary` is the line logged.
+PLAN_KEY = "plan"
+# Sections whose fields lived in another section before: the emulated executor's settings sat in `executor`
+# beside `kind`. Their former spellings (`--executor-gpu`, a file's "executor": {"gpu": ...}) still work.
+_FORMER_SECTION = {"emulation": "executor"}
+
+
+def _log_plan(plan) -> None:
+    if not isinstance(plan, dict):
+        raise ConfigError(f"the config's {PLAN_KEY!r} block must be an object (amoe plan --out writes it)")
+    logger.info("[config] planned by amoe plan: %s", plan.get("summary", "(no summary)"))
+
+
+def _former_sections(data: dict) -> dict:
+    """`data` with the fields a section held before moved to their section now (one log line when any moved)."""
+    for now, former in _FORMER_SECTION.items():
+        held = data.get(former)
+        if not isinstance(held, dict):
+            continue
+        moved = {k: v for k, v in held.items() if k in {f.name for f in dataclasses.fields(_SECTIONS[now])}}
+        if not moved:
+            continue
+        current = data.get(now, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"config section {now!r} must be an object")
+        if both := sorted(set(moved) & set(current)):
+            raise ConfigError(f"{former}.{both[0]} and {now}.{both[0]} both given: keep {now}.{both[0]}")
+        logger.info(
+            "[config] read %s as %s (their section now)",
+            ", ".join(f"{former}.{k}" for k in moved), ", ".join(f"{now}.{k}" for k in moved),
+        )  # fmt: skip
+        data = {**data, former: {k: v for k, v in held.items() if k not in moved}, now: {**current, **moved}}
+    return data
 
 
 def _build_section(name: str, values: dict, base=None):
@@ -495,6 +628,13 @@ _VLLM_ALIASES = {
     ("server", "api_key"): "--api-key",
     ("server", "served_model_name"): "--served-model-name",
     ("server", "seed"): "--seed",
+    ("server", "tool_call_parser"): "--tool-call-parser",
+    ("eplb", "num_redundant_experts"): "--num-redundant-experts",
+}
+# vLLM's on/off flags, given without a value (`--enable-auto-tool-choice`); amoe's own spelling takes one.
+_VLLM_SWITCHES = {
+    ("server", "enable_auto_tool_choice"): "--enable-auto-tool-choice",
+    ("eplb", "enable"): "--enable-eplb",
 }
 
 _ALIASES = {
@@ -510,11 +650,11 @@ _ALIASES = {
     ("scheduler", "policy"): "--scheduler",
     ("transport", "plane"): "--transport",
     ("executor", "kind"): "--executor",
-    ("executor", "gpu"): "--gpu",
-    ("executor", "expert_gpu"): "--expert-gpu",
-    ("executor", "time_scale"): "--time-scale",
-    ("executor", "routing"): "--routing",
-    ("executor", "step_variance"): "--step-variance",
+    ("emulation", "gpu"): "--gpu",
+    ("emulation", "expert_gpu"): "--expert-gpu",
+    ("emulation", "time_scale"): "--time-scale",
+    ("emulation", "routing"): "--routing",
+    ("emulation", "step_variance"): "--step-variance",
     ("server", "api_key_file"): "--api-key-file",
     ("dist", "nnodes"): "--nnodes",
     ("dist", "node_rank"): "--node-rank",
@@ -558,9 +698,13 @@ def add_config_flags(
         own = parser.add_argument_group(f"{section} options")
         section_cls = _SECTIONS[section]
         for f in dataclasses.fields(section_cls):
-            flag = f"--{section}-{f.name}".replace("_", "-")
-            names = [_ALIASES[(section, f.name)], flag] if (section, f.name) in _ALIASES else [flag]
+            names = _flag_names(section, f.name)
             group = vllm if (section, f.name) in _VLLM_ALIASES else own
+            if (section, f.name) in _VLLM_SWITCHES:
+                vllm.add_argument(
+                    _VLLM_SWITCHES[(section, f.name)], dest=f"{section}__{f.name}", action="store_const",
+                    const=True, default=None, help=f"(--{section}-{f.name} true)".replace("_", "-"),
+                )  # fmt: skip
             group.add_argument(
                 *names,
                 dest=f"{section}__{f.name}",
@@ -569,13 +713,60 @@ def add_config_flags(
                 metavar=f.name.upper(),
                 help=f"(default: {_default_of(f)})",
             )
+    if "eplb" in sections:
+        vllm.add_argument(
+            "--eplb-config", dest="eplb_json", type=_json_object, default=None, metavar="JSON",
+            help='vLLM\'s EPLBConfig as JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+            '"num_redundant_experts": 2, "log_balancedness": true}\' (the --eplb-* flags win over it)',
+        )  # fmt: skip
     return vllm
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse turns the error into its one-line usage message)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of settings")
+    return value
+
+
+def _flag_names(section: str, name: str) -> list[str]:
+    """A field's flags: its alias (if any), --<section>-<field>, and --<former section>-<field> where the field
+    lived in another section before (--executor-gpu for --emulation-gpu)."""
+    names = [f"--{s}-{name}".replace("_", "-") for s in (section, _FORMER_SECTION.get(section)) if s]
+    return [_ALIASES[(section, name)], *names] if (section, name) in _ALIASES else names
+
+
+def command_flags(config: AmoeConfig, always: tuple[str, ...] = ()) -> list[str]:
+    """The flags that make `config` from the built-in defaults, each field by its first name (alias or
+    --<section>-<field>), in the sections' order, and the `always` fields ("section.field") even at their
+    defaults: a command line for people to read or paste; programs pass the config itself (`--config FILE`)."""
+    changed = config.changes()
+    flags = []
+    for section in _SECTIONS:
+        values = dataclasses.asdict(getattr(config, section))
+        for name, value in values.items():
+            if value is None or (name not in changed.get(section, {}) and f"{section}.{name}" not in always):
+                continue  # a flag cannot unset a field: only fields whose default is None hold None
+            flags += [_flag_names(section, name)[0], _flag_text(value)]
+    return flags
+
+
+def _flag_text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def config_from_args(args: argparse.Namespace) -> AmoeConfig:
     """The config file (if any) overlaid with the flags given on the command line."""
     config = AmoeConfig.from_file(args.config) if getattr(args, "config", None) else AmoeConfig()
     changes: dict[str, dict] = {}
+    if getattr(args, "eplb_json", None):  # vLLM's --eplb-config: its field names are the section's
+        changes["eplb"] = dict(args.eplb_json)
     for key, value in _dist_env().items():  # flags win over the environment
         if getattr(args, f"dist__{key}", None) is None:
             changes.setdefault("dist", {})[key] = value

@@ -10,6 +10,7 @@ import torch
 
 from amoe import _core
 from amoe.config import CacheSection, SchedulerSection
+from amoe.expert_map import ExpertMap
 from amoe.placement import Placement
 
 ATTN, EXPERT = 0, 1
@@ -28,7 +29,7 @@ ZmqCommunicator = _core.ZmqCommunicator
 group_by_destination = _core.group_by_destination
 
 
-# The longest a wave-policy runtime holds for a returning wave (cpp/engine.cpp): a guard against a part that never
+# The longest a runtime under waves holds for a returning wave (cpp/engine.cpp): a guard against a part that never
 # returns (a lost row, a failed expert batch), far above a round trip (milliseconds), not a tuning knob.
 MAX_WAVE_HOLD_S = 1.0
 
@@ -45,14 +46,17 @@ def engine_config(
     track_requests: bool = False,
     time_scale: float = 1.0,
     max_requests: int | None = None,
+    expert_map: ExpertMap | None = None,
 ) -> EngineConfig:
     """The EngineConfig of one runtime in a placement, scheduled as the config's scheduler section says (its
     defaults when None); validated here so mistakes raise at build time. `track_requests`: an attention
     runtime that holds request state drops rows of requests it does not hold (docs/engine.md). `time_scale`:
-    the wall seconds per emulated second of an emulated executor, which stretch the wave policy's hold guard.
+    the wall seconds per emulated second of an emulated executor, which stretch the waves policy's hold guard.
     `max_requests`: the most requests an attention runtime holds at once (the cache's max_num_seqs, its default
-    when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/engine.md "The
-    waves rule"), which an expert runtime's block 0 uses too (item 10)."""
+    when None); under the waves policy its W = ceil(max_requests / attn_batch_cap) waves (docs/scheduler.md
+    "Wave size"), which an expert runtime's block 0 uses too (the meeting block). `expert_map`: the live
+    placement's replicas (docs/rebalancing.md) an attention runtime routes by and an expert runtime hosts; None:
+    each expert of every block on its home runtime."""
     sched = scheduler or SchedulerSection()
     cfg = EngineConfig()
     cfg.runtime_id = runtime
@@ -63,6 +67,10 @@ def engine_config(
     cfg.num_blocks, cfg.num_experts, cfg.top_k, cfg.hidden = num_blocks, num_experts, top_k, hidden
     cfg.expert_runtime = list(placement.expert_runtime)
     cfg.attn_runtime = list(placement.attn_runtime)
+    if expert_map is not None:
+        cfg.replicas = [list(where) for row in expert_map.replicas for where in row]
+        if not cfg.is_attention:
+            cfg.hosted = sorted(b * num_experts + e for b, e in expert_map.hosted_by(runtime))
     cfg.policy, cfg.lookahead, cfg.decay = sched.policy, sched.lookahead, sched.decay
     cfg.attn_cap, cfg.expert_cap = sched.attn_batch_cap, sched.expert_batch_cap
     cfg.group_experts = int(sched.group_experts)
@@ -70,10 +78,10 @@ def engine_config(
     # 25 emulated ms, shorter than one ITL, and the guard would decide what the policy does.
     cfg.max_wave_hold_s = MAX_WAVE_HOLD_S * time_scale
     cfg.track_requests = track_requests and cfg.is_attention
-    if sched.policy == "waves":  # attention: its waves; experts: how far back block 0 waits (item 10)
+    if sched.policy == "waves":  # attention: its waves; experts: block 0's meeting span
         requests = CacheSection().max_num_seqs if max_requests is None else max_requests
         cfg.num_waves = max(1, -(-requests // sched.attn_batch_cap))
-        cfg.wave_group = sched.wave_group  # expert side: its groups of those waves (item 13)
+        cfg.wave_group = sched.wave_group  # expert side: its groups of those waves (group cells)
     cfg.validate()
     return cfg
 

@@ -20,7 +20,7 @@ def _cache_home() -> Path:
 _VARIABLES: dict[str, Callable[[], Any]] = {
     # Log level of the `amoe` loggers (DEBUG, INFO, ...); -v/--verbose overrides it.
     "AMOE_LOG_LEVEL": lambda: os.environ.get("AMOE_LOG_LEVEL", "").upper() or None,
-    # Where amoe keeps generated files such as the demo model: $XDG_CACHE_HOME/amoe.
+    # Where amoe keeps generated files such as the default model's corpus: $XDG_CACHE_HOME/amoe.
     "AMOE_CACHE_DIR": lambda: _cache_home() / "amoe",
     # Fault injection for tests (amoe/runtime/faults.py): "stage:token[,stage:token]", or "alloc:N".
     "AMOE_FAULTS": lambda: os.environ.get("AMOE_FAULTS") or None,

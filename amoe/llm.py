@@ -92,11 +92,11 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, *, generation_config: str = "auto", **engine_options: Any
     ) -> None:
-        """model: a Hugging Face checkpoint directory (None: the tiny random-weight demo model); generation_config:
+        """model: a Hugging Face checkpoint directory (None: the shipped default model); generation_config:
         where generate()'s default sampling parameters come from, as vLLM's (amoe.generation_config); engine_options:
         fields of amoe.engine.config.EngineConfig (block_size, num_kv_blocks, max_num_seqs, dtype, seed, ...)."""
         if model is None:
-            from amoe.model.make import default_model_path  # builds the demo model on first use only
+            from amoe.model.make import default_model_path
 
             model = default_model_path()
         self.model_dir = Path(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -15,8 +16,9 @@ import uvicorn
 from amoe import envs
 from amoe.config import AmoeConfig, ServerSection
 from amoe.errors import AmoeError, ConfigError
-from amoe.perf.model.check import check_executor
+from amoe.perf.model.check import check_emulation
 from coordinator.api.app import abort_all, create_app
+from coordinator.api.tools import ToolServing
 from coordinator.api.validation import ModelInfo
 from coordinator.requests.backend import Backend
 
@@ -35,7 +37,7 @@ def main(config: AmoeConfig, headless: bool = False) -> int:
     if headless and dist.node_rank == 0:
         raise ConfigError("--headless runs a node agent: give it --node-rank R with 1 <= R < --nnodes")
     config = resolve_device(config)  # --device cuda on a host without CUDA fails here, before anything starts
-    check_executor(config.executor)  # an unknown --gpu / --profile / --routing fails here too
+    check_emulation(config.emulation, config.executor.kind == "emulated")  # an unknown --gpu / --routing too
     _check_ep_pipeline(config)  # a PN above the experts a device hosts too
     if dist.node_rank > 0:
         from amoe.node_agent import main as agent_main
@@ -55,7 +57,7 @@ def _check_ep_pipeline(config: AmoeConfig) -> None:
 
     model_dir = (
         None
-        if config.executor.profile is not None and config.executor.kind == "emulated"
+        if config.emulation.profile is not None and config.executor.kind == "emulated"
         else _model_dir(config)
     )
     em = build.emulation(config, model_dir)
@@ -143,6 +145,10 @@ class AmoeServer:
             vocab_size=vocab,
             grammars=grammars,
             sampling_defaults=defaults,
+            tools=ToolServing(
+                self.config.server.tool_call_parser, self.config.server.enable_auto_tool_choice
+            ),
+            eos_token_ids=_eos_token_ids(model_dir, eos),
         )
         logger.info("serving %r, max_model_len %d", name, model.max_model_len)
         return tokenizer, backend, model
@@ -162,17 +168,17 @@ class AmoeServer:
     async def _start_cluster(self, model_dir: Path):
         from coordinator.requests.cluster_backend import ClusterBackend
 
-        par, ex = self.config.parallel, self.config.executor
+        par, ex, em = self.config.parallel, self.config.executor, self.config.emulation
         if par.mode == "ep":
             layout = f"{par.attn_ranks} ep runtimes (attention + experts each)"
         else:
             layout = f"{par.attn_ranks} attention + {par.expert_ranks} expert runtimes"
         executor = (
-            ex.kind if ex.kind == "torch" else f"emulated {ex.gpu} ×{ex.time_scale:g} time, {ex.routing}"
+            ex.kind if ex.kind == "torch" else f"emulated {em.gpu} ×{em.time_scale:g} time, {em.routing}"
         )
         logger.info(
             "serving %s with %s (%s, %s executor on %s, %s transport, %s scheduler)",
-            ex.profile or model_dir, layout, par.mode, executor, self.config.device.kind, self.config.tensor_plane,
+            em.profile if ex.kind == "emulated" and em.profile else model_dir, layout, par.mode, executor, self.config.device.kind, self.config.tensor_plane,
             self.config.scheduler.policy,
         )  # fmt: skip
         backend = ClusterBackend(self.config, model_dir, on_dead=self._cluster_died)
@@ -280,9 +286,9 @@ def api_key(server: ServerSection) -> str | None:
 
 
 def _model_dir(config: AmoeConfig) -> Path:
-    """The checkpoint; without --model the demo model's directory, which also supplies the tokenizer when an
-    emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the demo
-    tokenizer's ids, which are valid in any larger vocabulary)."""
+    """The checkpoint; without --model the shipped default model's directory, which also supplies the tokenizer
+    when an emulated profile names the model (no checkpoint read: token-id prompts are exact, text uses the
+    default tokenizer's ids, which are valid in any larger vocabulary)."""
     if config.model.path is not None:
         return Path(config.model.path)
     if config.parallel.mode == "local" and config.executor.kind == "emulated":
@@ -293,9 +299,22 @@ def _model_dir(config: AmoeConfig) -> Path:
 
 
 def _default_name(config: AmoeConfig, model_dir: Path) -> str:
-    if config.model.path is None and config.executor.kind == "emulated" and config.executor.profile:
-        return config.executor.profile
+    if config.model.path is None and config.executor.kind == "emulated" and config.emulation.profile:
+        return config.emulation.profile
     return model_dir.name
+
+
+def _eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
+    """What ends a request when sampled: the tokenizer's eos and config.json's eos_token_id (one id or a list)."""
+    ids = set() if tokenizer_eos is None else {tokenizer_eos}
+    try:
+        eos = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # no readable config (an emulated profile): the tokenizer's
+        eos = None
+    ids |= {
+        e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)
+    }
+    return frozenset(ids)
 
 
 def _detokenizer_factory(tokenizer):

@@ -1,6 +1,6 @@
 """Structured output with llguidance (torch-free: the coordinator compiles and checks grammars too): request formats → one grammar; a grammar's state per sequence.
 
-Why llguidance (bench/grammar_engines.py, docs/serve.md "Structured output"): on a 128k vocabulary its mask costs
+Why llguidance (bench/grammar_engines.py, docs/sampling.md): on a 128k vocabulary its mask costs
 ~40 us per token against xgrammar's ~170 us and outlines-core's ~1.8 ms, a schema compiles in ~1 ms (xgrammar
 ~80 ms, outlines-core ~1.4 s), and its wheel has no dependencies (xgrammar's pulls torch, triton and
 transformers).

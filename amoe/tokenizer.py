@@ -58,6 +58,7 @@ class Tokenizer:
         chat_template: str | None = None,
         model_max_length: int | None = None,
         source: str = "<memory>",
+        tool_chat_template: str | None = None,
     ) -> None:
         # transformers switches off tokenizer.json's truncation and padding for a plain call: a file saved for
         # training would otherwise cut long prompts short or pad them.
@@ -72,6 +73,8 @@ class Tokenizer:
         self.eos_token_id = self._special_id(self.eos_token)
         self.byte_token_ids = _byte_fallback_ids(backend)
         self._template = _compile_template(chat_template, source) if chat_template else None
+        # A checkpoint's named "tool_use" template, which transformers renders instead when tools are given.
+        self._tool_template = _compile_template(tool_chat_template, source) if tool_chat_template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -85,6 +88,7 @@ class Tokenizer:
             chat_template=_chat_template(config, path),
             model_max_length=_int_or_none(config.get("model_max_length")),
             source=str(path),
+            tool_chat_template=_chat_template(config, path, "tool_use"),
         )
         tokenizer._warn_if_config_disagrees(config)
         return tokenizer
@@ -114,10 +118,16 @@ class Tokenizer:
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered chat, as transformers' `apply_chat_template(..., tokenize=True)` gives them."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
         # The template writes every special token it wants (its own BOS too): the post-processor adds none.
         return self.encode(text, add_special_tokens=False)
 
@@ -130,16 +140,29 @@ class Tokenizer:
         return [self.backend.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render `messages` ({"role", "content"} dicts) with the checkpoint's own chat template, as HF does."""
-        if self._template is None:
+        """Render `messages` ({"role", "content"} dicts, an assistant's "tool_calls", a tool result's
+        "tool_call_id") and `tools` (JSON schemas, as sent) with the checkpoint's own chat template, as
+        transformers' apply_chat_template does: its "tool_use" template when tools are given and it has one, keys
+        whose value is None dropped from each message, `tools` and `documents` always defined."""
+        template = self._tool_template if tools is not None and self._tool_template else self._template
+        if template is None:
             raise RequestError(f"{self.source}: the tokenizer has no chat_template")
+        chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
         try:
             # As in transformers: the config's named special tokens, which the caller's arguments override.
             context = {**self.special_tokens, **kwargs}
-            return self._template.render(
-                context, messages=list(messages), add_generation_prompt=add_generation_prompt
+            return template.render(
+                context,
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template: the conversation is invalid
             raise RequestError(f"chat template: {e}") from e
@@ -221,15 +244,19 @@ class IncrementalDetokenizer:
         return delta
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 2048) -> int:
-    """Train a byte-level BPE on the embedded corpus; write tokenizer.json and tokenizer_config.json.
+def write_tokenizer(
+    out_dir: str | Path, vocab_size: int, model_max_length: int = 2048, corpus: Sequence[str] | None = None
+) -> int:
+    """Train a byte-level BPE on `corpus` (lines; default: the embedded text); write tokenizer.json and
+    tokenizer_config.json.
 
     Deterministic: the same arguments give byte-identical files. Returns the vocabulary size, which is at most
     `vocab_size` (less if the corpus runs out of merges).
     """
     if vocab_size < _MIN_VOCAB:
         raise ConfigError(f"a byte-level tokenizer needs vocab_size >= {_MIN_VOCAB}; got {vocab_size}")
-    backend = _train_byte_level_bpe(vocab_size)
+    lines = _corpus().splitlines(keepends=True) if corpus is None else corpus
+    backend = _train_byte_level_bpe(vocab_size, lines)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / TOKENIZER_FILE).write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
@@ -239,7 +266,7 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int 
     return backend.get_vocab_size()
 
 
-def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
+def _train_byte_level_bpe(vocab_size: int, lines: Sequence[str]) -> tokenizers.Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -250,7 +277,7 @@ def _train_byte_level_bpe(vocab_size: int) -> tokenizers.Tokenizer:
         show_progress=False,
     )
     # The trainer breaks ties in pair counts by the pair itself, so merges do not depend on thread count.
-    backend.train_from_iterator(_corpus().splitlines(keepends=True), trainer)
+    backend.train_from_iterator(lines, trainer)
     # As in Mixtral's tokenizer.json: the post-processor starts every encoded prompt with <s>.
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 1)]
@@ -304,14 +331,20 @@ def _load_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _chat_template(config: dict[str, Any], path: Path) -> str | None:
-    template_file = path / TEMPLATE_FILE
+def _chat_template(config: dict[str, Any], path: Path, name: str = "default") -> str | None:
+    """The checkpoint's chat template of that name (a single template is the default one), as transformers
+    loads it."""
+    template_file = (
+        path / TEMPLATE_FILE if name == "default" else path / "additional_chat_templates" / f"{name}.jinja"
+    )
     if template_file.is_file():
         return template_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
-    if isinstance(template, list):  # several named templates: use the default one
+    if isinstance(template, list):  # several named templates
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        template = named.get(name)
+    elif name != "default":
+        return None
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{path / CONFIG_FILE}: chat_template must be a string")
     return template

@@ -5,9 +5,11 @@ message's one-byte type tag (msgspec tagged union, array-like structs). Never pi
 on anything else (garbage, a truncated frame, an unknown tag, another version); receivers count it, log it and go
 on — malformed input is never fatal.
 
-Coordinator → runtime: Welcome, AddRequest, Abort, Shutdown, Reconnect. Runtime → coordinator: Hello, Ready, Failed,
-Heartbeat, TokenOut. Multi-node, coordinator → node agent: NodeWelcome, Spawn, Kill, Shutdown; agent → coordinator:
-NodeHello, NodeStatus. Token tensors never travel here: they go runtime to runtime over the communicator.
+Coordinator → runtime: Welcome, AddRequest, Abort, Shutdown, Reconnect, and the live placement's LoadExperts,
+DropExperts, SetExpertMap (docs/rebalancing.md). Runtime → coordinator: Hello, Ready, Failed, Heartbeat, TokenOut,
+and the placement's ExpertsLoaded, ExpertsDropped, Drained, PlacementFailed. Multi-node, coordinator → node agent:
+NodeWelcome, Spawn, Kill, Shutdown; agent → coordinator: NodeHello, NodeStatus. Token tensors never travel here:
+they go runtime to runtime over the communicator.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from amoe.logprobs import MAX_LOGPROBS, Logprobs
 # 3: TokenOut carries log-probabilities and WireSampling the penalties, min_p, logit_bias, allowed ids, bad words,
 # n and a grammar. Their fields have defaults, so a version-2 peer would decode a version-3 frame and silently drop
 # what it does not know; the version byte makes a mixed cluster refuse instead.
-PROTOCOL_VERSION = 3
+# 4: the live placement (Hello's model shape and hosted layers, Welcome's placement, the join and drain messages).
+PROTOCOL_VERSION = 4
 
 
 class WireError(TransportError):
@@ -45,6 +48,11 @@ TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
 Role = Literal["attention", "expert"]
 FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
+Block = Annotated[int, Meta(ge=0, le=65535)]
+ExpertId = Annotated[int, Meta(ge=0, le=65535)]
+Layer = tuple[Block, ExpertId]  # (block, expert): one expert layer, the unit a replica joins and drains
+Layers = Annotated[list[Layer], Meta(max_length=1 << 22)]
+Epoch = Annotated[int, Meta(ge=0, le=2**62)]  # the coordinator's placement epoch: +1 per map change
 
 
 # ---- runtime → coordinator
@@ -66,6 +74,12 @@ class Hello(_Msg, tag=1):
     # Multi-node: its CURVE tcp:// endpoint for peers on other hosts (`endpoint` stays for those on its own)
     secure_endpoint: Endpoint | None = None
     generation: Count = 0  # of this process of its rank (WorkerSpec.generation): what its peers are told
+    # The model's expert grid and, on an expert runtime, the layers it loaded: the coordinator's expert map is
+    # made of these (docs/rebalancing.md); expert_groups: its router's groups, EPLB's hierarchical policy.
+    num_blocks: Count = 0
+    num_expert_ids: Count = 0
+    expert_groups: Annotated[int, Meta(ge=1, le=65535)] = 1
+    hosted: Layers = []
 
 
 class Ready(_Msg, tag=2):
@@ -119,15 +133,60 @@ class TokenOut(_Msg, tag=5):
             raise ValueError("logprobs are not of the tokens they travel with")
 
 
+class ExpertsLoaded(_Msg, tag=6):
+    """An expert runtime's joins of `epoch` landed: their weights are in its executor and its queues take rows."""
+
+    runtime: RuntimeId
+    epoch: Epoch
+    layers: Layers
+    bytes: Count  # weight bytes loaded
+
+
+class ExpertsDropped(_Msg, tag=7):
+    """An expert runtime stopped taking rows of these layers and freed their weights."""
+
+    runtime: RuntimeId
+    epoch: Epoch
+    layers: Layers
+    bytes: Count  # weight bytes freed
+
+
+class Drained(_Msg, tag=8):
+    """An attention runtime routes by the map of `epoch`, and every row it sent to a replica that map retired has
+    been answered."""
+
+    runtime: RuntimeId
+    epoch: Epoch
+
+
+class PlacementFailed(_Msg, tag=9):
+    """A placement command of `epoch` could not be carried out (a weight load raised, a bad map)."""
+
+    runtime: RuntimeId
+    epoch: Epoch
+    error: Annotated[str, Meta(max_length=65536)]
+
+
 # ---- coordinator → runtime
+
+
+class PlacementState(msgspec.Struct, array_like=True, frozen=True):
+    """The live placement a runtime starts from: the map of `epoch` (replicas per block and expert) the attention
+    runtimes route by, and the layers this runtime hosts (an expert runtime's: what it must load before Ready)."""
+
+    epoch: Epoch
+    replicas: Annotated[list[list[list[RuntimeId]]], Meta(max_length=65536)]
+    hosted: Layers = []
 
 
 class Welcome(_Msg, tag=16):
     """The peer table: every runtime's data endpoint, indexed by runtime id, and the generation of the process
-    behind it (0 first, +1 per replacement: a gloo / nccl pair's groups are keyed by both members')."""
+    behind it (0 first, +1 per replacement: a gloo / nccl pair's groups are keyed by both members'); and the live
+    placement, when the deployment has one."""
 
     endpoints: list[Annotated[str, Meta(pattern=r"^(ipc|tcp)://", max_length=4096)]]
     generations: list[Count] = []
+    placement: PlacementState | None = None
 
 
 class WireSampling(msgspec.Struct, array_like=True, frozen=True):
@@ -185,6 +244,30 @@ class Reconnect(_Msg, tag=20):
     generation: Count = 0  # the new process's (see Welcome)
 
 
+class LoadExperts(_Msg, tag=21):
+    """Join: load these layers' weights off the loop, then take their rows; answer ExpertsLoaded (or
+    PlacementFailed). An expert runtime's."""
+
+    epoch: Epoch
+    layers: Layers
+
+
+class DropExperts(_Msg, tag=22):
+    """Drain's end: take no more rows of these layers and free their weights (or cancel their join of `epoch`);
+    answer ExpertsDropped. An expert runtime's."""
+
+    epoch: Epoch
+    layers: Layers
+
+
+class SetExpertMap(_Msg, tag=23):
+    """Route rows of each (block, expert) to these replicas from now on; answer Drained once the replicas this
+    retired owe nothing. An attention runtime's."""
+
+    epoch: Epoch
+    entries: Annotated[list[tuple[Block, ExpertId, list[RuntimeId]]], Meta(max_length=1 << 22)]
+
+
 # ---- node agent ↔ coordinator (multi-node)
 
 
@@ -230,9 +313,12 @@ class Kill(_Msg, tag=36):
 
 
 Message = (
-    Hello | Ready | Failed | Heartbeat | TokenOut | Welcome | AddRequest | Abort | Shutdown | Reconnect
+    Hello | Ready | Failed | Heartbeat | TokenOut | ExpertsLoaded | ExpertsDropped | Drained | PlacementFailed
+    | Welcome | AddRequest | Abort | Shutdown | Reconnect | LoadExperts | DropExperts | SetExpertMap
     | NodeHello | NodeStatus | NodeWelcome | Spawn | Kill
 )  # fmt: skip
+PLACEMENT_REPLIES = (ExpertsLoaded, ExpertsDropped, Drained, PlacementFailed)  # runtime → coordinator
+PLACEMENT_COMMANDS = (LoadExperts, DropExperts, SetExpertMap)  # coordinator → runtime
 NODE_MESSAGES = (NodeHello, NodeStatus)  # what an agent may send
 
 _encoder = msgspec.msgpack.Encoder()
@@ -398,6 +484,7 @@ class RuntimeReport(_Report):
     messages_out: Count = 0
     errors: Count = 0
     resent_rows: Count = 0
+    inflight: list[Count] = []
     expected_parts: Count = 0
     tracked_requests: Count = 0
     kv_used_blocks: Count = 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import OpenLoop, reference_texts
 from amoe.testing.servers import ServerProcess
@@ -69,17 +70,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model("tiny", Path(tmp) / "chaos", seed=0)
         references = reference_texts(str(model), PROMPTS, MAX_TOKENS)
-        flags = [
-            "--model",
-            str(model),
-            "--attn-ranks",
-            "2",
-            "--expert-ranks",
-            "3",
-            "--server-max-restarts",
-            "1000",
-        ]
-        with ServerProcess(flags) as url:
+        config = AmoeConfig().replace(
+            model={"path": str(model)},
+            parallel={"attn_ranks": 2, "expert_ranks": 3},
+            server={"max_restarts": 1000},
+        )
+        with ServerProcess(config) as url:
             watch = HealthWatch(url)
             faults = []
             start = time.monotonic()

@@ -1,4 +1,4 @@
-"""The host's wall time per EP pipeline chunk (docs/results.md "EPS-MoE", eps.CHUNK_HOST_CPU_S): the emulated EP
+"""The host's wall time per EP pipeline chunk (docs/eps.md, eps.CHUNK_HOST_CPU_S): the emulated EP
 group in one process (amoe.runtime.sync.group, a thread per device, the loopback hub) at a time scale so small that
 every GPU and link hold is ~0, so what is left is the runtime's host work — routing, the split of the copies into
 chunks, one message per peer each way per chunk, the expert step's bookkeeping, the gather. One prefill of
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from amoe.config import AmoeConfig, ExecutorSection
+from amoe.config import AmoeConfig, EmulationSection, ExecutorSection
 from amoe.runtime import build
 from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
@@ -27,12 +27,10 @@ from amoe.testing.sync_inproc import SyncCluster
 
 def measure(devices: int, tokens: int, pn: int, repeats: int) -> tuple[float, float]:
     """(least CPU seconds of one prefill of `tokens` per device, over the repeats; chunks per device in it)."""
-    ex = ExecutorSection(
-        kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=1e-6, routing="uniform"
-    )
+    ex = EmulationSection(profile="deepseek-v2:2", gpu="h800", time_scale=1e-6, routing="uniform")
     em = Emulation(ex)
     parallel = {"mode": "ep", "attn_ranks": devices, "ep_pipelines": pn, "ep_kernel": "grouped"}
-    config = AmoeConfig(executor=ex).replace(parallel=parallel)
+    config = AmoeConfig(executor=ExecutorSection("emulated"), emulation=ex).replace(parallel=parallel)
     pipeline = build.ep_pipeline(
         config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em
     )

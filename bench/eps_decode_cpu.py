@@ -1,4 +1,4 @@
-"""The host's CPU in EP decode with and without the expert pipeline (docs/results.md "EPS-MoE", round 5): the
+"""The host's CPU in EP decode with and without the expert pipeline (docs/findings.md "EPS-MoE"): the
 emulated EP group in one process (amoe.runtime.sync.group, a thread per device, the loopback hub) at a time scale
 so small that every GPU and link hold is ~0, so what is left is the runtime's host work. For each setting, decode
 requests (`--requests` per device, 8-token prompts, `--tokens` each) are sent at once; the process's CPU time per
@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import replace
 
-from amoe.config import AmoeConfig, ExecutorSection
+from amoe.config import AmoeConfig, EmulationSection, ExecutorSection
 from amoe.runtime import build
 from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ def pipeline_for(setting: str, devices: int, time_scale: float, em: Emulation):
         return None
     ex = replace(em.config, time_scale=time_scale)
     parallel = {"mode": "ep", "attn_ranks": devices, "ep_pipelines": setting, "ep_kernel": "auto"}
-    config = AmoeConfig(executor=ex).replace(parallel=parallel)
+    config = AmoeConfig(executor=ExecutorSection("emulated"), emulation=ex).replace(parallel=parallel)
     return build.ep_pipeline(
         config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em
     )
@@ -84,7 +84,7 @@ def chooser_cpu(args, em: Emulation) -> dict:
 def pieces_cpu(args, em: Emulation) -> dict:
     """µs of CPU per call of what PN 1 with `--ep-kernel auto` does per block and device beyond EP without the
     pipeline, at decode's rows (`--requests` a device, the emulated wire's width): the split of the copies into
-    one chunk and the gather back (what PN 1 did before round 5), the kernel choice, and the chunk's pricing by the
+    one chunk and the gather back (what PN 1 once did), the kernel choice, and the chunk's pricing by the
     kernel curves against the grouped step's."""
     import numpy as np
     import torch
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=150.0, help="the served runtime's, for auto's pricing")
     p.add_argument("--totals", default="8,64,200,255,256,1000,2048,2056")
     args = p.parse_args()
-    ex = ExecutorSection(kind="emulated", profile=PROFILE, gpu=GPU, time_scale=1e-6, routing="uniform")
+    ex = EmulationSection(profile=PROFILE, gpu=GPU, time_scale=1e-6, routing="uniform")
     em = Emulation(ex)
     rows = []
     for setting in args.settings.split(","):

@@ -1,6 +1,6 @@
 """EPS-MoE on the emulated EP runtime: `amoe serve --executor emulated --parallel ep` with and without the expert
 pipeline, prefill throughput (long prompts, max_tokens 1) and decode throughput, in emulated tokens per second
-(wall throughput × the time scale). Prints a table and a final JSON line (docs/results.md "EPS-MoE").
+(wall throughput × the time scale). Prints a table and a final JSON line (docs/findings.md "EPS-MoE").
 
     python bench/eps_serve.py [--profile deepseek-v2:2] [--gpu h800] [--devices 8] [--seq-lens 1024,8192]
         [--pipelines 1,5,20,auto] [--time-scale 150] [--decode-repeats 1]
@@ -23,19 +23,28 @@ import time
 
 import httpx
 
+from amoe.config import AmoeConfig
 from amoe.testing.servers import ServerProcess
 
 
-def flags(args, pipelines: str | None) -> list[str]:
-    out = [
-        "--executor", "emulated", "--executor-profile", args.profile, "--gpu", args.gpu, "--parallel", "ep",
-        "--attn-ranks", str(args.devices), "--routing", "uniform", "--time-scale", str(args.time_scale),
-        "--scheduler-attn-batch-cap", str(args.tokens_per_device), "--server-max-waiting", "100000",
-        "--transport-timeout-s", "120", "--cache-max-num-seqs", "1024", "--server-stall-timeout-s", "3600",
-    ]  # fmt: skip
+def serve_config(args, pipelines: str | None) -> AmoeConfig:
+    parallel = {"mode": "ep", "attn_ranks": args.devices}
     if pipelines is not None:
-        out += ["--ep-pipelines", str(pipelines), "--ep-kernel", "auto"]
-    return out
+        parallel |= {"ep_pipelines": str(pipelines), "ep_kernel": "auto"}
+    return AmoeConfig().replace(
+        executor={"kind": "emulated"},
+        emulation={
+            "profile": args.profile,
+            "gpu": args.gpu,
+            "routing": "uniform",
+            "time_scale": args.time_scale,
+        },
+        parallel=parallel,
+        scheduler={"attn_batch_cap": args.tokens_per_device},
+        server={"max_waiting": 100000, "stall_timeout_s": 3600.0},
+        transport={"timeout_s": 120.0},
+        cache={"max_num_seqs": 1024},
+    )
 
 
 async def run_requests(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -63,7 +72,7 @@ async def measure(args, pipelines: str | None) -> dict:
         "pipelines": pipelines or 1,
         "kernel": "auto" if pipelines is not None else "grouped (no pipeline)",
     }
-    with ServerProcess(flags(args, pipelines), startup_timeout_s=600) as url:
+    with ServerProcess(serve_config(args, pipelines), startup_timeout_s=600) as url:
         await run_requests(url, [prompt(16, 0)], 1)  # warm-up
         for seq in args.seq_lens:
             count = args.devices * max(1, args.tokens_per_device // seq)

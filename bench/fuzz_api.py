@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.fuzz import fuzz
 from amoe.testing.servers import ServerProcess
@@ -28,17 +29,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model("tiny", Path(tmp) / "fuzz-model", seed=0)
         # A short context keeps every generated request cheap (at most 64 tokens), whatever max_tokens it asks.
-        flags = [
-            "--model",
-            str(model),
-            "--attn-ranks",
-            "2",
-            "--expert-ranks",
-            "2",
-            "--model-max-model-len",
-            "64",
-        ]
-        with ServerProcess(flags) as url:
+        config = AmoeConfig().replace(
+            model={"path": str(model), "max_model_len": 64}, parallel={"attn_ranks": 2, "expert_ranks": 2}
+        )
+        with ServerProcess(config) as url:
             report = fuzz(url, args.examples, seed=args.seed)
             health, kv_free = settle(url)
     print(f"{'status':>8} {'responses':>10}")

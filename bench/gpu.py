@@ -97,34 +97,39 @@ def run_hf(
     return timer.wall, tokens
 
 
-def layout(mode: str, gpus: int, num_experts: int) -> tuple[list[str], dict]:
-    """`amoe serve` flags of `mode` on `gpus` GPUs, and what they mean: the runtimes, how many share a GPU."""
+def layout(mode: str, gpus: int, num_experts: int) -> tuple[dict, dict]:
+    """The config sections of `mode` on `gpus` GPUs, and what they mean: the runtimes, how many share a GPU."""
     if mode == "local":
-        return ["--parallel", "local"], {"layout": "1 engine", "runtimes_per_gpu": 1}
+        return {"parallel": {"mode": "local"}}, {"layout": "1 engine", "runtimes_per_gpu": 1}
     if mode == "aep":
         experts = min(max(gpus - 1, 1), num_experts)
         runtimes, shape = 1 + experts, f"1+{experts}"
-        flags = ["--parallel", "aep", "--attn-ranks", "1", "--expert-ranks", str(experts)]
+        parallel = {"mode": "aep", "attn_ranks": 1, "expert_ranks": experts}
     else:
         runtimes = shape = max(gpus, 2)  # two devices at least, so the all-to-all runs
-        flags = ["--parallel", "ep", "--attn-ranks", str(runtimes)]
+        parallel = {"mode": "ep", "attn_ranks": runtimes}
     per_gpu = -(-runtimes // gpus)
-    if per_gpu > 1:
-        flags += ["--runtimes-per-gpu", str(per_gpu)]
-    return flags, {"layout": str(shape), "runtimes_per_gpu": per_gpu}
+    sections = {"parallel": parallel, "device": {"runtimes_per_gpu": per_gpu}}
+    return sections, {"layout": str(shape), "runtimes_per_gpu": per_gpu}
 
 
 def run_served(
-    model_dir: Path, prompts, args: argparse.Namespace, flags: list[str]
+    model_dir: Path, prompts, args: argparse.Namespace, sections: dict
 ) -> tuple[float, str | None]:
     """Wall seconds from sending every request at once to the last response, on a warm server; and the tensor
     plane the server says it serves on."""
+    from amoe.config import AmoeConfig, command_flags
     from amoe.testing.servers import ServerProcess
 
-    flags = ["--model", str(model_dir), "--device", args.device, "--transport", "auto", *flags]
-    flags += ["--model-dtype", args.dtype, "--cache-max-num-seqs", str(max(256, len(prompts)))]
-    print(f"starting amoe serve {' '.join(flags[2:])}", file=sys.stderr, flush=True)
-    server = ServerProcess(flags, startup_timeout_s=args.startup_timeout_s)
+    config = AmoeConfig().replace(
+        model={"path": str(model_dir), "dtype": args.dtype},
+        device={"kind": args.device},
+        transport={"plane": "auto"},
+        cache={"max_num_seqs": max(256, len(prompts))},
+    )
+    config = config.replace(**sections)
+    print(f"starting amoe serve {' '.join(command_flags(config)[2:])}", file=sys.stderr, flush=True)
+    server = ServerProcess(config, startup_timeout_s=args.startup_timeout_s)
     with server as url:
         wall = asyncio.run(_serve_all(url, prompts, args.new_tokens))
     planes = [m.group(1) for line in server.lines if (m := _PLANE.search(line))]
@@ -217,9 +222,9 @@ def served_entry(mode: str, model_dir: Path, prompts, args, hf_s: float, gpus: i
     experts = (
         hf_config.get("num_local_experts") or hf_config.get("num_experts") or hf_config["n_routed_experts"]
     )
-    flags, entry = layout(mode, gpus, experts)
+    sections, entry = layout(mode, gpus, experts)
     try:
-        wall, plane = run_served(model_dir, prompts, args, flags)
+        wall, plane = run_served(model_dir, prompts, args, sections)
     except Exception as exc:  # a failed mode is a result to report, beside the others
         return {**entry, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     total = args.num_prompts * args.new_tokens

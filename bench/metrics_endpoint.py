@@ -5,7 +5,7 @@ stack with nothing to render, so metrics/health is the cost of the page itself, 
     .venv/bin/python bench/metrics_endpoint.py [--requests 40] [--clients 4]
 
 Then the page's writer alone, in this process: amoe's `text_format` against prometheus_client's `generate_latest` on
-the families of the live page (same bytes, checked). Target (issue 6): median /metrics under load below 50 ms.
+the families of the live page (same bytes, checked). Target: median /metrics under load below 50 ms.
 The last line is JSON.
 """
 
@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.servers import ServerProcess
 from coordinator.metrics import text_format
@@ -141,8 +142,10 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model("tiny", Path(tmp) / "tiny", seed=0)
-        flags = ["--model", str(model), "--attn-ranks", "2", "--expert-ranks", "4"]
-        with ServerProcess(flags) as url:
+        config = AmoeConfig().replace(
+            model={"path": str(model)}, parallel={"attn_ranks": 2, "expert_ranks": 4}
+        )
+        with ServerProcess(config) as url:
             result = asyncio.run(run(url, args.requests, args.clients))
     for phase in ("idle", "load"):
         r = result[phase]

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
 from amoe.testing.netns import Hosts, MultiHost, write_secret
@@ -57,8 +58,10 @@ def main() -> None:
         references = reference_texts(str(model), PROMPTS, MAX_TOKENS)
         secret = write_secret(Path(tmp) / "secret", "b" * 64)
         for _ in range(args.rounds):
-            flags = ["--model", str(model), "--attn-ranks", "1", "--expert-ranks", "2"]
-            with ServerProcess(flags) as url:
+            config = AmoeConfig().replace(
+                model={"path": str(model)}, parallel={"attn_ranks": 1, "expert_ranks": 2}
+            )
+            with ServerProcess(config) as url:
                 results["one_host"].append(measure(url, references, args.seconds, args.workers))
             with Hosts(3) as hosts:
                 cluster = MultiHost(hosts, model, secret)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, OpenLoop, reference_texts
 from amoe.testing.servers import ServerProcess
@@ -34,8 +35,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model("tiny", Path(tmp) / "soak", seed=0)
         references = reference_texts(str(model), PROMPTS, MAX_TOKENS)
-        flags = ["--model", str(model), "--attn-ranks", "2", "--expert-ranks", "3"]
-        server = ServerProcess(flags)
+        config = AmoeConfig().replace(
+            model={"path": str(model)}, parallel={"attn_ranks": 2, "expert_ranks": 3}
+        )
+        server = ServerProcess(config)
         with server as url:
             probe_start = time.monotonic()
             with ClosedLoop(url, "soak", PROMPTS, references, MAX_TOKENS, workers=48) as probe:

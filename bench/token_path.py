@@ -269,7 +269,9 @@ def main() -> None:
         "--temperatures", default="0,0.8", help="head level: 0 greedy (an argmax), else sampled (a sort)"
     )
     parser.add_argument("--steps", type=int, default=10, help="head level: steps per round")
-    parser.add_argument("--model", default=None, help="serve level: checkpoint (default: the demo model)")
+    parser.add_argument(
+        "--model", default=None, help="serve level: checkpoint (default: the shipped default model)"
+    )
     parser.add_argument("--num-seqs", type=int, default=8, help="engine level: sequences per batch")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -299,6 +299,7 @@ class RuntimeCollector:
         fam.control_dropped.add_metric([], getattr(self._backend, "control_dropped", 0))
         fam.control_send_failures.add_metric([], getattr(self._backend, "control_send_failures", 0))
         fam.rejected_handshakes.add_metric([], getattr(self._backend, "rejected_handshakes", 0))
+        self._add_placement(fam, _placement(self._backend))
         fam.readmitted.add_metric([], getattr(self._backend, "readmitted", 0))
         fam.moved.add_metric([], getattr(self._backend, "moved", 0))
         recoveries = list(getattr(self._backend, "recoveries", ()))
@@ -338,6 +339,32 @@ class RuntimeCollector:
             fam.failed_peers.add_metric(rt, len(failed) if isinstance(failed, (list, tuple)) else failed)
         if isinstance(report.get("offload"), dict):
             self._add_offload(fam, rt, report["offload"], value)
+
+    def _add_placement(self, fam: _Families, placement: dict[str, Any] | None) -> None:
+        """The live expert map (docs/rebalancing.md): epoch, rebalances, bytes, joins and drains, replicas and
+        balancedness per block (summed, or averaged, over blocks without per-layer metrics)."""
+        if placement is None:
+            return
+        counters = placement["counters"]
+        fam.placement_epoch.add_metric([], placement["epoch"])
+        for outcome, n in counters.rebalances.items():
+            fam.rebalances.add_metric([outcome], n)
+        fam.moved_bytes.add_metric([], counters.moved_bytes)
+        fam.freed_bytes.add_metric([], counters.freed_bytes)
+        fam.joined_layers.add_metric([], counters.joins)
+        fam.drained_layers.add_metric([], counters.drains)
+        replicas, balance = placement["replicas"], placement["balancedness"]
+        if self._per_layer:
+            for block, row in enumerate(replicas):
+                for expert, n in enumerate(row):
+                    fam.replicas.add_metric([str(block), str(expert)], float(n))
+            for block, b in enumerate(balance):
+                fam.balancedness.add_metric([str(block)], b)
+            return
+        for expert, n in enumerate(replicas.sum(axis=0)):
+            fam.replicas.add_metric(["", str(expert)], float(n))
+        if balance:
+            fam.balancedness.add_metric([""], sum(balance) / len(balance))
 
     @staticmethod
     def _offload_counters(offload: dict[str, Any]) -> dict[tuple, float]:
@@ -413,6 +440,7 @@ class _Families:
         self._runtime_families()
         self._comm_families()
         self._cluster_families()
+        self._placement_families()
         rt = ["runtime", "role"]
         self.offload_counters = [CounterMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_COUNTERS]
         self.offload_gauges = [GaugeMetricFamily(n, h, labels=rt) for n, _, h in OFFLOAD_GAUGES]
@@ -490,6 +518,40 @@ class _Families:
             "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
         )
 
+    def _placement_families(self) -> None:
+        """The live expert map's (docs/rebalancing.md)."""
+        self.placement_epoch = GaugeMetricFamily(
+            "amoe_placement_epoch", "Epoch of the expert map the attention runtimes route by (+1 per change)"
+        )
+        self.rebalances = CounterMetricFamily(
+            "amoe_placement_rebalances", "Rebalances by outcome: started, completed, failed (the old map serves "
+            "on), unchanged (the map was already the best one)", labels=["outcome"],
+        )  # fmt: skip
+        self.moved_bytes = CounterMetricFamily(
+            "amoe_placement_moved_bytes", "Expert weight bytes loaded by joins (new replicas)"
+        )
+        self.freed_bytes = CounterMetricFamily(
+            "amoe_placement_freed_bytes", "Expert weight bytes freed by drains (retired replicas)"
+        )
+        self.joined_layers = CounterMetricFamily(
+            "amoe_placement_joined_layers",
+            "Replicas (block, expert) that joined: weights landed, rows follow",
+        )
+        self.drained_layers = CounterMetricFamily(
+            "amoe_placement_drained_layers",
+            "Replicas (block, expert) drained: every row answered, weights freed",
+        )
+        self.replicas = GaugeMetricFamily(
+            "amoe_placement_replicas",
+            "Replicas of each (block, expert) in the map",
+            labels=["block", "expert"],
+        )
+        self.balancedness = GaugeMetricFamily(
+            "amoe_placement_balancedness_ratio",
+            "vLLM's balancedness per block: mean / max expert-runtime load over the last window_size steps (1: even)",
+            labels=["block"],
+        )
+
     def all(self) -> list[Metric]:
         return [
             self.up, self.restarts, *self.runtime_gauges, *self.runtime_counters, self.dropped, self.depth,
@@ -497,6 +559,8 @@ class _Families:
             self.routed, self.kv_used, self.kv_total, self.control_dropped, self.control_send_failures,
             self.rejected_handshakes,
             self.readmitted, self.moved, self.recovery, *self.offload_counters, *self.offload_gauges,
+            self.placement_epoch, self.rebalances, self.moved_bytes, self.freed_bytes, self.joined_layers,
+            self.drained_layers, self.replicas, self.balancedness,
         ]  # fmt: skip
 
 
@@ -504,6 +568,12 @@ def _runtime_stats(backend: Any) -> list[dict[str, Any]]:
     """The latest report per runtime; a backend without runtimes (the local one) has none."""
     runtime_stats = getattr(backend, "runtime_stats", None)
     return list(runtime_stats()) if runtime_stats is not None else []
+
+
+def _placement(backend: Any) -> dict[str, Any] | None:
+    """The live placement's numbers (ClusterBackend.placement_metrics), where experts can move."""
+    placement_metrics = getattr(backend, "placement_metrics", None)
+    return placement_metrics() if placement_metrics is not None else None
 
 
 def _local_offload(backend: Any) -> dict[str, Any] | None:

@@ -1,5 +1,7 @@
 #include "dispatch.h"
 
+#include <pybind11/stl.h>
+
 #include <vector>
 
 #include "errors.h"
@@ -30,11 +32,42 @@ std::pair<torch::Tensor, torch::Tensor> group_by_destination(const torch::Tensor
   return {perm, offsets};
 }
 
+int choose_replica(const std::vector<int>& candidates, std::vector<int64_t>* load) {
+  AMOE_CHECK_ARG(!candidates.empty(), "an expert needs at least one replica");
+  std::vector<int64_t>& l = *load;
+  int best = candidates[0];
+  for (int r : candidates) {
+    AMOE_CHECK_ARG(r >= 0, "replica runtime ids must be >= 0, got " << r);
+    if (r >= static_cast<int>(l.size())) l.resize(r + 1, 0);
+    if (l[r] < l[best] || (l[r] == l[best] && r < best)) best = r;
+  }
+  ++l[best];
+  return best;
+}
+
+namespace {
+
+// The rule applied row after row, as the dispatcher does within one batch: the oracle tests check it against.
+std::vector<int> choose_replicas(const std::vector<std::vector<int>>& candidates, std::vector<int64_t> load) {
+  std::vector<int> out;
+  out.reserve(candidates.size());
+  for (const auto& c : candidates) out.push_back(choose_replica(c, &load));
+  return out;
+}
+
+}  // namespace
+
 void register_dispatch(pybind11::module_& m) {
   // The sort touches only plain memory, so it runs without the GIL.
   m.def("group_by_destination", &group_by_destination, pybind11::arg("dest"), pybind11::arg("num_dest"),
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Stable grouping of row indices by destination: returns (perm, offsets).");
+  // Plain vectors in and out: no tensor, no Python object touched while it runs.
+  m.def("choose_replicas", &choose_replicas, pybind11::arg("candidates"), pybind11::arg("inflight"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The replica rule row after row: for each row's candidate runtimes (ascending), the one with the "
+        "fewest "
+        "rows in flight (inflight[r] plus the rows given so far), ties to the lowest id.");
 }
 
 }  // namespace amoe

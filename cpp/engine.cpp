@@ -43,6 +43,8 @@ Engine::Engine(const EngineConfig& cfg, std::shared_ptr<Communicator> comm)
                  "communicator rank " << comm_->rank() << " differs from runtime_id " << cfg.runtime_id);
   for (int r : cfg.expert_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
   for (int r : cfg.attn_runtime) num_runtimes_ = std::max(num_runtimes_, r + 1);
+  for (const auto& where : cfg.replicas)
+    for (int r : where) num_runtimes_ = std::max(num_runtimes_, r + 1);
   num_runtimes_ = std::max(num_runtimes_, cfg.runtime_id + 1);
   hold_unfiled_ = cfg.is_attention && cfg.policy == "waves";
 }
@@ -174,7 +176,7 @@ std::shared_ptr<Batch> Engine::next_batch(double timeout_s) {
     const auto deadline =
         t0 + std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
     constexpr auto kNever = Clock::time_point::max();
-    // The wave policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob:
+    // The waves policy holds for a returning wave, at most cfg_.max_wave_hold_s. A guard, not a tuning knob:
     // in steady state the wave is back within one round trip (milliseconds); only a lost row (resent after
     // the transport's timeout) or a failed expert batch keeps a part out, and the hold must not wait for
     // those.
@@ -359,15 +361,18 @@ void Engine::dispatch_attention(const Job& job) {
       m.slot = s + 1;
       m.expert_id = static_cast<int32_t>(e);
       m.weight = wp[j];
-      dest[j] = cfg_.expert_runtime[e];
       src[j] = i;
     }
   }
   {
     // The residual waits here, and (tracking requests) each expert output it waits for is on record with
-    // what it takes to ask again, before any row leaves: an answer can never arrive unexpected.
-    std::lock_guard<std::mutex> lock(mu_);  // pool, queues and expectations are shared with the receptor
+    // what it takes to ask again, before any row leaves: an answer can never arrive unexpected. Replicas
+    // are chosen under the same lock that a map change takes, so a row is on record at the replica it went
+    // to before anyone can see that replica's outstanding rows drop to zero.
+    std::lock_guard<std::mutex> lock(mu_);  // pool, queues, map and expectations are shared
     queues_.ingest(make_message(std::move(keep), job.residual));
+    std::vector<int64_t> load = queues_.inflight();
+    for (int64_t j = 0; j < n * k; ++j) dest[j] = queues_.choose(b.layer.block, rows[j].layer.index, &load);
     if (cfg_.track_requests) {
       const auto now = Clock::now();
       for (int64_t j = 0; j < n * k; ++j) queues_.expect(rows[j], TensorRef{job.out, src[j]}, dest[j], now);
@@ -403,12 +408,42 @@ int64_t Engine::resend(int runtime, double older_than_s) {
   return static_cast<int64_t>(due.size());
 }
 
+void Engine::set_replicas(int block, int expert, const std::vector<int>& runtimes) {
+  std::lock_guard<std::mutex> lock(mu_);  // the dispatcher chooses replicas under it (dispatch_attention)
+  queues_.set_replicas(block, expert, runtimes);
+}
+
+std::vector<int> Engine::replicas(int block, int expert) {
+  AMOE_CHECK_ARG(cfg_.is_attention, "only an attention runtime routes to replicas");
+  std::lock_guard<std::mutex> lock(mu_);  // set_replicas may run on the control thread
+  queues_.check_layer(block, expert);
+  return queues_.replicas(block, expert);
+}
+
+int64_t Engine::outstanding(const std::vector<std::array<int, 3>>& replicas) {
+  std::lock_guard<std::mutex> lock(mu_);  // the expectations are shared with the receptor and dispatcher
+  return queues_.outstanding(replicas);
+}
+
+void Engine::host(int block, int expert) {
+  std::lock_guard<std::mutex> lock(mu_);  // the receptor routes rows by the hosted set
+  queues_.host(block, expert);
+}
+
+int64_t Engine::unhost(int block, int expert) {
+  std::lock_guard<std::mutex> lock(mu_);  // the receptor and next_batch() share the queues
+  return queues_.unhost(block, expert);
+}
+
 void Engine::send_grouped(std::vector<RowMeta>&& rows, const std::vector<int64_t>& src_rows,
                           const std::vector<int64_t>& dest, const at::Tensor& data) {
   const int64_t n = static_cast<int64_t>(rows.size());
-  std::vector<int64_t> perm(n), offsets(num_runtimes_ + 1);
-  group_rows(dest.data(), n, num_runtimes_, perm.data(), offsets.data());
-  for (int r = 0; r < num_runtimes_; ++r) {
+  // A replica may live on a runtime that joined after this engine was built: size by the destinations too.
+  int64_t num_dest = num_runtimes_;
+  for (int64_t d : dest) num_dest = std::max(num_dest, d + 1);
+  std::vector<int64_t> perm(n), offsets(num_dest + 1);
+  group_rows(dest.data(), n, num_dest, perm.data(), offsets.data());
+  for (int r = 0; r < num_dest; ++r) {
     const int64_t lo = offsets[r], hi = offsets[r + 1];
     if (lo == hi) continue;
     std::vector<RowMeta> part(hi - lo);
@@ -427,7 +462,10 @@ EngineStats Engine::stats() {
   EngineStats s;
   {
     std::lock_guard<std::mutex> lock(mu_);  // a consistent snapshot of queues and pool
-    for (const MuQueue& q : queues_.queues()) {
+    const auto& all = queues_.queues();
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (!queues_.listed(i)) continue;  // an expert id this runtime never hosted
+      const MuQueue& q = all[i];
       s.layers.push_back(q.layer);
       s.depth.push_back(q.depth);
       s.batches.push_back(q.batches);
@@ -439,6 +477,7 @@ EngineStats Engine::stats() {
     s.drops = queues_.drops();
     s.tracked_requests = queues_.num_tracked();
     s.expected_parts = queues_.num_expected();
+    s.inflight = queues_.inflight();
     s.idle_s = static_cast<double>(idle_ns_) * 1e-9;
   }
   {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -26,10 +27,11 @@ struct EngineStats {
   int64_t pool_entries = 0, pool_parts = 0;
   int64_t tokens_in = 0, tokens_out = 0, messages_out = 0;
   int64_t dispatch_pending = 0, errors = 0;
-  int64_t tracked_requests = 0;  // requests held (track_requests)
-  int64_t polls = 0;             // calls of next_batch(): the loop's progress
-  int64_t expected_parts = 0;    // expert outputs still awaited (track_requests)
-  int64_t resent_rows = 0;       // rows sent again to the experts
+  int64_t tracked_requests = 0;   // requests held (track_requests)
+  int64_t polls = 0;              // calls of next_batch(): the loop's progress
+  int64_t expected_parts = 0;     // expert outputs still awaited (track_requests)
+  int64_t resent_rows = 0;        // rows sent again to the experts
+  std::vector<int64_t> inflight;  // expert outputs awaited per destination runtime (track_requests)
   DropCounts drops;
   double idle_s = 0;  // time next_batch() waited with nothing to run
 };
@@ -72,6 +74,20 @@ class Engine {
   // -1) at least `older_than_s` ago: after a replaced expert runtime joins, or when answers seem lost. Their
   // late answers, if any, are dropped as duplicates. Returns the rows sent.
   int64_t resend(int runtime, double older_than_s);
+
+  // The live expert map (docs/rebalancing.md), changed while serving, each call atomic under the queue lock.
+  // Attention runtime: rows of (block, expert) go to these replicas from now on (rows sent before are still
+  // awaited where they went).
+  void set_replicas(int block, int expert, const std::vector<int>& runtimes);
+  std::vector<int> replicas(int block, int expert);
+  // Attention runtime: expert outputs still awaited from any of these (runtime, block, expert) replicas — a
+  // drained replica owes none.
+  int64_t outstanding(const std::vector<std::array<int, 3>>& replicas);
+  // Expert runtime: (block, expert) takes rows from now on (its weights must have landed in the executor).
+  void host(int block, int expert);
+  // Expert runtime: rows of (block, expert) arriving from now on are misrouted; those still queued (second
+  // copies, once its replica drained) are dropped and counted. Returns how many.
+  int64_t unhost(int block, int expert);
 
   EngineStats stats();
   const EngineConfig& config() const { return cfg_; }

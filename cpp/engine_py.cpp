@@ -136,6 +136,7 @@ py::dict stats_dict(const EngineStats& s) {
   drops["bad_row"] = s.drops.bad_row;
   drops["duplicate"] = s.drops.duplicate;
   drops["unknown_request"] = s.drops.unknown_request;
+  drops["retired"] = s.drops.retired;
   py::dict d;
   d["depth"] = depth;
   d["batches"] = batches;
@@ -151,6 +152,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["polls"] = s.polls;
   d["expected_parts"] = s.expected_parts;
   d["resent_rows"] = s.resent_rows;
+  d["inflight"] = s.inflight;
   d["dropped"] = drops;
   d["idle_s"] = s.idle_s;
   return d;
@@ -222,6 +224,8 @@ void register_engine(py::module_& m) {
       .def_readwrite("hidden", &EngineConfig::hidden)
       .def_readwrite("expert_runtime", &EngineConfig::expert_runtime)
       .def_readwrite("attn_runtime", &EngineConfig::attn_runtime)
+      .def_readwrite("replicas", &EngineConfig::replicas)
+      .def_readwrite("hosted", &EngineConfig::hosted)
       .def_readwrite("policy", &EngineConfig::policy)
       .def_readwrite("lookahead", &EngineConfig::lookahead)
       .def_readwrite("group_experts", &EngineConfig::group_experts)
@@ -324,6 +328,22 @@ void register_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),  // takes the queue lock and sends
            "Asks again for the expert outputs still awaited from `runtime` (-1: any) sent at least "
            "older_than_s ago; returns the rows sent.")
+      .def("set_replicas", &Engine::set_replicas, py::arg("block"), py::arg("expert"), py::arg("runtimes"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the dispatcher holds
+           "Attention runtime: rows of (block, expert) go to these replica runtimes from now on.")
+      .def("replicas", &Engine::replicas, py::arg("block"), py::arg("expert"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the dispatcher holds
+           "Attention runtime: the replica runtimes of (block, expert).")
+      .def("outstanding", &Engine::outstanding, py::arg("replicas"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
+           "Attention runtime: expert outputs still awaited from any of these (runtime, block, expert).")
+      .def("host", &Engine::host, py::arg("block"), py::arg("expert"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
+           "Expert runtime: (block, expert) takes rows from now on.")
+      .def("unhost", &Engine::unhost, py::arg("block"), py::arg("expert"),
+           py::call_guard<py::gil_scoped_release>(),  // takes the queue lock the receptor holds
+           "Expert runtime: (block, expert) takes no more rows; drops (and returns the count of) those "
+           "queued.")
       .def(
           "stats",
           [](Engine& e) {

@@ -35,7 +35,7 @@ struct RowMeta {
   float weight;         // top-k weight of this slot (0 for slot 0)
   int32_t attn_rank;    // attention DP rank that holds the request
   // Under `waves`: the request's wave on its attention rank (-1: none), which the expert side groups by
-  // (docs/engine.md "The waves rule" item 13). Set by the attention runtime; carried back unread.
+  // (docs/scheduler.md "Group cells"). Set by the attention runtime; carried back unread.
   int32_t wave = -1;
   int32_t reserved = 0;  // explicit padding: every byte on the wire is defined
 };

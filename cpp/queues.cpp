@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "dispatch.h"
 #include "errors.h"
 
 namespace amoe {
@@ -22,18 +23,28 @@ void EngineConfig::validate() const {
       "scheduling settings unset or out of range (amoe.core.engine_config fills them from the config)");
   AMOE_CHECK_ARG(num_waves >= 1, "num_waves must be >= 1, got " << num_waves);
   AMOE_CHECK_ARG(wave_group >= 0, "wave_group must be >= 0, got " << wave_group);
+  AMOE_CHECK_ARG(replicas.empty() ||
+                     static_cast<int64_t>(replicas.size()) == static_cast<int64_t>(num_blocks) * num_experts,
+                 "replicas needs one entry per (block, expert): " << num_blocks * num_experts << ", got "
+                                                                  << replicas.size());
+  for (const auto& where : replicas) {
+    AMOE_CHECK_ARG(!where.empty(), "every (block, expert) needs at least one replica");
+    for (int r : where) AMOE_CHECK_ARG(r >= 0, "replica runtime ids must be >= 0, got " << r);
+  }
   if (is_attention) {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
                    "attn_rank " << attn_rank << " has no entry in attn_runtime");
   } else {
-    AMOE_CHECK_ARG(!experts.empty(), "an expert runtime must host at least one expert");
+    AMOE_CHECK_ARG(!experts.empty() || !hosted.empty(), "an expert runtime must host at least one expert");
     for (int e : experts) AMOE_CHECK_ARG(e >= 0 && e < num_experts, "hosted expert " << e << " out of range");
+    for (int l : hosted)
+      AMOE_CHECK_ARG(l >= 0 && l < num_blocks * num_experts, "hosted layer " << l << " out of range");
   }
 }
 
 namespace {
 
-// Item 13: an expert runtime under waves groups its columns by wave group (wave_group > 0).
+// Group cells: an expert runtime under waves groups its columns by wave group (wave_group > 0).
 int wave_groups(const EngineConfig& cfg) {
   if (cfg.is_attention || cfg.policy != "waves" || cfg.wave_group <= 0) return 1;
   return (std::max(1, cfg.num_waves) + cfg.wave_group - 1) / cfg.wave_group;
@@ -44,38 +55,125 @@ int wave_groups(const EngineConfig& cfg) {
 LayerQueues::LayerQueues(const EngineConfig& cfg)
     : cfg_(cfg),
       num_cols_(cfg.is_attention ? (cfg.policy == "waves" ? std::max(1, cfg.num_waves) : 1)
-                                 : static_cast<int>(cfg.experts.size()) * wave_groups(cfg)),
+                                 : cfg.num_experts * wave_groups(cfg)),
       groups_(wave_groups(cfg)),
-      expert_col_(cfg.num_experts, -1),
+      hosted_(static_cast<size_t>(cfg.num_blocks) * cfg.num_experts, 0),
+      hosted_blocks_(cfg.num_experts, 0),
       scheduler_(cfg.is_attention ? cfg.num_blocks + 1 : cfg.num_blocks, num_cols_, parse_policy(cfg.policy),
                  cfg.lookahead, cfg.decay) {
   cfg_.validate();
   waves_ = cfg.is_attention && cfg.policy == "waves";
   scheduler_.set_wave_cols(waves_);
-  // waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md items 9-10).
+  // waves, expert side: a block waits for the attention ranks on their way to it (docs/scheduler.md
+  // "The straggler wait", "The meeting block").
   rank_barrier_ = !cfg.is_attention && cfg.policy == "waves";
-  // Block 0 is where the ranks' waves meet (item 10): it waits for ranks up to ceil(num_blocks / W) blocks
-  // back.
+  // Block 0 is where the ranks' waves meet (the meeting block): it waits for ranks up to ceil(num_blocks / W)
+  // blocks back.
   if (rank_barrier_)
     scheduler_.set_rank_barrier(static_cast<int>(cfg.attn_runtime.size()), cfg.max_wave_hold_s,
                                 (cfg.num_blocks + cfg.num_waves - 1) / cfg.num_waves);
-  // Item 13: the columns are (group, hosted expert); the notes per (rank, wave).
+  // Group cells: the columns are (group, hosted expert); the notes per (rank, wave).
   if (rank_barrier_ && cfg.wave_group > 0)
-    scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group,
-                               static_cast<int>(cfg.experts.size()));
-  for (int c = 0; c < static_cast<int>(cfg.experts.size()); ++c) {
-    AMOE_CHECK_ARG(expert_col_[cfg.experts[c]] < 0, "expert " << cfg.experts[c] << " listed twice");
-    expert_col_[cfg.experts[c]] = c;
-  }
+    scheduler_.set_wave_groups(std::max(1, cfg.num_waves), cfg.wave_group, cfg.num_experts);
   queues_.resize(static_cast<size_t>(scheduler_.num_blocks()) * num_cols_);
   pool_.reserve(4096);
   for (int b = 0; b < scheduler_.num_blocks(); ++b) {
     for (int c = 0; c < num_cols_; ++c) {
-      const int local = cfg.is_attention ? 0 : c % static_cast<int>(cfg.experts.size());
       queues_[b * num_cols_ + c].layer =
-          cfg.is_attention ? LayerId{kAttn, b, cfg.attn_rank} : LayerId{kExpert, b, cfg.experts[local]};
+          cfg.is_attention ? LayerId{kAttn, b, cfg.attn_rank} : LayerId{kExpert, b, c % cfg.num_experts};
     }
   }
+  if (cfg.is_attention) {
+    replicas_.resize(static_cast<size_t>(cfg.num_blocks) * cfg.num_experts);
+    for (int b = 0; b < cfg.num_blocks; ++b)
+      for (int e = 0; e < cfg.num_experts; ++e) {
+        const size_t l = static_cast<size_t>(b) * cfg.num_experts + e;
+        replicas_[l] = cfg.replicas.empty() ? std::vector<int>{cfg.expert_runtime[e]} : cfg.replicas[l];
+      }
+    return;
+  }
+  if (cfg.hosted.empty()) {
+    for (int e : cfg.experts) {
+      AMOE_CHECK_ARG(hosted_blocks_[e] == 0, "expert " << e << " listed twice");
+      for (int b = 0; b < cfg.num_blocks; ++b) mark_hosted(b, e, true);
+    }
+  } else {
+    for (int l : cfg.hosted) mark_hosted(l / cfg.num_experts, l % cfg.num_experts, true);
+  }
+}
+
+void LayerQueues::mark_hosted(int block, int expert, bool on) {
+  char& h = hosted_[static_cast<size_t>(block) * cfg_.num_experts + expert];
+  if (static_cast<bool>(h) == on) return;
+  h = on ? 1 : 0;
+  int& n = hosted_blocks_[expert];
+  if (on && n++ == 0) ++hosted_experts_;
+  if (!on && --n == 0) --hosted_experts_;
+  scheduler_.set_lookahead_cols(std::max(1, hosted_experts_) * groups_);
+}
+
+void LayerQueues::check_layer(int block, int expert) const {
+  AMOE_CHECK_ARG(block >= 0 && block < cfg_.num_blocks && expert >= 0 && expert < cfg_.num_experts,
+                 "(block " << block << ", expert " << expert << ") is outside the model");
+}
+
+void LayerQueues::host(int block, int expert) {
+  AMOE_CHECK_ARG(!cfg_.is_attention, "an attention runtime hosts no experts");
+  check_layer(block, expert);
+  mark_hosted(block, expert, true);
+}
+
+int64_t LayerQueues::unhost(int block, int expert) {
+  AMOE_CHECK_ARG(!cfg_.is_attention, "an attention runtime hosts no experts");
+  check_layer(block, expert);
+  mark_hosted(block, expert, false);
+  int64_t dropped = 0;
+  for (int g = 0; g < groups_; ++g) {
+    const int q = block * num_cols_ + g * cfg_.num_experts + expert;
+    MuQueue& mq = queues_[q];
+    if (mq.depth == 0) continue;
+    dropped += mq.depth;
+    scheduler_.add(block, q % num_cols_, -mq.depth);
+    mq.rows.clear();
+    mq.depth = 0;
+  }
+  drops_.retired += dropped;
+  return dropped;
+}
+
+void LayerQueues::set_replicas(int block, int expert, std::vector<int> runtimes) {
+  AMOE_CHECK_ARG(cfg_.is_attention, "only an attention runtime routes to replicas");
+  check_layer(block, expert);
+  AMOE_CHECK_ARG(!runtimes.empty(), "(block " << block << ", expert " << expert << ") needs a replica");
+  for (int r : runtimes) AMOE_CHECK_ARG(r >= 0, "replica runtime ids must be >= 0, got " << r);
+  std::sort(runtimes.begin(), runtimes.end());
+  runtimes.erase(std::unique(runtimes.begin(), runtimes.end()), runtimes.end());
+  replicas_[block * cfg_.num_experts + expert] = std::move(runtimes);
+}
+
+int LayerQueues::choose(int block, int expert, std::vector<int64_t>* load) const {
+  return choose_replica(replicas_[block * cfg_.num_experts + expert], load);
+}
+
+void LayerQueues::release_inflight(int dest) {
+  if (dest >= 0 && dest < static_cast<int>(inflight_.size()) && inflight_[dest] > 0) --inflight_[dest];
+}
+
+int64_t LayerQueues::outstanding(const std::vector<std::array<int, 3>>& replicas) const {
+  // (runtime, block, expert) packed into one key: ids are < 2^20 (the wire's ranges are narrower still).
+  auto pack = [](int64_t r, int64_t b, int64_t e) { return (r << 40) | (b << 20) | e; };
+  std::unordered_set<int64_t> wanted;
+  for (const auto& [r, b, e] : replicas) wanted.insert(pack(r, b, e));
+  int64_t n = 0;
+  for (const auto& [key, x] : expected_)
+    if (wanted.count(pack(x.dest, x.sent.layer.block, x.sent.layer.index))) ++n;
+  return n;
+}
+
+bool LayerQueues::listed(size_t q) const {
+  const MuQueue& mq = queues_[q];
+  if (mq.depth > 0 || mq.batches > 0 || cfg_.is_attention) return true;
+  return hosted_[static_cast<size_t>(mq.layer.block) * cfg_.num_experts + mq.layer.index] != 0;
 }
 
 int LayerQueues::queue_index(const LayerId& l) const {
@@ -84,10 +182,9 @@ int LayerQueues::queue_index(const LayerId& l) const {
     return l.block;
   }
   if (l.kind != kExpert || l.block < 0 || l.block >= cfg_.num_blocks || l.index < 0 ||
-      l.index >= cfg_.num_experts)
+      l.index >= cfg_.num_experts || !hosts(l.block, l.index))
     return -1;
-  const int c = expert_col_[l.index];
-  return c < 0 ? -1 : l.block * num_cols_ + c;
+  return l.block * num_cols_ + l.index;
 }
 
 int LayerQueues::group_of(int32_t wave) const {
@@ -143,15 +240,15 @@ void LayerQueues::ingest(Message&& msg) {
       continue;
     }
     if (m.layer.kind == kExpert) {
-      // Expert rows are independent: ready as soon as they arrive (in their wave's group, item 13).
-      const int qg = q + group_of(m.wave) * static_cast<int>(cfg_.experts.size());
+      // Expert rows are independent: ready as soon as they arrive (in their wave's group, group cells).
+      const int qg = q + group_of(m.wave) * cfg_.num_experts;
       MuQueue& mq = queues_[qg];
       mq.rows.push_back(ExpertRow{m, TensorRef{msg.data, i}});
       ++mq.depth;
       scheduler_.add(qg / num_cols_, qg % num_cols_, 1);
       if (rank_barrier_) scheduler_.arrived(qg / num_cols_, m.attn_rank, now, m.wave);
     } else if (waves_) {
-      // The row's wave travels with its expert parts (item 13): the expert side groups by it.
+      // The row's wave travels with its expert parts (group cells): the expert side groups by it.
       RowMeta mw = m;
       mw.wave = wave_of(m.request_id);
       ingest_attention_row(q * num_cols_ + mw.wave, mw, msg.data, i);
@@ -179,10 +276,13 @@ void LayerQueues::ingest_attention_row(int q, const RowMeta& m, const at::Tensor
     return;
   }
   if (cfg_.track_requests && m.slot > 0) {
-    if (expected_.erase(ExpectKey{m.request_id, m.layer.block, m.position, m.slot}) == 0) {
+    const auto found = expected_.find(ExpectKey{m.request_id, m.layer.block, m.position, m.slot});
+    if (found == expected_.end()) {
       ++drops_.duplicate;  // an expert output nobody waits for: the second answer to a resent row, or garbage
       return;
     }
+    release_inflight(found->second.dest);
+    expected_.erase(found);
     scheduler_.add_pending(m.layer.block, -1, q % num_cols_);
   }
   auto [it, inserted] = pool_.try_emplace(PoolKey{m.request_id, m.layer, m.chunk_start});
@@ -231,13 +331,17 @@ void LayerQueues::expect(const RowMeta& sent, const TensorRef& input, int dest,
   // (unknown_request), so nothing waits for them — counted as out, they would hold its wave (and a block
   // under wave) until the deadline guard, each time round.
   if (!cfg_.track_requests || live_.count(sent.request_id) == 0) return;
-  const bool inserted =
-      expected_
-          .insert_or_assign(ExpectKey{sent.request_id, sent.layer.block + 1, sent.position, sent.slot},
-                            Expected{sent, input, dest, at})
-          .second;
-  if (inserted)  // a resent row is still one part out
+  const ExpectKey key{sent.request_id, sent.layer.block + 1, sent.position, sent.slot};
+  auto found = expected_.find(key);
+  if (found != expected_.end()) {  // asked again: still one part out, now from `dest`
+    release_inflight(found->second.dest);
+    found->second = Expected{sent, input, dest, at};
+  } else {
+    expected_.emplace(key, Expected{sent, input, dest, at});
     scheduler_.add_pending(sent.layer.block + 1, 1, wave_of(sent.request_id));
+  }
+  if (dest >= static_cast<int>(inflight_.size())) inflight_.resize(dest + 1, 0);
+  ++inflight_[dest];
 }
 
 std::vector<Expected> LayerQueues::due(int dest, std::chrono::steady_clock::time_point cutoff) {
@@ -270,6 +374,7 @@ void LayerQueues::forget(const std::vector<uint64_t>& request_ids, bool purge) {
     if (gone.count(it->first.request_id)) {
       const auto w = left.find(it->first.request_id);
       scheduler_.add_pending(it->first.block, -1, w == left.end() ? 0 : w->second);
+      release_inflight(it->second.dest);
       it = expected_.erase(it);
     } else {
       ++it;
@@ -311,15 +416,15 @@ bool LayerQueues::drain(Drained* out, bool force) {
   if (picked.layer.kind == kExpert) {
     if (cfg_.group_experts == 1) {
       // The block's every hosted expert in one step: one host step and one kernel sequence for all of them
-      // (of the picked column's wave group, item 13).
-      const int per = static_cast<int>(cfg_.experts.size()), first = (col / per) * per;
+      // (of the picked column's wave group, group cells).
+      const int per = cfg_.num_experts, first = (col / per) * per;
       for (int c = first; c < first + per; ++c) out->num_rows += take_expert_rows(b, c, out);
     } else {
       out->num_rows = take_expert_rows(b, col, out);
     }
     if (rank_barrier_) {
-      // Each attention rank (wave, with groups) served here is on its way to the next block (items 9, 13);
-      // each once per step.
+      // Each attention rank (wave, with groups) served here is on its way to the next block (the straggler
+      // wait, group cells); each once per step.
       const int waves = cfg_.wave_group > 0 ? std::max(1, cfg_.num_waves) : 1;
       std::vector<char> seen(cfg_.attn_runtime.size() * waves, 0);
       for (const ExpertRow& r : out->rows) {

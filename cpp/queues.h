@@ -28,8 +28,15 @@ struct EngineConfig {
   int num_experts = 1;              // experts per block
   int top_k = 1;                    // experts per token
   int64_t hidden = 0;               // activation width H
-  std::vector<int> expert_runtime;  // [num_experts] runtime hosting expert e
+  std::vector<int> expert_runtime;  // [num_experts] home runtime of expert e (every block)
   std::vector<int> attn_runtime;    // [num_attn_ranks] runtime serving attention rank r
+  // The live expert map (docs/rebalancing.md): [num_blocks * num_experts], block-major, the runtimes serving
+  // each (block, expert), ascending; empty: expert e of every block on expert_runtime[e]. An attention
+  // runtime routes by it; Engine::set_replicas changes it while serving.
+  std::vector<std::vector<int>> replicas;
+  // An expert runtime's hosted layers as block * num_experts + expert; empty: `experts` of every block.
+  // Engine::host / unhost change them while serving.
+  std::vector<int> hosted;
   // Scheduling: no defaults here. amoe.core.engine_config fills them from the config's scheduler section (the
   // one home of policy names and defaults); validate() refuses a config that left them unset.
   std::string policy;      // defrag | mtfs | flfs | wave | waves
@@ -49,12 +56,13 @@ struct EngineConfig {
   // (add_tokens) and have not finished or been forgotten: a late row of a finished request, or a peer's
   // garbage, is dropped and counted instead of reaching a layer that no longer knows the request.
   bool track_requests = false;
-  // waves (docs/engine.md "The waves rule"): the attention runtimes' W waves, ceil(their most requests /
-  // attn_cap) (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert
-  // runtime's block 0 waits for waves up to ceil(num_blocks / W) blocks back (item 10). 1 otherwise.
+  // waves (docs/scheduler.md): the attention runtimes' W waves, ceil(their most requests / attn_cap)
+  // (amoe.core.engine_config); an attention runtime's grid is (block, wave), and an expert runtime's block 0
+  // waits for waves up to ceil(num_blocks / W) blocks back (the meeting block). 1 otherwise.
   int num_waves = 1;
-  // waves, expert side (item 13): the waves of each attention rank that make one group, which an expert
-  // runtime serves as one (block, group) step and gathers over the ranks; 0: per rank (items 9-10).
+  // waves, expert side (group cells): the waves of each attention rank that make one group, which an expert
+  // runtime serves as one (block, group) step and gathers over the ranks; 0: per rank (the straggler wait,
+  // the meeting block).
   int wave_group = 0;
 
   void validate() const;
@@ -194,6 +202,7 @@ struct DropCounts {
   int64_t bad_row = 0;          // inconsistent chunk / slot / position
   int64_t duplicate = 0;        // a part that already arrived
   int64_t unknown_request = 0;  // a row of a request this runtime does not hold (track_requests)
+  int64_t retired = 0;          // rows still queued for a layer unhosted after its drain (second copies)
 };
 
 class LayerQueues {
@@ -206,8 +215,8 @@ class LayerQueues {
   // holds for a returning wave (holding(); `force` takes the best block anyway).
   bool drain(Drained* out, bool force = false);
   bool holding() const { return scheduler_.holding(); }
-  // Holding under the expert side's rank barrier (waves, docs/engine.md item 9): when the earliest wait ends
-  // (time_point::max() otherwise): the engine wakes then even if nothing arrives.
+  // Holding under the expert side's rank barrier (docs/scheduler.md "The straggler wait"): when the earliest
+  // wait ends (time_point::max() otherwise): the engine wakes then even if nothing arrives.
   std::chrono::steady_clock::time_point release_at() const;
   // Gathers drained rows into contiguous tensors (no lock needed).
   Batch assemble(Drained&& d) const;
@@ -224,6 +233,27 @@ class LayerQueues {
   std::vector<Expected> due(int dest, std::chrono::steady_clock::time_point cutoff);
   int64_t num_expected() const { return static_cast<int64_t>(expected_.size()); }
 
+  // The live placement (docs/rebalancing.md). Expert runtime: whether (block, expert) takes rows; unhost
+  // drops what of it still waits (counted as retired) and returns how many rows that was.
+  void host(int block, int expert);
+  int64_t unhost(int block, int expert);
+  bool hosts(int block, int expert) const { return hosted_[block * cfg_.num_experts + expert] != 0; }
+  // Attention runtime: where rows of (block, expert) go from now on, and the runtime `choose` picks for one
+  // row by the replica rule (dispatch.h) from `load`, the rows in flight per runtime it updates.
+  void set_replicas(int block, int expert, std::vector<int> runtimes);
+  const std::vector<int>& replicas(int block, int expert) const {
+    return replicas_[block * cfg_.num_experts + expert];
+  }
+  int choose(int block, int expert, std::vector<int64_t>* load) const;
+  // Expert outputs awaited per runtime (cfg.track_requests), the load the replica rule starts from.
+  const std::vector<int64_t>& inflight() const { return inflight_; }
+  // Expert outputs awaited from any of these (runtime, block, expert) replicas, in one pass over the record:
+  // what draining replicas still owe.
+  int64_t outstanding(const std::vector<std::array<int, 3>>& replicas) const;
+  void check_layer(int block, int expert) const;  // a clear error for a (block, expert) outside the model
+  // Whether stats list queue q: a hosted layer's, or one that ran or holds rows (counters stay monotonic).
+  bool listed(size_t q) const;
+
   int64_t depth_total() const { return scheduler_.total(); }
   int64_t pool_entries() const { return static_cast<int64_t>(pool_.size()); }
   int64_t pool_parts() const { return pool_parts_; }
@@ -235,6 +265,10 @@ class LayerQueues {
  private:
   double clock_s() const;                   // seconds since construction: the rank barrier's clock
   int queue_index(const LayerId& l) const;  // -1 when not hosted; an attention queue's block (wave 0)
+  void release_inflight(int dest);          // an expected_ entry for `dest` was answered or purged
+  // Marks (block, expert) hosted or not, keeping the count of experts hosted in any block: the scheduler's
+  // look-ahead divides by it (Algorithm 1's N_E).
+  void mark_hosted(int block, int expert, bool on);
   // waves on an attention runtime: the request's wave (joining one, counted by the scheduler, if new).
   int wave_of(uint64_t request_id);
   void enqueue_chunk(int q, Chunk&& c);
@@ -246,11 +280,17 @@ class LayerQueues {
 
   EngineConfig cfg_;
   int num_cols_;
-  int groups_ = 1;               // expert runtime under waves with wave_group > 0: wave groups (item 13)
-  std::vector<int> expert_col_;  // [num_experts] local column or -1 (a column of group 0)
+  int groups_ = 1;  // expert runtime under waves with wave_group > 0: wave groups (group cells)
+  // Expert runtime: its grid has a column per expert id (of each wave group), so a replica can join any; only
+  // hosted layers take rows. [num_blocks * num_experts]
+  std::vector<char> hosted_;
+  std::vector<int> hosted_blocks_;          // [num_experts] blocks in which each expert is hosted
+  int hosted_experts_ = 0;                  // experts hosted in some block
+  std::vector<std::vector<int>> replicas_;  // attention runtime: the live map, as EngineConfig::replicas
+  std::vector<int64_t> inflight_;           // attention runtime: expected_ entries per destination runtime
   Scheduler scheduler_;
   std::vector<MuQueue> queues_;  // [grid blocks * num_cols], index = block * num_cols + col
-  // Item 13: the group of an expert row's wave (0 without groups or for a wave outside the attention ranks').
+  // Group cells: the group of an expert row's wave (0 without groups or for a wave outside the ranks').
   int group_of(int32_t wave) const;
   std::unordered_map<PoolKey, Chunk, PoolKeyHash> pool_;
   std::unordered_set<uint64_t> live_;       // requests held, when cfg_.track_requests

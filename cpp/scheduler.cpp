@@ -15,10 +15,8 @@ Policy parse_policy(const std::string& name) {
   if (name == "defrag") return Policy::kDefrag;
   if (name == "mtfs") return Policy::kMtfs;
   if (name == "flfs") return Policy::kFlfs;
-  if (name == "wave") return Policy::kWave;
   if (name == "waves") return Policy::kWaves;
-  AMOE_CHECK_ARG(false,
-                 "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs, wave or waves)");
+  AMOE_CHECK_ARG(false, "unknown scheduling policy '" << name << "' (expected defrag, mtfs, flfs or waves)");
   return Policy::kDefrag;
 }
 
@@ -30,8 +28,6 @@ const char* policy_name(Policy p) {
       return "mtfs";
     case Policy::kFlfs:
       return "flfs";
-    case Policy::kWave:
-      return "wave";
     case Policy::kWaves:
       return "waves";
   }
@@ -41,6 +37,7 @@ const char* policy_name(Policy p) {
 Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead, double decay)
     : num_blocks_(num_blocks),
       num_cols_(num_cols),
+      lookahead_cols_(num_cols),
       policy_(policy),
       lookahead_(lookahead),
       decay_(decay),
@@ -59,6 +56,11 @@ Scheduler::Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead,
   AMOE_CHECK_ARG(lookahead >= 0, "lookahead must be >= 0, got " << lookahead);
   AMOE_CHECK_ARG(decay >= 0.0, "decay must be >= 0, got " << decay);
   for (int k = 0; k <= lookahead; ++k) decay_pow_.push_back(std::pow(decay, static_cast<double>(k)));
+}
+
+void Scheduler::set_lookahead_cols(int n) {
+  AMOE_CHECK_ARG(n > 0, "the look-ahead's columns must be positive, got " << n);
+  lookahead_cols_ = n;
 }
 
 void Scheduler::add(int block, int col, int64_t delta) { set(block, col, depth(block, col) + delta); }
@@ -135,8 +137,6 @@ bool Scheduler::pick(int* block, int* col, bool force) {
   holding_ = false;
   if (total_ == 0) return false;
   switch (policy_) {
-    case Policy::kWave:
-      return pick_wave(block, col, force);
     case Policy::kDefrag:
       return pick_defrag(block, col);
     case Policy::kMtfs:
@@ -156,7 +156,7 @@ bool Scheduler::pick(int* block, int* col, bool force) {
 // step.
 bool Scheduler::pick_defrag(int* block, int* col) {
   double best = -1.0;
-  const double ne = static_cast<double>(num_cols_);
+  const double ne = lookahead_cols_;
   for (int b = 0; b < num_blocks_; ++b) {
     if (block_total_[b] == 0) continue;
     double lscore = 0.0;
@@ -201,39 +201,7 @@ bool Scheduler::pick_flfs(int* block, int* col) {
   return false;
 }
 
-// Wave (docs/engine.md "wave"): a block is served whole (an expert runtime's grouped step takes every hosted
-// expert's queue of it), so blocks are compared by their total rows. A block part of whose wave is still out
-// (pending > 0) is not ready: it waits for the rest, so the wave leaves together instead of as fragments. Of
-// the ready blocks, the one with the most rows; when none is ready, hold (false) unless forced, then the
-// non-ready block with the most rows.
-bool Scheduler::pick_wave(int* block, int* col, bool force) {
-  int64_t ready = 0, waiting = 0;
-  int ready_b = -1, waiting_b = -1;
-  for (int b = 0; b < num_blocks_; ++b) {
-    const int64_t rows = block_total_[b];
-    if (rows == 0) continue;
-    int64_t out = 0;  // the block's parts out, over its columns (wave counts them in column 0)
-    for (int c = 0; c < num_cols_; ++c) out += pending_[static_cast<size_t>(b) * num_cols_ + c];
-    if (out == 0) {
-      if (rows > ready) ready = rows, ready_b = b;
-    } else if (rows > waiting) {
-      waiting = rows, waiting_b = b;
-    }
-  }
-  if (ready_b < 0) {
-    if (!force) {
-      holding_ = true;
-      return false;
-    }
-    ready_b = waiting_b;
-  }
-  if (block_dirty_[ready_b]) refresh_block(ready_b);
-  *block = ready_b;
-  *col = block_argmax_[ready_b];
-  return true;
-}
-
-// Waves (docs/engine.md "The waves rule"), attention side: the columns are waves. A wave's position is the
+// Waves (docs/scheduler.md "The attention side"): the columns are waves. A wave's position is the
 // block it was last picked at (the next one once that cell is drained: set()); its front is the first block,
 // in ring order from its position, with rows or parts out of it; it is ready when it has rows there and none
 // are out. Rows of the wave elsewhere (fragments ahead, new requests at block 0 behind it) wait for the
@@ -282,7 +250,7 @@ void Scheduler::set_rank_barrier(int num_ranks, double max_hold_s, int meet_span
   AMOE_CHECK_ARG(max_hold_s > 0, "max_hold_s must be > 0, got " << max_hold_s);
   AMOE_CHECK_ARG(meet_span >= 1, "meet_span must be >= 1, got " << meet_span);
   num_ranks_ = num_ranks;
-  groups_ = 0;  // per rank until set_wave_groups (item 13)
+  groups_ = 0;  // per rank until set_wave_groups (group cells)
   cell_total_.clear();
   cell_stamp_.clear();
   // Block 0's span never reaches block 0 itself (a wave served there is a whole iteration away).
@@ -355,8 +323,8 @@ double Scheduler::note_waits_until(int v, int b, int span) const {
 
 // Block b waits for every rank on its way to it (served at the block before after its rows last arrived here,
 // with a turn-around measured) until twice that turn-around, at most max_hold_s_, after the serving. Block 0
-// (item 10) looks meet_span_ blocks back: the nearest block that served the rank since, and twice the blocks
-// left times the turn-around.
+// (the meeting block) looks meet_span_ blocks back: the nearest block that served the rank since, and twice
+// the blocks left times the turn-around.
 double Scheduler::waits_until(int b) const {
   const int span = b == 0 ? meet_span_ : 1;
   double until = -std::numeric_limits<double>::infinity();
@@ -364,10 +332,10 @@ double Scheduler::waits_until(int b) const {
   return until;
 }
 
-// Item 13: cell (b, g) waits for each wave of group g on its way to b: served at the block before since its
-// rows last arrived here — at block 0 at any block before (a group meets there once an iteration, wherever
-// its waves are) — until twice its turn-around per block still to pass, at most max_hold_s_ after that
-// serving.
+// Group cells: cell (b, g) waits for each wave of group g on its way to b: served at the block before since
+// its rows last arrived here — at block 0 at any block before (a group meets there once an iteration,
+// wherever its waves are) — until twice its turn-around per block still to pass, at most max_hold_s_ after
+// that serving.
 double Scheduler::group_waits_until(int b, int g) const {
   const int span = b == 0 ? num_blocks_ - 1 : 1;
   double until = -std::numeric_limits<double>::infinity();
@@ -409,9 +377,9 @@ bool Scheduler::pick_oldest(int n, std::vector<int64_t>& stamps, Total total, Un
   return true;
 }
 
-// Item 13: the (block, group) cell whose rows have waited longest among those whose group has no wave on its
-// way (stamped in the first pick that sees the cell non-empty, in (block, group) order); the step takes that
-// group's columns. None ready: hold, or when forced take the oldest cell.
+// Group cells: the (block, group) cell whose rows have waited longest among those whose group has no wave on
+// its way (stamped in the first pick that sees the cell non-empty, in (block, group) order); the step takes
+// that group's columns. None ready: hold, or when forced take the oldest cell.
 bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
   int best = -1;
   const auto total = [this](int c) { return cell_total_[c]; };
@@ -428,8 +396,8 @@ bool Scheduler::pick_oldest_group(int* block, int* col, bool force) {
 
 // Waves, expert side: the block whose rows have waited longest (stamped in the first pick that sees it
 // non-empty, in block order), its deepest queue (a grouped step takes every hosted expert's queue of it
-// anyway). Under the rank barrier (item 9) only blocks no rank is on its way to are ready; with none ready
-// hold (release_at(): the earliest end of a wait), or when forced take the oldest block.
+// anyway). Under the rank barrier (the straggler wait) only blocks no rank is on its way to are ready; with
+// none ready hold (release_at(): the earliest end of a wait), or when forced take the oldest block.
 bool Scheduler::pick_oldest_block(int* block, int* col, bool force) {
   int best = -1;
   const auto total = [this](int b) { return block_total_[b]; };
@@ -478,11 +446,12 @@ void register_scheduler(py::module_& m) {
             return py::make_tuple(b, c);
           },
           py::arg("force") = false, py::arg("now") = py::none(),
-          "The (block, col) to drain next, or None when every queue is empty or (wave) the runtime holds for "
+          "The (block, col) to drain next, or None when every queue is empty or (waves) the runtime holds "
+          "for "
           "a returning wave (holding).")
       .def("add_pending", &Scheduler::add_pending, py::arg("block"), py::arg("delta"), py::arg("col") = 0,
-           "Changes the rows out that will return to a block (the wave policy holds it while any are out; "
-           "waves: per (block, wave column)).")
+           "Changes the rows out that will return to a (block, wave column) (waves holds a wave while any of "
+           "its rows are out).")
       .def("pending", &Scheduler::pending, py::arg("block"), py::arg("col") = 0)
       .def_property("wave_cols", &Scheduler::wave_cols, &Scheduler::set_wave_cols,
                     "waves: the columns are an attention runtime's waves (else an expert runtime's experts).")
@@ -494,13 +463,13 @@ void register_scheduler(py::module_& m) {
       .def("wave_position", &Scheduler::wave_position, py::arg("wave"))
       .def("set_rank_barrier", &Scheduler::set_rank_barrier, py::arg("num_ranks"), py::arg("max_hold_s"),
            py::arg("meet_span") = 1,
-           "waves, expert side: a block waits for the attention ranks on their way to it (docs/engine.md "
-           "\"The waves rule\" items 9-10; block 0 for ranks served up to meet_span blocks before it), each "
-           "wait at most max_hold_s.")
+           "waves, expert side: a block waits for the attention ranks on their way to it (docs/scheduler.md "
+           "\"The straggler wait\", \"The meeting block\"; block 0 for ranks served up to meet_span blocks "
+           "before it), each wait at most max_hold_s.")
       .def(
           "set_wave_groups", &Scheduler::set_wave_groups, py::arg("num_waves"), py::arg("group_waves"),
           py::arg("cols_per_group"),
-          "waves, expert side, after set_rank_barrier (docs/engine.md \"The waves rule\" item 13): notes per "
+          "waves, expert side, after set_rank_barrier (docs/scheduler.md \"Group cells\"): notes per "
           "(rank, wave); the columns are groups of cols_per_group (group g = waves g*group_waves ..); a step "
           "takes one (block, group) cell, which waits for its group's waves on their way (block 0: "
           "anywhere).")

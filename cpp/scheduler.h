@@ -9,7 +9,7 @@
 
 namespace amoe {
 
-enum class Policy { kDefrag, kMtfs, kFlfs, kWave, kWaves };
+enum class Policy { kDefrag, kMtfs, kFlfs, kWaves };
 
 Policy parse_policy(const std::string& name);
 const char* policy_name(Policy p);
@@ -21,20 +21,25 @@ class Scheduler {
  public:
   Scheduler(int num_blocks, int num_cols, Policy policy, int lookahead, double decay);
 
+  // Algorithm 1's N_E, the look-ahead's divisor: the columns in use (default: every column). An expert
+  // runtime's grid has a column per expert id, so it sets the number of experts it hosts.
+  void set_lookahead_cols(int n);
+  int lookahead_cols() const { return static_cast<int>(lookahead_cols_); }
+
   void add(int block, int col, int64_t delta);
   void set(int block, int col, int64_t depth);
   int64_t depth(int block, int col) const { return depth_[block * num_cols_ + col]; }
   int64_t total() const { return total_; }
 
   // Rows that left this runtime and will come back to `block` (an attention runtime's outstanding expert
-  // outputs, in parts): the wave policy holds a block while part of its wave is still out.
-  // Under `waves` on an attention runtime (wave_cols), per (block, wave column); otherwise column 0.
+  // outputs, in parts), per (block, wave column) under `waves` on an attention runtime (wave_cols): a wave
+  // is not ready while part of it is still out.
   void add_pending(int block, int64_t delta, int col = 0);
   int64_t pending(int block, int col = 0) const {
     return pending_[static_cast<size_t>(block) * num_cols_ + col];
   }
 
-  // `waves` (docs/engine.md "The waves rule"): on an attention runtime the columns are its waves. The
+  // `waves` (docs/scheduler.md): on an attention runtime the columns are its waves. The
   // scheduler counts each wave's members; the runtime keeps request -> wave and calls admit/leave.
   void set_wave_cols(bool on) { wave_cols_ = on; }
   bool wave_cols() const { return wave_cols_; }
@@ -44,18 +49,18 @@ class Scheduler {
   int64_t members(int wave) const { return members_[wave]; }
   int wave_position(int wave) const { return pos_[wave]; }
 
-  // waves, expert side (docs/engine.md "The waves rule" items 9-10): a block waits for the attention ranks on
-  // their way to it. `set_rank_barrier` turns it on for `num_ranks` attention ranks (each hold at most
-  // `max_hold_s`); block 0 waits for ranks served at any of the `meet_span` blocks before it (1: the block
-  // before, as every other block). The owner notes each row's arrival and each step's serving per attention
-  // rank, in seconds on one clock.
+  // waves, expert side (docs/scheduler.md "The straggler wait", "The meeting block"): a block waits for the
+  // attention ranks on their way to it. `set_rank_barrier` turns it on for `num_ranks` attention ranks (each
+  // hold at most `max_hold_s`); block 0 waits for ranks served at any of the `meet_span` blocks before it (1:
+  // the block before, as every other block). The owner notes each row's arrival and each step's serving per
+  // attention rank, in seconds on one clock.
   void set_rank_barrier(int num_ranks, double max_hold_s, int meet_span = 1);
   int barrier_ranks() const { return num_ranks_; }
-  // Item 13 (wave groups), after set_rank_barrier: the notes are per (rank, wave) of `num_waves` waves a
-  // rank; the columns are `groups` groups of `cols_per_group` (group g = waves g*group_waves ..), a cell is
-  // (block, group) and a step takes one cell; a cell waits for its group's waves on their way to it, block 0
-  // for them wherever they are on the ring. `wave` of arrived / served is the row's wave (ignored without
-  // groups).
+  // Group cells (docs/scheduler.md), after set_rank_barrier: the notes are per (rank, wave) of `num_waves`
+  // waves a rank; the columns are `groups` groups of `cols_per_group` (group g = waves g*group_waves ..), a
+  // cell is (block, group) and a step takes one cell; a cell waits for its group's waves on their way to it,
+  // block 0 for them wherever they are on the ring. `wave` of arrived / served is the row's wave (ignored
+  // without groups).
   void set_wave_groups(int num_waves, int group_waves, int cols_per_group);
   int num_groups() const { return groups_; }
   void arrived(int block, int rank, double now, int wave = 0);
@@ -70,8 +75,8 @@ class Scheduler {
     return v < 0 ? -1.0 : turn_[v];
   }
 
-  // Picks a non-empty queue; false when all are empty or, under wave, when every non-empty block still waits
-  // for part of its wave and `force` is false (then holding() is true). Ties go to the lowest (block, col).
+  // Picks a non-empty queue; false when all are empty or, under waves, when no wave or cell is ready and
+  // `force` is false (then holding() is true). Ties go to the lowest (block, col).
   bool pick(int* block, int* col, bool force = false);
   bool holding() const { return holding_; }
 
@@ -86,7 +91,6 @@ class Scheduler {
   bool pick_defrag(int* block, int* col);
   bool pick_mtfs(int* block, int* col);
   bool pick_flfs(int* block, int* col);
-  bool pick_wave(int* block, int* col, bool force);
   bool pick_waves(int* block, int* col, bool force);
   bool pick_oldest_block(int* block, int* col, bool force);
   bool pick_oldest_group(int* block, int* col, bool force);
@@ -98,7 +102,7 @@ class Scheduler {
   bool pick_oldest(int n, std::vector<int64_t>& stamps, Total total, Until until, bool force, int* out);
   // The time block b stops waiting for ranks on their way (<= now_ when none is), under the rank barrier.
   double waits_until(int b) const;
-  // Item 13: the time cell (b, group g) stops waiting for its group's waves on their way.
+  // Group cells: the time cell (b, group g) stops waiting for its group's waves on their way.
   double group_waits_until(int b, int g) const;
   // Until when block b waits for note v: the nearest of the `span` blocks before b that served it since it
   // last arrived at b, plus twice its turn-around per block between, at most max_hold_s_ (-inf: not waited
@@ -108,6 +112,7 @@ class Scheduler {
   int note(int rank, int wave) const;
 
   int num_blocks_, num_cols_;
+  double lookahead_cols_;
   Policy policy_;
   int lookahead_;
   double decay_;
@@ -134,7 +139,7 @@ class Scheduler {
   int meet_span_ = 1;
   double max_hold_s_ = 0.0;
   std::vector<double> served_at_, arrived_at_, turn_;
-  // item 13: waves a rank, waves a group, groups, columns a group; each (block, group) cell's rows and stamp
+  // group cells: waves a rank, waves a group, groups, columns a group; each (block, group) cell's rows, stamp
   int num_waves_ = 1, group_waves_ = 1, groups_ = 0, cols_per_group_ = 0;
   std::vector<int64_t> cell_total_, cell_stamp_;
   double now_ = 0.0;

@@ -1,4 +1,4 @@
-"""Offline generation in one process. Without a model path, amoe builds a tiny random-weight demo model."""
+"""Offline generation in one process. Without a model path, amoe serves its shipped default model (kjv-moe)."""
 
 from amoe import LLM, SamplingParams
 

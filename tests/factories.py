@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from amoe.config import AmoeConfig
 from amoe.testing.servers import ServerProcess
 
 
@@ -133,12 +134,21 @@ class AliveProcess:
         self.returncode = -9
 
 
+def config_of(*flags: str) -> AmoeConfig:
+    """The config `amoe serve FLAGS` serves, by the real command line's parser: for tests whose settings read best
+    as the flags a user types (the server then gets the config, as every ServerProcess does)."""
+    from amoe.cli import build_parser
+    from amoe.config import config_from_args
+
+    return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+
 class CheckedServer(ServerProcess):
-    """`with CheckedServer(*flags) as url:` serves `amoe serve --port 0 FLAGS` for the block; leaving it, the server
-    must drain on SIGINT and exit 0."""
+    """`with CheckedServer(*flags) as url:` serves the config of `amoe serve FLAGS` (config_of) for the block;
+    leaving it, the server must drain on SIGINT and exit 0."""
 
     def __init__(self, *flags: str) -> None:
-        super().__init__(list(flags), startup_timeout_s=90, env={"AMOE_LOG_LEVEL": "INFO"})
+        super().__init__(config_of(*flags), startup_timeout_s=90, env={"AMOE_LOG_LEVEL": "INFO"})
 
     def __exit__(self, *exc: object) -> None:
         code = self.stop(timeout_s=30)
@@ -155,8 +165,10 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=True):
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True):
-        parts = (f"<{m['role']}>{m['content']}" if self.roles else m["content"] for m in messages)
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        parts = [f"<{m['role']}>{m['content']}" if self.roles else m["content"] for m in messages]
+        if tools is not None:  # the tools' names lead, as a chat template lists them
+            parts.insert(0, "<tools>" + ",".join(t["function"]["name"] for t in tools))
         return self.encode("".join(parts), add_special_tokens=False)
 
     def decode(self, ids, skip_special_tokens=True):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from factories import config_of
 
 from amoe.runtime.report import BATCH_ROWS_BUCKETS
 from amoe.testing.servers import ServerProcess
@@ -22,8 +23,8 @@ def serve_model(model_dir: Path, *flags: str) -> ServerProcess:
     """The real `amoe serve` of `model_dir` as a child process in a session of its own (its runtimes with it),
     started; `wait_for_url()` once it listens."""
     env = {"AMOE_LOG_LEVEL": "INFO", "PYTHONPATH": str(REPO)}
-    flags = ("--model", str(model_dir), *flags)
-    return ServerProcess(list(flags), startup_timeout_s=90, env=env, new_session=True, cwd=str(REPO)).start()
+    config = config_of("--model", str(model_dir), *flags)
+    return ServerProcess(config, startup_timeout_s=90, env=env, new_session=True, cwd=str(REPO)).start()
 
 
 class FakeBackend:
@@ -90,8 +91,10 @@ def series_bound(
     per_runtime = 40 + 2 * 15
     queues = 3 * (layers if per_layer else runtimes)
     routing = num_experts * (num_blocks if per_layer else 1)
+    # The live placement (aep): replicas per (block,) expert, balancedness per block (or one), a fixed dozen more.
+    placement = routing + (num_blocks if per_layer else 1) + 12
     requests = 120  # the request metrics: a fixed set
-    return per_runtime * runtimes + queues + routing + 2 * num_attn + requests
+    return per_runtime * runtimes + queues + routing + placement + 2 * num_attn + requests
 
 
 class Load:

@@ -1,4 +1,4 @@
-"""AEP at scale with each attention GPU on its own phase (docs/emulation.md "AEP at scale: each attention
+"""AEP at scale with each attention GPU on its own phase (docs/simulation.md "AEP at scale: each attention
 GPU on its own phase"): an expert GPU runs what is queued at it when it starts, so attention GPUs out of phase give
 it smaller steps than the A GPUs' waves together; all on one phase, the old one-timeline figures come back."""
 

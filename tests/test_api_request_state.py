@@ -22,6 +22,19 @@ def test_text_accumulates_and_streams_without_stop_strings():
     assert (state.text, state.finish_reason, state.num_output_tokens) == ("abc", "length", 3)
 
 
+def test_the_token_that_ends_the_output_is_no_text():
+    """As in vLLM: an eos or stop_token_ids token that stopped the output is counted but not detokenized (a
+    `skip_special_tokens: false` output would otherwise end in "</s>"); when it did not stop it, it is text."""
+    end = frozenset({ord("$")})
+    state = RequestState(CharDetokenizer(), [], num_prompt_tokens=1, end_token_ids=end)
+    state.append(ids("a$b"), None)
+    state.append(ids("c$"), "stop")
+    assert (state.text, state.num_output_tokens, state.finish_reason) == ("a$bc", 5, "stop")
+    capped = RequestState(CharDetokenizer(), [], num_prompt_tokens=1, end_token_ids=end)
+    capped.append(ids("c$"), "length")  # max_tokens ended it, not the token
+    assert capped.text == "c$"
+
+
 def test_stop_string_truncates_and_finishes_with_stop():
     state = RequestState(CharDetokenizer(), ["END"], num_prompt_tokens=1)
     state.append(ids("helloE"), None)

@@ -8,6 +8,7 @@ import sys
 
 import httpx
 import pytest
+from factories import config_of
 
 from amoe.model.make import make_model
 from amoe.testing.servers import ServerProcess
@@ -19,9 +20,9 @@ def model_dir(tmp_path_factory):
 
 
 def start_server(model_dir, *flags: str, new_session: bool = False) -> ServerProcess:
-    flags = ("--model", str(model_dir), *flags)
     env = {"AMOE_LOG_LEVEL": "INFO"}  # the tests read its INFO lines
-    return ServerProcess(list(flags), startup_timeout_s=60, env=env, new_session=new_session).start()
+    config = config_of("--model", str(model_dir), *flags)
+    return ServerProcess(config, startup_timeout_s=60, env=env, new_session=new_session).start()
 
 
 @pytest.mark.timeout(120)

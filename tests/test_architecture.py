@@ -321,16 +321,13 @@ def test_amoe_help_leaves_torch_out():
     assert "amoe.cli" in loaded and "torch" not in loaded
 
 
-def test_finding_the_demo_model_leaves_torch_out(tmp_path):
-    """`amoe serve` without --model looks the demo model up in the coordinator: once it exists, no torch."""
+def test_finding_the_default_model_leaves_torch_out():
+    """`amoe serve` without --model looks the shipped default model up in the coordinator: no torch."""
     code = (
-        "import os, pathlib\n"
-        f"os.environ['XDG_CACHE_HOME'] = {str(tmp_path)!r}\n"
-        "from amoe.model.make import DEMO_MODEL_NAME\n"
-        f"(pathlib.Path({str(tmp_path)!r}) / 'amoe' / 'models' / DEMO_MODEL_NAME).mkdir(parents=True)\n"
         "from amoe.serve import _model_dir\n"
         "from amoe.config import AmoeConfig\n"
-        "assert _model_dir(AmoeConfig()).name == DEMO_MODEL_NAME\n"
+        "from amoe.model.make import DEFAULT_MODEL_DIR\n"
+        "assert _model_dir(AmoeConfig()) == DEFAULT_MODEL_DIR\n"
     )
     loaded = _modules_after(code)
     assert "amoe.model.make" in loaded and "torch" not in loaded

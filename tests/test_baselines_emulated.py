@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.perf.model import cost_model
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.shapes import model_config_of
@@ -20,9 +20,7 @@ def emulation(routing: str, time_scale: float, num_blocks: int = 4, num_experts:
     """Mixtral 8x7B-MQA shapes on an A100 80GB, with fewer blocks (and experts) so iterations are short."""
     cfg = model_config_of(model_profile("mixtral-8x7b-mqa", 2))
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, num_experts=num_experts)
-    executor = ExecutorSection(
-        kind="emulated", gpu="a100-80g", top_k=2, time_scale=time_scale, routing=routing
-    )
+    executor = EmulationSection(gpu="a100-80g", top_k=2, time_scale=time_scale, routing=routing)
     return Emulation(executor, cfg, wire_hidden=16)
 
 

@@ -1,5 +1,5 @@
 """`amoe bench compare --preset ci`: starts an emulated AEP and an EP deployment, sweeps two rates against each,
-and writes sane numbers (not the AEP / EP ratio: that is what docs/results.md records) and both plots."""
+and writes sane numbers (not the AEP / EP ratio: that is what docs/findings.md records) and both plots."""
 
 import asyncio
 import dataclasses
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from amoe.perf.studies.compare_report import busy_summary, throughput_at_itl
-from amoe.perf.studies.compare_setup import PRESETS, Setup, serve_flags, time_scale, upper_bound
+from amoe.perf.studies.compare_setup import PRESETS, Setup, serve_config, time_scale, upper_bound
 from amoe.perf.studies.point import busy_fractions, ended, rows_per_step
 from amoe.perf.studies.probe import Scrape, histogram_quantile, parse_metrics, process_tree_cpu_s
 
@@ -45,7 +45,7 @@ def test_parse_metrics_sums_series_and_quantiles():
     )
     s = parse_metrics(text, t=1.0)
     assert s.finished == {"stop": 7.0, "error": 0.0}
-    # The batches the runtime ran, by step kind over every runtime: rows per step over a window (Issue 35's check).
+    # The batches the runtime ran, by step kind over every runtime: rows per step over a window (set beside a prediction's).
     assert s.batch_rows == {"attn": [120.0, 3.0], "expert": [512.0, 1.0]}
     later = parse_metrics(text.replace("} 90.0", "} 190.0").replace('"0"} 2.0', '"0"} 4.0'), t=2.0)
     assert rows_per_step(s, later) == {"attn": 50.0}  # 100 more rows in 2 more steps; no new expert step
@@ -96,23 +96,42 @@ def test_a_point_records_the_requests_the_coordinator_ended():
     assert ended([last]) == {}
 
 
-def test_serve_flags_and_bound():
+def test_serve_config_and_bound():
+    from amoe.config import ServerSection
+    from amoe.perf.plan.deployment import Deployment
+    from amoe.perf.plan.serving import from_config
+
     p = PRESETS["quick"]
-    ep = serve_flags(Setup("ep", 8), p, seed=0)
-    assert "--expert-ranks" not in ep and ep[ep.index("--parallel") + 1] == "ep"
+    ep = serve_config(Setup.of("ep", 8), p, seed=0)
+    assert ep.parallel.mode == "ep" and ep.executor.kind == "emulated" and ep.emulation.decode_only
+    # what is served is the setup's deployment at the preset's caps, on one node
+    want = Deployment("ep", "a100-80g", 8, attn_cap=p.attn_cap, expert_cap=p.expert_cap, gpus_per_node=8)
+    assert from_config(ep) == want
     # The coordinator's timeouts count emulated seconds: its defaults stretched by the run's time scale, so a
     # slow plan's first token at a large scale is not cut off (amoe.perf.studies.compare_setup.emulated_timeouts).
-    from amoe.cli import build_parser
-    from amoe.config import ServerSection, config_from_args
-
-    server = config_from_args(build_parser().parse_args(["serve", *ep])).server
-    scale = time_scale(Setup("ep", 8), p)
-    assert scale > 1
-    assert server.stall_timeout_s == pytest.approx(ServerSection().stall_timeout_s * scale)
-    assert server.request_timeout_s == pytest.approx(ServerSection().request_timeout_s * scale)
-    aep = Setup("aep", 4, 4)
+    scale = time_scale(Setup.of("ep", 8), p)
+    assert scale > 1 and ep.emulation.time_scale == scale
+    assert ep.server.stall_timeout_s == pytest.approx(ServerSection().stall_timeout_s * scale)
+    assert ep.server.request_timeout_s == pytest.approx(ServerSection().request_timeout_s * scale)
+    aep = Setup.of("aep", 4, 4)
     assert upper_bound(aep, p) < upper_bound(aep, p, max_attn_batch=4096)
-    assert upper_bound(Setup("ep", 8), p) == upper_bound(aep, p)  # the same 8 GPUs
+    assert upper_bound(Setup.of("ep", 8), p) == upper_bound(aep, p)  # the same 8 GPUs
+
+
+def test_a_setup_records_and_reads_back_as_before():
+    """A point's "setup" is the flat record results.json has always held (gpus_per_node 0: one node), and a
+    recorded setup reads back to the same deployment."""
+    two_nodes = Setup.of(
+        "aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0, policy="defrag"
+    )
+    assert two_nodes.record() == {
+        "mode": "aep", "attn": 8, "experts": 8, "policy": "defrag", "top_k": 1, "workload": "short",
+        "profile": "mixtral-8x7b-16e", "gpu": "a100-80g", "group": "main", "gpus_per_node": 8, "slowdown": 2.0,
+    }  # fmt: skip
+    for setup in (two_nodes, *PRESETS["full"].sweeps, *(s for g in PRESETS["full"].extra for s in g)):
+        assert Setup.from_record(setup.record()) == setup
+    assert [s.record()["gpus_per_node"] for s in PRESETS["quick"].sweeps] == [0, 0]
+    assert [s.name for s in PRESETS["quick"].sweeps] == ["aep4+4-defrag-top1-short", "ep8-top1-short"]
 
 
 @pytest.mark.timeout(240)
@@ -216,8 +235,8 @@ def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
     p = PRESETS["ci"]
     started = []
 
-    def server(flags):
-        started.append(float(flags[flags.index("--time-scale") + 1]))
+    def server(config):
+        started.append(config.emulation.time_scale)
         return contextlib.nullcontext()
 
     async def point(server, setup, p, seed, rate, kind):
@@ -228,7 +247,7 @@ def test_a_saturated_point_is_rerun_at_twice_the_time_scale(monkeypatch):
 
     monkeypatch.setattr(compare, "ServerProcess", server)
     monkeypatch.setattr(compare, "load_point", point)
-    points = asyncio.run(compare._points(Setup("ep", 4), p, 0, [10.0, 20.0], "sweep"))
+    points = asyncio.run(compare._points(Setup.of("ep", 4), p, 0, [10.0, 20.0], "sweep"))
     assert started == [
         p.time_scale,
         2 * p.time_scale,
@@ -280,8 +299,8 @@ def test_steady_points_give_the_maxima_and_aep_at_eps_itl():
     assert p.steady and not PRESETS["ci"].steady
 
     def pt(mode, kind, rate, tps, itl, policy="defrag"):
-        setup = Setup(mode, 4 if mode == "aep" else 8, 4 if mode == "aep" else 0, policy=policy)
-        return {"kind": kind, "config": setup.name, "group": "main", "setup": dataclasses.asdict(setup),
+        setup = Setup.of(mode, 4 if mode == "aep" else 8, 4 if mode == "aep" else 0, policy=policy)
+        return {"kind": kind, "config": setup.name, "group": "main", "setup": setup.record(),
                 "rate": rate, "throughput": tps, "itl_ms_mean": itl}  # fmt: skip
 
     points = [

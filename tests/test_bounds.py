@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import golden
 import numpy as np
 import pytest
 
 from amoe.bench.workloads import PAPER_WORKLOADS
-from amoe.config import AmoeConfig, config_from_args
+from amoe.config import AmoeConfig
 from amoe.errors import ConfigError
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import gpu_profile
@@ -36,6 +37,7 @@ from amoe.perf.plan.prediction import Prediction
 from amoe.perf.plan.report import serve_command
 from amoe.perf.plan.request import Plan, PlanRequest, parse_gpus, parse_prices
 from amoe.perf.plan.search import balanced_map, best_shapes, prefer_headroom, search, shape
+from amoe.perf.plan.serving import from_config, plan_config
 from amoe.placement import Placement
 
 HOST = host_overhead("amoe-paper")
@@ -191,7 +193,7 @@ def test_expert_map_places_experts_on_runtimes():
             Placement.of(config.parallel.__class__(attn_ranks=2, expert_ranks=2, expert_map=bad), 4)
 
 
-def test_planner_finds_sensible_plans_and_commands_that_parse():
+def test_planner_finds_sensible_plans_and_their_configs():
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("a100-80g:8"), top_k=1, itl_slo_ms=120, simulate_top=0)
     plans = search(req)
     assert plans and all(p.prediction.itl_s * 1e3 <= 120 for p in plans)
@@ -199,36 +201,28 @@ def test_planner_finds_sensible_plans_and_commands_that_parse():
     modes = {p.deployment.mode for p in plans}
     assert modes == {"aep", "ep", "pingpong"}
     assert all(p.deployment.num_gpus <= 8 for p in plans)
-    from amoe.cli import build_parser
-
-    for plan in plans[:3]:  # what it prints is a command amoe serve accepts, with the plan's settings
-        argv = serve_command(plan, req, emulated=True).split()[1:]
-        args = build_parser().parse_args(argv)
-        config = config_from_args(args)
-        d = plan.deployment
-        assert config.parallel.mode == d.mode and config.parallel.attn_ranks == d.num_attn
-        assert config.scheduler.attn_batch_cap == d.attn_cap and config.executor.gpu == d.attn_gpu
+    for plan in plans[:3]:  # its config serves one copy of the plan's deployment
+        assert from_config(plan_config(plan, req, emulated=True)) == replace(plan.deployment, replicas=1)
 
 
-def test_an_emulated_command_of_a_copy_that_spans_hosts_prices_its_links_as_the_prediction_did():
+def test_an_emulated_config_of_a_copy_that_spans_hosts_prices_its_links_as_the_prediction_did():
     """One copy over more GPUs than a host holds crosses the network, as its prediction priced it: its emulated
-    command says where hosts end; a copy within one host does not."""
-    from amoe.cli import build_parser
+    config says where hosts end (a copy within one host is on one node either way)."""
+    from amoe.perf.model.links import runtime_nodes
 
     req = PlanRequest("mixtral-8x7b-mqa", {"a100-80g": 16}, top_k=1)
     pred = Prediction(1000.0, 0.1, 100, "attention")
     wide = Plan(Deployment("pingpong", "a100-80g", 8, "a100-80g", 8, micro_batches=2), pred, None)
     narrow = Plan(Deployment("ep", "a100-80g", 8, replicas=2), pred, None)
-    parse = build_parser().parse_args
-    assert (
-        config_from_args(parse(serve_command(wide, req, emulated=True).split()[1:])).executor.gpus_per_node
-        == 8
+    par = plan_config(wide, req, emulated=True).parallel
+    nodes = runtime_nodes(
+        par.mode, par.attn_ranks, par.expert_ranks, plan_config(wide, req, True).emulation.gpus_per_node
     )
-    assert (
-        config_from_args(parse(serve_command(narrow, req, emulated=True).split()[1:])).executor.gpus_per_node
-        == 0
-    )
-    assert "--executor-gpus-per-node" not in serve_command(wide, req)  # real GPUs know where their hosts end
+    assert sorted(set(nodes)) == [0, 1]
+    ep = plan_config(narrow, req, emulated=True)
+    assert set(runtime_nodes("ep", ep.parallel.attn_ranks, 0, ep.emulation.gpus_per_node)) == {0}
+    # real GPUs know where their hosts end: a torch config names no emulated nodes
+    assert plan_config(wide, req).emulation == AmoeConfig().emulation
 
 
 def test_planner_with_prices_and_heterogeneous_gpus():
@@ -242,13 +236,9 @@ def test_planner_with_prices_and_heterogeneous_gpus():
         p for p in plans if p.deployment.mode == "aep" and p.deployment.attn_gpu != p.deployment.expert_gpu
     ]
     assert mixed
-    from amoe.cli import build_parser
-
-    # Its emulated command runs the experts on their own GPU type.
-    config = config_from_args(
-        build_parser().parse_args(serve_command(mixed[0], req, emulated=True).split()[1:])
-    )
-    assert (config.executor.gpu, config.executor.expert_gpu) == (mixed[0].deployment.attn_gpu,
+    # Its emulated config runs the experts on their own GPU type.
+    config = plan_config(mixed[0], req, emulated=True)
+    assert (config.emulation.gpu, config.emulation.expert_gpu) == (mixed[0].deployment.attn_gpu,
                                                                   mixed[0].deployment.expert_gpu)  # fmt: skip
     with pytest.raises(ConfigError, match="no price for h100"):
         parse_prices("a100-80g=1", gpus)
@@ -278,16 +268,13 @@ def test_amoe_plan_command_prints_json_and_a_table():
 
 
 def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
-    """`--aep-policy` (default waves, issue 32): the policy AEP plans are simulated with is the one their `amoe
-    serve` command runs (`--scheduler`, the bound's requests per rank as --cache-max-num-seqs, so waves keeps the
-    W waves the simulation had); EP and ping-pong have no scheduler; defrag is amoe serve's default."""
-    from dataclasses import replace
-
-    from amoe.cli import build_parser
+    """`--aep-policy` (default waves, as `amoe serve`'s): the policy AEP plans are simulated with is the one their
+    config serves (scheduler.policy, the bound's requests per rank as cache.max_num_seqs, so waves keeps the W waves
+    the simulation had); EP and ping-pong have no scheduler."""
+    from amoe.config import DEFAULT_POLICY
     from amoe.perf.plan import search as planner
-    from amoe.perf.plan.request import AEP_POLICY
 
-    assert AEP_POLICY == "waves" and PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == "waves"
+    assert PlanRequest("mixtral-8x7b-mqa", {"h100": 4}).aep_policy == DEFAULT_POLICY == "waves"
     seen = []
 
     def fake_refine(model, dep, routing, ctx, host, pred=None, *_, policy=None, **__):
@@ -298,24 +285,22 @@ def test_aep_plans_are_simulated_and_served_with_the_aep_policy(monkeypatch):
     monkeypatch.setattr(planner, "refine", fake_refine)
     req = PlanRequest("mixtral-8x7b-mqa", parse_gpus("h100:8"), top_k=1, attn_caps=(256,), expert_caps=(512,),
                       balanced=False, replicate=False, simulate_top=2, simulate_per_mode=1)  # fmt: skip
-    for policy, flag in (
-        ("waves", ["--scheduler", "waves"]),
-        ("mtfs", ["--scheduler", "mtfs"]),
-        ("defrag", []),
-    ):
+    for policy in ("waves", "mtfs", "defrag"):
         seen.clear()
         plans = search(replace(req, aep_policy=policy))
         assert ("aep", policy) in seen and {p for _, p in seen} == {policy}
         aep = next(p for p in plans if p.deployment.mode == "aep")
         for emulated in (False, True):
+            config = plan_config(aep, replace(req, aep_policy=policy), emulated=emulated)
+            assert config.scheduler.policy == policy and config.parallel.mode == "aep"
+            per_rank = -(-aep.prediction.concurrency // aep.deployment.num_attn)
+            assert config.cache.max_num_seqs == per_rank
+            # the printed command says the policy, whatever today's default
             argv = serve_command(aep, replace(req, aep_policy=policy), emulated=emulated).split()
-            assert (argv[argv.index("--scheduler") : argv.index("--scheduler") + 2] if flag else []) == flag
-            assert argv.count("--scheduler") == len(flag) // 2
-        config = config_from_args(build_parser().parse_args(argv[1:]))
-        assert config.scheduler.policy == policy and config.parallel.mode == "aep"
-        per_rank = -(-aep.prediction.concurrency // aep.deployment.num_attn)
-        assert config.cache.max_num_seqs == per_rank
+            assert argv[argv.index("--scheduler") + 1] == policy
         for other in (p for p in plans if p.deployment.mode != "aep"):
+            config = plan_config(other, replace(req, aep_policy=policy), emulated=True)
+            assert config.scheduler.wave_group == 0  # no scheduler runs the policy there
             assert (
                 "--scheduler"
                 not in serve_command(other, replace(req, aep_policy=policy), emulated=True).split()
@@ -336,9 +321,7 @@ def test_amoe_plan_rejects_an_unknown_aep_policy_and_prints_the_waves_command():
     assert "--scheduler waves" in plan["command"] and "--scheduler waves" in plan["emulated_command"]
     done = subprocess.run([*cmd, "--json", "--top", "1", "--aep-policy", "defrag"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
-    assert (
-        done.returncode == 0 and "--scheduler" not in json.loads(done.stdout)["plans"][0]["command"].split()
-    )
+    assert done.returncode == 0 and "--scheduler defrag" in json.loads(done.stdout)["plans"][0]["command"]
 
 
 def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_of(monkeypatch):
@@ -352,27 +335,23 @@ def test_an_aep_plan_simulated_at_scale_is_served_with_the_policy_its_figure_is_
     host = host_overhead("amoe-paper")
     req = PlanRequest("mixtral-8x7b-mqa:2", {"h100": 4}, top_k=1, aep_policy="waves")
 
-    def served(plan: Plan) -> list[str]:
-        argv = serve_command(plan, req, emulated=True).split()
-        return (
-            argv[argv.index("--scheduler") : argv.index("--scheduler") + 2] if "--scheduler" in argv else []
-        )
+    def served(plan: Plan) -> str:
+        return plan_config(plan, req, emulated=True).scheduler.policy
 
     exact = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
-    assert exact.prediction.extra["aep_policy"] == "waves" and served(exact) == ["--scheduler", "waves"]
+    assert exact.prediction.extra["aep_policy"] == "waves" and served(exact) == "waves"
     monkeypatch.setattr(scale, "EXACT_MAX_GPUS", 2)  # this 2 + 2 plan now takes the at-scale path
     at_scale = refine(model, dep, "uniform", 256.0, host, concurrency=256, variance=OFF, policy="waves")
-    assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == []
+    assert at_scale.prediction.extra["aep_policy"] == "defrag" and served(at_scale) == "defrag"
     # a bound-only plan (never refined) serves the policy asked for
     bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
-    assert served(bound) == ["--scheduler", "waves"]
+    assert served(bound) == "waves"
 
 
 def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(monkeypatch):
     """`--aep-policy best`: an AEP plan is refined with waves and with defrag and keeps (and serves) the one whose
     simulation gives more; the same two plans at two caps go different ways here, so neither is a default. A plan
     simulated at scale (defrag only modelled) is simulated once; a bound-only plan serves waves."""
-    from amoe.cli import build_parser
     from amoe.perf.plan import refine as planner
     from amoe.perf.plan.refine import refine
     from amoe.perf.plan.simulate import scale
@@ -391,8 +370,7 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
         winners.add(winner)
         assert ran["best"].extra["aep_policy"] == winner
         assert ran["best"].tokens_per_s == ran[winner].tokens_per_s
-        argv = serve_command(Plan(dep, ran["best"], None), req, emulated=True).split()
-        assert config_from_args(build_parser().parse_args(argv[1:])).scheduler.policy == winner
+        assert plan_config(Plan(dep, ran["best"], None), req, emulated=True).scheduler.policy == winner
     assert winners == {"waves", "defrag"}
     calls = []
     real = refine
@@ -401,8 +379,7 @@ def test_aep_policy_best_serves_each_plan_with_the_policy_that_simulates_more(mo
     at_scale = real(model, dep, "uniform", 256.0, host, concurrency=1024, variance=OFF, policy="best")
     assert at_scale.prediction.extra["aep_policy"] == "defrag" and calls == ["waves"]
     bound = Plan(dep, B.predict(model, dep, routing_inclusion(model, "uniform"), 256.0, host), None)
-    argv = serve_command(bound, req, emulated=True).split()
-    assert argv[argv.index("--scheduler") + 1] == "waves"
+    assert plan_config(bound, req, emulated=True).scheduler.policy == "waves"
 
 
 def test_replicas_multiply_throughput_and_large_pools_search_a_grid():
@@ -531,7 +508,7 @@ def merged_path_bound() -> golden.Figures:
 def test_aep_bound_pays_the_merged_path_for_merged_expert_steps():
     """An expert GPU serves m waves of a block as one grouped step only if they reach it together, and then they
     travel together: per block their m attention steps run in turn and the merged step is on their path
-    (docs/emulation.md "Waves that share an expert step travel together"). The bound is recomputed here from
+    (docs/simulation.md "Waves that share an expert step travel together"). The bound is recomputed here from
     cost_model's step times and `_grouped_steps`, for every group size m at the bound's own (w, W); the bound
     before this correction (one wave's path with every wave's rows in one expert step) is above it on this plan."""
     model = B.full_depth(model_profile("mixtral-8x7b-mqa", 1))

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
 from amoe.testing.servers import ServerProcess
@@ -89,9 +90,11 @@ def test_requests_survive_killed_and_stopped_runtimes(tmp_path):
     tag = uuid.uuid4().hex
     # A stream pauses while its runtime is replaced; on a busy host a replacement can take most of a minute to load,
     # so the stall watchdog (60 s by default, not what this test is about) gets more room.
-    flags = ["--model", str(model), "--attn-ranks", "2", "--expert-ranks", "3", "--server-max-restarts", "20",
-             "--server-stall-timeout-s", "300"]  # fmt: skip
-    srv = ServerProcess(flags, env={"AMOE_TEST_TAG": tag, "SPT_NOENV": "1"})
+    config = AmoeConfig().replace(
+        model={"path": str(model)}, parallel={"attn_ranks": 2, "expert_ranks": 3},
+        server={"max_restarts": 20, "stall_timeout_s": 300.0},
+    )  # fmt: skip
+    srv = ServerProcess(config, env={"AMOE_TEST_TAG": tag, "SPT_NOENV": "1"})
     rng = random.Random(7)
     chaos: list[str] = []
     wakes: list[threading.Timer] = []

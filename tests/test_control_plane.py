@@ -158,6 +158,11 @@ def test_a_runtime_drops_and_reports_commands_it_cannot_use(tmp_path):
         def resend_overdue(self):
             pass
 
+        def placement_replies(self):
+            return []
+
+        placement_busy = False
+
         def stats(self):
             return report(1, "expert", dropped={"bad_row": 2})
 

@@ -225,7 +225,14 @@ def test_malformed_input_is_dropped_and_counted():
     engine.ingest(core.make_message(x, **{**kw, "position": [4], "chunk_start": [0], "chunk_len": [2]}))
     engine.ingest(core.make_message(torch.tensor([5]), **kw))  # token ids for block 1
     drops = engine.stats()["dropped"]
-    assert drops == {"bad_message": 1, "misrouted": 1, "bad_row": 3, "duplicate": 0, "unknown_request": 0}
+    assert drops == {
+        "bad_message": 1,
+        "misrouted": 1,
+        "bad_row": 3,
+        "duplicate": 0,
+        "unknown_request": 0,
+        "retired": 0,
+    }
     assert engine.next_batch(0) is None
 
 

@@ -48,7 +48,7 @@ def test_serve_device_cuda_without_cuda_exits_before_starting(tmp_path):
 
 def test_emulated_runs_on_the_cpu():
     emulated = AmoeConfig().replace(
-        executor={"kind": "emulated", "routing": "uniform"}, device={"kind": "auto"}
+        executor={"kind": "emulated"}, emulation={"routing": "uniform"}, device={"kind": "auto"}
     )
     assert resolve(emulated).device.kind == "cpu"
     with pytest.raises(ConfigError, match="emulated GPUs hold no tensors"):

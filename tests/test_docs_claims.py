@@ -13,7 +13,9 @@ The checkers are plain functions over text, so each rule is also run on a synthe
 
 from __future__ import annotations
 
+import argparse
 import ast
+import datetime
 import json
 import re
 from pathlib import Path
@@ -265,6 +267,35 @@ def test_no_code_under_docs():
         str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*") if p.suffix in (".py", ".patch")
     )
     assert not code, "\n".join(code)
+
+
+def _defaults(parser: argparse.ArgumentParser, prefix: str = "amoe") -> dict[str, object]:
+    """Every option default of `parser` and its subcommands, keyed "amoe bench plan-table --out"."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= _defaults(sub, f"{prefix} {name}")
+        elif action.option_strings:
+            found[f"{prefix} {action.option_strings[-1]}"] = action.default
+    return found
+
+
+def test_no_command_writes_into_docs_by_default_and_the_studies_write_dated_runs():
+    """docs/ holds the manual: no command's default path points into it. The studies that record runs write a
+    new experiments/<date>-<topic> folder (the date of the run, UTC)."""
+    from amoe.cli import build_parser
+
+    defaults = _defaults(build_parser())
+    into_docs = [k for k, v in defaults.items() if isinstance(v, str) and v.strip("./").startswith("docs")]
+    assert not into_docs, into_docs
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    for command, topic in (("plan-table", "plan-table"), ("plan-scale", "plan-scale"), ("frontier", "frontier"),
+                           ("policies", "policies")):  # fmt: skip
+        out = defaults[f"amoe bench {command} --out"]
+        m = re.fullmatch(rf"experiments/(\d{{4}}-\d{{2}}-\d{{2}})-{topic}", out)
+        assert m, (command, out)
+        assert abs((datetime.date.fromisoformat(m.group(1)) - today).days) <= 1, out  # a run across midnight
 
 
 # The checkers on planted inconsistencies.

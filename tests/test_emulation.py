@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection, ExecutorSection
 from amoe.errors import ConfigError
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.calibration import CALIBRATION_POINTS, FIG3_KNEE_ROWS, MEDIUM_MEAN_CONTEXT
-from amoe.perf.model.check import check_executor
+from amoe.perf.model.check import check_emulation
 from amoe.perf.model.gpus import GPUS, gpu_profile
 from amoe.perf.model.hosts import HOSTS, host_overhead
 from amoe.perf.model.models import MODELS, model_profile
@@ -248,13 +248,13 @@ def test_hold_sleeps_scaled_time_and_accounts_busy(late):
         EmulatedClock(time_scale=0)
 
 
-def emulated(**executor) -> ExecutorSection:
-    return ExecutorSection(kind="emulated", routing="skew-exp", **executor)
+def emulated(**emulation) -> EmulationSection:
+    return EmulationSection(routing="skew-exp", **emulation)
 
 
 def test_emulation_config_validation():
-    """The emulation reads the config's executor section: the config checks its generic settings, the emulation
-    (check_executor, which every Emulation runs) the names the cost model owns."""
+    """The emulation reads the config's emulation section: the config checks its generic settings, the emulation
+    (check_emulation, which every Emulation runs) the names the cost model owns."""
     for bad in (
         {"gpu": "v100"},
         {"profile": "gpt-5"},
@@ -264,9 +264,9 @@ def test_emulation_config_validation():
         {"profile": "mixtral-8x7b-mqa", "top_k": 9},
     ):
         with pytest.raises(ConfigError):
-            check_executor(ExecutorSection(kind="emulated", **{"routing": "skew-exp", **bad}))
-    with pytest.raises(ConfigError, match="kind"):
-        Emulation(ExecutorSection(profile="mixtral-8x7b-16e"))
+            check_emulation(EmulationSection(**{"routing": "skew-exp", **bad}))
+    with pytest.raises(ConfigError, match="profile name or a checkpoint"):
+        Emulation(EmulationSection(routing="skew-exp"))
     em = Emulation(emulated(profile="mixtral-8x7b-16e"), wire_hidden=32)
     assert (em.model_config.num_experts, em.model_config.top_k, em.model_config.hidden_size) == (16, 1, 32)
     assert em.profile.hidden_size == 4096  # costs use the real shapes
@@ -323,9 +323,13 @@ def test_expert_runtimes_of_a_heterogeneous_deployment_are_timed_on_their_own_gp
     with pytest.raises(ConfigError):
         Emulation(emulated(profile="mixtral-8x7b-mqa", expert_gpu="v100"))
     with pytest.raises(ConfigError, match="expert-gpu"):
-        AmoeConfig(executor=emulated(expert_gpu="h100"), parallel=ParallelSection(mode="ep", attn_ranks=2))
+        AmoeConfig(
+            executor=ExecutorSection("emulated"),
+            emulation=emulated(expert_gpu="h100"),
+            parallel=ParallelSection(mode="ep", attn_ranks=2),
+        )
     with pytest.raises(ConfigError, match="expert-gpu"):
-        AmoeConfig(executor=ExecutorSection(expert_gpu="h100"))
+        AmoeConfig(emulation=EmulationSection(expert_gpu="h100"))
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""amoe.LLM: text and token-id prompts, input order, stop strings, the default demo model."""
+"""amoe.LLM: text and token-id prompts, input order, stop strings, the shipped default model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import amoe
 from amoe import LLM, SamplingParams
 from amoe.errors import RequestError
-from amoe.model.make import make_model
+from amoe.model.make import default_model_path, make_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -62,8 +62,8 @@ def test_stop_string_cuts_text_before_it(llm):
     assert not llm.engine.has_unfinished()
 
 
-def test_default_model_is_the_demo_model(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    out = amoe.LLM().generate("hi", SamplingParams(temperature=0, max_tokens=3))[0]
+def test_default_model_is_the_shipped_one():
+    llm = amoe.LLM()
+    out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
-    assert (tmp_path / "amoe" / "models").is_dir()
+    assert llm.model_dir == default_model_path()

@@ -403,18 +403,17 @@ def test_the_h800_curves_are_table2s_pn1_fit():
 def test_emulated_ep_prices_each_chunk_and_auto_grows_with_the_load():
     """The emulated executor under `--ep-pipelines 4 --ep-kernel auto` (DeepSeek-V2 on H800s, 2 blocks): every
     request ends, with one expert hold per chunk, device and block; `auto` picks more chunks for more rows."""
-    from amoe.config import AmoeConfig, ExecutorSection
+    from amoe.config import AmoeConfig, EmulationSection
     from amoe.runtime import build
     from amoe.runtime.emulated import Emulation
 
-    executor = ExecutorSection(
-        kind="emulated", profile="deepseek-v2:2", gpu="h800", time_scale=0.001, routing="uniform"
-    )
+    executor = EmulationSection(profile="deepseek-v2:2", gpu="h800", time_scale=0.001, routing="uniform")
     em = Emulation(executor)
 
     def pipeline(pn: str, ex=executor):
-        config = AmoeConfig(executor=ex).replace(
-            parallel={"mode": "ep", "attn_ranks": 2, "ep_pipelines": pn, "ep_kernel": "auto"}
+        config = AmoeConfig(emulation=ex).replace(
+            executor={"kind": "emulated"},
+            parallel={"mode": "ep", "attn_ranks": 2, "ep_pipelines": pn, "ep_kernel": "auto"},
         )
         return build.ep_pipeline(
             config, build.placement(config, em.model_config.num_expert_ids), em.model_config, em

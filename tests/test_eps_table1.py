@@ -1,4 +1,4 @@
-"""Table I's calibration of Table III's prefill block (amoe/perf/studies/eps_paper.py, docs/results.md "EPS-MoE"):
+"""Table I's calibration of Table III's prefill block (amoe/perf/studies/eps_paper.py, docs/eps.md):
 the DeepSeek-V2 attention factor on the h800 is the one Table I's attention : expert-compute ratio gives, the
 calibrated block reproduces that ratio, and nothing outside that block sees it."""
 

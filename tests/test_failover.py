@@ -106,17 +106,12 @@ def test_a_stream_whose_attention_runtime_is_killed_moves_to_the_other_rank_and_
     model = make_model("tiny", tmp_path / "failover", seed=0)
     body = {"model": "failover", "prompt": [1, 17, 4], "max_tokens": 160, "temperature": 0.9, "seed": 11,
             "ignore_eos": True}  # fmt: skip
-    flags = [
-        "--model",
-        str(model),
-        "--attn-ranks",
-        "2",
-        "--expert-ranks",
-        "1",
-        "--server-failover-after-s",
-        "0",
-    ]
-    with ServerProcess(flags) as url:
+    config = AmoeConfig().replace(
+        model={"path": str(model)},
+        parallel={"attn_ranks": 2, "expert_ranks": 1},
+        server={"failover_after_s": 0.0},
+    )
+    with ServerProcess(config) as url:
         reference = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         health = httpx.get(f"{url}/health").json()
         pid_of_rank1 = next(r["pid"] for r in health["runtimes"] if r["runtime"] == 1)

@@ -13,7 +13,7 @@ from factories import transformers_checkpoint
 from safetensors import safe_open
 
 from amoe import device as devices
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ModelLoadError
 from amoe.model import weights as W
 from amoe.model.checkpoint import load_attention_rank_weights, load_expert_weights
@@ -28,6 +28,7 @@ from amoe.perf.model.shapes import profile_of
 from amoe.perf.plan.report import serve_command
 from amoe.perf.plan.request import PlanRequest
 from amoe.perf.plan.search import search
+from amoe.perf.plan.serving import plan_config
 from amoe.runtime.emulated import Emulation
 from amoe.sampling_params import SamplingParams
 from amoe.testing.inproc import InProcessCluster
@@ -170,13 +171,18 @@ def test_amoe_plan_takes_a_checkpoint(saved):
     plans = search(req)
     assert plans and all(p.deployment.mode == "aep" for p in plans)
     assert f"--model {model_dir}" in serve_command(plans[0], req)
-    assert f"--executor emulated --model {model_dir}" in serve_command(plans[0], req, emulated=True)
+    emulated = plan_config(plans[0], req, emulated=True)  # the checkpoint's shapes on emulated GPUs
+    assert (emulated.model.path, emulated.executor.kind, emulated.emulation.profile) == (
+        model_dir,
+        "emulated",
+        None,
+    )
 
 
 @pytest.mark.timeout(60)
 def test_an_emulated_checkpoint_routes_every_token_to_the_shared_expert(saved):
     em = Emulation(
-        ExecutorSection(kind="emulated", gpu="h100", routing="skew-exp", time_scale=0.2),
+        EmulationSection(gpu="h100", routing="skew-exp", time_scale=0.2),
         load_model_config(saved["tiny-deepseek-v3"]),
     )
     cfg = em.model_config

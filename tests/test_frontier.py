@@ -175,7 +175,7 @@ def test_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run(
     """EP and ping-pong at scale draw counts instead of routing tokens, with every expert GPU's step at once:
     within 1 % of the event-level simulation of the same plan. AEP in waves leaves out the scheduler's picks, so it
     is never below the event level by more than noise and comes to it as requests fill the batches (the bound's
-    operating point is where they differ most, docs/results.md "Simulation at scale")."""
+    operating point is where they differ most, docs/simulation.md "Simulation at scale")."""
     f = scale_and_events.check()
     for mode in ("ep", "pingpong"):
         assert f[mode]["scale"] == pytest.approx(f[mode]["events"], rel=0.01), mode

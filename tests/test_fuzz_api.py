@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.fuzz import fuzz
 from amoe.testing.servers import ServerProcess
@@ -15,8 +16,10 @@ from amoe.testing.servers import ServerProcess
 @pytest.mark.timeout(300)
 def test_generated_requests_never_get_a_server_error(tmp_path):
     model = make_model("tiny", tmp_path / "fuzz-model", seed=0)
-    flags = ["--model", str(model), "--attn-ranks", "2", "--expert-ranks", "2", "--model-max-model-len", "64"]
-    with ServerProcess(flags, startup_timeout_s=120) as url:
+    config = AmoeConfig().replace(
+        model={"path": str(model), "max_model_len": 64}, parallel={"attn_ranks": 2, "expert_ranks": 2}
+    )
+    with ServerProcess(config, startup_timeout_s=120) as url:
         report = fuzz(url, 200, seed=1)
         assert report.requests >= 200
         assert report.ok, "\n".join(report.server_errors[:10])

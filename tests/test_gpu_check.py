@@ -224,18 +224,16 @@ def test_the_wheel_list_covers_amoe_s_dependencies_and_checks_requirements(tmp_p
 
 @pytest.mark.parametrize("gpus", [1, 2, 3, 8])
 def test_the_bench_s_server_layouts_fit_the_gpus_and_amoe_accepts_them(gpus, monkeypatch):
-    import argparse
-
-    from amoe.config import add_config_flags, config_from_args
+    from amoe.config import AmoeConfig
     from amoe.placement import runtimes_on_node
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     bench = _load("bench_gpu", ROOT / "bench" / "gpu.py")
     for mode in bench.MODES:
-        flags, entry = bench.layout(mode, gpus, num_experts=8)
-        parser = argparse.ArgumentParser()
-        add_config_flags(parser)
-        config = config_from_args(parser.parse_args(["--device", "cuda", "--transport", "auto", *flags]))
+        sections, entry = bench.layout(mode, gpus, num_experts=8)
+        config = (
+            AmoeConfig().replace(device={"kind": "cuda"}, transport={"plane": "auto"}).replace(**sections)
+        )
         assert config.parallel.mode == mode
         if mode == "local":
             continue

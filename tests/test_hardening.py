@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_comm_faults import frames
 
 from amoe import core, wire
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.servers import ServerProcess
 
@@ -37,8 +38,9 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("hard") / MODEL, seed=0)
 
 
-def serve(model_dir, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(["--model", str(model_dir), *flags], startup_timeout_s=120, env=env)
+def serve(model_dir, env: dict[str, str] | None = None, **sections: dict) -> ServerProcess:
+    config = AmoeConfig().replace(model={"path": str(model_dir)}).replace(**sections)
+    return ServerProcess(config, startup_timeout_s=120, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def server(model_dir):
     """1 attention + 2 expert runtimes, the API key from the environment, faults for tokens 900 and 901. Its last
     test stops an expert runtime, which is replaced."""
     env = {"AMOE_API_KEY": KEY, "AMOE_FAULTS": "admit:900,attend:901"}
-    srv = serve(model_dir, "--server-stall-timeout-s", "3", env=env)
+    srv = serve(model_dir, env=env, server={"stall_timeout_s": 3.0})
     with srv as url:
         srv.url = url
         yield srv
@@ -329,15 +331,12 @@ def test_a_request_past_its_deadline_ends_and_an_unconfirmed_abort_stops_holding
     504 at its 2 s deadline, and its abort cannot be confirmed — the coordinator holds its blocks back (the load
     balancer's view, exported as amoe_kv_total_blocks) for twice the 1 s abort timeout, then lets them go. When the
     runtime wakes, it frees them too and serves on."""
-    flags = [
-        "--server-request-timeout-s",
-        "2",
-        "--server-abort-timeout-s",
-        "1",
-        "--transport-timeout-s",
-        "60",
-    ]
-    srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY})
+    srv = serve(
+        model_dir,
+        env={"AMOE_API_KEY": KEY},
+        server={"request_timeout_s": 2.0, "abort_timeout_s": 1.0},
+        transport={"timeout_s": 60.0},
+    )
     with srv as url:
         kv_total = lambda: total(metrics(url), "amoe_kv_total_blocks", rank="0")  # noqa: E731
         blocks = kv_total()
@@ -397,25 +396,25 @@ def listening(srv: ServerProcess) -> set[str]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "flags",
+    "sections",
     [
-        ["--parallel", "local"],
-        ["--transport", "gloo"],
-        ["--parallel", "ep", "--attn-ranks", "2"],
-        ["--parallel", "pingpong"],
+        {"parallel": {"mode": "local"}},
+        {"transport": {"plane": "gloo"}},
+        {"parallel": {"mode": "ep", "attn_ranks": 2}},
+        {"parallel": {"mode": "pingpong"}},
     ],
     ids=["local", "aep-gloo", "ep", "pingpong"],
 )
-def test_every_mode_refuses_seed_overflow_and_listens_on_loopback(model_dir, flags):
+def test_every_mode_refuses_seed_overflow_and_listens_on_loopback(model_dir, sections):
     """Also, in every mode with runtimes, a batch whose attention layer raises (token 901) fails its requests
     alone: the synchronous groups stay in lock-step and serve on."""
-    srv = serve(model_dir, *flags, env={"AMOE_API_KEY": KEY, "AMOE_FAULTS": "attend:901"})
+    srv = serve(model_dir, env={"AMOE_API_KEY": KEY, "AMOE_FAULTS": "attend:901"}, **sections)
     with srv as url:
         reply = post(url, {**OK_BODY, "seed": 2**64, "temperature": 0.7})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed"
         seeded = post(url, {**OK_BODY, "seed": 2**63 - 1, "temperature": 0.7})
         assert seeded.status_code == 200, seeded.text
-        if "local" not in flags:
+        if sections.get("parallel", {}).get("mode") != "local":
             failed = post(url, {**OK_BODY, "prompt": [1, 901, 4]})
             assert failed.status_code == 500 and "injected" in failed.json()["error"]["message"], failed.text
         serves_and_frees_kv(url)
@@ -451,7 +450,7 @@ def test_a_wedged_loop_is_reported_although_its_heartbeats_go_on(model_dir):
     loop's own progress counter stops, and the coordinator notices within 15 s. Without restarts the server
     then drains and exits non-zero."""
     env = {"AMOE_API_KEY": KEY, "AMOE_FAULTS": "wedge:902"}
-    srv = serve(model_dir, "--server-max-restarts", "0", env=env)
+    srv = serve(model_dir, env=env, server={"max_restarts": 0})
     with srv as url:
         threading.Thread(
             target=lambda: post(url, {**OK_BODY, "prompt": [1, 902]}, timeout=60), daemon=True

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop, reference_texts
 from amoe.testing.servers import ServerProcess
@@ -49,8 +50,10 @@ def kill_mid_stream(url: str, load: ClosedLoop, role: str) -> int:
 def test_streams_survive_killed_runtimes_on_the_gloo_plane(tmp_path):
     model = make_model("tiny", tmp_path / MODEL, seed=0)
     references = reference_texts(str(model), PROMPTS, MAX_TOKENS)
-    flags = ["--model", str(model), "--attn-ranks", "2", "--expert-ranks", "3", "--transport", "gloo"]
-    srv = ServerProcess(flags, env={"AMOE_DEVICE": "cpu"})
+    config = AmoeConfig().replace(
+        model={"path": str(model)}, parallel={"attn_ranks": 2, "expert_ranks": 3}, transport={"plane": "gloo"}
+    )
+    srv = ServerProcess(config, env={"AMOE_DEVICE": "cpu"})
     with srv as url:
         with ClosedLoop(url, MODEL, PROMPTS, references, MAX_TOKENS, workers=8) as load:
             expert = kill_mid_stream(url, load, "expert")

@@ -188,8 +188,9 @@ def emulated(mode: str, attn: int, experts: int, per_node: int, time_scale: floa
     return AmoeConfig.from_dict(
         {
             "parallel": {"mode": mode, "attn_ranks": attn, "expert_ranks": experts},
-            "executor": {
-                "kind": "emulated", "gpu": "a100-40g", "profile": "mixtral-8x7b-mqa", "routing": "uniform",
+            "executor": {"kind": "emulated"},
+            "emulation": {
+                "gpu": "a100-40g", "profile": "mixtral-8x7b-mqa", "routing": "uniform",
                 "time_scale": time_scale, "gpus_per_node": per_node,
             },
         }
@@ -237,7 +238,7 @@ def test_runtime_communicator_sets_delays_only_when_emulated(monkeypatch, kind):
     monkeypatch.setattr(core, "ZmqCommunicator", _RecordingComm, raising=False)
     config = emulated("aep", 2, 2, 2)
     if kind == "torch":
-        config = config.replace(executor={"kind": "torch", "routing": "model"})
+        config = config.replace(executor={"kind": "torch"}, emulation={"routing": "model"})
     em = build.emulation(config, None)  # None for torch
     spec = SimpleNamespace(runtime=1, data_bind="ipc", secure_bind=None, generation=0)
     comm, groups = runtime_comm.communicator(spec, 4, config, em)

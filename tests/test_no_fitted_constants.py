@@ -1,6 +1,6 @@
 """The performance model's constants are frozen, not fitted: no number in the model or its tests is (within 1 %) a
 throughput the emulated runtime measured and experiments/ records. A prediction checked against a measurement it
-was tuned to reproduce says nothing (issue 32: a test pinned the simulation to "the runtime's two measurements'
+was tuned to reproduce says nothing (a test once pinned the simulation to "the runtime's two measurements'
 mean"); the out-of-sample check (`amoe bench plan-check --preset sample`) is where predictions meet measurements."""
 
 from __future__ import annotations

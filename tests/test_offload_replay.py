@@ -178,22 +178,24 @@ def test_task_routing_draws_blocks_as_one_call():
 
 
 def test_oracle_is_reached_only_outside_section_3():
-    """Round 4 (docs/offload.md): on the NLLB-MoE-128 shape the routing model reaches the paper's ORACLE (43 % at
-    60 experts, batch 16) only with spread 1.0 and zipf 1.25-1.5, where a batch of 32 activates 42-45 % of the
-    experts (§3: at most 20 %). Here on a smaller sample and another seed: Bélády near 43 % there, §3 broken, and
-    the round-3 constants far above ORACLE."""
+    """The ORACLE search (docs/offload-policy.md "Access locality set from the paper's ORACLE"): on the
+    NLLB-MoE-128 shape the routing model reaches the paper's ORACLE (43 % at 60 experts, batch 16) only with
+    spread 1.0 and zipf 1.25-1.5, where a batch of 32 activates 42-45 % of the experts (§3: at most 20 %).
+    Here on a smaller sample and another seed: Bélády near 43 % there, §3 broken, and the sourced constants
+    far above ORACLE."""
     top2 = {"num_blocks": 12, "top_k": 2, "core": 2, "popularity": 2.75}
     corner = TaskRouting(**top2, spread=1.0, zipf=1.5)
     trace = corner.generate(96, seed=5)
     assert abs(rp.belady(rp.accesses(rp.events(trace, 16)), 60).hit_ratio - 0.43) <= 0.03
     assert stats(trace, 32)["activated"] > 0.20
-    round3 = TaskRouting(**top2, spread=0.05, zipf=3.25).generate(96, seed=5)
-    assert rp.belady(rp.accesses(rp.events(round3, 16)), 60).hit_ratio > 0.60
+    sourced = TaskRouting(**top2, spread=0.05, zipf=3.25).generate(96, seed=5)
+    assert rp.belady(rp.accesses(rp.events(sourced, 16)), 60).hit_ratio > 0.60
 
 
 def test_encoder_blocks_run_once_per_sequence_decoder_blocks_every_step():
-    """Round 5's structure (docs/offload.md): the first `encoder_blocks` blocks route the prompt once, at prefill;
-    the decoder's route one token at every step, the prefill's included (the decoder's start token)."""
+    """The encoder–decoder structure (docs/offload-policy.md): the first `encoder_blocks` blocks route the
+    prompt once, at prefill; the decoder's route one token at every step, the prefill's included (the
+    decoder's start token)."""
     with pytest.raises(ConfigError, match="encoder_blocks must be in"):
         TaskRouting(num_blocks=4, encoder_blocks=4)
     model = TaskRouting(num_blocks=5, num_experts=32, top_k=2, core=2, support=8, encoder_blocks=2, seed=3)
@@ -230,11 +232,12 @@ def test_encoder_blocks_run_once_per_sequence_decoder_blocks_every_step():
     assert all(len(block[0]) for seq in flat.sequences for step in seq for block in step)
 
 
-def test_round3_constants_on_the_encoder_decoder_shape():
-    """Round 5's result (docs/results.md "Round 5"), on the NLLB-MoE-128 shape (6 encoder + 6 decoder blocks) with
-    round 3's constants, a smaller sample and another seed: Bélády at 60 experts and batch 16 stays far above the
-    paper's ORACLE (43 %; the full run: 91.2 %), and §3's reuse falls below its 30 % (encoder experts run in one
-    step, so they are never reused) while the decoder part alone reuses over 46 %."""
+def test_the_sourced_constants_on_the_encoder_decoder_shape():
+    """The encoder–decoder shapes' result, on the NLLB-MoE-128 shape (6 encoder + 6 decoder blocks) with the
+    sourced constants, a smaller sample and another seed: Bélády at 60 experts and batch 16 stays far above
+    the paper's ORACLE (43 %; the full run: 91.2 %), and §3's reuse falls below its 30 % (encoder experts run
+    in one step, so they are never reused) while the decoder part alone reuses over 46 %
+    (docs/offload-policy.md "The shapes as the encoder–decoder models they are")."""
     nllb = {"num_blocks": 12, "top_k": 2, "core": 2, "spread": 0.05, "zipf": 3.25, "popularity": 2.75}
     trace = TaskRouting(**nllb, encoder_blocks=6).generate(96, seed=5)
     assert rp.belady(rp.accesses(rp.events(trace, 16)), 60).hit_ratio > 0.80

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ConfigError
 from amoe.offload.policy import LRU
 from amoe.perf.model import cost_model
@@ -19,8 +19,7 @@ EXPERT_BYTES = MIXTRAL.params_of(0) * MIXTRAL.bytes_per_param  # 352 MB in BF16
 
 
 def _emulation(budget_experts: float, **spec) -> Emulation:
-    section = ExecutorSection(
-        kind="emulated",
+    section = EmulationSection(
         gpu="a5000",
         profile="mixtral-8x7b-mqa",
         time_scale=1e-6,
@@ -89,9 +88,7 @@ def test_emulated_aep_cluster_with_offloading(policy):
     from amoe.sampling_params import SamplingParams  # noqa: PLC0415 - the in-process cluster's imports are heavy
     from amoe.testing.inproc import InProcessCluster  # noqa: PLC0415
 
-    section = ExecutorSection(
-        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa:2", time_scale=0.05, routing="uniform"
-    )
+    section = EmulationSection(gpu="a5000", profile="mixtral-8x7b-mqa:2", time_scale=0.05, routing="uniform")
     em = Emulation(section, offload=OffloadSpec(budget_bytes=2 * EXPERT_BYTES, policy=policy))
     with InProcessCluster(emulation=em, num_attn_ranks=1, num_expert_ranks=2) as cluster:
         outputs = cluster.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=3), timeout=50)
@@ -111,7 +108,10 @@ def test_the_offload_flags_reach_the_emulated_executor():
     from amoe.config import AmoeConfig  # noqa: PLC0415
     from amoe.runtime.build import emulation  # noqa: PLC0415
 
-    executor = {"kind": "emulated", "gpu": "a5000", "profile": "mixtral-8x7b-mqa:2", "routing": "uniform"}
-    config = AmoeConfig().replace(executor=executor, offload={"budget": "800MB", "policy": "lfu"})
+    emulated = {"kind": "emulated"}
+    settings = {"gpu": "a5000", "profile": "mixtral-8x7b-mqa:2", "routing": "uniform"}
+    config = AmoeConfig().replace(
+        executor=emulated, emulation=settings, offload={"budget": "800MB", "policy": "lfu"}
+    )
     assert emulation(config, None).offload == OffloadSpec(800e6, "lfu", None, prefetch=True)
-    assert emulation(AmoeConfig().replace(executor=executor), None).offload is None
+    assert emulation(AmoeConfig().replace(executor=emulated, emulation=settings), None).offload is None

@@ -1,7 +1,7 @@
-"""The planner's check (issue 20): `amoe bench plan-check --preset ci` runs two plans on emulated GPUs, one AEP and one
+"""The planner's check: `amoe bench plan-check --preset ci` runs two plans on emulated GPUs, one AEP and one
 EP, and compares their measured maxima with what the planner predicts. The suite checks that the comparison runs
 and is reported; how close the measurements come is a benchmark's finding (the full preset, 7 plans, 10 %, is
-recorded in docs/results.md), since an emulated run on a busy host is as much slower as the host is busy."""
+recorded in docs/findings.md), since an emulated run on a busy host is as much slower as the host is busy."""
 
 import dataclasses
 import json
@@ -25,16 +25,27 @@ def test_the_commands_preset_names_are_plan_checks():
     assert tuple(sorted(plan_check.PRESETS)) == PLAN_CHECK_PRESETS
 
 
-def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
-    """plan_check runs exactly `amoe plan`'s emulated command, with the concurrency the prediction assumed."""
+def test_every_plan_runs_the_config_amoe_plan_writes_for_it():
+    """plan_check serves exactly `amoe plan --out --emulated`'s config (amoe.perf.plan.serving.plan_config), with the
+    concurrency the prediction assumed, at the run's time scale."""
+    from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.serving import from_config, plan_config
+    from amoe.perf.studies.compare_setup import load_settings
+
     p = plan_check.PRESETS["full"]
     for check in p.checks:
         plan = plan_check.prediction(check, p)
-        argv = plan_check.flags(check, plan, p, time_scale=25.0)
-        assert argv[argv.index("--parallel") + 1] == check.deployment.mode
-        per_rank = int(argv[argv.index("--cache-max-num-seqs") + 1])
-        assert per_rank * check.deployment.num_attn >= plan.prediction.concurrency
-        assert argv[argv.index("--executor-profile") + 1] == f"{check.profile}:{p.blocks}"
+        config = plan_check.serve_config(check, plan, p, time_scale=25.0)
+        assert from_config(config) == check.deployment
+        assert config.cache.max_num_seqs * check.deployment.num_attn >= plan.prediction.concurrency
+        assert (
+            config.executor.kind == "emulated" and config.emulation.profile == f"{check.profile}:{p.blocks}"
+        )
+        assert config.emulation.time_scale == 25.0 and config.emulation.top_k == check.top_k
+        req = PlanRequest(f"{check.profile}:{p.blocks}", {check.deployment.attn_gpu: 8}, top_k=check.top_k,
+                          routing=check.routing, step_variance=p.step_variance, aep_policy=p.aep_policy)  # fmt: skip
+        planned = plan_config(plan, req, emulated=True)
+        assert config == planned.replace(emulation={"time_scale": 25.0}, **load_settings(25.0))
     modes = {c.deployment.mode for c in p.checks}
     gpus = {c.deployment.attn_gpu for c in p.checks}
     assert len(p.checks) >= 6 and modes == {"aep", "ep", "pingpong"} and gpus >= {"a100-80g", "h100"}
@@ -43,12 +54,12 @@ def test_every_plan_runs_the_command_amoe_plan_prints_for_it():
 
 def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
     """plan-check predicts and serves AEP plans with the preset's --aep-policy (default waves, as `amoe plan`):
-    the simulation gets that policy and the command carries `--scheduler POLICY`; EP's command has no scheduler."""
+    the simulation gets that policy and the served config's scheduler runs it."""
+    from amoe.config import DEFAULT_POLICY
     from amoe.perf.plan import simulate as sim_module
-    from amoe.perf.plan.request import AEP_POLICY
 
     p = plan_check.PRESETS["ci"]
-    assert p.aep_policy == "waves"
+    assert p.aep_policy == DEFAULT_POLICY == "waves"
     aep, ep = p.checks
     seen = []
     real = sim_module.simulate
@@ -63,13 +74,9 @@ def test_aep_plans_are_predicted_and_run_with_the_aep_policy(monkeypatch):
         seen.clear()
         plan = plan_check.prediction(aep, preset)
         assert seen and set(seen) == {policy}
-        argv = plan_check.flags(aep, plan, preset, time_scale=25.0)
-        assert argv.count("--scheduler") == (policy != "defrag")  # defrag: amoe serve's default
-        if policy != "defrag":
-            assert argv[argv.index("--scheduler") + 1] == policy
-        ep_argv = plan_check.flags(ep, Plan(ep.deployment, plan.prediction, None), preset, time_scale=25.0)
-        assert "--scheduler" not in ep_argv
-    assert p.aep_policy == AEP_POLICY
+        assert plan_check.serve_config(aep, plan, preset, time_scale=25.0).scheduler.policy == policy
+        ep_config = plan_check.serve_config(ep, Plan(ep.deployment, plan.prediction, None), preset, 25.0)
+        assert ep_config.parallel.mode == "ep"  # no scheduler: the default policy is inert
 
 
 def test_plan_check_rejects_an_unknown_aep_policy():
@@ -81,7 +88,7 @@ def test_plan_check_rejects_an_unknown_aep_policy():
     assert "Traceback" not in result.stderr
 
 
-def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_command():
+def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_config():
     """The heterogeneous AEP plan's experts run on their own GPU type; a full-depth check that fixes AEP's
     concurrency is predicted at that concurrency and admits exactly that many requests."""
     full = plan_check.PRESETS["full"]
@@ -89,21 +96,21 @@ def test_a_heterogeneous_plan_and_a_fixed_concurrency_reach_the_command():
         c for c in full.checks if c.deployment.expert_gpu != c.deployment.attn_gpu and c.deployment.num_expert
     ]
     assert len(mixed) == 1
-    argv = plan_check.flags(mixed[0], plan_check.prediction(mixed[0], full), full, time_scale=25.0)
-    assert argv[argv.index("--expert-gpu") + 1] == mixed[0].deployment.expert_gpu
+    config = plan_check.serve_config(mixed[0], plan_check.prediction(mixed[0], full), full, time_scale=25.0)
+    assert config.emulation.expert_gpu == mixed[0].deployment.expert_gpu
     depth = plan_check.PRESETS["depth"]
     (aep,) = [c for c in depth.checks if c.deployment.mode == "aep"]
     plan = plan_check.prediction(aep, depth)
     assert plan.prediction.concurrency == aep.concurrency and depth.blocks == 32
-    argv = plan_check.flags(aep, plan, depth, time_scale=25.0)
-    assert int(argv[argv.index("--cache-max-num-seqs") + 1]) * aep.deployment.num_attn == aep.concurrency
-    assert argv[argv.index("--executor-profile") + 1] == f"{aep.profile}:32"
+    config = plan_check.serve_config(aep, plan, depth, time_scale=25.0)
+    assert config.cache.max_num_seqs * aep.deployment.num_attn == aep.concurrency
+    assert config.emulation.profile == f"{aep.profile}:32"
 
 
 def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
-    """scale32 (issue 35): 16 + 16 DeepSeek-V3 runtimes at 4 blocks, top-8 over 256 experts, at the fixed 4,096
-    requests its prediction is made at and the routing it assumed (not Mixtral's default skew). Flags only: the run
-    itself is a benchmark (32 processes)."""
+    """scale32: 16 + 16 DeepSeek-V3 runtimes at 4 blocks, top-8 over 256 experts, at the fixed 4,096
+    requests its prediction is made at and the routing it assumed (not Mixtral's default skew). The config only: the
+    run itself is a benchmark (32 processes)."""
     p = plan_check.PRESETS["scale32"]
     (check,) = p.checks
     d = check.deployment
@@ -114,16 +121,16 @@ def test_the_32_runtime_preset_serves_its_frontier_plan_as_planned():
     pred = bounds.predict(model, d, routing_inclusion(model, check.routing), mean_context("short"),
                           host_overhead("amoe-paper"))  # fmt: skip
     plan = Plan(d, dataclasses.replace(pred, concurrency=check.concurrency), None)
-    argv = plan_check.flags(check, plan, p, time_scale=400.0)
-    value = {flag: argv[argv.index(flag) + 1] for flag in argv if flag.startswith("--")}
-    assert (value["--attn-ranks"], value["--expert-ranks"]) == ("16", "16")
-    assert int(value["--cache-max-num-seqs"]) * d.num_attn == check.concurrency == 4096
-    assert value["--routing"] == check.routing == "skew-exp:0.0025" and value["--executor-top-k"] == "8"
-    assert value["--executor-profile"] == "deepseek-v3:4" and value["--time-scale"] == "400"
+    config = plan_check.serve_config(check, plan, p, time_scale=400.0)
+    assert (config.parallel.attn_ranks, config.parallel.expert_ranks) == (16, 16)
+    assert config.cache.max_num_seqs * d.num_attn == check.concurrency == 4096
+    em = config.emulation
+    assert em.routing == check.routing == "skew-exp:0.0025" and em.top_k == 8
+    assert em.profile == "deepseek-v3:4" and em.time_scale == 400
     # At 400 wall seconds an emulated second the default 60 s stall timeout would be 0.15 emulated s, under a
-    # plan's first token: the command stretches it (and the request deadline) with the scale.
-    assert float(value["--server-stall-timeout-s"]) == 60 * 400
-    assert float(value["--server-request-timeout-s"]) == 3600 * 400
+    # plan's first token: the config stretches it (and the request deadline) with the scale.
+    assert config.server.stall_timeout_s == 60 * 400
+    assert config.server.request_timeout_s == 3600 * 400
     # 32 runtimes each import torch: the harness waits longer for them than for an 8-GPU plan.
     assert plan_check.startup_timeout_s(d) > plan_check.startup_timeout_s(
         plan_check.PRESETS["ci"].checks[0].deployment
@@ -156,7 +163,7 @@ def test_ci_plans_measure_within_tolerance_of_their_prediction(tmp_path):
     rows = json.loads((tmp_path / "plan_check.json").read_text())["plans"]
     assert summary["plans"] == 2 and all(r["measured"] > 0 for r in rows)
     # How close each measurement comes to its prediction is the benchmark's finding (`amoe bench plan-check` prints it;
-    # docs/results.md records it): an emulated run on a busy host is slower or faster by as much as the host is
+    # docs/findings.md records it): an emulated run on a busy host is slower or faster by as much as the host is
     # busy, so the suite checks that every plan ran and was compared, not the ratio.
     assert len(summary["ratios"]) == len(rows), (summary, rows)
     assert all(ratio > 0 for ratio in summary["ratios"].values()), result.stdout

@@ -1,6 +1,6 @@
 """`amoe bench plan-scale`: throughput per GPU against cluster size. With --simulate each best plan is refined by the
 simulation (one copy of it), and never claims more than its bound; the table and plot are benchmark output
-(docs/results.md "Throughput per GPU")."""
+(experiments/2026-11-26-plan-scale-simulated)."""
 
 import argparse
 

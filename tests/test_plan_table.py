@@ -1,5 +1,5 @@
 """`amoe bench plan-table`'s rows: a cell's best plan of each mode with its bound, and, with --measure, the measured
-numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/results.md)."""
+numbers beside the predictions in the table it prints (the runs themselves are benchmark runs, docs/findings.md)."""
 
 import golden
 

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from amoe.config import AmoeConfig
 from amoe.errors import ConfigError
 from amoe.perf.studies import policy_bench
 
@@ -156,16 +157,17 @@ def test_each_run_reports_its_interval_and_the_spread_its_own(tmp_path):
 
 
 def test_waves_is_served_with_the_bounds_wave_group_and_the_others_without(monkeypatch):
-    """`amoe bench policies` runs waves as `amoe plan` would serve it: with the bound's wave group (docs/engine.md
-    item 13; 4 waves of 64 on the 4-block 2 + 2 A100 setup); before, it served items 9-10, which cannot tell a
-    rank's waves apart. The other policies have no group to set."""
+    """`amoe bench policies` runs waves as `amoe plan` would serve it: with the bound's wave group
+    (docs/scheduler.md "Group cells"; 4 waves of 64 on the 4-block 2 + 2 A100 setup); before, it served the
+    straggler wait and the meeting block, which cannot tell a rank's waves apart. The other policies have no
+    group to set."""
     import asyncio
 
-    flags: dict[str, list[str]] = {}
+    served: dict[str, AmoeConfig] = {}
 
     class Server:
-        def __init__(self, args):
-            self.args = args
+        def __init__(self, config):
+            self.config = config
 
         def __enter__(self):
             return self
@@ -174,7 +176,7 @@ def test_waves_is_served_with_the_bounds_wave_group_and_the_others_without(monke
             return False
 
     async def point(server, setup, p, seed, rate, kind, **kw):
-        flags[setup.policy] = server.args
+        served[setup.policy] = server.config
         return {"kind": kind}
 
     monkeypatch.setattr(policy_bench, "ServerProcess", Server)
@@ -184,7 +186,5 @@ def test_waves_is_served_with_the_bounds_wave_group_and_the_others_without(monke
     assert group == 4
     for policy in ("waves", "defrag"):
         asyncio.run(policy_bench._policy_points(policy, p, 0, group=group))
-    waves = flags["waves"]
-    assert waves[waves.index("--scheduler-wave-group") + 1] == "4"
-    assert waves[waves.index("--scheduler") + 1] == "waves"
-    assert "--scheduler-wave-group" not in flags["defrag"]
+    assert (served["waves"].scheduler.policy, served["waves"].scheduler.wave_group) == ("waves", 4)
+    assert (served["defrag"].scheduler.policy, served["defrag"].scheduler.wave_group) == ("defrag", 0)

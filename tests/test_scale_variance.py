@@ -1,4 +1,4 @@
-"""Step-time variance in the simulation at scale (docs/emulation.md "Step-time variance at scale"):
+"""Step-time variance in the simulation at scale (docs/simulation.md "Step-time variance at scale"):
 each GPU a fixed speed from the seed, each step a jitter; EP's and ping-pong's lock-step pay the slowest device of
 each step, AEP's queues each GPU's own step times; off gives the figures the simulation at scale gave before."""
 
@@ -168,7 +168,7 @@ def test_aep_at_saturated_expert_gpus_pays_with_smaller_steps():
 
 
 def test_with_the_variance_the_simulation_at_scale_agrees_with_the_event_level_one_where_both_run():
-    """The same variance model at both levels (docs/emulation.md "Step-time variance at scale"): on plans both can
+    """The same variance model at both levels (docs/simulation.md "Step-time variance at scale"): on plans both can
     run, EP and ping-pong at scale come within 1 % of the event-level simulation with the sourced variance, as they
     do without it (their draws differ in order, not in law: measured 0.03–0.2 % apart over two variance seeds), and
     AEP 4 + 4 with large waves within 3 % (test_frontier's tolerance for AEP in waves without variance; measured

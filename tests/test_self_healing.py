@@ -16,7 +16,7 @@ import torch
 from test_comm_basic import message, recv_n, same
 
 from amoe import core
-from amoe.config import SchedulerSection
+from amoe.config import AmoeConfig, SchedulerSection
 from amoe.model.make import make_model
 from amoe.placement import Placement
 from amoe.runtime.requests import RankRequests
@@ -154,7 +154,8 @@ def test_seeded_sampling_survives_a_lost_attention_runtime(tmp_path):
         "presence_penalty": 0.4,
         "repetition_penalty": 1.1,
     }
-    with ServerProcess(["--model", str(model), "--attn-ranks", "1", "--expert-ranks", "2"]) as url:
+    config = AmoeConfig().replace(model={"path": str(model)}, parallel={"attn_ranks": 1, "expert_ranks": 2})
+    with ServerProcess(config) as url:
         choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
         reference = [c["text"] for c in choices]
         pid = next(

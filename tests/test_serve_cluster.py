@@ -14,6 +14,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from factories import config_of
 from safetensors.torch import load_file, save_file
 
 from amoe.llm import LLM
@@ -47,7 +48,7 @@ class TaggedServer(ServerProcess):
         self.tag = uuid.uuid4().hex
         # SPT_NOENV: setproctitle must not reuse the environment's memory, where the tag lives.
         env = {"AMOE_LOG_LEVEL": "INFO", "AMOE_TEST_TAG": self.tag, "SPT_NOENV": "1"}
-        super().__init__(["--model", str(model_dir), *flags], startup_timeout_s=90, env=env)
+        super().__init__(config_of("--model", str(model_dir), *flags), startup_timeout_s=90, env=env)
         self.start()
 
     def tagged(self) -> list[psutil.Process]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import golden
 import pytest
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -19,6 +20,9 @@ from amoe.perf.plan.simulate import simulate
 HOST = host_overhead("amoe-paper")
 CTX = mean_context("short")
 ROUTING = "skew-exp:0.08"
+# The policy the AEP figures below are of: defrag, the serving default when they were recorded (waves' own are
+# tests/test_waves.py's and tests/test_wave_groups.py's).
+DEFRAG = SchedulerSection(policy="defrag")
 
 
 def _bound(model, dep, routing=ROUTING):
@@ -31,8 +35,8 @@ def aep_at_its_bound() -> golden.Figures:
     model = model_profile("mixtral-8x7b-mqa:2", 1)
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, attn_cap=64, expert_cap=512)
     bound = _bound(model, dep)
-    at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency)
-    filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency)
+    at_bound = simulate(model, dep, ROUTING, CTX, HOST, bound.concurrency, scheduler=DEFRAG)
+    filled = simulate(model, dep, ROUTING, CTX, HOST, 4 * bound.concurrency, scheduler=DEFRAG)
     return {
         "bound": {
             "tokens_per_s": bound.tokens_per_s, "itl_s": bound.itl_s, "concurrency": bound.concurrency,
@@ -49,7 +53,7 @@ def test_aep_reaches_its_critical_path_bound_at_the_bounds_own_concurrency():
     step — the waves in flight that hide it, and expert steps that gather those waves' rows. It is a bound: four
     times its requests reach it and do not beat it (up to the rounding of expected loads to whole rows). At its own
     concurrency — the knee, where every wave must be in step — the schedule runs below it (how far, here, is the
-    golden file's; on the benchmark's plans, docs/results.md's finding)."""
+    golden file's; on the benchmark's plans, docs/findings.md)."""
     f = aep_at_its_bound.check()
     bound, filled = f["bound"], f["filled"]
     assert bound["concurrency"] == 2 * bound["waves"] * bound["wave_rows"]  # two attention GPUs
@@ -70,7 +74,7 @@ def grouped_expert_steps() -> golden.Figures:
     runs = {
         "grouped" if g else "one expert a step": simulate(
             model, dep, ROUTING, CTX, HOST, 512, warmup_s=0.05, duration_s=0.1,
-            scheduler=SchedulerSection(group_experts=g),
+            scheduler=SchedulerSection(policy="defrag", group_experts=g),
         )
         for g in (True, False)
     }  # fmt: skip
@@ -201,7 +205,9 @@ def aep_at_small_batches() -> golden.Figures:
     model = model_profile("mixtral-8x7b-mqa:4", 1)
     dep = Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     planned = refine(model, dep, ROUTING, CTX, HOST, concurrency=128, policy="defrag").prediction
-    long_run = simulate(model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1)
+    long_run = simulate(
+        model, dep, ROUTING, CTX, HOST, 128, warmup_s=0.3, duration_s=0.6, seed=1, scheduler=DEFRAG
+    )
     return {
         "planned": {"tokens_per_s": planned.tokens_per_s, "itl_s": planned.itl_s},
         "long_run_tokens_per_s": long_run.tokens_per_s,
@@ -210,11 +216,12 @@ def aep_at_small_batches() -> golden.Figures:
 
 
 def test_aep_prediction_at_small_batches_is_the_long_run_rate_not_a_waves_crest():
-    """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests that all
-    started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs (2 simulated
-    ones) counted a wave's crest (docs/results/plan_check_depth/small_batches.jsonl). Requests now start at random layers
-    and the window is counted in simulated ITLs: the planner's estimate is the long-run rate. (Whether it is the
-    runtime's is the benchmark's question, `amoe bench plan-check`, never a constant pinned here.)"""
+    """With 32 requests per block AEP's steps hold ~5 rows and its ITL is several times the bound's. Requests
+    that all started at block 0 moved in waves that small batches never broke up, and a window of 8 bound ITLs
+    (2 simulated ones) counted a wave's crest (experiments/2026-11-25-plan-check-depth/small_batches.jsonl).
+    Requests now start at random layers and the window is counted in simulated ITLs: the planner's estimate is
+    the long-run rate. (Whether it is the runtime's is the benchmark's question, `amoe bench plan-check`,
+    never a constant pinned here.)"""
     f = aep_at_small_batches.check()
     assert f["planned"]["itl_s"] > 128 / f["bound_tokens_per_s"]  # small batches: slower than the bound's ITL
     assert f["planned"]["tokens_per_s"] == pytest.approx(f["long_run_tokens_per_s"], rel=0.05)
@@ -230,8 +237,9 @@ def aep_under_an_itl_objective() -> golden.Figures:
     dep = Deployment("aep", "a100-80g", 4, "a100-80g", 4, attn_cap=64, expert_cap=256)
     pred = bounds.predict(model, dep, routing_inclusion(model, ROUTING), CTX, HOST, SLO_MS / 1e3)
     knee = simulate(
-        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s
-    )
+        model, dep, ROUTING, CTX, HOST, pred.concurrency, warmup_s=4 * pred.itl_s, duration_s=8 * pred.itl_s,
+        scheduler=DEFRAG,
+    )  # fmt: skip
     refined = refine(model, dep, ROUTING, CTX, HOST, pred, SLO_MS, policy="defrag").prediction  # the knee's
     return {
         "bound": {"itl_s": pred.itl_s, "concurrency": pred.concurrency},
@@ -253,11 +261,12 @@ def test_under_an_itl_objective_aep_is_refined_at_fewer_requests_when_the_bounds
 
 
 def test_an_attention_steps_rows_reach_each_expert_gpu_as_one_message(monkeypatch):
-    """The engine sends an attention step's rows for one expert runtime as one message (cpp/engine.cpp send_grouped),
-    so under `waves` an expert GPU's grouped step takes all of them or none. The simulation once sent one message per
-    hosted expert, one after another on the link: item 9's hold for a rank ended at the first, the block was served
-    with part of the wave and the rest went in a later step — a wave split in two that held its attention rank back
-    (docs/results.md "One message per expert GPU"). Every attention step's rows for a GPU land in one expert step."""
+    """The engine sends an attention step's rows for one expert runtime as one message (cpp/engine.cpp
+    send_grouped), so under `waves` an expert GPU's grouped step takes all of them or none. The simulation
+    once sent one message per hosted expert, one after another on the link: the straggler wait for a rank
+    ended at the first, the block was served with part of the wave and the rest went in a later step — a wave
+    split in two that held its attention rank back (experiments/2026-11-27-sim-one-message-per-gpu). Every
+    attention step's rows for a GPU land in one expert step."""
     from amoe.config import SchedulerSection
     from amoe.perf.plan.simulate.events_aep import AepEvents
 

@@ -111,7 +111,7 @@ class Style:
 
 STYLES = {
     "llama-bos-post-processor": Style(LLAMA_SPECIALS, _BOS, _LLAMA_CONFIG, "writes-bos", adds_bos=True),
-    # The issue's report: a BOS token is defined (and add_bos_token set) but tokenizer.json adds nothing.
+    # The reported case: a BOS token is defined (and add_bos_token set) but tokenizer.json adds nothing.
     "no-post-processor": Style(LLAMA_SPECIALS, None, _LLAMA_CONFIG, "writes-bos", adds_bos=False),
     # As transformers 4 saves a Llama tokenizer made with add_bos_token=False.
     "add-bos-token-false": Style(
@@ -274,11 +274,13 @@ def test_chat_prompt_ids_equal_transformers(style_dir, name, template):
         assert ids.count(tok.bos_token_id) == has_bos
 
 
-def test_demo_tokenizer_keeps_its_completion_ids(tmp_path):
-    """The demo model's tokenizer.json adds <s> itself, so its prompts are what they were: <s> then the text."""
-    from amoe.model.make import make_model
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_amoes_own_tokenizers_keep_their_completion_ids(tmp_path, model):
+    """The tokenizer.json amoe writes (the presets', the default model's) adds <s> itself, so its prompts are what
+    they were: <s> then the text."""
+    from amoe.model.make import default_model_path, make_model
 
-    path = make_model("tiny", tmp_path / "demo", seed=0)
+    path = make_model("tiny", tmp_path / "tiny", seed=0) if model == "tiny" else default_model_path()
     tok, hf = Tokenizer.from_dir(path), _hf_tokenizer(path)
     for text in TEXTS:
         assert tok.encode(text) == [1] + tok.backend.encode(text, add_special_tokens=False).ids

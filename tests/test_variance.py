@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from amoe import core
-from amoe.config import AmoeConfig, ExecutorSection, config_from_args
+from amoe.config import AmoeConfig, EmulationSection, config_from_args
 from amoe.errors import ConfigError
-from amoe.perf.model.check import check_executor
+from amoe.perf.model.check import check_emulation
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
@@ -34,15 +34,15 @@ def test_the_flag_parses_and_refuses_bad_values_by_name():
     for bad in ("fast", "0.1,speed=2", "-0.1", "0.1,jitter=1.5", "sourced,seed=x"):
         with pytest.raises(ConfigError, match="step-variance"):
             StepVariance.parse(bad)
-    # The serving flag reaches the executor section, and a bad value is refused before anything starts.
+    # The serving flag reaches the emulation section, and a bad value is refused before anything starts.
     from amoe.cli import build_parser
 
     argv = ["serve", "--executor", "emulated", "--step-variance", "off"]
     cfg = config_from_args(build_parser().parse_args(argv))
-    assert cfg.executor.step_variance == "off"
-    assert AmoeConfig().executor.step_variance == "sourced"
+    assert cfg.emulation.step_variance == "off"
+    assert AmoeConfig().emulation.step_variance == "sourced"
     with pytest.raises(ConfigError, match="step-variance"):
-        check_executor(ExecutorSection(kind="emulated", profile="mixtral-8x7b-mqa:2", step_variance="x"))
+        check_emulation(EmulationSection(profile="mixtral-8x7b-mqa:2", step_variance="x"))
 
 
 def test_each_gpu_has_a_seeded_speed_within_the_sourced_range():
@@ -81,7 +81,7 @@ def _expected_max_by_the_grid(scales, jitter):
 
 
 def test_expected_max_drops_only_devices_that_cannot_change_it_bit_for_bit():
-    """Devices that cannot be the slowest are dropped and answers are memoised (issue 35: `amoe plan`'s time on 256
+    """Devices that cannot be the slowest are dropped and answers are memoised (`amoe plan`'s time on 256
     GPUs): every answer equals the full grid's to the last bit, batched rows as each row alone."""
     rng = np.random.default_rng(7)
     dropped = 0
@@ -105,9 +105,7 @@ def test_expected_max_drops_only_devices_that_cannot_change_it_bit_for_bit():
 
 
 def test_the_emulated_clock_holds_each_gpu_at_its_speed():
-    em = Emulation(
-        ExecutorSection(kind="emulated", profile="mixtral-8x7b-mqa:2", routing="uniform", time_scale=1e-3)
-    )
+    em = Emulation(EmulationSection(profile="mixtral-8x7b-mqa:2", routing="uniform", time_scale=1e-3))
     slow = int(np.argmax(SOURCED.speeds(0, 4)))
     clock = em.clock(slow)
     for _ in range(200):
@@ -117,8 +115,7 @@ def test_the_emulated_clock_holds_each_gpu_at_its_speed():
     assert busy == pytest.approx(0.2 * SOURCED.speed(slow), rel=0.01)
     assert len({round(em.clock(d).speed, 9) for d in range(4)}) == 4
     off = Emulation(
-        ExecutorSection(
-            kind="emulated",
+        EmulationSection(
             profile="mixtral-8x7b-mqa:2",
             routing="uniform",
             time_scale=1e-3,

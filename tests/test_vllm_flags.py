@@ -1,6 +1,7 @@
 """vLLM's command line starts `amoe serve`: the model as a positional argument and vLLM's spellings of the same
 settings (--max-model-len, --dtype, --served-model-name, --max-num-seqs, --seed, --host, --port, --api-key,
---gpu-memory-utilization, --tensor-parallel-size 1), grouped in --help; what has no counterpart is refused in one
+--gpu-memory-utilization, --tensor-parallel-size 1, --enable-eplb, --num-redundant-experts, --eplb-config),
+grouped in --help; what has no counterpart is refused in one
 line naming why."""
 
 from __future__ import annotations
@@ -67,6 +68,36 @@ def test_what_has_no_counterpart_is_refused_in_one_line(capsys, argv, named):
     assert err.startswith("amoe: error:") and named in err and "\n" not in err, err
 
 
+def test_vllms_eplb_flags_set_the_eplb_section():
+    config = parse(
+        "--enable-eplb", "--eplb-config", '{"window_size": 10, "step_interval": 20, "log_balancedness": true, '
+        '"num_redundant_experts": 1}', "--eplb-step-interval", "30",
+    )  # fmt: skip
+    eplb = config.eplb
+    assert eplb.enable and eplb.log_balancedness and (eplb.window_size, eplb.num_redundant_experts) == (10, 1)
+    assert eplb.step_interval == 30  # a --eplb-* flag wins over the JSON
+    assert parse("--num-redundant-experts", "2").eplb.num_redundant_experts == 2
+    assert not parse("--eplb-enable", "false").eplb.enable
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--eplb-config", '{"window": 3}'], "eplb.window"),
+    (["--eplb-config", "[1]"], "--eplb-config"),
+    (["--eplb-config", "{bad"], "not valid JSON"),
+    (["--num-redundant-experts", "1", "--parallel", "ep"], "--parallel aep"),
+    (["--enable-eplb", "--expert-ranks", "1"], "--expert-ranks 2"),
+    (["--num-redundant-experts", "-1"], "eplb.num_redundant_experts"),
+])  # fmt: skip
+def test_bad_eplb_settings_are_refused_in_one_line(capsys, argv, named):
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:  # a value argparse itself refuses (its type check)
+        code = exc.code
+    assert code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("amoe: error:") and named in err and "\n" not in err, err
+
+
 def test_help_groups_vllms_flags(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -75,7 +106,8 @@ def test_help_groups_vllms_flags(capsys):
     block = "\n".join(group)
     for flag in ("MODEL", "--model", "--dtype", "--max-model-len", "--max-num-seqs", "--served-model-name", "--seed",
                  "--host", "--port", "--api-key", "--gpu-memory-utilization", "--tensor-parallel-size", "--headless",
-                 "--generation-config"):  # fmt: skip
+                 "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser", "--enable-eplb",
+                 "--num-redundant-experts", "--eplb-config"):  # fmt: skip
         assert flag in block, flag
 
 
@@ -158,3 +190,21 @@ def _first_sampled(model_dir, seed: int) -> str:
     llm = LLM(model=str(model_dir), seed=seed)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     return llm.generate([[5, 6, 7]], [params])[0].outputs[0].text
+
+
+def test_vllms_tool_calling_flags():
+    """`--enable-auto-tool-choice` takes no value, as in vLLM; `--tool-call-parser` names one of vLLM's parsers."""
+    config = parse("/models/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert config.server.enable_auto_tool_choice is True and config.server.tool_call_parser == "hermes"
+    assert parse("--tool-call-parser", "deepseek_v3").server.enable_auto_tool_choice is False
+    assert parse(
+        "--server-enable-auto-tool-choice", "true", "--tool-call-parser", "mistral"
+    ).server.tool_call_parser
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        parse("--enable-auto-tool-choice")
+
+
+def test_an_unknown_tool_call_parser_is_refused_in_one_line(capsys):
+    assert main(["serve", "--tool-call-parser", "llama3_json"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert "--tool-call-parser" in err and "hermes, deepseek_v3, mistral" in err and "\n" not in err, err

@@ -1,4 +1,4 @@
-"""Wave groups (docs/engine.md "The waves rule" item 13, issue 32): the attention runtime writes each row's wave
+"""Wave groups (docs/scheduler.md "Group cells"): the attention runtime writes each row's wave
 into its expert parts, the expert runtime serves one (block, group) a step and waits for its group's waves on
 their way; the C++ scheduler picks what the Python oracle picks; a plan's command carries its bound's group; in
 the simulation the groups bring out-of-phase ranks to the bound where gathering per rank does not."""
@@ -64,7 +64,7 @@ def test_expert_wave_groups_match_the_oracle(blocks, experts, ranks, waves, grou
 def test_a_group_waits_for_its_own_wave_and_another_group_goes_first():
     """Two ranks, two waves, one wave a group, 4 blocks: (rank 1, wave 0) is on its way to block 2, so rank 0's
     wave 0 waits there — while rank 1's wave 1, in the other group at the same block, is served at once. Per rank
-    (items 9-10) rank 1 would count as arrived the moment its wave 1 did."""
+    (the straggler wait) rank 1 would count as arrived the moment its wave 1 did."""
     s = core.Scheduler(4, 2, "waves", 0, 0.0)
     s.set_rank_barrier(2, 10.0)
     s.set_wave_groups(2, 1, 1)
@@ -91,8 +91,8 @@ def test_a_group_waits_for_its_own_wave_and_another_group_goes_first():
 
 def test_block_0_waits_for_a_groups_wave_wherever_it_is():
     """8 blocks: (rank 1, wave 0) was last served at block 2, six blocks before block 0, after it last arrived
-    there; rank 0's wave 0 at block 0 waits for it until 2 x 6 turn-arounds after that serving (items 9-10 looked
-    only ceil(8 / W) blocks back); (rank 1, wave 1) of the other group is not waited for."""
+    there; rank 0's wave 0 at block 0 waits for it until 2 x 6 turn-arounds after that serving (the meeting
+    block looked only ceil(8 / W) blocks back); (rank 1, wave 1) of the other group is not waited for."""
     s = core.Scheduler(8, 2, "waves", 0, 0.0)
     s.set_rank_barrier(2, 100.0)
     s.set_wave_groups(2, 1, 1)
@@ -152,8 +152,8 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     from amoe.perf.plan import bounds
     from amoe.perf.plan.bound_pools import wave_group
     from amoe.perf.plan.deployment import Deployment
-    from amoe.perf.plan.report import serve_command
     from amoe.perf.plan.request import Plan, PlanRequest
+    from amoe.perf.plan.serving import plan_config
 
     model = model_profile("mixtral-8x7b-mqa:32", 1)
     dep = Deployment("aep", "a100-80g", 5, "a100-80g", 3, 128, 1024)
@@ -163,9 +163,8 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
     )  # fmt: skip
     assert (pred.extra["group_waves"], pred.extra["wave_rows"]) == (2, 128)
     req = PlanRequest("mixtral-8x7b-mqa:32", {"a100-80g": 8}, top_k=1, aep_policy="waves")
-    argv = serve_command(Plan(dep, pred, None), req, emulated=True).split()
-    assert argv[argv.index("--scheduler") + 1] == "waves"
-    assert argv[argv.index("--scheduler-wave-group") + 1] == "2"
+    scheduler = plan_config(Plan(dep, pred, None), req, emulated=True).scheduler
+    assert (scheduler.policy, scheduler.wave_group) == ("waves", 2)
     # a bound whose waves are half the cap's: its group of 8 is 4 of the runtime's waves
     assert wave_group({"group_waves": 8, "wave_rows": 128}, 256) == 4
     with pytest.raises(ConfigError, match="wave_group"):
@@ -175,7 +174,7 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
 def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound():
     """H100 6 + 2 top-1 at 32 blocks at the corrected bound's operating point (under the AMoE-paper roofline 3,072
     requests: W = 2 waves of 256 a rank, groups of one wave; under the 2026-11-29 kernel calibration 6,144: W = 4,
-    groups of 2), ranks started out of phase: per rank (items 9-10) a rank's wave that fell one step behind is run
+    groups of 2), ranks started out of phase: per rank (the straggler wait) a rank's wave that fell one step behind is run
     alone every block, well under the bound; the bound's groups reach it."""
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
@@ -206,10 +205,10 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
 
 def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
     """`amoe bench plan-table --measure` serves a row's plan from the table's JSON: the group the simulation ran
-    (refine's extra["wave_group"]) goes into the row and back into the command, not the default of one."""
+    (refine's extra["wave_group"]) goes into the row and back into the served config, not the default of one."""
     from amoe.perf.plan.deployment import Deployment
-    from amoe.perf.plan.report import serve_command
     from amoe.perf.plan.request import PlanRequest
+    from amoe.perf.plan.serving import plan_config
     from amoe.perf.studies.plan_table import one_copy
 
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 128, 256, replicas=2)
@@ -218,6 +217,6 @@ def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():
         "bottleneck": "experts", "deployment": dataclasses.asdict(dep), "wave_group": 2,
     }  # fmt: skip
     req = PlanRequest("mixtral-8x7b-mqa:32", {"a100-80g": 8}, top_k=2, aep_policy="waves")
-    argv = serve_command(one_copy(row), req, emulated=True).split()
-    assert argv[argv.index("--scheduler-wave-group") + 1] == "2"
-    assert argv[argv.index("--cache-max-num-seqs") + 1] == "512"  # one copy's 1,024 requests on 2 ranks
+    config = plan_config(one_copy(row), req, emulated=True)
+    assert config.scheduler.wave_group == 2
+    assert config.cache.max_num_seqs == 512  # one copy's 1,024 requests on 2 ranks

@@ -1,4 +1,4 @@
-"""The waves policy (docs/engine.md "The waves rule", issue 32): the C++ scheduler picks what the Python oracle
+"""The waves policy (docs/scheduler.md): the C++ scheduler picks what the Python oracle
 picks, step by step with its state (wave positions, readiness stamps); new requests fill waves of the cap; and a
 run with Poisson arrivals and request replacement finishes every request without the deadline guard."""
 
@@ -98,9 +98,9 @@ BARRIER_OPS = st.lists(
     ops=BARRIER_OPS,
 )  # fmt: skip
 def test_expert_rank_barrier_matches_the_oracle(blocks, experts, ranks, span, ops):
-    """An expert runtime under waves with the rank barrier (items 9-10, block 0 looking `span` blocks back): rows
-    arrive from attention ranks, grouped steps serve their ranks, the clock moves; every pick, hold and release
-    time agrees with the oracle."""
+    """An expert runtime under waves with the rank barrier (the straggler wait; the meeting block: block 0
+    looking `span` blocks back): rows arrive from attention ranks, grouped steps serve their ranks, the clock
+    moves; every pick, hold and release time agrees with the oracle."""
     s = core.Scheduler(blocks, experts, "waves", 0, 0.0)
     o = policies.Waves(blocks, experts, wave_cols=False)
     s.set_rank_barrier(ranks, 5.0, span)
@@ -176,9 +176,10 @@ def test_a_block_waits_for_the_rank_just_behind_until_twice_its_turn_around():
 
 
 def test_block_0_waits_for_the_nearest_wave_behind_it_within_the_span():
-    """Item 10, 8 blocks, span 4 (W = 2): rank 1 was served at block 5 (3 blocks before block 0) after its rows last
-    arrived at block 0, so rank 0's rows at block 0 wait for it until 2 x 3 turn-arounds after that serving; a rank
-    served only further back (block 3) is not waited for; other blocks still look one block back."""
+    """The meeting block, 8 blocks, span 4 (W = 2): rank 1 was served at block 5 (3 blocks before block 0)
+    after its rows last arrived at block 0, so rank 0's rows at block 0 wait for it until 2 x 3 turn-arounds
+    after that serving; a rank served only further back (block 3) is not waited for; other blocks still look
+    one block back."""
     s = core.Scheduler(8, 1, "waves", 0, 0.0)
     s.set_rank_barrier(3, 100.0, 4)
     for r in (0, 1, 2):  # each rank's turn-around: 1 s (served at block 1, back at block 2)
@@ -240,8 +241,8 @@ def run_with_arrivals(
 ) -> tuple[int, int]:
     """`ranks` attention runtimes (3 blocks + head, waves of `cap`) and one expert runtime (3 experts, top-2,
     grouped steps), all scheduled by the C++ scheduler under waves, transfers taking random times; with
-    `barrier`, the expert runtime's blocks wait for the ranks on their way (docs/engine.md "The waves rule" item
-    9), its guard never reached (1e9). Requests arrive as a Poisson process, each to a random rank; at most
+    `barrier`, the expert runtime's blocks wait for the ranks on their way (docs/scheduler.md "The straggler
+    wait"), its guard never reached (1e9). Requests arrive as a Poisson process, each to a random rank; at most
     `slots` decode at once on a rank and a finished request's slot goes to the next waiting arrival (request
     replacement). The runtimes never force a pick (no deadline guard): returns the requests finished and the
     events run."""
@@ -368,8 +369,9 @@ def test_no_livelock_under_poisson_arrivals_with_request_replacement():
 
 
 def test_no_livelock_with_the_expert_sides_rank_barrier():
-    """Three attention ranks, the expert runtime's blocks waiting for the ranks on their way (item 9) with no guard
-    to fall back on: every hold ends at twice a rank's turn-around, and every request finishes."""
+    """Three attention ranks, the expert runtime's blocks waiting for the ranks on their way (the straggler
+    wait) with no guard to fall back on: every hold ends at twice a rank's turn-around, and every request
+    finishes."""
     for seed in range(3):
         finished, _ = run_with_arrivals(seed, ranks=3, barrier=True)
         assert finished == 120
@@ -377,7 +379,7 @@ def test_no_livelock_with_the_expert_sides_rank_barrier():
 
 def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
     """In the simulation (which runs this scheduler) at W = 4 waves of the cap's 64 rows a rank: every attention step
-    is a whole wave, and keeping the waves apart beats merging them (`wave`)."""
+    is a whole wave, where defrag's steps are fragments of several, and the whole waves simulate more."""
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.routing import routing_inclusion
@@ -390,8 +392,9 @@ def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
     model = model_profile("mixtral-8x7b-mqa:8", 1)
     dep = Deployment("aep", "a100-80g", 2, "a100-80g", 2, 64, 256)
     bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
-    # The bound's point before issue 32's correction; the corrected bound reaches within 3 % of its most only at 8
-    # waves (merged expert steps now pay the merged path), and the scheduler's test needs neither.
+    # The bound's point before the correction (docs/simulation.md "Bounds": waves that share an expert step
+    # travel together); the corrected bound reaches within 3 % of its most only at 8 waves (merged expert steps
+    # now pay the merged path), and the scheduler's test needs neither.
     assert (bound.extra["waves"], bound.extra["wave_rows"], bound.concurrency) == (8, 64, 1024)
     concurrency = 512
     itl = concurrency / bound.tokens_per_s
@@ -400,10 +403,10 @@ def test_the_simulation_keeps_the_bounds_waves_full_and_apart():
             model, dep, routing, ctx, host, concurrency, warmup_s=4 * itl,
             duration_s=8 * itl, scheduler=SchedulerSection(policy=policy, attn_batch_cap=64, expert_batch_cap=256),
         )
-        for policy in ("wave", "waves")
+        for policy in ("defrag", "waves")
     }  # fmt: skip
-    assert got["waves"].attention_rows_per_step == 64
-    assert got["waves"].tokens_per_s > 1.5 * got["wave"].tokens_per_s
+    assert got["waves"].attention_rows_per_step == 64 and got["defrag"].attention_rows_per_step < 50
+    assert got["waves"].tokens_per_s > got["defrag"].tokens_per_s
 
 
 def test_a_request_cancelled_while_its_rows_are_out_does_not_hold_its_wave():
@@ -441,7 +444,7 @@ def test_a_request_cancelled_while_its_rows_are_out_does_not_hold_its_wave():
 def test_the_simulation_models_out_of_phase_ranks_and_the_expert_side_brings_them_back():
     """8 blocks, A100 3 + 2 at W = 4 waves of 64 a rank: ranks started at independent
     times (`stagger_ranks`, as the runtime's arrivals start them) lose throughput to out-of-phase waves, and the
-    expert side's rule (items 9-10) wins part of it back with larger expert steps."""
+    expert side's rules (the straggler wait, the meeting block) win part of it back with larger expert steps."""
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.routing import routing_inclusion
@@ -454,7 +457,7 @@ def test_the_simulation_models_out_of_phase_ranks_and_the_expert_side_brings_the
     model = model_profile("mixtral-8x7b-mqa:8", 1)
     dep = Deployment("aep", "a100-80g", 3, "a100-80g", 2, 64, 256)
     bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
-    # 4 waves: the bound's point before issue 32's correction (now 8, as in the test above).
+    # 4 waves: the bound's point before that correction (now 8, as in the test above).
     assert (bound.extra["waves"], bound.concurrency) == (8, 1536)
     concurrency = 768
     itl = concurrency / bound.tokens_per_s

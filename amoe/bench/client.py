@@ -12,7 +12,7 @@ token whose text it holds back (amoe does, for an incomplete UTF-8 character), w
 With `stream=False` a request is one JSON response: only its latency and token counts are measured (no TTFT or
 ITL). `amoe bench compare` uses it with the server's own TTFT / ITL histograms, because at the rates it offers,
 parsing one SSE event per token in this client and framing it in the server cost more CPU than the emulated
-runtimes on a 2-core machine (docs/results.md).
+runtimes on a 2-core machine.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ __all__ = [
     "ExpertLayer",
     "Head",
     "build_attention_rank",
+    "build_expert_layer_set",
     "build_expert_layers",
 ]
 
@@ -67,3 +69,24 @@ def build_expert_layers(
     shared expert, run as transformers runs an MLP)."""
     loaded = load_expert_weights(model_dir, cfg, experts, dtype=dtype, device=device)
     return {(b, e): ExpertLayer(b, e, w, fused=e < cfg.num_experts) for (b, e), w in loaded.items()}
+
+
+def build_expert_layer_set(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    layers: Iterable[tuple[int, int]],
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> dict[tuple[int, int], ExpertLayer]:
+    """Expert layers for the given (block, expert) pairs only — a runtime's replicas, which need not cover every
+    block — read block by block."""
+    experts_of: dict[int, list[int]] = {}
+    for b, e in sorted(set(layers)):
+        experts_of.setdefault(b, []).append(e)
+    out: dict[tuple[int, int], ExpertLayer] = {}
+    for b, experts in experts_of.items():
+        loaded = load_expert_weights(model_dir, cfg, experts, blocks=[b], dtype=dtype, device=device)
+        out.update(
+            {key: ExpertLayer(key[0], key[1], w, fused=key[1] < cfg.num_experts) for key, w in loaded.items()}
+        )
+    return out

@@ -1,34 +1,28 @@
-"""Random-weight checkpoints in the Hugging Face layout of any family (weights, tokenizer, generation config)."""
+"""Random-weight checkpoints in the Hugging Face layout of any family (weights, tokenizer, generation config),
+and where the shipped default model is."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from amoe import envs
-from amoe.errors import ConfigError
+from amoe.errors import ConfigError, ModelLoadError
 from amoe.model.presets import preset as preset_config
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-DEMO_PRESET = "tiny"
-# Bump the suffix whenever make_model's output changes, so that caches made by older versions are not reused.
-DEMO_MODEL_NAME = "tiny-v1"
-
-_announced = False
+# Package data, so that a fresh clone and an installed wheel both serve it without building anything.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "data" / "kjv-moe"
 
 
 def make_model(
     preset: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None, shards: int = 1
 ) -> Path:
     """Write a random-weight model of a named preset to `out_dir`; the same preset and seed give the same bytes."""
-    # Imported here, not at the top: the coordinator finds an existing demo model without loading torch.
+    # Imported here, not at the top: the coordinator finds the default model without loading torch.
     from amoe.model.checkpoint import write_random_checkpoint
     from amoe.tokenizer import write_tokenizer
 
@@ -51,36 +45,11 @@ def make_model(
 
 
 def default_model_path() -> Path:
-    """The tiny random-weight demo model, created under the user cache directory on first use."""
-    path = envs.AMOE_CACHE_DIR / "models" / DEMO_MODEL_NAME
-    if not path.is_dir():
-        _build_atomically(path)
-    _announce(path)
-    return path
-
-
-def _build_atomically(path: Path) -> None:
-    """Build in a private temp dir, then rename: readers never see a half-written model, racing builders agree."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        logger.info("creating the demo model in %s (first use only)", path)
-        make_model(DEMO_PRESET, tmp, seed=0)
-        try:
-            os.rename(tmp, path)  # atomic; fails if another process renamed its (identical) copy first
-        except OSError:
-            if not path.is_dir():
-                raise
-            logger.debug("another process created %s first; using its copy", path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _announce(path: Path) -> None:
-    global _announced
-    if not _announced:
-        _announced = True
-        logger.warning("using the random-weight demo model %s: its output is meaningless text", path)
+    """The default model: a small Mixtral trained on the King James Bible, shipped with the package
+    (`amoe default-model train` reproduces it)."""
+    if not DEFAULT_MODEL_DIR.is_dir():
+        raise ModelLoadError(f"{DEFAULT_MODEL_DIR}: the default model is missing from this installation")
+    return DEFAULT_MODEL_DIR
 
 
 def _require_empty(out: Path) -> None:

@@ -79,7 +79,7 @@ def _families(size: str, hidden: int, layers: int, heads: int, expert: int) -> d
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Seconds-fast on CPU: for tests and the default demo model.
+    # Seconds-fast on CPU: for tests.
     "tiny": _mixtral(
         hidden_size=64,
         intermediate_size=128,

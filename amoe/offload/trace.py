@@ -27,11 +27,12 @@ break §3 (batch 32 would activate 63 % of the experts), so per block the expert
 exponent `popularity`) that tasks draw their supports by; its value is the smallest on a 0.25 grid that brings
 batches of 1–32 back into §3's ranges (2.25 for top-1; amoe bench offload-replay's top-2 shape needs 2.75), chosen
 from §3 alone before any policy was replayed. The paper states no sequence lengths; prompts and outputs stay 8–32
-tokens. Round 4 searched `spread` and `zipf` for the access locality the paper's ORACLE implies (Figure 11) and
-found none that keeps §3's ranges (docs/offload.md "Round 4"), so these defaults are round 3's. Round 5 gave the
-model the paper checkpoints' encoder–decoder structure (`encoder_blocks`: the encoder's blocks routed once, at
-prefill) with these constants unchanged: Bélády moved further from the ORACLE and §3's reuse fell below 30 %
-(docs/offload.md "Round 5"), so `encoder_blocks` defaults to 0, the decoder-only structure.
+tokens. A search of `spread` and `zipf` for the access locality the paper's ORACLE implies (Figure 11)
+found none that keeps §3's ranges (docs/offload-policy.md "Access locality set from the paper's ORACLE"),
+so these defaults are the sourced ones. Giving the model the paper checkpoints' encoder–decoder structure
+(`encoder_blocks`: the encoder's blocks routed once, at prefill) with these constants unchanged moved Bélády
+further from the ORACLE and §3's reuse below 30 %, so `encoder_blocks` defaults to 0, the decoder-only
+structure (docs/offload-policy.md "The shapes as the encoder–decoder models they are").
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ def _parse_sequence(record: dict, num_blocks: int, num_experts: int) -> Sequence
 @dataclass(frozen=True)
 class TaskRouting:
     """The task-clustered routing model (module docstring). Defaults were set from the paper's workload (the task
-    count) and its §3 statistics (everything else) alone (docs/offload.md "Routing traces"), before any policy was
-    replayed on them."""
+    count) and its §3 statistics (everything else) alone (docs/offload-policy.md "Routing traces"), before any
+    policy was replayed on them."""
 
     num_blocks: int = 24
     num_experts: int = 128
@@ -155,7 +156,7 @@ class TaskRouting:
     seed: int = 0
     # The first `encoder_blocks` blocks are an encoder's: routed once per sequence, at prefill, by the prompt;
     # the rest are the decoder's, routed at every step by the one token it runs (0: decoder-only, every block
-    # every step, the traces of rounds 1-4). docs/offload.md "Round 5".
+    # every step). docs/offload-policy.md "The shapes as the encoder–decoder models they are".
     encoder_blocks: int = 0
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from amoe.errors import EngineDeadError
 from amoe.runtime import build
 from amoe.runtime.comm import communicator
 from amoe.runtime.loop import run_loop
+from amoe.runtime.replicas import AttentionReplicas, ExpertReplicas
 from amoe.runtime.report import RuntimeReporter
 from amoe.runtime.requests import HeadOutput, RankCapacity, RankRequest
 from amoe.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class AepRuntime(RankCapacity):
         self.emulation = build.emulation(self.config, spec.model_dir)
         self.model_config = cfg = build.runtime_model_config(self.emulation, spec.model_dir)
         self.placement = build.placement(self.config, cfg.num_expert_ids)
+        self.expert_map = build.expert_map(self.config, self.placement, cfg)  # the coordinator's, at Welcome
         self.device = build.device(
             self.config, self.id
         )  # current before any CUDA work (the NCCL group's too)
@@ -42,8 +44,8 @@ class AepRuntime(RankCapacity):
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
                 top_k=cfg.experts_per_token, hidden=cfg.hidden_size, scheduler=self.config.scheduler,
                 track_requests=self.role == "attention",
-                time_scale=self.config.executor.time_scale if self.emulation is not None else 1.0,
-                max_requests=self.config.cache.max_num_seqs,
+                time_scale=self.config.emulation.time_scale if self.emulation is not None else 1.0,
+                max_requests=self.config.cache.max_num_seqs, expert_map=self.expert_map,
             ),
             self.comm,
         )  # fmt: skip
@@ -52,12 +54,21 @@ class AepRuntime(RankCapacity):
                 self.config, spec.model_dir, cfg, self.emulation, dev=self.device, runtime=self.id
             )
             executor = self.attention
+            self.replicas = AttentionReplicas(
+                self.id, self.engine, self.expert_map, self.placement.num_runtimes
+            )
         else:
             self.attention = None
-            experts = self.placement.experts_of(self.id)
+            experts, hosted = self.placement.experts_of(self.id), self.expert_map.hosted_by(self.id)
             executor = build.expert_executor(
-                self.config, spec.model_dir, cfg, experts, self.emulation, self.device, runtime=self.id
+                self.config, spec.model_dir, cfg, experts, self.emulation, self.device, runtime=self.id,
+                layers=hosted,
+            )  # fmt: skip
+            load = build.expert_loader(
+                self.config, spec.model_dir, cfg, self.emulation, executor, self.device
             )
+            shape = (cfg.num_blocks, cfg.num_expert_ids)
+            self.replicas = ExpertReplicas(self.id, self.engine, executor, load, hosted, shape)
         self.executor = executor
         self.reporter = RuntimeReporter(self.id, self.engine, executor, self.comm)  # times each layer
         self._stop = threading.Event()
@@ -112,13 +123,38 @@ class AepRuntime(RankCapacity):
         if self.attention is not None:
             self.engine.resend(-1, self.config.transport.timeout_s)
 
+    def place(self, msg: wire.Message) -> None:
+        """A placement command (control thread): joins and drains (amoe.runtime.replicas)."""
+        self.replicas.apply(msg)
+
+    def placement_replies(self) -> list[wire.Message]:
+        return self.replicas.replies()
+
+    @property
+    def placement_busy(self) -> bool:
+        return self.replicas.busy
+
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        return sorted(self.replicas.hosted) if self.attention is None else []
+
     def start(
-        self, endpoints: list[str], generations: list[int], publish: Callable[[HeadOutput], None]
+        self,
+        endpoints: list[str],
+        generations: list[int],
+        publish: Callable[[HeadOutput], None],
+        placement: wire.PlacementState | None = None,
     ) -> None:
-        """Connect (the tensor-plane groups build in the background: see `linked`) and start the loop."""
+        """Connect (the tensor-plane groups build in the background: see `linked`), take on the coordinator's
+        placement, and start the loop."""
         self.comm.connect(endpoints)
         if self.groups is not None:
             self.groups.connect(generations)
+        if placement is not None:
+            if self.attention is not None:
+                self.replicas.settle(placement.replicas)
+            else:
+                self.replicas.settle(tuple(layer) for layer in placement.hosted)
         self.engine.start()
         self._thread = threading.Thread(
             target=self._loop, args=(publish,), name=f"amoe-loop-{self.id}", daemon=True
@@ -127,7 +163,7 @@ class AepRuntime(RankCapacity):
 
     def _loop(self, publish: Callable[[HeadOutput], None]) -> None:
         try:
-            run_loop(self.engine, self.reporter, self._stop, publish)
+            run_loop(self.engine, self.reporter, self._stop, publish, between=self.replicas.between_batches)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread as Failed, then exit
             self.error = exc
 

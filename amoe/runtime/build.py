@@ -9,18 +9,21 @@ runtime's Hello, and never builds any of this.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from amoe import device as devices
 from amoe.config import AmoeConfig
 from amoe.device import Device
+from amoe.expert_map import ExpertMap, expected_load
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.perf.model.links import link_delays as emulated_link_delays
 from amoe.perf.model.links import runtime_nodes
 from amoe.placement import Placement, local_index, node_of, runtimes_on_node
 from amoe.runtime.emulated import Emulation
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
+from amoe.runtime.faults import Faults
 from amoe.runtime.requests import RankRequests
 from amoe.structured import Grammars
 
@@ -28,18 +31,18 @@ logger = logging.getLogger(__name__)
 
 
 def emulation(config: AmoeConfig, model_dir: str | Path | None) -> Emulation | None:
-    """The `Emulation` of the executor section, or None when layers run in torch."""
-    ex = config.executor
-    if ex.kind != "emulated":
+    """The `Emulation` of the emulation section, or None when layers run in torch."""
+    em = config.emulation
+    if config.executor.kind != "emulated":
         return None
     return Emulation(
-        ex, None if ex.profile is not None else load_model_config(model_dir), offload=emulated_offload(config)
+        em, None if em.profile is not None else load_model_config(model_dir), offload=emulated_offload(config)
     )
 
 
 def emulated_offload(config: AmoeConfig):
     """`--offload-budget` on the emulated executor: each emulated device holds that many bytes of routed experts in
-    its memory, the rest wait in host memory (docs/offload.md "Emulated tiers"); None without a budget."""
+    its memory, the rest wait in host memory (docs/offload-policy.md "Emulated tiers"); None without a budget."""
     off = config.offload
     if off.budget is None:
         return None
@@ -57,10 +60,42 @@ def placement(config: AmoeConfig, num_experts: int) -> Placement:
     return Placement.of(config.parallel, num_experts)
 
 
+def expert_map(config: AmoeConfig, place: Placement, cfg: ModelConfig) -> ExpertMap:
+    """The expert map a runtime starts from (docs/rebalancing.md): each expert on its home runtime, plus
+    `--num-redundant-experts` replicas a block placed by the expected load (no load is measured yet). The
+    coordinator's map, which every runtime takes on before it serves, is made of what the expert runtimes built."""
+    homes = ExpertMap.homes(place, cfg.num_blocks)
+    redundant = config.eplb.num_redundant_experts
+    if not redundant or config.parallel.mode != "aep":
+        return homes
+    prior = expected_load(cfg.num_blocks, cfg.num_experts, cfg.num_shared_experts, cfg.top_k)
+    return homes.with_redundant(redundant, prior, place.hosts)
+
+
+def expert_loader(
+    config: AmoeConfig, model_dir, cfg: ModelConfig, em: Emulation | None, executor, dev: Device
+):
+    """How a joining replica's weights load, on the join's own thread (amoe.runtime.replicas): from the
+    checkpoint onto `dev`, or on an emulated GPU after the modelled copy's time."""
+    faults = Faults.from_env()  # tests only (AMOE_FAULTS "join", "joinwedge")
+
+    def load(layers: list[tuple[int, int]]) -> dict:
+        if faults is not None:
+            faults.check_join([e for _, e in layers])
+        if em is not None:
+            time.sleep(executor.join_wall_s(layers))
+            return dict.fromkeys(layers)
+        from amoe.model.layers import build_expert_layer_set
+
+        return build_expert_layer_set(model_dir, cfg, layers, dtype(config, cfg, dev), dev.torch)
+
+    return load
+
+
 def link_delays(config: AmoeConfig, em: Emulation, rank: int) -> tuple[list[float], list[float]]:
     """(latency_s, seconds_per_row) per source runtime for `rank`'s communicator: the emulated GPU's links, with
-    runtimes placed on nodes of `executor.gpus_per_node` (emulated runs only)."""
-    par, ex = config.parallel, config.executor
+    runtimes placed on nodes of `emulation.gpus_per_node` (emulated runs only)."""
+    par, ex = config.parallel, config.emulation
     num_expert = 0 if par.mode == "ep" else par.expert_ranks
     nodes = runtime_nodes(par.mode, par.attn_ranks, num_expert, ex.gpus_per_node)
     return emulated_link_delays(em.gpu, em.profile, nodes, rank, ex.time_scale)
@@ -170,7 +205,7 @@ def attention_executor(
         num_kv_blocks=blocks,
         block_size=config.cache.block_size,
         max_model_len=max_model_len(config, cfg, blocks),
-        skip_prefill=em is not None and config.executor.decode_only,
+        skip_prefill=em is not None and config.emulation.decode_only,
         grammars=Grammars.for_model(model_dir, cfg.vocab_size, cfg.stop_token_ids),
         computes_logits=em is None,
     )
@@ -194,15 +229,18 @@ def expert_executor(
     em: Emulation | None,
     dev: Device = devices.CPU,
     runtime: int = 0,
+    layers: Collection[tuple[int, int]] | None = None,
 ):
-    """The executor of this runtime's experts (every block of each), their weights on `dev`; emulated, on the GPU
-    of runtime `runtime`."""
+    """The executor of this runtime's experts (every block of each, or exactly the (block, expert) `layers` of a
+    live placement), their weights on `dev`; emulated, on the GPU of runtime `runtime`."""
     if em is not None:
         return em.expert_executor(runtime)
-    from amoe.model.layers import build_expert_layers
+    from amoe.model.layers import build_expert_layer_set, build_expert_layers
     from amoe.offload.wiring import Offload
 
     weights_dtype = dtype(config, cfg, dev)
+    if layers is not None and config.eplb.live:  # no offloading here (AmoeConfig refuses the two together)
+        return ExpertExecutor(build_expert_layer_set(model_dir, cfg, layers, weights_dtype, dev.torch), dev)
     # --offload-budget: the routed experts stay on disk behind the store; only the shared ones load here.
     offload = Offload.expert_runtime(config.offload, model_dir, cfg, experts, weights_dtype, dev)
     if offload.store is None:
@@ -221,7 +259,7 @@ def chunk_cost(config: AmoeConfig, devices: int, em: Emulation | None):
     from amoe.perf.model import ep_block
 
     contention = devices / (os.cpu_count() or 1)
-    scale = config.executor.time_scale if em is not None else 1.0
+    scale = config.emulation.time_scale if em is not None else 1.0
     return lambda tokens: ep_block.chunk_host_s(tokens, contention, scale)
 
 
@@ -243,14 +281,14 @@ def ep_pipeline(config: AmoeConfig, place: Placement, cfg: ModelConfig, em: Emul
         from amoe.perf.model.shapes import profile_of
 
         profile = em.profile if em is not None else profile_of(cfg)
-        gpu = gpu_profile(config.executor.gpu)
-        host = host_overhead(config.executor.host_overhead)
+        gpu = gpu_profile(config.emulation.gpu)
+        host = host_overhead(config.emulation.host_overhead)
         # The emulated router is seeded alike in every process: `auto` can price its skew (tokens are uniform).
         q = None
         if em is not None:
             from amoe.perf.model.routing import routing_inclusion
 
-            q = routing_inclusion(profile, config.executor.routing, config.executor.seed)
+            q = routing_inclusion(profile, config.emulation.routing, config.emulation.seed)
         choose_pn = ep_block.pipeline_chooser(
             profile, gpu, len(place.hosts), most, host, chunk_cost(config, len(place.hosts), em), q
         )

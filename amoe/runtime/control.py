@@ -1,5 +1,5 @@
 """The runtime's side of the control plane: a DEALER socket to the coordinator's ROUTER, the commands it carries
-(AddRequest, Abort, Shutdown) applied to the runtime, heartbeats with the runtime stats, and token reports.
+(AddRequest, Abort, Shutdown, Reconnect, the placement's joins and drains) applied to the runtime, heartbeats with the runtime stats, and token reports.
 
 Threads: the worker's main thread owns the control socket (commands in, Hello / Ready / Heartbeat out); the loop
 thread owns a second DEALER that only sends TokenOut after each head step. ZeroMQ sockets are not thread-safe, so
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 _LINK_POLL_S = 0.01  # how often a runtime not yet Ready looks whether its groups are built
+_PLACEMENT_POLL_S = 0.01  # how often a runtime with a join or drain under way looks for its answer
 _LINGER_MS = 1000  # a Failed message sent just before exit must still leave
 
 
@@ -116,9 +117,13 @@ def serve_commands(channel: Channel, runtime: Runtime, ready: wire.Ready | None 
             stats["dropped"] = {**stats.get("dropped", {}), "control": channel.num_dropped}
             channel.send(wire.Heartbeat(runtime.id, wire.flatten_stats(stats)))
             next_beat = now + HEARTBEAT_S
+        for reply in runtime.placement_replies():
+            channel.send(reply)
         wait = next_beat - time.monotonic()
         if ready is not None:
             wait = min(wait, _LINK_POLL_S)  # not Ready yet: soon look again whether the groups are built
+        if runtime.placement_busy:
+            wait = min(wait, _PLACEMENT_POLL_S)  # a join or drain's answer should not wait for the heartbeat
         msg = channel.recv(max(0.0, wait))
         if isinstance(msg, wire.Shutdown):
             logger.debug("runtime %d: shutdown requested", runtime.id)
@@ -139,6 +144,8 @@ def _apply(channel: Channel, runtime: Runtime, msg: wire.Message) -> None:
         if not runtime.abort(msg.request_id):
             # Unknown or already finished: confirm at once so the coordinator stops holding its KV.
             _report_end(channel, runtime, msg.request_id, "abort")
+    elif isinstance(msg, wire.PLACEMENT_COMMANDS):
+        _place(channel, runtime, msg)
     elif isinstance(msg, wire.Reconnect):
         resent = runtime.reconnect(msg.runtime, msg.endpoint, msg.generation)
         logger.info(
@@ -147,6 +154,19 @@ def _apply(channel: Channel, runtime: Runtime, msg: wire.Message) -> None:
     else:
         channel.num_dropped += 1
         logger.warning("runtime %d: unexpected %s dropped", runtime.id, type(msg).__name__)
+
+
+def _place(channel: Channel, runtime: Runtime, msg: wire.Message) -> None:
+    """A join or drain command; one that cannot be carried out is answered PlacementFailed (the coordinator keeps
+    the old map), never raised into the control loop."""
+    try:
+        runtime.place(msg)
+    except EngineDeadError as exc:  # no live placement here: a command for another kind of runtime
+        channel.num_dropped += 1
+        logger.warning("runtime %d: %s dropped: %s", runtime.id, type(msg).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - a bad map must not stop the runtime
+        logger.exception("runtime %d: %s of epoch %d failed", runtime.id, type(msg).__name__, msg.epoch)
+        channel.send(wire.PlacementFailed(runtime.id, msg.epoch, f"{type(exc).__name__}: {exc}"))
 
 
 def _add_request(channel: Channel, runtime: Runtime, msg: wire.AddRequest) -> None:

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ConfigError
 from amoe.model.config import ModelConfig
 from amoe.model.logprobs import HeadSample
 from amoe.perf.model import cost_model, kernels
-from amoe.perf.model.check import check_executor
-from amoe.perf.model.gpus import gpu_profile
+from amoe.perf.model.check import check_emulation
+from amoe.perf.model.gpus import PCIE4_X16, gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.offload_tiers import EmulatedTiers, OffloadSpec, SequenceTracker, build_tiers
@@ -37,7 +37,7 @@ WIRE_HIDDEN = 16
 
 
 class Emulation:
-    """The resolved profiles of one emulated deployment (the config's executor section), and the factory of its
+    """The resolved profiles of one emulated deployment (the config's emulation section), and the factory of its
     compute parts.
 
     With a profile name the runtime's ModelConfig comes from the profile; otherwise from `checkpoint` (a local
@@ -48,34 +48,34 @@ class Emulation:
 
     def __init__(
         self,
-        executor: ExecutorSection,
+        emulation: EmulationSection,
         checkpoint: ModelConfig | None = None,
         *,
         wire_hidden: int | None = WIRE_HIDDEN,
         spin_s: float = 0.0,
         offload: OffloadSpec | None = None,
     ) -> None:
-        if executor.kind != "emulated":
-            raise ConfigError("an emulation needs executor.kind = emulated")
-        if executor.profile is None and checkpoint is None:
+        if emulation.profile is None and checkpoint is None:
             raise ConfigError("emulation needs a model profile name or a checkpoint's ModelConfig")
         if wire_hidden is not None and wire_hidden <= 0:
             raise ConfigError(f"wire_hidden must be positive; got {wire_hidden}")
-        check_executor(executor)
-        self.config = executor
+        check_emulation(emulation)
+        self.config = emulation
         self.spin_s = spin_s
         self.offload = offload  # None: every expert is resident (the default)
-        self.gpu = gpu_profile(executor.gpu)
-        self.expert_gpu = gpu_profile(executor.expert_gpu or executor.gpu)  # what expert layers are timed on
-        self.host = host_overhead(executor.host_overhead)
-        self.variance = StepVariance.parse(executor.step_variance)
-        if executor.profile is not None:
-            self.profile = model_profile(executor.profile, executor.top_k)
+        self.gpu = gpu_profile(emulation.gpu)
+        self.expert_gpu = gpu_profile(
+            emulation.expert_gpu or emulation.gpu
+        )  # what expert layers are timed on
+        self.host = host_overhead(emulation.host_overhead)
+        self.variance = StepVariance.parse(emulation.step_variance)
+        if emulation.profile is not None:
+            self.profile = model_profile(emulation.profile, emulation.top_k)
             runtime_cfg = model_config_of(self.profile)
         else:
             self.profile = profile_of(checkpoint)
-            if executor.top_k is not None:
-                self.profile = dataclasses.replace(self.profile, top_k=executor.top_k)
+            if emulation.top_k is not None:
+                self.profile = dataclasses.replace(self.profile, top_k=emulation.top_k)
             runtime_cfg = checkpoint
         # The runtime sees the cost profile's top-k and the wire width of the placeholder rows.
         self.model_config = dataclasses.replace(
@@ -217,6 +217,25 @@ class EmulatedExpertExecutor:
         self.clock.hold(t, "expert", rows)
         if self.tiers is not None:
             self._step_end = self._step_start + t  # t includes the wait for copies
+
+    def layer_bytes(self, layers) -> int:
+        """The weight bytes of these (block, expert) layers on the emulated GPU."""
+        p = self.em.profile
+        return sum(p.params_of(e) * p.bytes_per_param for _, e in layers)
+
+    def join_wall_s(self, layers) -> float:
+        """Wall seconds a join's weights take to land: host memory to the GPU over PCIe (the checkpoint read
+        counted as cached), stretched by the time scale like every emulated step."""
+        emulated = PCIE4_X16.latency + self.layer_bytes(layers) / PCIE4_X16.usable_bandwidth
+        return emulated * self.em.config.time_scale
+
+    def add(self, layers) -> int:
+        """A join's layers landed (there are no weights to hold): their bytes."""
+        return self.layer_bytes(layers)
+
+    def remove(self, keys) -> int:
+        """A drain's layers freed: their bytes."""
+        return self.layer_bytes(keys)
 
     def stats(self) -> dict:
         """The clock's busy time; with offloading also the tiers' hits, misses, bytes, recall and stall time."""

@@ -47,21 +47,30 @@ class ExpertExecutor:
         # block -> [(GroupedExperts, its experts in stack order)], one per width of the block's hosted experts (a
         # shared expert of another width stays on its own).
         self.grouped: dict[int, list[tuple[GroupedExperts, list[int]]]] = {}
-        sample = next(iter(layers.values()), None)
-        if (
-            offload is None
-            and sample is not None
-            and GroupedExperts.supported(sample.mlp.gate_up.device, sample.mlp.gate_up.dtype)
-        ):
-            self._stack()
+        self._stack(sorted({block for block, _ in layers}))
 
-    def _stack(self) -> None:
+    def _stack(self, blocks: list[int]) -> None:
+        """(Re)build these blocks' grouped stacks from their layers now (the old stacks' memory goes with them)."""
+        sample = next(iter(self.layers.values()), None)
+        if (
+            self.offload is not None
+            or sample is None
+            or not GroupedExperts.supported(sample.mlp.gate_up.device, sample.mlp.gate_up.dtype)
+        ):
+            return
         by_width: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for block, expert in sorted(self.layers):
-            shape = tuple(self.layers[(block, expert)].mlp.gate_up.shape)
-            by_width.setdefault((block, shape), []).append(expert)
+            if block in blocks:
+                shape = tuple(self.layers[(block, expert)].mlp.gate_up.shape)
+                by_width.setdefault((block, shape), []).append(expert)
+        for block in blocks:
+            self.grouped.pop(block, None)
         for (block, _), experts in by_width.items():
-            if len(experts) < 2:
+            if len(experts) < 2:  # alone now: its own copy, so no old stack stays alive through its views
+                mlp = self.layers[(block, experts[0])].mlp
+                if mlp.gate_up._base is not None:
+                    mlp.gate_up, mlp.down = mlp.gate_up.clone(), mlp.down.clone()
+                    mlp.gate, mlp.up = mlp.gate_up.chunk(2, dim=0)
                 continue
             stack = GroupedExperts([self.layers[(block, e)] for e in experts])
             for i, e in enumerate(experts):  # the layers keep views of the stack: the weights are held once
@@ -69,6 +78,20 @@ class ExpertExecutor:
                 mlp.gate_up, mlp.down = stack.gate_up[i], stack.down[i]
                 mlp.gate, mlp.up = mlp.gate_up.chunk(2, dim=0)
             self.grouped.setdefault(block, []).append((stack, experts))
+
+    def add(self, layers: dict[tuple[int, int], ExpertLayer]) -> int:
+        """Joined replicas' layers, on the loop thread between two batches (no batch holds the stacks); their
+        blocks are stacked again with them. Returns their weight bytes."""
+        self.layers.update(layers)
+        self._stack(sorted({block for block, _ in layers}))
+        return sum(_layer_bytes(layer) for layer in layers.values())
+
+    def remove(self, keys: list[tuple[int, int]]) -> int:
+        """Drained replicas' layers go, on the loop thread between two batches; their blocks are stacked again
+        without them, so their weights are freed. Returns the bytes freed."""
+        gone = [self.layers.pop(key) for key in keys if key in self.layers]
+        self._stack(sorted({block for block, _ in keys}))
+        return sum(_layer_bytes(layer) for layer in gone)
 
     @torch.inference_mode()
     def run(self, batch: core.Batch) -> torch.Tensor:
@@ -160,6 +183,10 @@ class ExpertExecutor:
         weights = put(torch.cat([b.weights for b in batches]))
         out = self._run_groups(block, x, weights, [b.index for b in batches], cu)
         return [out[lo:hi] for lo, hi in zip(cu, cu[1:])]
+
+
+def _layer_bytes(layer: ExpertLayer) -> int:
+    return sum(t.numel() * t.element_size() for t in (layer.mlp.gate_up, layer.mlp.down))
 
 
 class AttentionExecutor:

@@ -3,9 +3,11 @@ switch AMOE_FAULTS="stage:token[,stage:token]" makes a runtime fail on purpose f
 `token`. Off (None) unless the variable is set; nothing else reads it.
 
 Stages: `admit` (admission raises), `attend` (an attention batch holding such a request raises), `wedge` (that
-batch never returns: the loop thread is stuck while the control thread goes on, which liveness must notice). And one
-not keyed by a token: `alloc:N`, the N-th payload announced to this runtime on a gloo / nccl plane finds no memory
-(the communicator's inject_alloc_failure: it is received into a discard buffer and dropped).
+batch never returns: the loop thread is stuck while the control thread goes on, which liveness must notice). Two
+keyed by an expert id instead (docs/rebalancing.md): `join:E`, a replica of expert E (any block) fails to load its
+weights; `joinwedge:E`, that load never returns. And one not keyed at all: `alloc:N`, the N-th payload announced to
+this runtime on a gloo / nccl plane finds no memory (the communicator's inject_alloc_failure: it is received into a
+discard buffer and dropped).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 
 from amoe import envs
 
-STAGES = ("admit", "attend", "wedge")
+STAGES = ("admit", "attend", "wedge", "join", "joinwedge")
 
 
 class InjectedFault(RuntimeError):
@@ -40,6 +42,13 @@ class Faults:
     def from_env(cls) -> Faults | None:
         spec = envs.AMOE_FAULTS
         return cls(spec) if spec else None
+
+    def check_join(self, experts: list[int]) -> None:
+        """Fail (or never return from) a replica's weight load as `join` / `joinwedge` say for these experts."""
+        if self.tokens["joinwedge"].intersection(experts):
+            threading.Event().wait()  # forever: a load stuck in the checkpoint read
+        if self.tokens["join"].intersection(experts):
+            raise InjectedFault("injected join fault")
 
     def check(self, stage: str, prompts: list[list[int]]) -> None:
         """Fail as `stage` says if any prompt holds one of its tokens."""

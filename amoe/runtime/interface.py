@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from amoe.model.spec import ModelConfig
 from amoe.runtime.requests import HeadOutput, RankRequest
 from amoe.sampling_params import SamplingParams
+from amoe.wire import Message, PlacementState
 
 
 class DataEndpoints(Protocol):
@@ -48,10 +49,15 @@ class Runtime(Protocol):
         """The longest context it serves."""
 
     def start(
-        self, endpoints: list[str], generations: list[int], publish: Callable[[HeadOutput], None]
+        self,
+        endpoints: list[str],
+        generations: list[int],
+        publish: Callable[[HeadOutput], None],
+        placement: PlacementState | None = None,
     ) -> None:
-        """Connect to the peers (their endpoints and process generations) and start the loop thread, which hands
-        every head step's output to `publish`."""
+        """Connect to the peers (their endpoints and process generations), take on the live `placement` (the
+        coordinator's, when the deployment has one) and start the loop thread, which hands every head step's
+        output to `publish`."""
 
     def linked(self) -> bool:
         """Every peer's tensor-plane link is built: it may say Ready."""
@@ -80,6 +86,22 @@ class Runtime(Protocol):
 
     def resend_overdue(self) -> None:
         """Ask again for expert outputs awaited too long."""
+
+    def place(self, msg: Message) -> None:
+        """A placement command (LoadExperts, DropExperts, SetExpertMap: docs/rebalancing.md); its answers come
+        from `placement_replies`. EngineDeadError where the runtime has no live placement."""
+
+    def placement_replies(self) -> list[Message]:
+        """Answers to placement commands that are ready to go to the coordinator."""
+
+    @property
+    def placement_busy(self) -> bool:
+        """A placement command is under way: the control loop looks for its answer often."""
+
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        """The (block, expert) layers whose weights it holds (an expert runtime of a live placement; else none):
+        its Hello reports them, the coordinator's map is made of them."""
 
     def stats(self) -> dict[str, Any]:
         """The runtime report (docs/CONTRACTS.md "Runtime stats") its heartbeat carries."""

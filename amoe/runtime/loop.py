@@ -25,9 +25,12 @@ def run_loop(
     stop: threading.Event,
     publish: Callable[[HeadOutput], None],
     poll_s: float = 0.05,
+    between: Callable[[], None] = lambda: None,
 ) -> None:
-    """Serve until `stop` is set; next_batch releases the GIL while it waits."""
+    """Serve until `stop` is set; next_batch releases the GIL while it waits. `between` runs before each take:
+    where a live placement's weights land and go (amoe.runtime.replicas), since no batch is running then."""
     while not stop.is_set():
+        between()
         batch = engine.next_batch(poll_s)
         if batch is None:
             continue

@@ -92,8 +92,26 @@ class SyncRuntime(RankCapacity):
         its head within the iteration (or the whole group stops)."""
         return []
 
+    def place(self, msg: wire.Message) -> None:
+        raise EngineDeadError("a synchronous group has no live placement (docs/rebalancing.md)")
+
+    def placement_replies(self) -> list[wire.Message]:
+        return []
+
+    @property
+    def placement_busy(self) -> bool:
+        return False
+
+    @property
+    def hosted_layers(self) -> list[tuple[int, int]]:
+        return []  # a synchronous group's experts never move
+
     def start(
-        self, endpoints: list[str], generations: list[int], publish: Callable[[HeadOutput], None]
+        self,
+        endpoints: list[str],
+        generations: list[int],
+        publish: Callable[[HeadOutput], None],
+        placement: wire.PlacementState | None = None,
     ) -> None:
         self.comm.connect(endpoints)
         if self.groups is not None:

@@ -55,7 +55,8 @@ def run(spec: wire.WorkerSpec) -> int:
         control.send(_hello(spec, runtime))
         welcome = control.wait_for(wire.Welcome, spec.startup_timeout_s)
         generations = welcome.generations or [0] * len(welcome.endpoints)
-        runtime.start(welcome.endpoints, generations, token_publisher(outputs, spec.runtime))
+        publish = token_publisher(outputs, spec.runtime)
+        runtime.start(welcome.endpoints, generations, publish, placement=welcome.placement)
         logger.debug("runtime %d: %s runtime started", spec.runtime, spec.role)
         serve_commands(control, runtime, ready=wire.Ready(spec.runtime))
         return 0
@@ -84,7 +85,20 @@ def _hello(spec: wire.WorkerSpec, runtime: Runtime) -> wire.Hello:
         vocab_size=runtime.model_config.vocab_size,
         secure_endpoint=runtime.comm.secure_endpoint or None,
         generation=spec.generation,
+        **_model_shape(runtime),
     )
+
+
+def _model_shape(runtime: Runtime) -> dict:
+    """The expert grid and, on an expert runtime of a live placement, the layers it loaded (docs/rebalancing.md)."""
+    cfg = runtime.model_config
+    groups = cfg.router.num_groups if cfg.num_shared_experts == 0 else 1  # a shared expert is in no group
+    return {
+        "num_blocks": cfg.num_blocks,
+        "num_expert_ids": cfg.num_expert_ids,
+        "expert_groups": groups,
+        "hosted": [list(layer) for layer in runtime.hosted_layers],
+    }
 
 
 def main() -> int:

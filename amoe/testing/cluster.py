@@ -34,6 +34,10 @@ class ServedCluster:
     def _call(self, coro: Coroutine, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run `coro` on the cluster's event loop (where the backend lives) and return its result."""
+        return self._call(coro, timeout)
+
     def start(self) -> ServedCluster:
         self._thread.start()
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from amoe import core
+from amoe import device as devices
 from amoe.config import SchedulerSection
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import load_model_config
@@ -72,6 +73,8 @@ class InProcessCluster:
         if (model_dir is None) == (emulation is None):
             raise ConfigError("give a checkpoint directory (torch executors) or an emulation, not both")
         cfg = emulation.model_config if emulation is not None else load_model_config(model_dir)
+        # None: auto, as every engine picks it (float32 on the CPU, whatever the checkpoint stores).
+        dtype = dtype or devices.model_dtype("auto", cfg.dtype, devices.CPU)
         if num_kv_blocks is None:
             num_kv_blocks = emulation.num_kv_blocks(block_size) if emulation is not None else 256
         self.model_config = cfg

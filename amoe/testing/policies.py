@@ -35,26 +35,14 @@ def flfs(depths: list[list[int]]) -> tuple[int, int] | None:
     return None
 
 
-def wave(depths: list[list[int]], pending: list[int] | None = None) -> tuple[int, int] | None:
-    """Blocks whole, compared by their total rows; a block with rows still out (pending[b] > 0) waits for them.
-    Of the ready blocks the fullest, and its deepest queue; None when nothing is waiting or nothing is ready (a
-    hold: the C++ scheduler's `holding`)."""
-    pending = pending or [0] * len(depths)
-    totals = [sum(row) if pending[b] == 0 else 0 for b, row in enumerate(depths)]
-    if max(totals) == 0:
-        return None
-    b = totals.index(max(totals))
-    row = depths[b]
-    return b, max(range(len(row)), key=lambda c: (row[c], -c))
-
-
 class Waves:
-    """The `waves` rule (docs/engine.md "The waves rule") as the C++ scheduler keeps it, with its state: the grid's
-    rows and parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that
-    cell is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
-    otherwise (an expert runtime) the oldest non-empty block is run — with `set_rank_barrier`, the oldest block no
-    attention rank is on its way to (items 9-10: `arrived` / `served` notes, `now` in seconds); with
-    `set_wave_groups` too, the oldest (block, group) cell none of its group's waves is on its way to (item 13)."""
+    """The `waves` rule (docs/scheduler.md) as the C++ scheduler keeps it, with its state: the grid's rows and
+    parts out (`add`, `add_pending`), each wave's position (the block it was picked at, one on once that cell
+    is drained empty) and the readiness stamps. `wave_cols`: the columns are an attention runtime's waves;
+    otherwise (an expert runtime) the oldest non-empty block is run — with `set_rank_barrier`, the oldest
+    block no attention rank is on its way to (the straggler wait and the meeting block: `arrived` / `served`
+    notes, `now` in seconds); with `set_wave_groups` too, the oldest (block, group) cell none of its group's
+    waves is on its way to (group cells)."""
 
     def __init__(self, num_blocks: int, num_cols: int, wave_cols: bool) -> None:
         self.num_blocks, self.num_cols, self.wave_cols = num_blocks, num_cols, wave_cols
@@ -66,18 +54,18 @@ class Waves:
         self.next_stamp = 0
         self.holding = False
         self.num_ranks, self.max_hold_s, self.now = 0, 0.0, 0.0
-        self.groups = 0  # item 13's wave groups (set_wave_groups)
+        self.groups = 0  # group cells' wave groups (set_wave_groups)
         self.release_at = float("inf")
 
     def set_rank_barrier(self, num_ranks: int, max_hold_s: float, meet_span: int = 1) -> None:
         self.num_ranks, self.max_hold_s = num_ranks, max_hold_s
-        self.meet_span = min(meet_span, max(1, self.num_blocks - 1))  # block 0 looks this far back (item 10)
+        self.meet_span = min(meet_span, max(1, self.num_blocks - 1))  # the meeting block's span
         self.groups, self.num_waves, self.group_waves, self.per_group = 0, 1, 1, 0
         self._notes(num_ranks)
 
     def set_wave_groups(self, num_waves: int, group_waves: int, cols_per_group: int) -> None:
-        """Item 13: notes per (rank, wave); the columns are groups of `cols_per_group`; a pick is a (block, group)
-        cell waiting for its group's waves on their way (block 0: served anywhere before it)."""
+        """Group cells: notes per (rank, wave); the columns are groups of `cols_per_group`; a pick is a (block,
+        group) cell waiting for its group's waves on their way (block 0: served anywhere before it)."""
         self.num_waves, self.group_waves, self.per_group = num_waves, group_waves, cols_per_group
         self.groups = -(-num_waves // group_waves)
         self.cell_stamp = [[None] * self.groups for _ in range(self.num_blocks)]
@@ -206,11 +194,8 @@ class Waves:
         return b, w
 
 
-def pick(
-    policy: str, depths: list[list[int]], lookahead: int, decay: float, pending: list[int] | None = None
-) -> tuple[int, int] | None:
-    if policy == "wave":
-        return wave(depths, pending)
+def pick(policy: str, depths: list[list[int]], lookahead: int, decay: float) -> tuple[int, int] | None:
+    """The stateless policies' pick (`waves` keeps state: the Waves class)."""
     if policy == "defrag":
         return defrag(depths, lookahead, decay)
     if policy == "mtfs":

@@ -1,21 +1,26 @@
-"""`amoe serve` as a child process, for tests, benchmarks and studies: started with `--port 0`, its URL parsed from
-the log line, stopped with a signal (SIGINT: the server drains and stops its runtimes), killed if it does not exit.
+"""`amoe serve` as a child process, for tests, benchmarks and studies: started from a config (written to a file it
+reads, `amoe serve --config FILE`, on port 0), its URL parsed from the log line, stopped with a signal (SIGINT: the
+server drains and stops its runtimes), killed if it does not exit.
 
-`with ServerProcess(flags) as url:` serves for the block; `start()`, `wait_for_url()` and `stop()` do the same by
+`with ServerProcess(config) as url:` serves for the block; `start()`, `wait_for_url()` and `stop()` do the same by
 hand, for a test that signals or waits on the process itself."""
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+from amoe.config import AmoeConfig, command_flags
 from amoe.errors import AmoeError
 
 logger = logging.getLogger(__name__)
@@ -26,19 +31,19 @@ _WARNING = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")
 
 
 class ServerProcess:
-    """One `amoe serve --port 0 FLAGS`; `env` adds environment variables, `new_session` puts it (and the runtimes
-    it starts) in a process group of its own, which `kill` ends whole."""
+    """One `amoe serve` of `config` on port 0; `env` adds environment variables, `new_session` puts it (and the
+    runtimes it starts) in a process group of its own, which `kill` ends whole."""
 
     def __init__(
         self,
-        flags: list[str],
+        config: AmoeConfig,
         startup_timeout_s: float = 180.0,
         env: dict[str, str] | None = None,
         *,
         new_session: bool = False,
         cwd: str | None = None,
     ) -> None:
-        self.flags = list(flags)
+        self.config = config.replace(server={"port": 0})
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}  # extra environment variables
         self.new_session = new_session
@@ -51,6 +56,7 @@ class ServerProcess:
         self.num_warnings = 0
         self.url: str | None = None
         self._listening = threading.Event()
+        self._config_dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def lines(self) -> list[str]:
@@ -59,8 +65,14 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Start the process (and the thread that reads its log); returns at once."""
-        cmd = [sys.executable, "-m", "amoe", "serve", "--port", "0", *self.flags]
-        logger.info("[server] starting: amoe serve %s", " ".join(self.flags))
+        # What differs from the defaults: the server's own defaults (AMOE_DEVICE, say) stay its environment's.
+        self._config_dir = tempfile.TemporaryDirectory(prefix="amoe-serve-")
+        path = Path(self._config_dir.name) / "config.json"
+        path.write_text(json.dumps(self.config.changes(), indent=1))
+        cmd = [sys.executable, "-m", "amoe", "serve", "--config", str(path)]
+        logger.info(
+            "[server] starting amoe serve --config %s: %s", path, " ".join(command_flags(self.config))
+        )
         env = {**os.environ, "AMOE_LOG_LEVEL": os.environ.get("AMOE_LOG_LEVEL", "INFO"), **self.env}
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
@@ -108,13 +120,18 @@ class ServerProcess:
         """Send `sig` (the server drains), wait up to `timeout_s`, kill it if it is still there; its exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("[server] amoe serve (pid %d) did not stop; killing it", self.proc.pid)
-                self.kill()
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("[server] amoe serve (pid %d) did not stop; killing it", self.proc.pid)
+                    self.kill()
+        finally:
+            if self._config_dir is not None:
+                self._config_dir.cleanup()
+                self._config_dir = None
         return self.proc.returncode
 
     def kill(self) -> None:

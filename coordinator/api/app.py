@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from amoe import __version__
 from amoe.config import ServerSection
 from amoe.errors import AmoeError
+from coordinator.api.admin import add_admin_routes
 from coordinator.api.auth import ApiKeyMiddleware, authorized
 from coordinator.api.body_limit import BodyLimitMiddleware
 from coordinator.api.logprobs import TokenTexts
@@ -43,6 +44,7 @@ from coordinator.api.protocol import (
     TokenizeResponse,
 )
 from coordinator.api.responses import Responder, event
+from coordinator.api.tools import check_tools, conversation
 from coordinator.api.validation import (
     ApiTokenizer,
     ModelInfo,
@@ -61,7 +63,7 @@ from coordinator.requests.serving import RequestRunner, end_all
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 500, 503, 504)
 }
 
 
@@ -121,6 +123,7 @@ def create_app(
     _add_info_routes(app, served)
     _add_generation_routes(app, served)
     _add_tokenizer_routes(app, served)
+    add_admin_routes(app, backend)
     return app
 
 
@@ -208,11 +211,14 @@ def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
         if isinstance(body, TokenizeCompletionRequest):
             check_text(body.prompt, "prompt")
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = conversation(body.messages)
         for m in messages:
             check_text(m["content"], "messages")
+        tools = {} if body.tools is None else {"tools": check_tools(body.tools)}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, **tools
+            )
         except Exception as exc:  # a checkpoint's template may reject e.g. a system message
             raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

@@ -130,6 +130,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant's calls ({"id", "type", "function": {"name", "arguments"}}) and a tool result's call id; kept as
+    # sent, checked and handed to the chat template by coordinator/api/tools.py.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -140,6 +144,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
+    # Tool calling (coordinator/api/tools.py): the tools are kept as sent, so the chat template renders exactly
+    # what transformers' apply_chat_template(..., tools=...) renders for them.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = (
+        None  # none | auto | required | {"type": "function", "function": {"name"}}
+    )
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: of the rendered conversation's tokens
@@ -198,9 +209,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is tool calls alone, as OpenAI sends it
+    tool_calls: list[MessageToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class TopLogprob(BaseModel):
@@ -236,9 +259,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = _ONLY_WHEN_ASKED  # vLLM's
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A stream's piece of tool call `index`: its id, type and name come once, first; its arguments in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -281,6 +319,7 @@ class TokenizeChatRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     messages: list[ChatMessage]
+    tools: list[dict] | None = None  # rendered by the chat template, as in a chat completion
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool | None = False

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from amoe.logprobs import Logprobs
 from coordinator.api.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -24,11 +25,13 @@ from coordinator.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
     Usage,
 )
+from coordinator.api.tool_messages import StreamedMessages, whole_message
 from coordinator.requests.lifetime import RequestLifetime
 from coordinator.requests.prepared import PreparedRequest
 from coordinator.requests.request_state import RequestState
@@ -73,15 +76,15 @@ class Responder:
         (states,) = await self._finals(lifetimes)
         req, texts = lifetimes[0].req, self.texts
         params = req.sampling_params
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=state.text),
-                logprobs=chat_logprobs(texts, state.logprobs) if params.logprobs is not None else None,
-                finish_reason=state.finish_reason,
-            )  # fmt: skip
-            for i, state in enumerate(_chosen(states, params.n))
-        ]
+        choices = []
+        for i, state in enumerate(_chosen(states, params.n)):
+            message, finish_reason = AssistantMessage(content=state.text), state.finish_reason
+            if req.tool_plan is not None:
+                message, finish_reason = whole_message(req.tool_plan, state.text, finish_reason)
+            logprobs = chat_logprobs(texts, state.logprobs) if params.logprobs is not None else None
+            choices.append(
+                ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason)
+            )
         prompt_lp = None
         if params.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
             prompt_lp = prompt_logprobs(texts, req.prompt_token_ids, states[0].prompt_logprobs)
@@ -162,21 +165,28 @@ class Responder:
         for index in range(req.sampling_params.n):  # OpenAI opens every choice of a chat stream with the role
             yield chunk(DeltaMessage(role="assistant", content=""), index)
         states: dict[int, RequestState] = {}
+        deltas = StreamedMessages(req.tool_plan)
         async for _, out in self.runner.run_all(lifetimes):
             states[out.index] = out.state
-            # Its tokens' log-probabilities go with its text, or with its end when it has none.
-            logprobs = chat_logprobs(self.texts, out.logprobs) if asked and len(out.logprobs) else None
-            if out.text:
-                yield chunk(DeltaMessage(content=out.text), out.index, logprobs=logprobs)
-                logprobs = None
+            # Tokens' log-probabilities go with the delta that sends their text, or with the choice's end.
+            delta, logprobs = deltas.feed(out.index, out.text, out.logprobs if asked else None)
+            if delta is not None:
+                yield chunk(delta, out.index, logprobs=self._chat_logprobs(logprobs))
             if out.is_finished:
-                yield chunk(DeltaMessage(), out.index, out.finish_reason, logprobs)
+                delta, finish_reason, logprobs = deltas.finish(out.index, out.finish_reason)
+                if delta is not None:
+                    yield chunk(delta, out.index, logprobs=self._chat_logprobs(logprobs))
+                    logprobs = None
+                yield chunk(DeltaMessage(), out.index, finish_reason, self._chat_logprobs(logprobs))
         if include_usage and states:
             final = ChatCompletionChunk(
                 id=req.response_id, created=created, model=self.model, choices=[],
                 usage=_usage([list(states.values())]),
             )  # fmt: skip
             yield event(final.model_dump())
+
+    def _chat_logprobs(self, logprobs: Logprobs | None) -> ChatLogprobs | None:
+        return chat_logprobs(self.texts, logprobs) if logprobs is not None and len(logprobs) else None
 
 
 def _choice_index(req: PreparedRequest, i: int) -> int:

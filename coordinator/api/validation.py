@@ -10,9 +10,11 @@ from typing import Any, Protocol
 from amoe.errors import RequestError
 from amoe.logprobs import MAX_LOGPROBS
 from amoe.sampling_params import SamplingParams
+from amoe.structured import compile_grammar
 from coordinator.api.openai_errors import ApiError, bad_request
-from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from coordinator.api.sampling_options import sampling_options
+from coordinator.api.tools import ToolServing, chat_tools, conversation
 from coordinator.requests.prepared import PreparedRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
@@ -32,7 +34,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "tools": (None, []),
+    "tools": (None, []),  # completions' (chat serves tools: coordinator/api/tools.py)
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -55,7 +57,9 @@ class ApiTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -70,6 +74,10 @@ class ModelInfo:
     grammars: Any = None  # amoe.structured.Grammars of the served tokenizer (None: no structured output)
     # --generation-config's defaults (amoe.generation_config): what a request leaves unset; max_tokens also caps
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    tools: ToolServing = ToolServing()  # the server's tool-call parser and whether `auto` may use it
+    eos_token_ids: frozenset[int] = (
+        frozenset()
+    )  # the model's: sampling one ends a request (unless ignore_eos)
 
 
 def prepare_completions(
@@ -119,17 +127,52 @@ def prepare_chat(
     _check_common(req, model)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    for m in messages:
-        check_text(m["content"], "messages")
-    try:
-        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-    except Exception as exc:  # a checkpoint's template may reject e.g. a system message
-        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+    tools = chat_tools(req, model.tools)
+    prompt_ids = encode_conversation(tokenizer, req.messages, tools.template_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     options = _options(req, tokenizer, model, _chat_logprobs(req))
-    return _prepare(req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, options, param)
+    if tools.schema is not None:
+        if "grammar" in options:
+            raise bad_request(
+                "You can only either use constraints for structured outputs or tools, not both.",
+                "tool_choice",
+            )
+        options["grammar"] = _tool_grammar(tools.schema, model)
+    if tools.keep_special_tokens and req.skip_special_tokens is None:
+        options["skip_special_tokens"] = False  # the parser reads its markers in the text
+    return _prepare(
+        req, request_id, "chatcmpl", prompt_ids, max_tokens, None, model, options, param, tool_plan=tools.plan
+    )
+
+
+def encode_conversation(
+    tokenizer: ApiTokenizer,
+    messages: list[ChatMessage],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The conversation's prompt ids, rendered by the model's chat template (with `tools` when given)."""
+    conv = conversation(messages)
+    for m in conv:
+        check_text(m["content"], "messages")
+    extra = {} if tools is None else {"tools": tools}
+    try:
+        return tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, **extra)
+    except Exception as exc:  # a checkpoint's template may reject e.g. a system message
+        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+
+
+def _tool_grammar(schema: dict, model: ModelInfo) -> str:
+    """The grammar forcing a tool choice's JSON (a tool's bad schema is the client's 400, naming `tools`)."""
+    try:
+        grammar = compile_grammar(json_schema=schema, param="tools")
+        if model.grammars is None:
+            raise RequestError("structured output is unavailable for this model", "tool_choice")
+        model.grammars.check(grammar, "tools")
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return grammar
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> tuple[int | None, int | None]:
@@ -261,15 +304,25 @@ def _prepare(
     elif cap is not None:
         max_tokens = min(max_tokens, cap)
     stop = _stop_strings(req.stop)
+    params = _sampling_params(req, max_tokens, stop, model, options)
     return PreparedRequest(
         request_id=request_id,
         response_id=response_id or f"{kind}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling_params=_sampling_params(req, max_tokens, stop, model, options),
+        sampling_params=params,
         stop=stop,
+        end_token_ids=_end_token_ids(params, model),
         **extra,
     )
+
+
+def _end_token_ids(params: SamplingParams, model: ModelInfo) -> frozenset[int]:
+    """The tokens that end the request when sampled: as in vLLM, the one that does is not part of the text (even
+    with skip_special_tokens false) unless include_stop_str_in_output asks for it."""
+    if params.include_stop_str_in_output:
+        return frozenset()
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else model.eos_token_ids)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -35,19 +35,27 @@ from typing import Any
 from amoe import wire
 from amoe.config import AmoeConfig
 from amoe.errors import AmoeError
-from amoe.placement import runtime_roles
+from amoe.placement import node_map, runtime_roles
 from coordinator.cluster.agent_launcher import AgentLauncher
 from coordinator.cluster.control_plane import ControlPlane
-from coordinator.cluster.health import RuntimeWatch
+from coordinator.cluster.health import WATCH_S, RuntimeWatch
 from coordinator.cluster.launcher import Launcher
 from coordinator.cluster.local_launcher import LocalLauncher
 from coordinator.cluster.ray_launcher import RayLauncher
+from coordinator.cluster.rebalance import Rebalancer
 from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
 
 logger = logging.getLogger(__name__)
 
 # Runtime messages only a runtime may send; the coordinator's own commands coming back are forged.
-_COMMANDS = (wire.Welcome, wire.AddRequest, wire.Abort, wire.Shutdown, wire.Reconnect)
+_COMMANDS = (
+    wire.Welcome,
+    wire.AddRequest,
+    wire.Abort,
+    wire.Shutdown,
+    wire.Reconnect,
+    *wire.PLACEMENT_COMMANDS,
+)
 
 
 class ClusterManager:
@@ -80,6 +88,11 @@ class ClusterManager:
             heartbeat_timeout_s=max(config.transport.timeout_s, 5.0),
         )  # fmt: skip
         self._tasks: list[asyncio.Task] = []
+        # The live expert map (docs/rebalancing.md): aep's experts are queues a replica can join.
+        self.placement = (
+            Rebalancer(config, self.runtimes, self.send, node_map(config.dist, len(self.roles)))
+            if live_placement(config) else None
+        )  # fmt: skip
 
     @property
     def attn_runtimes(self) -> list[RuntimeProc]:
@@ -116,6 +129,8 @@ class ClusterManager:
                 self.config, self.model_dir, self.plane, len(self.roles), self._startup_timeout_s
             )
             self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.watch.run())]
+            if self.placement is not None:
+                self._tasks.append(asyncio.ensure_future(self._follow_placement()))
             if self.launch.secure:
                 self._tasks.append(asyncio.ensure_future(self.plane.watch_handshakes()))
             await self.launch.open(self.roles)
@@ -168,10 +183,17 @@ class ClusterManager:
             self.send(r.id, msg)
 
     def _welcome(self, viewer: int) -> wire.Welcome:
-        """The peer table of runtime `viewer`: how it reaches every runtime."""
+        """The peer table of runtime `viewer`: how it reaches every runtime; and the placement it starts from."""
+        placement = self.placement.welcome(self.runtimes[viewer]) if self.placement is not None else None
         return wire.Welcome(
-            [self._reach(viewer, r) for r in self.runtimes], [r.generation for r in self.runtimes]
+            [self._reach(viewer, r) for r in self.runtimes], [r.generation for r in self.runtimes], placement
         )
+
+    async def _follow_placement(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            if self.watch.started and not self.watch.stopping and self.failure is None:
+                self.placement.tick()
 
     def _reach(self, viewer: int, peer: RuntimeProc) -> str:
         """How runtime `viewer` reaches `peer`: its ipc endpoint on the same host, its CURVE one (multi-node)
@@ -241,6 +263,10 @@ class ClusterManager:
                 self.watch.rejoined(runtime)
         elif isinstance(msg, wire.Failed):
             self.watch.lost(runtime, f"{runtime.name} failed: {msg.error}")
+        elif isinstance(msg, wire.PLACEMENT_REPLIES) and not (
+            self.placement is not None and self.placement.on_message(runtime, msg)
+        ):
+            self.drop(f"{runtime.name}'s {type(msg).__name__} of epoch {msg.epoch} answers nothing asked")
 
     def _hello(self, runtime: RuntimeProc, msg: wire.Hello) -> None:
         runtime.endpoint, runtime.num_kv_blocks, runtime.kv_free = (
@@ -253,6 +279,8 @@ class ClusterManager:
             msg.generation
         )  # what its frames carry; the spawned one when its launcher passed it on
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
+        if self.placement is not None:
+            self.placement.on_hello(runtime, msg)
         if runtime.lost is None:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
             logger.info(
@@ -272,6 +300,8 @@ class ClusterManager:
         runtime.stats = stats
         if runtime.role == "attention":
             runtime.kv_free = max(0, runtime.num_kv_blocks - stats.get("kv_used_blocks", 0))
+        if self.placement is not None:
+            self.placement.on_report(runtime, stats)
         polls = stats.get("polls", 0)
         if polls != runtime.polls:
             runtime.polls, runtime.progressed = polls, time.monotonic()
@@ -329,6 +359,12 @@ def open_launcher(
     if config.dist.backend == "ray":
         return RayLauncher(config, model_dir, plane, num_runtimes, startup_timeout_s)
     return AgentLauncher(config, model_dir, plane, num_runtimes, startup_timeout_s)
+
+
+def live_placement(config: AmoeConfig) -> bool:
+    """Whether the expert map can change while serving (docs/rebalancing.md): aep's experts are queues a replica
+    can join; an offloading expert store owns its residency itself."""
+    return config.parallel.mode == "aep" and config.offload.budget is None
 
 
 def heals(config: AmoeConfig) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from amoe.errors import RequestError
 from amoe.logprobs import Logprobs
 from amoe.sampling_params import SamplingParams
 
@@ -72,6 +73,15 @@ class Backend(abc.ABC):
         Unknown or finished ids are ignored: the coordinator calls it directly whenever a request ends early
         (coordinator/requests/lifetime.py), whether or not its stream was closed too.
         """
+
+    def placement(self) -> dict[str, Any] | None:
+        """The live expert map (docs/rebalancing.md) for /admin/placement; None where experts never move."""
+        return None
+
+    async def rebalance(self, replicas: list | None = None, wait: bool = False) -> dict[str, Any]:
+        """Start a rebalance — to `replicas` (per block, per expert, its runtimes) or to EPLB's map for the measured
+        load — and, with `wait`, return once it has ended. RequestError where experts never move."""
+        raise RequestError("this deployment's experts never move: a live placement serves --parallel aep")
 
     def abort_sequence(self, request_id: int, index: int) -> None:
         """Stop one sequence of a request (n > 1; a stop string ended it); the others go on. A backend that

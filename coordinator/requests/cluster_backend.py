@@ -36,7 +36,8 @@ import msgspec
 
 from amoe import wire
 from amoe.config import AmoeConfig
-from amoe.errors import EngineDeadError, RequestError, RequestFailed
+from amoe.errors import ConfigError, EngineDeadError, RequestError, RequestFailed
+from amoe.expert_map import ExpertMap
 from amoe.request_rules import SeedSource, sequence_seed
 from amoe.sampling_params import SamplingParams
 from coordinator.cluster.manager import ClusterManager
@@ -404,10 +405,10 @@ class ClusterBackend(Backend):
         report: dict[str, Any] = {"status": self.status, "mode": self.config.parallel.mode}
         if self.status == "degraded":
             report["reason"] = "; ".join(f"replacing {r.name}: {r.lost}" for r in self.cluster.replacing)
-        ex = self.config.executor
-        if ex.kind == "emulated":  # so a benchmark can turn wall time into emulated time (÷ time_scale)
+        ex = self.config.emulation
+        if self.config.executor.kind == "emulated":  # so a benchmark can turn wall time into emulated time
             report["executor"] = {
-                "kind": ex.kind,
+                "kind": "emulated",
                 "gpu": ex.gpu,
                 "profile": ex.profile,
                 "time_scale": ex.time_scale,
@@ -421,6 +422,37 @@ class ClusterBackend(Backend):
             for rank, r in enumerate(self.cluster.attn_runtimes)
         ]
         return report
+
+    def placement(self) -> dict[str, Any] | None:
+        rebalancer = self.cluster.placement
+        return None if rebalancer is None else rebalancer.report()
+
+    def placement_metrics(self) -> dict[str, Any] | None:
+        """What /metrics exports of the live placement (coordinator/metrics.py)."""
+        rebalancer = self.cluster.placement
+        if rebalancer is None or rebalancer.map is None:
+            return None
+        return {
+            "epoch": rebalancer.epoch,
+            "counters": rebalancer.counters,
+            "replicas": rebalancer.map.counts(),
+            "balancedness": rebalancer.balancedness(),
+        }
+
+    async def rebalance(self, replicas: list | None = None, wait: bool = False) -> dict[str, Any]:
+        rebalancer = self.cluster.placement
+        if rebalancer is None:
+            return await super().rebalance(replicas, wait)
+        self._check_alive()
+        try:  # RebalanceBusy (another under way, a runtime being replaced) goes to the caller as it is
+            target = await rebalancer.planned() if replicas is None else ExpertMap.of(replicas)
+            epoch = rebalancer.start(target, "admin")
+        except ConfigError as exc:  # a map this cluster cannot serve
+            raise RequestError(str(exc), "replicas") from None
+        outcome = "started" if rebalancer.move is not None and rebalancer.move.epoch == epoch else "unchanged"
+        if wait and outcome == "started":
+            outcome = await rebalancer.wait(epoch)
+        return {"epoch": epoch, "outcome": outcome, **rebalancer.report()}
 
     def runtime_stats(self) -> list[dict]:
         """The latest report of each live runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from amoe.sampling_params import SamplingParams
+from amoe.tool_calls.output import ToolCallPlan
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,5 @@ class PreparedRequest:
     echo: bool = False  # completions: the prompt (text, and tokens in logprobs) leads the choice
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its one generated token is not shown)
     prompt_text: str = ""  # what echo shows: the prompt as given, or its token ids decoded
+    tool_plan: ToolCallPlan | None = None  # chat: how the output becomes tool calls (None: it is content)
+    end_token_ids: frozenset[int] = frozenset()  # a last token among these ended it: its text is not shown

@@ -48,8 +48,10 @@ class RequestState:
         num_prompt_tokens: int,
         include_stop_str: bool = False,
         index: int = 0,
+        end_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._detokenizer = detokenizer
+        self._end_token_ids = end_token_ids  # a token that ends the output (eos, stop_token_ids): not text
         self._stops = StopMatcher(stop)
         self._include_stop_str = (
             include_stop_str  # vLLM's include_stop_str_in_output: cut after it, not before
@@ -90,7 +92,10 @@ class RequestState:
             self._logprobs.append(logprobs)
             self._unsent_logprobs.append(logprobs)
         self.num_output_tokens += len(token_ids)
-        new = "".join(self._detokenizer.add(t) for t in token_ids)
+        shown = token_ids
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self._end_token_ids:
+            shown = token_ids[:-1]  # vLLM's: the token that stopped the output is not detokenized
+        new = "".join(self._detokenizer.add(t) for t in shown)
         if finish_reason is not None:
             new += self._detokenizer.flush()  # an incomplete last character comes out as U+FFFD
         cut = self._stops.feed(new)  # linear in the output: only the new text is scanned

@@ -109,6 +109,7 @@ class RequestRunner:
                 len(prompt),
                 params.include_stop_str_in_output,
                 index,
+                req.end_token_ids,
             )  # fmt: skip
             for index in range(params.num_sequences)
         ]

@@ -204,6 +204,36 @@ def experts(lay: Layout) -> None:
     ), w=8)  # fmt: skip
 
 
+def placement(lay: Layout) -> None:
+    lay.row("Placement (redundant experts, rebalancing)")
+    lay.add(panel("timeseries", "Balancedness per block", [
+        ("amoe_placement_balancedness_ratio", "block {{block}}"),
+        ("avg(amoe_placement_balancedness_ratio)", "mean"),
+    ], unit="percentunit", desc="vLLM's balancedness: mean / max expert-runtime load over the last window_size steps "
+                                "(1 = even); rebalancing raises it"), w=8)  # fmt: skip
+    lay.add(panel("timeseries", "Rebalances", [
+        (f"sum by (outcome) (increase(amoe_placement_rebalances_total[{RATE}]))", "{{outcome}}"),
+        ("max(amoe_placement_epoch)", "map epoch"),
+    ], desc="Started, completed, failed (the old map served on), unchanged (already the best map)"), w=8)  # fmt: skip
+    lay.add(panel("timeseries", "Weights moved", [
+        (f"sum(rate(amoe_placement_moved_bytes_total[{RATE}]))", "loaded by joins"),
+        (f"sum(rate(amoe_placement_freed_bytes_total[{RATE}]))", "freed by drains"),
+    ], unit="Bps", desc="Expert weight bytes per second that joins loaded and drains freed"), w=8)  # fmt: skip
+    lay.add(panel("timeseries", "Joins and drains", [
+        (f"sum(increase(amoe_placement_joined_layers_total[{RATE}]))", "replicas joined"),
+        (f"sum(increase(amoe_placement_drained_layers_total[{RATE}]))", "replicas drained"),
+    ], desc="(block, expert) replicas whose weights landed / whose rows were all answered and weights freed"),
+            w=8)  # fmt: skip
+    lay.add(heatmap(
+        "Replicas, block x expert", "sum by (block, expert) (amoe_placement_replicas)", "b{{block}} e{{expert}}",
+        "Replicas of each (block, expert) in the live expert map",
+    ), w=8)  # fmt: skip
+    lay.add(panel("timeseries", "Rows served by each replica (top 10)", [
+        (f'topk(10, sum by (runtime, block, expert) (rate(amoe_runtime_executed_rows_total{{expert!="",{RT}}}'
+         f"[{RATE}])))", "rt {{runtime}} b{{block}} e{{expert}}"),
+    ], desc="A replica is a (runtime, block, expert) queue: the rows each executed per second"), w=8)  # fmt: skip
+
+
 def transfers(lay: Layout) -> None:
     lay.row("Transfers")
     lay.add(panel("timeseries", "Bytes per second", [
@@ -249,14 +279,14 @@ def healing(lay: Layout) -> None:
 def build() -> dict[str, Any]:
     """The dashboard as a dict (Grafana's JSON model)."""
     lay = Layout()
-    for section in (requests, kv_and_errors, queues, execution, experts, transfers, healing):
+    for section in (requests, kv_and_errors, queues, execution, experts, placement, transfers, healing):
         section(lay)
     for i, p in enumerate(lay.panels, start=1):
         p["id"] = i
     return {
         "uid": UID,
         "title": "amoe serving",
-        "description": "amoe: requests, KV cache, mu-queues, batches, stalls, expert load, transfers",
+        "description": "amoe: requests, KV cache, mu-queues, batches, stalls, expert load, placement, transfers",
         "tags": ["amoe"],
         "timezone": "",
         "schemaVersion": 38,

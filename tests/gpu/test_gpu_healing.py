@@ -10,6 +10,7 @@ import httpx
 import pytest
 from test_healing_planes import MAX_TOKENS, PROMPTS, health, kill_mid_stream, wait_until
 
+from amoe.config import AmoeConfig
 from amoe.model.make import make_model
 from amoe.testing.checked_load import ClosedLoop
 from amoe.testing.servers import ServerProcess
@@ -33,9 +34,11 @@ def fault_free_texts(url: str) -> list[str]:
 @pytest.mark.timeout(900)
 def test_streams_survive_killed_runtimes_on_the_nccl_plane(tmp_path):
     model = make_model("tiny", tmp_path / MODEL, seed=0)
-    flags = ["--model", str(model), "--device", "cuda", "--transport", "nccl", "--model-dtype", "float32"]
-    flags += ["--attn-ranks", "1", "--expert-ranks", "1"]
-    srv = ServerProcess(flags, startup_timeout_s=300)
+    config = AmoeConfig().replace(
+        model={"path": str(model), "dtype": "float32"}, device={"kind": "cuda"}, transport={"plane": "nccl"},
+        parallel={"attn_ranks": 1, "expert_ranks": 1},
+    )  # fmt: skip
+    srv = ServerProcess(config, startup_timeout_s=300)
     with srv as url:
         references = fault_free_texts(url)
         with ClosedLoop(url, MODEL, PROMPTS, references, MAX_TOKENS, workers=8) as load:

@@ -89,9 +89,11 @@ async def _complete_all(url: str, prompts: list[list[int]]):
 @pytest.mark.gpus(2)
 @pytest.mark.timeout(900)
 def test_openai_api_greedy_completions_equal_transformers(model_dir, prompts, hf_tokens):
-    flags = ["--model", str(model_dir), "--device", "cuda", "--transport", "auto", "--model-dtype", "float32"]
-    flags += ["--attn-ranks", "1", "--expert-ranks", "1"]
-    server = ServerProcess(flags, startup_timeout_s=300)
+    config = AmoeConfig().replace(
+        model={"path": str(model_dir), "dtype": "float32"}, device={"kind": "cuda"}, transport={"plane": "auto"},
+        parallel={"attn_ranks": 1, "expert_ranks": 1},
+    )  # fmt: skip
+    server = ServerProcess(config, startup_timeout_s=300)
     with server as url:
         startup = list(server.lines)
         replies = asyncio.run(_complete_all(url, prompts))

@@ -1,5 +1,5 @@
 """The AMoE paper's published step times the cost model is calibrated to, and the operating points (derived in
-docs/emulation.md) they are compared at (tests/test_emulation.py checks the table)."""
+docs/cost-model.md) they are compared at (tests/test_emulation.py checks the table)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CalibrationPoint:
-    """A published step time and the operating point (derived in docs/emulation.md) it is compared at."""
+    """A published step time and the operating point (derived in docs/cost-model.md) it is compared at."""
 
     name: str
     kind: str  # "attention" or "expert"
@@ -25,7 +25,7 @@ class CalibrationPoint:
 FIG3_KNEE_ROWS = 128
 
 # §5.4 / Figure 13: one step of each kind sampled from a medium-workload run of Figure 9 (A100 80GB, 4 attention
-# + 4 expert GPUs, Mixtral 8x7B MQA). The paper gives neither batch size; docs/emulation.md derives them from
+# + 4 expert GPUs, Mixtral 8x7B MQA). The paper gives neither batch size; docs/cost-model.md derives them from
 # Figure 11's top-1 operating point (250 req/s at 80 % of peak throughput, 150 output tokens per request):
 # ~1024 rows per attention step; ~420 rows per expert step (per-rank fragments of 128 rows, ~3.3 of them merged
 # while the expert GPU is busy; the range over 2–4 merged fragments is 256–512).

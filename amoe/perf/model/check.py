@@ -1,5 +1,5 @@
-"""The serving config's emulated-executor names that the cost model owns: GPUs, model profile, host overhead,
-step-time variance and routing (`check_executor`)."""
+"""The serving config's emulation names that the cost model owns: GPUs, model profile, host overhead, step-time
+variance and routing (`check_emulation`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from amoe.perf.model.routing import RoutingSpec
 from amoe.perf.model.variance import StepVariance
 
 if TYPE_CHECKING:
-    from amoe.config import ExecutorSection
+    from amoe.config import EmulationSection
 
 
-def check_executor(ex: ExecutorSection) -> None:
-    """The executor section's names that the cost model owns (GPUs, profile, host overhead, routing): a ConfigError
-    naming the bad one. `amoe serve` calls it before it starts anything; every Emulation calls it."""
+def check_emulation(ex: EmulationSection, emulated: bool = True) -> None:
+    """The emulation section's names that the cost model owns (GPUs, profile, host overhead, routing): a ConfigError
+    naming the bad one; `emulated` (the executor is): its routing must be an override. `amoe serve` calls it before
+    it starts anything; every Emulation calls it."""
     gpu_profile(ex.gpu)
     if ex.expert_gpu:
         gpu_profile(ex.expert_gpu)
@@ -27,5 +28,5 @@ def check_executor(ex: ExecutorSection) -> None:
         model_profile(ex.profile, ex.top_k)
     StepVariance.parse(ex.step_variance)
     routing = RoutingSpec.parse(ex.routing)
-    if ex.kind == "emulated" and not routing.is_override:
+    if emulated and not routing.is_override:
         raise ConfigError("emulated GPUs have no router weights: use --routing uniform or skew-exp[:λ]")

@@ -1,4 +1,4 @@
-"""EP as it is deployed at scale (issue 35): redundant experts placed by EPLB, two-batch overlap, DeepEP's
+"""EP as it is deployed at scale: redundant experts placed by EPLB, two-batch overlap, DeepEP's
 dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from counts rather than per token.
 
 * **EPLB** (github.com/deepseek-ai/EPLB, as DeepSeek and SGLang deploy it): per layer, the R redundant slots go one
@@ -15,17 +15,16 @@ dispatch in FP8 and combine in BF16, and expert loads drawn per iteration from c
 * **Counts at scale**: a block's rows per expert over T tokens are drawn as independent binomials (T, q_e) from
   the exact inclusion probabilities: the same per-expert mean and variance as T keyed top-k draws, without their
   within-token correlation (k of E experts), at a cost that does not grow with T — what lets the simulation run
-  256 devices of 256 tokens (docs/emulation.md "Simulation at scale").
+  256 devices of 256 tokens (docs/simulation.md "Simulation at scale").
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from amoe import eplb
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GpuProfile
 from amoe.perf.model.hosts import HostOverhead
@@ -33,27 +32,10 @@ from amoe.perf.model.models import ModelProfile
 
 
 def eplb_placement(load: np.ndarray, num_devices: int, redundant: int) -> list[list[tuple[int, float]]]:
-    """Per device, its (expert id, share of that expert's tokens) copies for one layer's expected `load`."""
-    num = len(load)
-    copies = np.ones(num, dtype=np.int64)
-    heap = [(-float(load[e]), e) for e in range(num)]
-    heapq.heapify(heap)
-    for _ in range(redundant):
-        _, e = heapq.heappop(heap)
-        copies[e] += 1
-        heapq.heappush(heap, (-float(load[e]) / copies[e], e))
-    items = sorted(
-        ((float(load[e]) / copies[e], e) for e in range(num) for _ in range(copies[e])), reverse=True
-    )
-    slots = math.ceil((num + redundant) / num_devices)
-    where: list[list[tuple[int, float]]] = [[] for _ in range(num_devices)]
-    free = [(0.0, d) for d in range(num_devices)]  # (load so far, device), devices with a free slot
-    for share_load, e in items:
-        total, d = heapq.heappop(free)
-        where[d].append((e, 1.0 / copies[e]))
-        if len(where[d]) < slots:
-            heapq.heappush(free, (total + share_load, d))
-    return where
+    """Per device, its (expert id, share of that expert's tokens) copies for one layer's expected `load`: EPLB's
+    global policy, the one implementation the serving product rebalances with (amoe.eplb)."""
+    counts, packs = eplb.place_layer(load, len(load) + redundant, num_devices)
+    return [[(e, 1.0 / counts[e]) for e in pack] for pack in packs]
 
 
 def device_rows(

@@ -1,4 +1,4 @@
-"""EPS-MoE's expert pipeline (arXiv 2410.12247; docs/emulation.md "The expert pipeline"): the all-to-all of an EP
+"""EPS-MoE's expert pipeline (arXiv 2410.12247; docs/eps.md "The cost model"): the all-to-all of an EP
 layer, and the time of a layer whose experts run as PN chunks (Algorithm 1) with communication overlapping compute.
 
 Chunk p carries the tokens of the p-th group of every device's local experts: its dispatch and combine all-to-all

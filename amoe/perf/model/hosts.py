@@ -22,7 +22,7 @@ class HostOverhead:
 
 # Calibrated to AMoE §5.4 / Figure 13 (medium workload): an attention step takes 2.7 ms, mostly page-table
 # traversal per token and the GPU→CPU copy of routing results, with the kernels a minority; an expert step takes
-# 0.8 ms, mostly kernel time. At the operating point derived in docs/emulation.md (~1024-row attention steps,
+# 0.8 ms, mostly kernel time. At the operating point derived in docs/cost-model.md (~1024-row attention steps,
 # ~420-row expert steps on an A100 80GB) the roofline gives ~0.5 ms of attention kernels, so the page table and
 # post-processing must cost ~2 µs per row; expert steps keep ~0.1 ms of scheduling, gather and permutation.
 HOSTS: dict[str, HostOverhead] = {

@@ -1,4 +1,4 @@
-"""The expert GEMMs' kernel curves (EPS-MoE, arXiv 2410.12247; docs/emulation.md "The expert pipeline"): expert
+"""The expert GEMMs' kernel curves (EPS-MoE, arXiv 2410.12247; docs/eps.md "Kernel curves"): expert
 GEMM efficiency per kernel (grouped or dense) as a function of tokens per expert m, and each GPU's curves.
 
 A GEMM phase of an expert layer costs max(FLOPs / (peak · eff(m)), bytes / HBM) — the roofline with a compute

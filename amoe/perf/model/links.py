@@ -1,7 +1,7 @@
 """Emulated links between runtimes: the node each runtime's GPU sits on, and the hold the receiving communicator
 puts on a message from each peer (NVLink within a node, the network across nodes). See docs/emulation.md, "Links".
-Also the time of EP's dispatch or combine all-to-all among the devices of a group (docs/emulation.md "EP's
-all-to-all"), NVLink within a node and DeepEP's measured RDMA bandwidth across nodes.
+Also the time of EP's dispatch or combine all-to-all among the devices of a group, NVLink within a node and
+DeepEP's measured RDMA bandwidth across nodes (docs/cost-model.md "EP as deployed at scale").
 
 The communicator (`ZmqCommunicator.set_link_delays`) applies the holds; this module only prices them. Pure functions.
 """

@@ -337,7 +337,7 @@ MODELS: dict[str, ModelProfile] = {
     ),
     "deepseek-v3-like": _deepseek_v3_like(),
     "deepseek-v2": _deepseek_v2(),
-    # Frontier profiles (issue 35), from their config.json shapes.
+    # Frontier profiles (docs/cost-model.md "Profiles"), from their config.json shapes.
     "deepseek-v3": _deepseek_v3(),
     "qwen3-235b-a22b": _qwen3_moe(
         "qwen3-235b-a22b",

@@ -49,7 +49,7 @@ from amoe.perf.model.models import ModelProfile
 ROUTING_MODES = ("model", "uniform", "skew-exp")
 DEFAULT_LAMBDA = 0.08  # the median of Mixtral-8x7B's measured first-choice skew (module docstring)
 STRESS_LAMBDA = 0.4  # twice the largest measured skew
-# λ values of the skew sweep (docs/emulation.md): the measured range and the stress case.
+# λ values of the skew sweep (docs/cost-model.md): the measured range and the stress case.
 LAMBDA_SWEEP = (0.02, 0.04, 0.08, 0.15, 0.25, 0.4)
 # hottest/mean, (λ, num_experts, top_k) -> ratio; the module docstring's table.
 HOTTEST_TO_MEAN = {
@@ -222,7 +222,7 @@ class RouterOverride:
         """[B, E] inclusion probabilities (`inclusion_probabilities`) in skew epoch `epoch`. Every block's
         popularity is a permutation of one by-rank vector, so where the probabilities are sampled (DeepSeek-V3's
         256 experts: 51 M Gumbel keys a row) they are sampled once by rank and permuted to each block, not once per
-        block (58x the work: most of a minute for the planner's bounds, issue 35). Exact ones keep their per-block
+        block (58x the work: most of a minute for the planner's bounds). Exact ones keep their per-block
         computation."""
         table = self.popularity_at(epoch)
         e, k = self.num_experts, self.top_k

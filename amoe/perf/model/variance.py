@@ -1,5 +1,5 @@
-"""Step-time variance of emulated GPUs (issue 32): identical GPUs do not run at one speed, and one GPU's steps do not
-all take the same time. Both are drawn, seeded, from public measurements (docs/emulation.md "Step-time variance"):
+"""Step-time variance of emulated GPUs: identical GPUs do not run at one speed, and one GPU's steps do not
+all take the same time. Both are drawn, seeded, from public measurements (docs/cost-model.md "Step-time variance"):
 
 * **Speed spread across GPUs.** Sinha et al., "Not All GPUs Are Created Equal: Characterizing Variability in
   Large-Scale, Accelerator-Rich Systems", SC'22 (arXiv 2208.11035v3, abstract): over 18,800 hours on >90 % of the
@@ -128,7 +128,7 @@ def _fraction(value: str, text: str) -> float:
 # far below the cost model's precision at this size.
 _GRID = 512
 # expected_max's answers by their exact inputs: the planner asks the same barriers for every attention cap that
-# leaves a wave or micro-batch its size (issue 35: 354 k calls, most of `amoe plan`'s time on 256 H800s).
+# leaves a wave or micro-batch its size (354 k calls, most of `amoe plan`'s time on 256 H800s).
 _MEMO: dict[tuple, np.ndarray] = {}
 _MEMO_MAX = 8192
 

@@ -20,7 +20,8 @@ from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.expert_steps import block_steps, expert_shares, grouped_steps, steps_key
 from amoe.perf.plan.prediction import MEMORY, Prediction
 
-# ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links (issue 35, incast)
+# ---- transfers between the attention and expert pools (AEP, ping-pong): both ends' links, the incast
+# (docs/cost-model.md "Both ends of a transfer between the pools")
 
 
 def pool_link(gpu: GpuProfile, dep: Deployment) -> LinkProfile:
@@ -118,18 +119,18 @@ def _aep(
     the most throughput (m = 1: unmerged expert steps, one wave's path; m = W: merged steps, the merged path);
     throughput = A · W · w / ITL. The operating point is the least concurrency within 3 % of the most any
     (w, W) reaches (under `itl_slo_s`, of those that meet it): more only lengthens ITL (Little's law). Equal
-    groups with the same m at every block are a restriction of the search (docs/emulation.md "Bounds": where it
-    is a model); extra["group_waves"] is the chosen m.
+    groups with the same m at every block are a restriction of the search (docs/simulation.md "Bounds": where it
+    is only a model); extra["group_waves"] is the chosen m.
 
     With step-time variance each attention GPU r and expert GPU g has its speed s (a slowdown). A group waits at
     each block for the expected slowest of the expert GPUs it reached (jitter included), and — since every rank's
     group meets at each block's expert step — for the slowest attention GPU's steps: ranks whose waves share every
     expert step cannot run at different speeds, so all go at the slowest rank's pace (lock-step, as ping-pong's
-    micro-batches; a rank kept apart would run at its own speed but pay its own expert steps, docs/emulation.md
+    micro-batches; a rank kept apart would run at its own speed but pay its own expert steps, docs/simulation.md
     "Merged ranks move at the slowest rank's pace"): ITL = max(path at s_max, W · attention work · s_max, the
     slowest expert GPU's work, link).
 
-    Links (issue 35): each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
+    Links: each block's transfers take the slower end (`PoolLinks`; the hottest expert GPU receives A · w
     times its share of a token's rows), and ITL is at least the busiest NIC's time for the W waves' rows of an
     iteration ("link": the expert GPU with the most rows over the blocks, or an attention GPU's own w · k per
     block), extra["link_s"]."""
@@ -272,7 +273,7 @@ def _operating_point(points: list[Prediction], itl_slo_s: float | None) -> Predi
 
 def wave_group(extra: dict, attn_cap: int) -> int:
     """The runtime's `scheduler.wave_group` for an AEP bound (its `extra`): the bound's group is m waves of w rows
-    of every rank, the runtime's waves have `attn_cap` rows (docs/engine.md "The waves rule" item 1), so a group is
+    of every rank, the runtime's waves have `attn_cap` rows (docs/scheduler.md "Wave size"), so a group is
     m · w / attn_cap of them (at least one)."""
     m, w = int(extra.get("group_waves", 1)), int(extra.get("wave_rows", attn_cap))
     return max(1, m * w // attn_cap)
@@ -306,7 +307,7 @@ def _pingpong(
     """Eq. 5's shape; with step-time variance each lock-step waits for the expected slowest attention GPU (its
     micro-batch) and the expected slowest expert GPU. Each block's two transfers take the slower end
     (`PoolLinks`), and the iteration is at least the busiest NIC's time for its m micro-batches' rows of every
-    block ("link", extra["link_s"]; issue 35)."""
+    block ("link", extra["link_s"])."""
     m = max(1, dep.micro_batches)
     micro = max(1, b // m)
     s_attn = variance.speeds(0, dep.num_attn)
@@ -314,7 +315,7 @@ def _pingpong(
     t_attn = expected_max(cm.decode_attention_time(model, ga, micro, ctx, host) * s_attn, variance.jitter)
     rows_in = dep.num_attn * micro  # one micro-batch of every attention GPU reaches the experts together
     # Each block's two transfers on both ends' links: a micro-batch's row copies leave (and come back to) each
-    # attention GPU, the busiest expert GPU receives (and returns) its share of every attention GPU's (issue 35).
+    # attention GPU, the busiest expert GPU receives (and returns) its share of every attention GPU's rows.
     links, k = pool_links(model, dep), model.experts_per_token
     share = expert_shares(placed, q)  # [blocks, expert GPUs] rows received per token
     hottest = share.max(axis=1) * rows_in  # [blocks] rows into the busiest expert GPU

@@ -1,5 +1,5 @@
 """What a deployment can do at best on emulated GPUs: decode throughput and inter-token latency of AEP, EP and
-ping-pong, from the cost model's step times (docs/emulation.md "Bounds"; `amoe plan` searches over these).
+ping-pong, from the cost model's step times (docs/simulation.md "Bounds"; `amoe plan` searches over these).
 
 Every bound is at the profile's full depth (a truncated `NAME:N` profile is a benchmark device, not a model), with
 the expected load of each expert taken from the exact probability that it is among a token's top-k picks
@@ -19,7 +19,7 @@ the expected load of each expert taken from the exact probability that it is amo
   micro-batches that alternate between the pools block by block; a block takes the slower pool's m steps plus the
   two transfers that the alternation cannot hide.
 
-Transfers between AEP's and ping-pong's pools (issue 35, the incast; `PoolLinks`) take the slower of the sender's
+Transfers between AEP's and ping-pong's pools (the incast; `PoolLinks`) take the slower of the sender's
 and the receiver's link: an expert GPU receives the rows of every attention GPU whose wave or micro-batch reached
 it (A / E times what one attention GPU sends when A > E, more on a hot one), and the busiest such GPU sets each
 block's transfers. Each GPU's NIC (full duplex) is also a throughput limit, bottleneck "link": per iteration it

@@ -30,7 +30,7 @@ class Deployment:
     def pipelined(self) -> bool:
         return self.mode == "ep" and (self.ep_pipelines != 1 or bool(self.ep_kernel))
 
-    # EP as deployed at scale (issue 35, amoe.perf.model.ep_scale): redundant expert copies placed by EPLB per
+    # EP as deployed at scale (amoe.perf.model.ep_scale): redundant expert copies placed by EPLB per
     # layer, and two-batch overlap of the exchange with compute.
     redundant_experts: int = 0
     two_batch_overlap: bool = False

@@ -22,7 +22,7 @@ def expert_shares(placed: list[list[int]], q: np.ndarray) -> np.ndarray:
 
 
 # grouped_steps' answers, keyed by everything they depend on: the planner asks the same (placement, rows) for every
-# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates, issue 35).
+# attention cap and split that shares it (a 256-GPU DeepSeek-V3 pool has 8,000 AEP candidates).
 _STEPS_CACHE: dict = {}
 
 
@@ -64,7 +64,7 @@ def _grouped_steps_uncached(
     inter = np.array([model.intermediate_of(e) for e in range(num_ids)], dtype=float)
     rows = rows_in * q  # [blocks, ids]
     # Each GPU's most loaded expert per block, by a segmented max over the experts sorted by GPU (a [blocks, ids,
-    # GPUs] product was most of the planner's time at 256 GPUs, issue 35); GPUs without experts take 0.
+    # GPUs] product was most of the planner's time at 256 GPUs); GPUs without experts take 0.
     order = np.argsort(gpu_of, kind="stable")
     firsts = np.searchsorted(gpu_of[order], np.arange(len(placed)))
     hosting = np.bincount(gpu_of, minlength=len(placed)) > 0

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from amoe.config import SchedulerSection
+from amoe.config import DEFAULT_POLICY, SchedulerSection
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model.gpus import GPUS
 from amoe.perf.model.hosts import HostOverhead
@@ -20,7 +20,7 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.bound_pools import wave_group
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
-from amoe.perf.plan.request import AEP_POLICY, BEST, BEST_OF, Plan, check_policy
+from amoe.perf.plan.request import BEST, BEST_OF, Plan, check_policy
 
 if TYPE_CHECKING:
     from amoe.perf.plan.simulate.result import Simulated
@@ -38,14 +38,14 @@ SIM_DOUBLINGS = 3
 
 
 # Requests of one copy up to which AEP's refinement doubles concurrency event by event (~2 s for 6,000 at full depth);
-# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.perf.plan.simulate.scale, issue 35), which
+# past it, or past 16 GPUs a copy, the simulation runs at scale (amoe.perf.plan.simulate.scale), which
 # doubles up to the requests the attention GPUs' KV cache holds. No plan keeps its bound for being large.
 SIM_MAX_REQUESTS = 16384
 
 
 # AEP at scale (amoe.perf.plan.simulate.aep_scale) splits refine's window of 8 ITLs into this many batches and stops at
 # the first k ≥ 10 whose batch-means 95 % interval of throughput is within ±1 % (the rule written down before its
-# series were looked at; docs/results.md "`amoe plan` on 256 H800s"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
+# series were looked at; docs/simulation.md "A stopping rule"): 2.5–4 of the 8 ITLs on the 256-GPU plans.
 SIM_BATCHES = 32
 
 
@@ -59,7 +59,7 @@ def refine(
     itl_slo_ms: float | None = None,
     concurrency: int | None = None,
     variance: StepVariance | None = None,
-    policy: str = AEP_POLICY,
+    policy: str = DEFAULT_POLICY,
 ) -> Plan:
     """The plan's prediction from the simulation (amoe.perf.plan.simulate) where the bound is not enough: AEP at
     the least concurrency (from the bound's operating point, doubling while that gains more than 3 %) within 3 % of
@@ -73,11 +73,11 @@ def refine(
     if check_policy(policy) == BEST:
         if dep.mode == "aep":
             return _refine_best(model, dep, routing, ctx, host, pred, itl_slo_ms, concurrency, variance)
-        policy = AEP_POLICY  # EP and ping-pong have no scheduler to choose
+        policy = DEFAULT_POLICY  # EP and ping-pong have no scheduler to choose
     variance = variance or SOURCED
     if pred is None:
         pred = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host, variance=variance)
-    # waves: the expert side gathers the bound's group of waves (docs/engine.md "The waves rule" item 13)
+    # waves: the expert side gathers the bound's group of waves (docs/scheduler.md "Group cells")
     scheduler = SchedulerSection(policy=policy, wave_group=wave_group(pred.extra, dep.attn_cap))
     per_copy = concurrency or pred.concurrency // dep.replicas
     if pred.tokens_per_s <= 0:

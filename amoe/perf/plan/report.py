@@ -1,74 +1,39 @@
 """`amoe plan`'s output and entry: the table it prints (the best plans, the best of each mode, the verdict), the
-`amoe serve` command that runs a plan, its JSON, and `main`, which the command runs (amoe.perf.studies.commands
-registers it)."""
+`amoe serve` command that runs a plan (for people), its JSON, the config file of the best plan (`--out`), and
+`main`, which the command runs (amoe.perf.studies.commands registers it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
+from amoe.config import DEFAULT_POLICY, command_flags
 from amoe.errors import ConfigError
-from amoe.perf.plan.bound_pools import wave_group
 from amoe.perf.plan.deployment import describe
-from amoe.perf.plan.request import AEP_POLICY, BEST, Plan, PlanRequest, check_policy, parse_gpus, parse_prices
+from amoe.perf.plan.request import Plan, PlanRequest, check_policy, parse_gpus, parse_prices
 from amoe.perf.plan.search import best_per_mode, search
+from amoe.perf.plan.serving import plan_config, plan_file
 
 
 def serve_command(plan: Plan, req: PlanRequest, model_dir: str = "MODEL_DIR", emulated: bool = False) -> str:
-    """The `amoe serve` command line that runs `plan` (emulated: on emulated GPUs of the plan's type, with the
-    routing the plan assumed, as `amoe bench plan-check` runs it)."""
+    """The `amoe serve` command line that runs `plan`, for people to read (programs serve the plan's config:
+    amoe.perf.plan.serving.plan_config, `amoe plan --out`). `model_dir` stands in for a checkpoint the plan did
+    not read; emulated: on emulated GPUs of the plan's type, with the routing the plan assumed."""
+    config = plan_config(plan, req, emulated)
+    if config.model.path is None and not emulated:
+        config = config.replace(model={"path": model_dir})
     d = plan.deployment
-    args = ["amoe", "serve"]
-    if emulated:
-        where = ["--model", req.model_dir] if req.model_dir else ["--executor-profile", req.profile]
-        args += ["--executor", "emulated", *where]
-    else:
-        args += ["--model", req.model_dir or model_dir]
-    if d.mode == "ep":
-        args += ["--parallel", "ep", "--attn-ranks", str(d.num_attn)]
-        if d.pipelined:
-            pn = str(d.ep_pipelines) if d.ep_pipelines else "auto"
-            args += ["--ep-pipelines", pn, *(["--ep-kernel", d.ep_kernel] if d.ep_kernel else [])]
-    else:
-        args += ["--parallel", d.mode, "--attn-ranks", str(d.num_attn), "--expert-ranks", str(d.num_expert)]
-    args += ["--scheduler-attn-batch-cap", str(d.attn_cap)]
-    # The requests each attention GPU holds at the plan's operating point (one copy's share): more only lengthens
-    # ITL, fewer leaves the experts' batches smaller than the prediction assumed.
-    per_rank = math.ceil(plan.prediction.concurrency / d.replicas / d.num_attn)
-    args += ["--cache-max-num-seqs", str(per_rank)]
+    # What the plan decides shows even where it is today's default: the shape, the caps, the requests, the policy.
+    shown = ("parallel.mode", "parallel.attn_ranks", "scheduler.attn_batch_cap", "cache.max_num_seqs")
+    if d.mode != "ep":
+        shown += ("parallel.expert_ranks",)
     if d.mode == "aep":
-        args += ["--scheduler-expert-batch-cap", str(d.expert_cap)]
-        # The policy the plan's figure was simulated with (refine's record; a bound-only plan: the one asked for).
-        policy = plan.prediction.extra.get(
-            "aep_policy", AEP_POLICY if req.aep_policy == BEST else req.aep_policy
-        )
-        if policy != "defrag":  # `amoe serve`'s default
-            # waves keeps ceil(--cache-max-num-seqs / attention cap) waves a rank: the W the plan was simulated with
-            args += ["--scheduler", policy]
-        # the expert side's groups of those waves: the simulated plan's, else the bound's (item 13)
-        if policy == "waves":
-            extra = plan.prediction.extra
-            group = extra.get("wave_group") or wave_group(extra, d.attn_cap)
-            args += ["--scheduler-wave-group", str(group)]
-    if d.mode == "pingpong":
-        args += ["--parallel-micro-batches", str(d.micro_batches)]
-    if d.expert_map is not None:
-        args += ["--parallel-expert-map", ",".join(map(str, d.expert_map))]
+        shown += ("scheduler.expert_batch_cap", "scheduler.policy")
     if emulated:
-        args += ["--gpu", d.attn_gpu, "--routing", req.routing, "--executor-decode-only", "true"]
-        if d.mode != "ep" and d.expert_gpu != d.attn_gpu:
-            args += ["--expert-gpu", d.expert_gpu]
-        if d.num_attn + d.num_expert > d.gpus_per_node:
-            # One copy spans hosts: the prediction priced its messages between them at the network's time.
-            args += ["--executor-gpus-per-node", str(d.gpus_per_node)]
-        if req.top_k is not None:
-            args += ["--executor-top-k", str(req.top_k)]
-        if req.step_variance != "sourced":  # the emulated executor's default
-            args += ["--step-variance", req.step_variance]
-    return " ".join(args)
+        shown += ("emulation.gpu",)
+    return " ".join(["amoe", "serve", *command_flags(config, always=shown)])
 
 
 def report(plans: list[Plan], req: PlanRequest, top: int = 5) -> str:
@@ -119,6 +84,14 @@ def plan_json(plan: Plan, req: PlanRequest) -> dict:
     }
 
 
+def write_plan(path: str, plan: Plan, req: PlanRequest, emulated: bool) -> None:
+    """`--out FILE`: the plan's config file (amoe.perf.plan.serving.plan_file)."""
+    try:
+        Path(path).write_text(json.dumps(plan_file(plan, req, emulated), indent=1) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write {path}: {exc.strerror}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     """`amoe plan` (amoe.cli)."""
     gpus = parse_gpus(args.gpus)
@@ -129,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, modes=tuple(args.modes.split(",")), simulate_top=args.simulate_top,
         simulate_per_mode=args.simulate_per_mode, model_dir=model_dir, eps=getattr(args, "eps", False),
         step_variance=getattr(args, "step_variance", "sourced"), refine_retries=getattr(args, "refine_retries", 3),
-        aep_policy=check_policy(getattr(args, "aep_policy", AEP_POLICY)),
+        aep_policy=check_policy(getattr(args, "aep_policy", DEFAULT_POLICY)),
     )  # fmt: skip
     if req.simulate_top < 0 or req.simulate_per_mode < 0:
         raise ConfigError(
@@ -137,12 +110,24 @@ def main(args: argparse.Namespace) -> int:
         )
     if req.refine_retries < 0:
         raise ConfigError(f"--refine-retries must be >= 0; got {req.refine_retries}")
+    out = getattr(args, "out", None)
+    if getattr(args, "emulated", False) and not out:
+        raise ConfigError("--emulated chooses what --out FILE writes: give --out too")
     bad = set(req.modes) - {"aep", "ep", "pingpong"}
     if bad:
         raise ConfigError(f"--modes takes aep, ep, pingpong; got {', '.join(sorted(bad))}")
     plans = search(req)
+    if out and plans:
+        write_plan(out, plans[0], req, getattr(args, "emulated", False))
     if args.json:
-        print(json.dumps({"request": asdict(req), "plans": [plan_json(p, req) for p in plans[: args.top]]}))
+        written = {"out": out} if out and plans else {}
+        print(
+            json.dumps(
+                {"request": asdict(req), "plans": [plan_json(p, req) for p in plans[: args.top]], **written}
+            )
+        )
     else:
         print(report(plans, req, args.top))
+        if out and plans:
+            print(f"\nthe best plan's config: {out} (serve it: amoe serve --config {out})")
     return 0 if plans else 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from amoe.config import POLICIES
+from amoe.config import DEFAULT_POLICY, POLICIES
 from amoe.errors import ConfigError
 from amoe.perf.model.gpus import GPUS
 from amoe.perf.model.models import ModelProfile, model_profile
@@ -21,12 +21,6 @@ EXPERT_CAPS = (256, 512, 1024)
 
 
 MICRO_BATCHES = (2, 3, 4)
-
-
-# The scheduling policy the planner simulates, measures and serves AEP plans with (`--aep-policy`): `waves`
-# (docs/engine.md "The waves rule"). Checked against defrag, the runtime's default, on the 100 ms table's AEP plans
-# before the table was rerun with it (docs/results.md "Under a 100 ms ITL target, measured (m32, 2026-11-27)").
-AEP_POLICY = "waves"
 
 
 # `--aep-policy best`: each AEP plan refined with each of these and served with the one whose simulation gives more
@@ -71,13 +65,16 @@ class PlanRequest:
     eps: bool = False
     # the GPUs' step-time variance the plans assume (amoe.perf.model.variance): sourced | off | SPREAD[,...]
     step_variance: str = "sourced"
-    # Frontier planning (issue 35): a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
+    # Frontier planning: a mean decode context instead of the workload's (e.g. 2,000 tokens, as the
     # published DeepSeek-V3 deployments ran), and EP also as deployed at scale: EPLB's redundant experts (this
     # many) and two-batch overlap.
     context: float | None = None
     ep_redundant_experts: int = 0
     # the scheduling policy AEP plans are simulated with and served with (`amoe serve --scheduler`)
-    aep_policy: str = AEP_POLICY
+    # The scheduling policy AEP plans are simulated, measured and served with (`--aep-policy`): the default
+    # (amoe.config.DEFAULT_POLICY, waves: docs/scheduler.md), checked against defrag on the 100 ms table's AEP plans
+    # before the table was rerun with it (docs/findings.md).
+    aep_policy: str = DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,8 @@ def prefer_headroom(plans: list[Plan]) -> list[Plan]:
     (the least concurrency within 3 % of the most, refine and the bound), now between plans. Why: the simulation
     cannot tell such plans apart, and the one at the objective's edge has no room for the runtime's ITL, which
     measured 1-3 % over its simulation's on AEP plans (the 100 ms table, H100 top-2: a plan simulated at 97.1 ms
-    measured 99.7 ms, where a plan 1.1 % slower by the simulation sat at 83 ms; docs/results.md "Headroom")."""
+    measured 99.7 ms, where a plan 1.1 % slower by the simulation sat at 83 ms;
+    experiments/2026-11-28-headroom)."""
     left, ranked = list(plans), []
     while left:
         best = left[0].prediction.tokens_per_s

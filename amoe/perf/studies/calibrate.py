@@ -1,4 +1,4 @@
-"""The emulation's time scale from the host it runs on (issue 20): measure what the host's Python does per runtime
+"""The emulation's time scale from the host it runs on: measure what the host's Python does per runtime
 step, and stretch emulated time so that host work stays the same fraction of every emulated step on any machine.
 
 An emulated runtime's step is a sleep of (predicted GPU time × time scale) plus the host work around it (batch

@@ -7,15 +7,22 @@ module when it runs."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 from typing import Any
 
-from amoe.config import POLICIES
+from amoe.config import DEFAULT_POLICY, POLICIES
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 
 # amoe.perf.studies.plan_check.PRESETS' names (listed here so that `--help` imports nothing heavy; a test keeps them equal).
 PLAN_CHECK_PRESETS = ("ci", "depth", "full", "scale32", "variance")
 OUT_OF_SAMPLE = "sample"  # plans drawn from --seed (amoe.perf.studies.plan_check.sample_checks)
+
+
+def dated_out(topic: str) -> str:
+    """A study's default --out: a new run folder experiments/<today, UTC>-<topic>, where run data lives (docs/
+    holds the manual only)."""
+    return f"experiments/{datetime.datetime.now(datetime.timezone.utc).date().isoformat()}-{topic}"
 
 
 def add_bench_compare_command(sub: Any) -> None:
@@ -71,7 +78,7 @@ def add_bench_plan_check_command(sub: Any) -> None:
     p.add_argument(
         "--time-scale", type=float, default=None,
         help="the preset's time scale on the reference host (stretched by the host probe as usual); a larger one "
-        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays (docs/results.md)",
+        "shrinks the host's scheduling delays against the emulated steps, which a barrier pays",
     )  # fmt: skip
     _step_variance(p)
     add_aep_policy(p)
@@ -89,7 +96,7 @@ def add_bench_plan_table_command(sub: Any) -> None:
         "--routings", default=None, help="';'-separated routing specs (default: the three of the table)"
     )
     p.add_argument("--profile", default="mixtral-8x7b-mqa")
-    p.add_argument("--out", default="docs/results/plan_table")
+    p.add_argument("--out", default=dated_out("plan-table"), help="default: experiments/DATE-plan-table")
     p.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
     p.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL objective")
     p.add_argument(
@@ -133,7 +140,7 @@ def add_bench_plan_scale_command(sub: Any) -> None:
         "--routing", default=None, help="the skew the plans assume (default: the sourced skew-exp)"
     )
     p.add_argument("--itl-slo-ms", type=float, default=None)
-    p.add_argument("--out", default="docs/results/scale")
+    p.add_argument("--out", default=dated_out("plan-scale"), help="default: experiments/DATE-plan-scale")
     p.add_argument("--simulate", action="store_true", help="refine each best plan by the simulation")
     p.set_defaults(run=run_plan_scale)
 
@@ -144,7 +151,10 @@ def add_bench_frontier_command(sub: Any) -> None:
         help="the model's predictions of published deployments (a JSON-lines file) with one frozen calibration",
     )
     p.add_argument(
-        "--out", default=None, metavar="DIR", help="write frontier.json (and --table's table.jsonl) here"
+        "--out",
+        default=dated_out("frontier"),
+        metavar="DIR",
+        help="write frontier.json (and --table's table.jsonl) here (default: experiments/DATE-frontier)",
     )
     p.add_argument(
         "--deployments",
@@ -207,7 +217,11 @@ def add_bench_policies_command(sub: Any) -> None:
     p = sub.add_parser(
         "policies", help="the scheduling policies on an emulated AEP deployment under Poisson arrivals"
     )
-    p.add_argument("--policies", default="defrag,mtfs,flfs,wave", help="comma-separated (default: all four)")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated (default: all four, {','.join(POLICIES)})",
+    )
     p.add_argument("--blocks", type=int, default=8, help="blocks of the model profile kept (default: 8)")
     p.add_argument(
         "--loads", default="0.5,1.3", help="request rates as fractions of the bound's; must include 0.5"
@@ -229,7 +243,7 @@ def add_bench_policies_command(sub: Any) -> None:
     )
     p.add_argument("--repeats", type=int, default=2, help="runs, each with its own seed (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="the first run's arrival and routing seed")
-    p.add_argument("--out", default="docs/results/policies")
+    p.add_argument("--out", default=dated_out("policies"), help="default: experiments/DATE-policies")
     p.add_argument(
         "--report", default=None, metavar="JSON", help="summarise a recorded policies.json again; run nothing"
     )
@@ -238,13 +252,13 @@ def add_bench_policies_command(sub: Any) -> None:
 
 
 def add_aep_policy(p: argparse.ArgumentParser) -> None:
-    """`--aep-policy` (amoe.perf.plan.request.AEP_POLICY; checked there against amoe.config.POLICIES, so that
-    `--help` imports nothing heavy)."""
+    """`--aep-policy` (default amoe.config.DEFAULT_POLICY; checked by amoe.perf.plan.request.check_policy against
+    amoe.config.POLICIES, so that `--help` imports nothing heavy)."""
     p.add_argument(
-        "--aep-policy", default="waves", metavar="POLICY",
+        "--aep-policy", default=DEFAULT_POLICY, metavar="POLICY",
         help="the scheduling policy AEP plans are simulated, measured and served with (`amoe serve --scheduler`): "
-        "waves (default) | defrag | mtfs | flfs | wave | best (each plan simulated with waves and with defrag, served "
-        "with the one that gives more within --itl-slo-ms)",
+        f"{' | '.join(POLICIES)} | best (each plan simulated with waves and with defrag, served with the one that "
+        f"gives more within --itl-slo-ms); default {DEFAULT_POLICY}",
     )  # fmt: skip
 
 
@@ -343,6 +357,15 @@ def add_plan_command(sub: Any) -> None:
         help="EP with EPS-MoE's expert pipeline (--ep-pipelines auto --ep-kernel auto), PN and kernel by load",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument(
+        "--out", metavar="FILE",
+        help="write the best plan as a config file (`amoe serve --config FILE` serves it; its `plan` block records "
+        "the prediction)",
+    )  # fmt: skip
+    p.add_argument(
+        "--emulated", action="store_true",
+        help="with --out: the plan on emulated GPUs of its types, as `amoe bench plan-check` runs it",
+    )  # fmt: skip
     p.set_defaults(run=run_plan)
 
 
@@ -371,13 +394,13 @@ def add_bench_waves_emulated_command(sub: Any) -> None:
         "waves-emulated",
         help="AEP plans at 32 blocks on the emulated runtime under a policy, against the bound",
     )
-    p.add_argument("--policy", default="waves", choices=POLICIES)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--plans", default="0,1,2", help="indices into waves_emulated.PLANS, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--wave-group", type=int, default=-1,
-        help="waves: the expert side's wave group (docs/engine.md item 13); -1 (default): the bound's, as the plan's "
-        "command sets it; 0: per rank (items 9-10)",
+        help="waves: the expert side's wave group (docs/scheduler.md \"Group cells\"); -1 (default): the bound's, as "
+        "the plan's command sets it; 0: per rank (the straggler wait and the meeting block)",
     )  # fmt: skip
     p.add_argument(
         "--time-scale", type=float, default=None,
@@ -456,7 +479,7 @@ def add_bench_offload_replay_command(sub: Any) -> None:
     p.add_argument("--expert-bytes", type=float, default=33554432, help="with --routing: bytes per expert")
     p.add_argument(
         "--enc-dec", action="store_true",
-        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload.md Round 5)",
+        help="the shapes as encoder-decoder: encoder blocks routed once, at prefill (docs/offload-policy.md)",
     )  # fmt: skip
     p.set_defaults(run=_runner("offload_replay"))
 
@@ -472,7 +495,7 @@ def add_bench_offload_locality_command(sub: Any) -> None:
     )
     p.add_argument("--lengths", action="store_true", help="Bélády with generated lengths 1-20 (exploratory)")
     p.add_argument(
-        "--enc-dec", action="store_true", help="round 5: the round-3 constants on the encoder-decoder shapes"
+        "--enc-dec", action="store_true", help="the sourced constants on the encoder-decoder shapes"
     )
     p.set_defaults(run=_runner("offload_locality"))
 

@@ -3,7 +3,7 @@ against each with `amoe bench serve`'s machinery, and report throughput against 
 cost model's upper bound and the headline ratios (AEP / EP, fraction of the bound, defrag vs mtfs / flfs).
 
 Everything is in emulated time: wall seconds / time scale. Writes `--out DIR`: results.json, throughput_vs_itl.png,
-queue_depth.png; prints a table and one final JSON line. See docs/results.md.
+queue_depth.png; prints a table and one final JSON line. The recorded runs: docs/findings.md.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from amoe.perf.studies.compare_setup import (
     only_groups,
     preset,
     profile_name,
-    serve_flags,
+    serve_config,
     time_scale,
     upper_bound,
 )
@@ -159,7 +159,7 @@ async def _steady(
     """One steady point on a fresh server: `requests` in flight from their steady state, ITL guessed at itl_ms."""
     from amoe.perf.studies.steady import steady_point
 
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         return await steady_point(server, setup, p, seed, requests, itl_ms / 1e3, kind)
 
@@ -167,7 +167,7 @@ async def _steady(
 async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[dict[str, Any]]:
     """The load sweep of one setup; the base setup of the policy comparison also runs its policy point."""
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, load * rate_ub, "sweep") for load in p.loads]
         if with_policy:
@@ -178,7 +178,7 @@ async def _sweep(setup: Setup, p: Preset, seed: int, with_policy: bool) -> list[
 
 
 async def _points(setup: Setup, p: Preset, seed: int, rates: list[float], kind: str) -> list[dict[str, Any]]:
-    server = ServerProcess(serve_flags(setup, p, seed))
+    server = ServerProcess(serve_config(setup, p, seed))
     with server:
         points = [await load_point(server, setup, p, seed, rate, kind) for rate in rates]
     return [await _unsaturated(pt, setup, p, seed) for pt in points]
@@ -194,7 +194,7 @@ async def _unsaturated(point: dict[str, Any], setup: Setup, p: Preset, seed: int
         "[compare] %s at %.0f req/s saturated the host (%.2f cores): rerun at time scale %g",
         setup.name, point["rate"], point["host_cores"], time_scale(slower, p),
     )  # fmt: skip
-    server = ServerProcess(serve_flags(slower, p, seed))
+    server = ServerProcess(serve_config(slower, p, seed))
     with server:
         rerun = await load_point(server, slower, p, seed, point["rate"], point["kind"])
     rerun["rerun_of"] = {k: point[k] for k in ("throughput", "itl_ms_mean", "host_cores", "time_scale")}
@@ -223,7 +223,7 @@ async def load_point(
     for requests to finish (`completed`) before cancelling them.
 
     Requests are not streamed: the server's histograms give TTFT and ITL, and one SSE event per token would cost
-    this 2-core host more CPU than the emulated runtimes (docs/results.md)."""
+    this 2-core host more CPU than the emulated runtimes."""
     import httpx
 
     from amoe.bench.client import BenchClient
@@ -257,7 +257,7 @@ async def load_point(
     if series:
         point["series"], point["window_s"] = _window_series(probe, window, scale)
     # What the server warned of while the point ran (a runtime lost or replaced, requests moved): a point read
-    # from a deployment that was not the planned one must say so (docs/results.md, the policies' runs).
+    # from a deployment that was not the planned one must say so.
     point["sent"] = num
     point["server_warnings"] = server.warnings_since(warnings_mark)
     return point

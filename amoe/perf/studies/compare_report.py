@@ -25,7 +25,7 @@ def headline(points: list[dict[str, Any]], p: Preset, seed: int = 0) -> dict[str
     return out
 
 
-# Two runs of a preset agree when every headline ratio is within this fraction of its median (issue 20).
+# Two runs of a preset agree when every headline ratio is within this fraction of its median.
 AGREEMENT = 0.05
 # The headline figures that are ratios: what the repeats' agreement is judged on.
 _RATIO_WORDS = ("_over_", "fraction", "defrag_vs_")
@@ -92,9 +92,9 @@ def _group_ratios(points: list[dict[str, Any]], group: str, p: Preset, seed: int
     ep_best = steady.get("ep") or max(ep, key=lambda pt: pt["throughput"])
     budget = ep_best["itl_ms_mean"] or float("inf")
     aep_max = steady["aep"]["throughput"] if "aep" in steady else max(pt["throughput"] for pt in aep)
-    setup = Setup(**aep[0]["setup"])
+    setup = Setup.from_record(aep[0]["setup"])
     bound = upper_bound(setup, p)
-    ep_bound = ep_upper_bound(Setup(**ep_best["setup"]), p, seed)
+    ep_bound = ep_upper_bound(Setup.from_record(ep_best["setup"]), p, seed)
     return {
         # At EP's ITL at its max, on AEP's curve: every point of that config, the policy comparison's included.
         "aep_over_ep": _ratio(throughput_at_itl(curve, budget), ep_best["throughput"]),

@@ -1,31 +1,76 @@
-"""What `amoe bench compare` runs: the deployments (`Setup`), the presets (which setups, which load points), the
-`amoe serve` flags of each, and the cost model's upper bound for it. See docs/results.md."""
+"""What `amoe bench compare` runs: the deployments (`Setup`: the planner's Deployment and what is measured of it),
+the presets (which setups, which load points), the serving config of each (`serve_config`), and the cost model's
+upper bound for it. See docs/findings.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from amoe.config import ServerSection
+from amoe.config import DEFAULT_POLICY, AmoeConfig, ParallelSection, ServerSection
 from amoe.errors import ConfigError
+from amoe.perf.plan.deployment import Deployment
+from amoe.perf.plan.serving import to_config
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One emulated deployment to load: `amoe serve` flags are derived from it."""
+    """One emulated deployment to load: what is served (the planner's `deployment`, at the preset's batch caps,
+    with its scheduling `policy`, the model `profile` at `top_k`: serve_config) and how it is measured."""
 
-    mode: str  # aep | ep | pingpong
-    attn: int  # attention runtimes (ep: devices)
-    experts: int = 0  # expert runtimes (aep, pingpong)
-    policy: str = "defrag"
+    deployment: Deployment
+    policy: str = DEFAULT_POLICY
     top_k: int = 1
     workload: str = "short"
     profile: str = "mixtral-8x7b-mqa"
-    gpu: str = "a100-80g"
     group: str = "main"  # setups of one group are compared with each other
-    gpus_per_node: int = 0  # 0: one node; else messages between nodes take the network's time
-    slowdown: float = (
-        1.0  # runs at the preset's time scale × this: more GPUs need more host time per emulated s
-    )
+    # runs at the preset's time scale × this: more GPUs need more host time per emulated s
+    slowdown: float = 1.0
+
+    @classmethod
+    def of(
+        cls, mode: str, attn: int, experts: int = 0, gpu: str = "a100-80g", gpus_per_node: int = 0, **knobs
+    ) -> Setup:
+        """`attn` attention runtimes (ep: devices) and `experts` expert runtimes (aep, pingpong) on `gpu`s, on nodes
+        of `gpus_per_node` (0: one node; else messages between nodes take the network's time)."""
+        dep = Deployment(
+            mode, gpu, attn, "" if mode == "ep" else gpu, experts,
+            micro_batches=ParallelSection().micro_batches, gpus_per_node=gpus_per_node or attn + experts,
+        )  # fmt: skip
+        return cls(dep, **knobs)
+
+    @classmethod
+    def from_record(cls, record: dict) -> Setup:
+        """The setup a point recorded (`record`)."""
+        knobs = {
+            k: v for k, v in record.items() if k not in ("mode", "attn", "experts", "gpu", "gpus_per_node")
+        }
+        where = {k: record[k] for k in ("gpu", "gpus_per_node") if k in record}
+        return cls.of(record["mode"], record["attn"], record.get("experts", 0), **where, **knobs)
+
+    def record(self) -> dict:
+        """The setup as a point records it (results.json's "setup"): flat, gpus_per_node 0 for one node."""
+        d = self.deployment
+        return {
+            "mode": d.mode, "attn": d.num_attn, "experts": d.num_expert, "policy": self.policy, "top_k": self.top_k,
+            "workload": self.workload, "profile": self.profile, "gpu": d.attn_gpu, "group": self.group,
+            "gpus_per_node": d.gpus_per_node if d.gpus_per_node < self.num_gpus else 0, "slowdown": self.slowdown,
+        }  # fmt: skip
+
+    @property
+    def mode(self) -> str:
+        return self.deployment.mode
+
+    @property
+    def attn(self) -> int:
+        return self.deployment.num_attn
+
+    @property
+    def experts(self) -> int:
+        return self.deployment.num_expert
+
+    @property
+    def gpu(self) -> str:
+        return self.deployment.attn_gpu
 
     @property
     def name(self) -> str:
@@ -58,12 +103,21 @@ class Preset:
     steady: bool = False
 
 
-_AEP = Setup("aep", 4, 4)
-# AEP and EP run at one time scale. Until issue 20 EP ran at twice it: its Python barrier exchange cost each device
+# The policy the presets' setups are measured with and recorded under (their recorded runs', docs/findings.md): the
+# comparison of `amoe bench compare` is defrag's against mtfs and flfs (EP runs no scheduler: only the record).
+MEASURED_POLICY = "defrag"
+
+
+def _measured(mode: str, attn: int, experts: int = 0, **knobs) -> Setup:
+    return Setup.of(mode, attn, experts, policy=MEASURED_POLICY, **knobs)
+
+
+_AEP = _measured("aep", 4, 4)
+# AEP and EP run at one time scale. EP once ran at twice it: its Python barrier exchange cost each device
 # ~2.6 ms of host time per block, all 8 waking together on 2 cores after each barrier; the C++ exchange
 # (cpp/exchange.h) costs ~0.1 ms, and the plan check's EP plans measure within 6 % of their predictions at AEP's
-# scale (docs/results.md "Planner").
-_EP = Setup("ep", 8)
+# scale (experiments/2026-11-25-plan-check-full).
+_EP = _measured("ep", 8)
 
 
 # The routing every setup runs: skew-exp at its default λ (amoe.perf.model.routing: measured Mixtral skew).
@@ -76,13 +130,13 @@ def _group(name: str, *setups: Setup) -> tuple[Setup, ...]:
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(
-        sweeps=_group("main", Setup("aep", 2, 2), Setup("ep", 4)),
+        sweeps=_group("main", _measured("aep", 2, 2), _measured("ep", 4)),
         loads=(0.1, 0.2), policy_load=None, policy_base=None,
         duration_s=0.2, time_scale=20.0, attn_cap=32, expert_cap=256, blocks=4,
     ),
     # 4 of Mixtral's 32 blocks: a short request lives ~1 s emulated, so the window [60 %, 100 %] of a 2 s point is
     # near steady state. Time scale 25 keeps the host (2 cores) at about one core at AEP's top load; the loads
-    # reach EP's saturation and AEP's. See docs/results.md.
+    # reach EP's saturation and AEP's (experiments/2026-11-25-compare-quick-steady).
     "quick": Preset(
         sweeps=_group("main", _AEP, _EP),
         loads=(0.5, 1.0), policy_load=0.5, policy_base=_AEP,
@@ -100,14 +154,14 @@ PRESETS: dict[str, Preset] = {
             # Figure 10's baseline: the 16-expert model on one 8-GPU node, for the scaling ratios below.
             _group(
                 "16e8gpu",
-                Setup("aep", 4, 4, profile="mixtral-8x7b-16e"),
-                Setup("ep", 8, profile="mixtral-8x7b-16e"),
+                _measured("aep", 4, 4, profile="mixtral-8x7b-16e"),
+                _measured("ep", 8, profile="mixtral-8x7b-16e"),
             ),
             _group(
                 "16gpu",
                 # Two 8-GPU nodes, as the paper's p4d pair (§5.2): runtimes on different nodes talk over the network.
-                Setup("aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
-                Setup("ep", 16, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
+                _measured("aep", 8, 8, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
+                _measured("ep", 16, profile="mixtral-8x7b-16e", gpus_per_node=8, slowdown=2.0),
             ),
         ),
     ),
@@ -146,43 +200,39 @@ def profile_name(setup: Setup, p: Preset) -> str:
     return setup.profile if p.blocks is None else f"{setup.profile}:{p.blocks}"
 
 
-def emulated_timeouts(scale: float) -> list[str]:
-    """`amoe serve` flags that put the coordinator's request deadline and stall timeout (ServerSection's defaults,
-    which count wall seconds) in emulated seconds: the defaults × the time scale. Why: a slow plan at a large time
-    scale has ITLs of tens of wall seconds (A100 4 + 4 top-2 at 32 blocks: 0.31 emulated s × 136.3 = 42 s), and a
-    new request's first token (its wave's next pass, then one iteration) comes after more than the default 60 s:
-    the coordinator ended it with an error and the point lost part of its load (docs/results.md)."""
+def emulated_timeouts(scale: float) -> dict:
+    """The server section's request deadline and stall timeout (ServerSection's defaults, which count wall seconds)
+    in emulated seconds: the defaults × the time scale. Why: a slow plan at a large time scale has ITLs of tens of
+    wall seconds (A100 4 + 4 top-2 at 32 blocks: 0.31 emulated s × 136.3 = 42 s), and a new request's first token
+    (its wave's next pass, then one iteration) comes after more than the default 60 s: the coordinator ended it
+    with an error and the point lost part of its load (docs/findings.md)."""
     d = ServerSection()
-    return [
-        "--server-request-timeout-s", f"{d.request_timeout_s * scale:g}",
-        "--server-stall-timeout-s", f"{d.stall_timeout_s * scale:g}",
-    ]  # fmt: skip
+    return {"request_timeout_s": d.request_timeout_s * scale, "stall_timeout_s": d.stall_timeout_s * scale}
 
 
-def serve_flags(setup: Setup, p: Preset, seed: int) -> list[str]:
-    """The `amoe serve` command line of one setup (port 0 is added by ServerProcess)."""
-    flags = [
-        "--parallel", setup.mode, "--attn-ranks", str(setup.attn),
-        "--executor", "emulated", "--gpu", setup.gpu, "--executor-profile", profile_name(setup, p),
-        "--executor-top-k", str(setup.top_k), "--routing", ROUTING, "--executor-seed", str(seed),
-        "--time-scale", f"{time_scale(setup, p):g}", "--scheduler", setup.policy,
-        "--scheduler-attn-batch-cap", str(p.attn_cap), "--scheduler-expert-batch-cap", str(p.expert_cap),
-        # The load generator, not the coordinator's queue, decides the load: never refuse for overload.
-        "--server-max-waiting", "1000000",
-        # Each deployment's maximum: a rank takes as many requests as its KV holds (as the recorded runs did).
-        # AEP needs far more in flight than its batch caps to fill them (docs/emulation.md "Simulation"); with
-        # the default 256 per rank the quick preset's AEP measured 0.48 of its bound instead of ~0.8.
-        "--cache-max-num-seqs", "1000000",
+def load_settings(scale: float) -> dict:
+    """The sections every emulated deployment under load is served with beside its own: the load generator, not
+    the coordinator's queue, decides the load (never refuse for overload); timeouts in emulated seconds."""
+    return {
+        "server": {"max_waiting": 1_000_000, **emulated_timeouts(scale)},
+        "transport": {"timeout_s": 60.0},
+    }
+
+
+def serve_config(setup: Setup, p: Preset, seed: int) -> AmoeConfig:
+    """What one setup serves: its deployment at the preset's caps on emulated GPUs (port 0: ServerProcess)."""
+    deployment = replace(setup.deployment, attn_cap=p.attn_cap, expert_cap=p.expert_cap)
+    emulation = {
+        "profile": profile_name(setup, p), "top_k": setup.top_k, "routing": ROUTING, "seed": seed,
+        "time_scale": time_scale(setup, p),
         # Decode only, as the paper measures (prefill skipped, KV as if written): the bound counts decode tokens.
-        "--executor-decode-only", "true",
-        "--transport-timeout-s", "60",
-        *emulated_timeouts(time_scale(setup, p)),
-    ]  # fmt: skip
-    if setup.mode != "ep":
-        flags += ["--expert-ranks", str(setup.experts)]
-    if setup.gpus_per_node:
-        flags += ["--executor-gpus-per-node", str(setup.gpus_per_node)]
-    return flags
+        "decode_only": True,
+    }  # fmt: skip
+    # Each deployment's maximum: a rank takes as many requests as its KV holds (as the recorded runs did). AEP
+    # needs far more in flight than its batch caps to fill them (docs/simulation.md "Simulation"); with the default
+    # 256 per rank the quick preset's AEP measured 0.48 of its bound instead of ~0.8.
+    config = to_config(deployment, max_num_seqs=1_000_000, policy=setup.policy, emulation=emulation)
+    return config.replace(**load_settings(time_scale(setup, p)))
 
 
 def _bound(setup: Setup, p: Preset, deployment, full: bool = False) -> float:
@@ -206,12 +256,10 @@ def upper_bound(setup: Setup, p: Preset, max_attn_batch: int | None = None, full
     the routing's skew on the expert side (amoe.perf.plan.bounds): every GPU busy at its most efficient batch
     within the deployment's caps, KV capacity respected. `full`: at the model's full depth (the ratio between
     deployments is the same either way: a truncated profile pays its share of the head)."""
-    from amoe.perf.plan.deployment import Deployment
-
     attn = setup.attn if setup.mode != "ep" else setup.attn // 2
     dep = Deployment(
         "aep", setup.gpu, attn, setup.gpu, setup.num_gpus - attn, max_attn_batch or p.attn_cap, p.expert_cap,
-        gpus_per_node=setup.gpus_per_node or setup.num_gpus,
+        gpus_per_node=setup.deployment.gpus_per_node,
     )  # fmt: skip
     return _bound(setup, p, dep, full)
 
@@ -220,14 +268,12 @@ def ep_upper_bound(setup: Setup, p: Preset, seed: int = 0, full: bool = False) -
     """The cost model's best case for barrier-synchronised EP on the setup's GPUs (amoe.perf.plan.bounds: the
     all-to-alls' latency and one grouped GEMM per device) under the routing the bench runs, each device batching
     up to the attention cap. With upper_bound it says what AEP / EP ratio the GPUs alone allow."""
-    from amoe.perf.plan.deployment import Deployment
-
     dep = Deployment(
         "ep",
         setup.gpu,
         setup.num_gpus,
         attn_cap=p.attn_cap,
-        gpus_per_node=setup.gpus_per_node or setup.num_gpus,
+        gpus_per_node=setup.deployment.gpus_per_node,
     )
     return _bound(setup, p, dep, full)
 

@@ -1,4 +1,4 @@
-"""`amoe bench eps`: EPS-MoE's claims against the cost model (docs/results.md "EPS-MoE"), a table per check and a
+"""`amoe bench eps`: EPS-MoE's claims against the cost model (docs/findings.md "EPS-MoE"), a table per check and a
 final JSON line.
 
 1. Table II: the kernel curves' predictions of every cell; the PN 1 rows are in sample (the curves were fitted to
@@ -127,8 +127,8 @@ def decode(gpus: list[str], sizes: list[int], top_ks: list[int]) -> list[dict]:
     return out
 
 
-# Decode cells where a pipeline can matter (docs/results.md "EPS-MoE"): the h800 with its Table II curves, the
-# fine-grained profiles (DeepSeek-V2 and the frontier ones of issue 35) in EP groups of 8 to 20 experts a device, the
+# Decode cells where a pipeline can matter (experiments/2026-11-27-eps-moe): the h800 with its Table II curves, the
+# fine-grained profiles (DeepSeek-V2 and the frontier ones) in EP groups of 8 to 20 experts a device, the
 # amoe-paper host and an ideal one (no host step per chunk), three batch caps, uniform and skewed routing.
 WIDE_MODELS = (("deepseek-v2", 16), ("deepseek-v3", 32), ("qwen3-235b-a22b", 16), ("qwen3-30b-a3b", 8))
 WIDE_HOSTS = ("amoe-paper", "none")

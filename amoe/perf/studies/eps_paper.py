@@ -2,7 +2,7 @@
 fitted to and checked against them: Table II (one MoE layer per kernel, PN, overlap, FP8 and SM cap; its PN 1 rows
 calibrate the h800 curves, `fit_table2`), Table IV (the GEMM on 132 vs 116 SMs: the interference,
 `fit_interference`) and Table III (DeepSeek-V2 prefill on 8 GPUs, `prefill_block`). `amoe bench eps`
-(amoe.perf.studies.eps_bench) prints the comparison; docs/results.md "EPS-MoE" records it.
+(amoe.perf.studies.eps_bench) prints the comparison; docs/findings.md "EPS-MoE" records it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from amoe.perf.model.models import ModelProfile
 
 # ---- the paper's Table II (4 x H800, one MoE layer of Gate+Up+Down, ms)
 # Columns: (hidden, intermediate) x m, m the tokens per expert (as the paper defines m for its Fig. 5). The paper
-# gives neither the experts per GPU nor the routing; docs/emulation.md argues 8 experts per GPU from the FLOPs and
+# gives neither the experts per GPU nor the routing; docs/eps.md argues 8 experts per GPU from the FLOPs and
 # bytes (40 experts of [5120, 15360] could not stream their weights in the 2.3 ms of m = 256, 16 barely), with
 # each token's copies spread evenly over the 4 GPUs. With 8 local experts PN 20 is PN 8, one expert a chunk.
 TABLE2_SHAPES = ((5120, 1536), (5120, 15360))
@@ -115,7 +115,7 @@ def curves_from(params: Sequence[float], gpu: str = "h800", source: str = "") ->
 
 # The fit's scale: the target is each PN 1 cell within 10 %. A Cauchy loss at that scale keeps the cells no
 # monotone model can fit (FP8 slower than BF16 over the same bytes at m = 256 [5120, 1536]; dense m = 1024
-# [5120, 1536] costing more per token than m = 256 — docs/results.md) from pulling the others out of it.
+# [5120, 1536] costing more per token than m = 256 — experiments/2026-11-27-eps-moe) from pulling the others out of it.
 FIT_SCALE = 0.10
 
 
@@ -232,7 +232,7 @@ TABLE3_GAIN = {  # prefill throughput gain over EP without the pipeline, % (Tabl
 TABLE1_SEQ_LEN, TABLE1_BATCH, TABLE1_EP = 1024, 256, 8
 TABLE1_DEEPSEEK_V2_PREFILL = {"all2all": 33.34, "experts": 22.22, "attention": 44.44}
 
-# The one calibration from Table I (docs/results.md "EPS-MoE", round 4, written before Table III was computed with
+# The one calibration from Table I (docs/eps.md, written before Table III was computed with
 # it): the cost model's attention layer (cost_model.attention_layer_time: the roofline at the profile's 0.60 of peak,
 # MLA's decode-form FLOPs) times this factor is the DeepSeek-V2 prefill attention of the paper's H800s. It is chosen
 # so the model's block at Table I's point reproduces Table I's attention : expert-compute ratio, 44.44 : 22.22 = 2

@@ -1,27 +1,30 @@
-"""Round 4 of issue 36: set the routing model's access locality from the paper's ORACLE, Bélády only.
+"""Set the routing model's access locality from the paper's ORACLE, Bélády only.
 
     amoe bench offload-locality [--models switch-large-128,nllb-moe-128] [--bound]
 
-The rule (docs/offload.md "Round 4", written before this ran): per shape, Bélády's hit ratio at the paper's cache
-size and batch 16 must equal the paper's ORACLE (Figure 11) within ±2 pt. First `spread` alone, upward from the
-round-3 value on a 0.05 grid to 1.0 (a 0.01 grid inside the last step if it jumps past the band); only if
-spread 1.0 does not reach it, `zipf` downward on a 0.25 grid at spread 1.0. A value that reaches the target must
-keep §3's ranges at batches 1-32 on the training sample, or it is rejected. No other policy is replayed here: the
-search sees only the optimum, a property of the trace. One JSON line per candidate, then a summary line.
+The rule (docs/offload-policy.md "Access locality set from the paper's ORACLE", written before this ran): per
+shape, Bélády's hit ratio at the paper's cache size and batch 16 must equal the paper's ORACLE (Figure 11)
+within ±2 pt. First `spread` alone, upward from the sourced value on a 0.05 grid to 1.0 (a 0.01 grid inside
+the last step if it jumps past the band); only if spread 1.0 does not reach it, `zipf` downward on a 0.25 grid
+at spread 1.0. A value that reaches the target must keep §3's ranges at batches 1-32 on the training sample,
+or it is rejected. No other policy is replayed here: the search sees only the optimum, a property of the
+trace. One JSON line per candidate, then a summary line.
 
-`--bound` instead prints, for the round-3 constants and the grid's far corner (spread 1.0, zipf 0), a floor under
-Bélády that needs no search: a policy that empties the cache at each batch's start misses at most the batch's
-distinct experts when they fit, so Bélády >= 1 - sum(distinct per batch) / accesses (when every batch fits) — and
-§3's statistics at the corner.
+`--bound` instead prints, for the sourced constants and the grid's far corner (spread 1.0, zipf 0), a floor
+under Bélády that needs no search: a policy that empties the cache at each batch's start misses at most the
+batch's distinct experts when they fit, so Bélády >= 1 - sum(distinct per batch) / accesses (when every batch
+fits) — and §3's statistics at the corner.
 
-`--lengths` prints Bélády for the round-3 constants with generated lengths 1-20 beside 8-32: the authors' example
-script caps generation at 20 new tokens (a cap, not a mean). Exploratory, outside the rule; it sets nothing.
+`--lengths` prints Bélády for the sourced constants with generated lengths 1-20 beside 8-32: the authors'
+example script caps generation at 20 new tokens (a cap, not a mean). Exploratory, outside the rule; it sets
+nothing.
 
-`--enc-dec` is round 5 (docs/offload.md "Round 5", written before it ran): the round-3 constants unchanged, the
-shapes as the encoder-decoder models they are (Switch-large-128 12 + 12 MoE blocks, NLLB-MoE-128 6 + 6; encoder
-blocks routed once per sequence, at prefill). Per shape one line: Bélády at the paper's cache size (batch 16, the
-target, and batch 1), the per-batch floor, §3's statistics on the whole model (the check) and on the decoder part
-(for reading), and whether the rule lets the hit part run.
+`--enc-dec` (the rule: docs/offload-policy.md "The shapes as the encoder–decoder models they are", written
+before it ran): the sourced constants unchanged, the shapes as the encoder-decoder models they are
+(Switch-large-128 12 + 12 MoE blocks, NLLB-MoE-128 6 + 6; encoder blocks routed once per sequence, at
+prefill). Per shape one line: Bélády at the paper's cache size (batch 16, the target, and batch 1), the
+per-batch floor, §3's statistics on the whole model (the check) and on the decoder part (for reading), and
+whether the rule lets the hit part run.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def search(name: str) -> dict:
     if found is None and last.get("spread") == 1.0 and last[f"belady_b{TARGET_BATCH}"] > oracle + TOLERANCE:
         zipfs = np.round(np.arange(base["zipf"] - 0.25, -1e-9, -0.25), 2)
         found = sweep("zipf", zipfs, {**base, "spread": 1.0}, 0.05)
-    return {"model": name, "oracle": oracle, "round3": base, "found": found, "candidates": len(tried)}
+    return {"model": name, "oracle": oracle, "sourced": base, "found": found, "candidates": len(tried)}
 
 
 def floor(test, batch: int, capacity: int) -> dict:
@@ -124,7 +127,7 @@ def floor(test, batch: int, capacity: int) -> dict:
 
 
 def enc_dec(name: str) -> dict:
-    """Round 5: the round-3 constants on the encoder-decoder structure; Bélády, the floor and §3 only."""
+    """The sourced constants on the encoder-decoder structure; Bélády, the floor and §3 only."""
     m = MODELS[name]
     params = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **m.routing}
     model = TaskRouting(
@@ -167,7 +170,7 @@ def lengths(name: str) -> None:
             num_blocks=m.blocks, num_experts=m.experts, top_k=m.top_k, output=output, **m.routing
         )
         test = model.generate(N_TEST, seed=2)
-        row = {"model": name, "output": output, "note": "exploratory, outside the round-4 rule; sets nothing"}
+        row = {"model": name, "output": output, "note": "exploratory, outside the search rule; sets nothing"}
         for batch in (TARGET_BATCH, 1):
             row[f"belady_b{batch}"] = round(
                 rp.belady(rp.accesses(rp.events(test, batch)), m.capacity).hit_ratio, 4
@@ -198,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     out = {"bench": "offload_locality", "tolerance": TOLERANCE, "target_batch": TARGET_BATCH, "results": []}
     for name in models:
         base = {"spread": TaskRouting.spread, "zipf": TaskRouting.zipf, **MODELS[name].routing}
-        evaluate(name, base)  # the round-3 constants, for the record
+        evaluate(name, base)  # the sourced constants, for the record
         out["results"].append(search(name))
         print(json.dumps(out["results"][-1]), flush=True)
     out["wall_s"] = round(time.time() - start, 1)

@@ -19,7 +19,8 @@
 
 The traces come from the task-clustered routing model (amoe.offload.trace.TaskRouting, parameters set from §3
 alone) unless --routing gives a file the server recorded; --enc-dec gives them the paper checkpoints' encoder-decoder
-structure (encoder blocks routed once, at prefill; docs/offload.md "Round 5"). Prints tables and a final JSON line.
+structure (encoder blocks routed once, at prefill). Prints tables and a final JSON line. The structure's rule:
+docs/offload-policy.md "The shapes as the encoder–decoder models they are".
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from amoe.config import ExecutorSection
+from amoe.config import EmulationSection
 from amoe.errors import ConfigError
 from amoe.offload import replay as rp
 from amoe.offload.activation import ActivationPolicy
@@ -53,7 +54,7 @@ MODELS = {
     "switch-large-128": SimpleNamespace(
         blocks=24, experts=128, top_k=1, expert_bytes=2 * 1024 * 4096 * 4, dense_bytes=4 * 1024**2 * 4,
         capacity=535, paper={"activation": 0.46, "best_baseline": 0.32, "oracle": 0.56}, routing={},
-        encoder_blocks=12,  # with --enc-dec: 12 encoder + 12 decoder MoE blocks (docs/offload.md "Round 5")
+        encoder_blocks=12,  # with --enc-dec: 12 encoder + 12 decoder MoE blocks (docs/offload-policy.md)
         paper_recall={"8": None, "128": 0.98, "baseline_128": 0.38},
     ),
     "nllb-moe-128": SimpleNamespace(
@@ -226,9 +227,7 @@ def mixtral_all_missed(tokens: int = 2) -> dict:
     """Mixtral-8x7B (32 blocks, top-2) through the emulated expert executor with a one-expert budget: every
     token's 64 expert steps each miss (the two experts of a block differ) and wait for a 352 MB copy. Real time
     (time scale 1, ~1 s per token): the tiers read the emulated clock, whose sleeps are only ~0.1 ms accurate."""
-    section = ExecutorSection(
-        kind="emulated", gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0
-    )
+    section = EmulationSection(gpu="a5000", profile="mixtral-8x7b-mqa", routing="uniform", time_scale=1.0)
     profile = model_profile("mixtral-8x7b-mqa")
     expert_bytes = profile.params_of(0) * profile.bytes_per_param
     em = Emulation(section, offload=OffloadSpec(expert_bytes, policy="lru", prefetch=False))
@@ -307,7 +306,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     traces = _task_traces(args.enc_dec, n_train, n_test)
     out["origin"].update({name: test.origin for name, (_, test) in traces.items()})
-    # Part by part over both shapes, the cheap and the issue's first questions first: a run cut short keeps them.
+    # Part by part over both shapes, the cheap parts and §3's statistics first: a run cut short keeps them.
     for name in MODELS:
         train, _ = traces[name]
         for b in (1, 4, 16, 32) if "statistics" in parts else ():

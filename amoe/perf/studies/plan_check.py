@@ -1,23 +1,23 @@
 """Does the emulated runtime reach what the planner predicts? Each plan's predicted throughput (amoe.perf.plan.search,
 what `amoe plan` ranks by) against the maximum the emulated runtime measures when it runs that plan's `amoe serve`
-command (issue 20). The emulated executor holds each step for the cost model's time, so this checks the runtime's
+config. The emulated executor holds each step for the cost model's time, so this checks the runtime's
 queueing, batching and scheduling against the simulation's, not the cost model against a GPU (docs/emulation.md).
 
     amoe bench plan-check [--preset full|depth|ci] [--repeats N] [--only ep,pingpong] [--match S] [--out DIR]
 
-For every plan: start the emulated deployment with the plan's flags (`amoe.perf.plan.report.serve_command`, emulated), run it
+For every plan: start the emulated deployment the plan's config describes (`amoe.perf.plan.serving.plan_config`, emulated), run it
 at the plan's concurrency and measure output tokens per emulated second in steady state. By default the deployment
 starts in that steady state (amoe.perf.studies.steady: the plan's requests as a running deployment holds them, a closed
 load, measured over ITLs; about 15 ITLs a point); `--fill poisson` instead offers Poisson arrivals above the
 predicted rate until admission holds the plan at its concurrency (~80 ITLs a point; both agree within 2 % on the
-full preset, docs/results.md). The time scale is the preset's,
+full preset, experiments/2026-11-25-plan-check-full). The time scale is the preset's,
 stretched by a host probe (amoe.perf.studies.calibrate) so host work is the same fraction of each emulated step on any
 machine; a point whose server saturated the host's CPU is marked and rerun at twice the time scale. With
 --repeats N each plan runs N times and reports the median and spread.
 
 Prints a table and one final JSON line; writes plan_check.json to --out. Exits 1 when a plan's median is further than
 the preset's tolerance from its prediction. Profiles keep --blocks of the model's blocks (the bounds at that depth:
-a truncated profile pays its share of the head, so the prediction is the full model's scaled, docs/emulation.md).
+a truncated profile pays its share of the head, so the prediction is the full model's scaled, docs/simulation.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from amoe.config import DEFAULT_POLICY, AmoeConfig
 from amoe.errors import ConfigError
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
@@ -41,11 +42,11 @@ from amoe.perf.model.variance import StepVariance
 from amoe.perf.model.workloads import mean_context
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.refine import refine
-from amoe.perf.plan.report import serve_command
-from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.plan.request import Plan, PlanRequest, check_policy
+from amoe.perf.plan.serving import plan_config
 from amoe.perf.studies import calibrate, steady
 from amoe.perf.studies.compare import load_point
-from amoe.perf.studies.compare_setup import Preset, Setup, emulated_timeouts, mean_output_tokens
+from amoe.perf.studies.compare_setup import Preset, Setup, load_settings, mean_output_tokens
 from amoe.testing.servers import ServerProcess
 
 logger = logging.getLogger("plan_check")
@@ -56,7 +57,7 @@ ROUTING = f"skew-exp:{DEFAULT_LAMBDA:g}"
 # grouped steps, per 7.07 ms ITL) and each attention step fans out to 16 expert GPUs: at ~1 ms of host CPU per step
 # with its messages that is ~80 CPU-s per emulated second, against ~10 for the 8-GPU presets' plans at their
 # scale of 40. 400 keeps the runtimes at ~0.2 of a core and leaves the coordinator and the 4,096-request load
-# generator the rest (docs/results.md, Issue 35, "The emulated runtime at 32 GPUs": the measured host cores).
+# generator the rest (experiments/2026-11-27-plan-check-32-runtimes: the measured host cores).
 SCALE32_TIME_SCALE = 400.0
 
 
@@ -99,12 +100,12 @@ class CheckPreset:
     # The emulated GPUs' step-time variance (amoe.perf.model.variance), in the runs and in the prediction.
     step_variance: str = "sourced"
     # The scheduling policy of the AEP plans, in the runs (`--scheduler`) and in the prediction (`amoe plan`'s).
-    aep_policy: str = AEP_POLICY
+    aep_policy: str = DEFAULT_POLICY
 
 
 PRESETS = {
-    # AEP splits (one heterogeneous), EP, ping-pong; A100 and H100; top-1 and top-2: the issue's "≥ 6 diverse
-    # plans".
+    # AEP splits (one heterogeneous), EP, ping-pong; A100 and H100; top-1 and top-2: at least six
+    # diverse plans.
     "full": CheckPreset(
         checks=(
             _aep("a100-80g", 4, 4, 1),
@@ -121,7 +122,7 @@ PRESETS = {
     # At the profiles' full depth (32 blocks): three plans, AEP at a fixed 256 requests per attention GPU, where its
     # batches stay small (the simulation's hardest case: waves; at its own concurrency an AEP plan's steps are
     # near their caps, and `amoe bench plan-table` --measure runs those at this preset's settings). It checks, at 32
-    # blocks, the simulation behind the planner's full-depth table (docs/results.md).
+    # blocks, the simulation behind the planner's full-depth table (experiments/2026-11-25-plan-check-depth).
     "depth": CheckPreset(
         checks=(
             _ep("h100", 2, 2, cap=128),
@@ -130,7 +131,7 @@ PRESETS = {
         ),
         blocks=32, duration_s=1.0, time_scale=40.0, overload=3.0, tolerance=0.10,
     ),
-    # What step-time variance costs a barrier and a queue (docs/results.md "Step-time variance"): AEP 4 + 4 and EP 8
+    # What step-time variance costs a barrier and a queue (experiments/2026-11-26-step-variance-plan-check): AEP 4 + 4 and EP 8
     # on A100s, whose bounds without variance are equal at top-1 (same throughput and ITL) and 1.01 apart at top-2,
     # run once with --step-variance sourced and once with off.
     "variance": CheckPreset(
@@ -142,10 +143,10 @@ PRESETS = {
         ),
         blocks=4, duration_s=1.0, time_scale=40.0, overload=2.0, tolerance=0.10,
     ),
-    # Issue 35: one frontier-class plan at 32 emulated runtimes, where the simulation runs at scale
+    # One frontier-class plan at 32 emulated runtimes, where the simulation runs at scale
     # (amoe.perf.plan.simulate.scale: counts per expert, the attention GPUs on one timeline, AEP in waves) and the
-    # runtime's queues, batching and 16-way fan-out are the real ones. Chosen before any run (docs/results.md
-    # "Issue 35", "The emulated runtime at 32 GPUs"): DeepSeek-V3 (256 experts top-8, FP8) at 4 of its 58 MoE
+    # runtime's queues, batching and 16-way fan-out are the real ones. Chosen before any run
+    # (experiments/2026-11-27-plan-check-32-runtimes): DeepSeek-V3 (256 experts top-8, FP8) at 4 of its 58 MoE
     # blocks on H800s; AEP, the mode the simulation is least sure of; A = E = 16, so no expert GPU receives more
     # than an attention GPU sends; attention cap 64 and 256 requests per attention GPU (4 waves), where the bound
     # and the simulation are attention-bound with the links idle a third of the time or more: the runtime prices a
@@ -202,8 +203,8 @@ def prediction(check: Check, p: CheckPreset, workload: str = "short") -> Plan:
     )  # fmt: skip
 
 
-def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[str]:
-    """The plan's emulated `amoe serve` command (what `amoe plan --emulated` prints), at this run's time scale."""
+def serve_config(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> AmoeConfig:
+    """The plan's emulated config (what `amoe plan --out FILE --emulated` writes), at this run's time scale."""
     req = PlanRequest(
         f"{check.profile}:{p.blocks}",
         {check.deployment.attn_gpu: 8},
@@ -212,11 +213,8 @@ def flags(check: Check, plan: Plan, p: CheckPreset, time_scale: float) -> list[s
         step_variance=p.step_variance,
         aep_policy=p.aep_policy,
     )
-    argv = serve_command(plan, req, emulated=True).split()[2:]
-    return argv + [
-        "--time-scale", f"{time_scale:g}", "--server-max-waiting", "1000000", "--transport-timeout-s", "60",
-        *emulated_timeouts(time_scale),
-    ]  # fmt: skip
+    config = plan_config(plan, req, emulated=True)
+    return config.replace(emulation={"time_scale": time_scale}, **load_settings(time_scale))
 
 
 # Wall seconds a runtime's start-up may take on a busy host: each imports torch and the runtime (2.3 CPU-s measured
@@ -236,10 +234,8 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
     predicted rate until admission holds the plan at its concurrency, measured over the last 40 % of a point about
     a request lifetime long (amoe.perf.studies.compare; ~5× the wall time)."""
     d = check.deployment
-    setup = Setup(
-        d.mode, d.num_attn, d.num_expert, top_k=check.top_k, profile=check.profile, gpu=d.attn_gpu,
-        policy=p.aep_policy,  # the point's name in the logs (the server runs it: flags)
-    )  # fmt: skip
+    # the point's name in the logs and its workload (the server runs the plan's config: serve_config)
+    setup = Setup(d, policy=p.aep_policy, top_k=check.top_k, profile=check.profile)
     pred = plan.prediction
     # Arrivals fill the plan's concurrency in ITL × tokens per request / overload; the measured window (the last
     # 40 % of the point) opens well after that.
@@ -249,7 +245,7 @@ async def measure(check: Check, plan: Plan, p: CheckPreset, time_scale: float, s
         duration_s=max(p.duration_s, 2.5 * fill_s),
         time_scale=time_scale, attn_cap=d.attn_cap, expert_cap=d.expert_cap, blocks=p.blocks,
     )  # fmt: skip
-    server = ServerProcess(flags(check, plan, p, time_scale), startup_timeout_s=startup_timeout_s(d))
+    server = ServerProcess(serve_config(check, plan, p, time_scale), startup_timeout_s=startup_timeout_s(d))
     with server:
         try:
             if fill == "steady":
@@ -344,7 +340,7 @@ def main(args) -> int:
         p = PRESETS[args.preset]
     p = dataclasses.replace(
         p, step_variance=getattr(args, "step_variance", "sourced"),
-        aep_policy=check_policy(getattr(args, "aep_policy", AEP_POLICY)),
+        aep_policy=check_policy(getattr(args, "aep_policy", DEFAULT_POLICY)),
     )  # fmt: skip
     if getattr(args, "time_scale", None) is not None:
         if args.time_scale <= 0:

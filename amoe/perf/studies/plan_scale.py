@@ -1,13 +1,13 @@
-"""Throughput per GPU against cluster size, AEP against EP, as the cost model extrapolates it (issue 20): the best
+"""Throughput per GPU against cluster size, AEP against EP, as the cost model extrapolates it: the best
 plan of each mode (`amoe plan`'s search) on 8 to 256 GPUs across hosts of 8.
 
     amoe bench plan-scale [--gpu h100] [--profile mixtral-8x7b-16e] [--top-k 1] [--out DIR]
 
 Prints a table and a final JSON line; writes scale.png (throughput per GPU vs GPUs) and scale.json to --out. These
-are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/emulation.md "Bounds");
+are predictions, not measurements: nothing here runs a runtime. By default the bounds (docs/simulation.md "Bounds");
 with --simulate each mode's best shapes are refined by the discrete-event simulation and ranked by it, as `amoe plan`
 does (one copy of each, so a plan of many small copies costs what one copy does). A copy of more than 16 GPUs or
-16,384 requests is simulated at scale (amoe.perf.plan.simulate.scale, issue 35) rather than keeping its bound.
+16,384 requests is simulated at scale (amoe.perf.plan.simulate.scale) rather than keeping its bound.
 """
 
 from __future__ import annotations

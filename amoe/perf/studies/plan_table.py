@@ -1,6 +1,6 @@
-"""The planner's table at full model depth (issue 20): for each GPU type × top-k × pool size × routing, the best
+"""The planner's table at full model depth: for each GPU type × top-k × pool size × routing, the best
 plan of each mode (AEP, EP, ping-pong; copies allowed) as `amoe plan` ranks them, each with its corrected bound,
-its refined prediction (the discrete-event simulation, docs/emulation.md "Simulation"; ping-pong analytic) and the
+its refined prediction (the discrete-event simulation, docs/simulation.md "Simulation"; ping-pong analytic) and the
 fraction of the bound it reaches, AEP / EP against the bounds' AEP / EP, and the planner's pick.
 
     amoe bench plan-table [--gpus a100-80g,h100,h200] [--sizes 8,16] [--top-k 1,2] [--jobs N] [--out DIR]
@@ -12,7 +12,7 @@ and the row reports measured throughput (× copies) beside the prediction. At th
 up to an hour per point on a 2-core host; an ITL objective (--itl-slo-ms) keeps the plans to fewer requests:
 
     amoe bench plan-table --measure --itl-slo-ms 150 --gpus a100-80g --sizes 8 --top-k 1 \
-        --routings skew-exp:0.08 --out docs/results/plan_table_measured
+        --routings skew-exp:0.08 --out experiments/DATE-plan-table-measured
 
 Prints a markdown table and a final JSON line; writes plan_table.json to --out.
 """
@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from amoe.config import DEFAULT_POLICY
 from amoe.errors import ConfigError
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA
@@ -37,11 +38,11 @@ from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment, describe
 from amoe.perf.plan.prediction import Prediction
 from amoe.perf.plan.refine import RESOLUTION
-from amoe.perf.plan.request import AEP_POLICY, Plan, PlanRequest, check_policy
+from amoe.perf.plan.request import Plan, PlanRequest, check_policy
 from amoe.perf.plan.search import best_per_mode, search
 from amoe.perf.studies import plan_check
 
-# The sourced skew, the same with request affinity, and the stress case (docs/emulation.md "Routing").
+# The sourced skew, the same with request affinity, and the stress case (docs/cost-model.md "Routing override").
 ROUTINGS = (f"skew-exp:{DEFAULT_LAMBDA:g}", f"skew-exp:{DEFAULT_LAMBDA:g},rho=0.5", "skew-exp:0.4")
 PROFILE = "mixtral-8x7b-mqa"
 MODES = ("aep", "ep", "pingpong")
@@ -49,7 +50,7 @@ MODES = ("aep", "ep", "pingpong")
 
 def cell(
     gpu: str, n: int, top_k: int, routing: str, profile: str, itl_slo_ms: float | None = None,
-    step_variance: str = "sourced", aep_policy: str = AEP_POLICY,
+    step_variance: str = "sourced", aep_policy: str = DEFAULT_POLICY,
 ) -> dict:  # fmt: skip
     """The best plan of each mode on n GPUs of one type (each with its deployment, for --measure), and the
     planner's pick; AEP plans simulated with `aep_policy`."""
@@ -72,7 +73,7 @@ def cell(
             "simulated": bool(pred.extra.get("simulated")), "bottleneck": pred.bottleneck,
             "deployment": dataclasses.asdict(plan.deployment),
         }  # fmt: skip
-        if "wave_group" in pred.extra:  # how --measure serves it under waves (docs/engine.md item 13)
+        if "wave_group" in pred.extra:  # how --measure serves it under waves' group cells
             modes[mode]["wave_group"] = pred.extra["wave_group"]
     row = {
         "gpu": gpu,
@@ -108,6 +109,11 @@ def one_copy(mode_row: dict) -> Plan:
     return Plan(dataclasses.replace(d, replicas=1), pred, None)
 
 
+# The policy a measured point's key leaves unnamed: AEP points recorded before --aep-policy ran defrag and their
+# keys carry no policy, so a defrag point's key has none (a format of measured.jsonl, not a default).
+UNNAMED_POLICY = "defrag"
+
+
 class Measured:
     """Measured points by what they run (one copy's plan, top-k, routing, requests), one JSON line each in a file:
     a plan that several cells share (8 and 16 GPUs of the same copies) runs once, and an interrupted --measure
@@ -117,7 +123,7 @@ class Measured:
         self.path = path
         self.run = run  # False: report only what the file holds
         self.step_variance = "sourced"  # what the runs' emulated GPUs have (amoe.perf.model.variance)
-        self.aep_policy = AEP_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
+        self.aep_policy = DEFAULT_POLICY  # the scheduling policy the AEP plans run (amoe serve --scheduler)
         self.points: dict[str, dict] = {}
         if path.exists():
             for line in path.read_text().splitlines():
@@ -132,14 +138,14 @@ class Measured:
         routing: str,
         plan: Plan,
         step_variance: str = "off",
-        aep_policy: str = "defrag",
+        aep_policy: str = UNNAMED_POLICY,
     ) -> str:
         # Points recorded before step-time variance existed ran without it, and AEP points recorded before
         # --aep-policy ran defrag: their keys have no suffix.
         suffix = "" if step_variance == "off" else f" variance {step_variance}"
         # the policy the plan runs: refine's record where it has one (a plan simulated at scale runs defrag)
         aep_policy = plan.prediction.extra.get("aep_policy", aep_policy)
-        if plan.deployment.mode == "aep" and aep_policy != "defrag":
+        if plan.deployment.mode == "aep" and aep_policy != UNNAMED_POLICY:
             suffix += f" policy {aep_policy}"
         return f"{profile} top{top_k} {routing} {describe(plan.deployment)} c{plan.prediction.concurrency}{suffix}"
 
@@ -156,7 +162,7 @@ def little_rate(runs: list[dict]) -> float | None:
     producing (~1 % high at ~100 tokens a request). Within 1.1 % of the counter's least-squares slope on 27 of the
     first 31 points with both; on the other 4 the counter is too coarse to tell (7–8 steps, or 20 uneven ones,
     scraped 4 times an ITL: where the steps fell is known only to ±10 %), while the ITL histogram times every
-    token (docs/results.md). None if no run recorded both."""
+    token (experiments/2026-11-25-plan-table-full-depth). None if no run recorded both."""
     rates = [
         r["running_mean"] / (r["itl_ms"] / 1e3) for r in runs if r.get("itl_ms") and r.get("running_mean")
     ]
@@ -213,10 +219,10 @@ def readings(got: dict, replicas: int, predicted: float) -> dict:
 # A close call: a row whose two best measured modes are within the simulation's resolution of each other
 # (plan.RESOLUTION). One run at the table's time scale cannot order them: two runs of one plan differ by up to 2 %
 # there, and on eight emulated runtimes AEP's measured 2-3 % under its simulation at scale ~64 and at it at 2.5x
-# that (docs/results.md "Headroom"). So every mode of the row runs CLOSE_CALL_RUNS more times, in turn within each
+# that (experiments/2026-11-28-headroom). So every mode of the row runs CLOSE_CALL_RUNS more times, in turn within each
 # run, at CLOSE_CALL_SCALE times the time scale (the host's own delays that much smaller against every emulated
 # step), and the row reads the means. The rule was written down before the runs that first applied it
-# (docs/results/headroom/100_row2_scale100_runs/RULE.md), then coded as it stands.
+# (experiments/2026-11-28-close-call/RULE.md), then coded as it stands.
 CLOSE_CALL_SCALE = 2.5
 CLOSE_CALL_RUNS = 3
 
@@ -311,7 +317,11 @@ FIGURE10_PROFILE = "mixtral-8x7b-16e"
 
 
 def figure10(
-    gpu: str, routing: str, workload: str = "short", measure: tuple | None = None, policy: str = AEP_POLICY
+    gpu: str,
+    routing: str,
+    workload: str = "short",
+    measure: tuple | None = None,
+    policy: str = DEFAULT_POLICY,
 ) -> dict:
     """The paper's Figure 10 setup at full depth (32 blocks): the 16-expert model on one 8-GPU host and on two
     (16 GPUs, links between hosts on the critical path), AEP 4 + 4 → 8 + 8 and EP 8 → 16, each refined by the
@@ -420,7 +430,7 @@ def main(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     started = time.monotonic()
     routings = args.routings.split(";") if args.routings else list(ROUTINGS)
-    policy = check_policy(getattr(args, "aep_policy", AEP_POLICY))
+    policy = check_policy(getattr(args, "aep_policy", DEFAULT_POLICY))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measure = _measurement(args, out, policy) if args.measure else None
@@ -511,7 +521,7 @@ def _measured_summary(rows: list[dict], measured: Measured) -> dict:
             r[m]["measured_over_predicted"] for r in rows for m in ("aep", "ep", "pingpong")
             if "measured" in r.get(m, {})
         ),
-        # The issue's goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
+        # The goals: AEP at >= 0.85 of its bound, AEP / EP at >= 0.95 of the bounds' AEP / EP.
         measured_aep_at_085_of_bound=f"{sum(f >= 0.85 for f in aep)} of {len(aep)}",
         measured_aep_over_ep_at_095_of_bounds=f"{sum(f >= 0.95 for f in of_bounds)} of {len(of_bounds)}",
         fit_over_two_scrapes=fit_over_two_scrapes(measured.points),

@@ -4,7 +4,6 @@ points (amoe.perf.studies.compare) and steady points (amoe.perf.studies.steady) 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 
@@ -14,7 +13,7 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
     from amoe.perf.studies import calibrate
     from amoe.perf.studies.probe import histogram_quantile
 
-    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": asdict(setup), "rate": rate}
+    point = {"config": setup.name, "group": setup.group, "kind": kind, "setup": setup.record(), "rate": rate}
     point["time_scale"] = scale
     window = probe.window(*window)
     completed = [r for r in done if r.success]
@@ -45,7 +44,7 @@ def measure(setup, kind, rate, probe, start, window, done, scale) -> dict[str, A
         busy=busy_fractions(first, last),
         rows_per_step=rows_per_step(first, last),
         # Host CPU in use (cores) by the server's processes and the load generator over the window: near the
-        # machine's core count the host, not the emulated GPUs, sets the pace (see docs/results.md): marked.
+        # machine's core count the host, not the emulated GPUs, sets the pace: marked.
         host_cores=host,
         saturated=calibrate.saturated(host),
         running_mean=round(
@@ -94,7 +93,7 @@ def token_rate_fit(series: list[tuple[float, float]], scale: float) -> float | N
 
 def rows_per_step(first, last) -> dict[str, float]:
     """Mean rows per step of each kind (attn, head, expert) over the window, all runtimes together: the batches the
-    runtime actually ran, to set beside the ones a prediction assumed (docs/results.md, Issue 35)."""
+    runtime actually ran, to set beside the ones a prediction assumed."""
     out = {}
     for kind, (rows, steps) in sorted(last.batch_rows.items()):
         rows0, steps0 = first.batch_rows.get(kind, (0.0, 0.0))

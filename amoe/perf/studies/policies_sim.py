@@ -1,13 +1,13 @@
 """The scheduling policies in the simulation at full depth (32 blocks), at the corrected AEP bound's concurrency and
-twice it, on three of the planner's AEP plans (issue 32). One JSON line per run.
+twice it, on three of the planner's AEP plans. One JSON line per run.
 
     amoe bench policies-sim > policies_sim.jsonl
     amoe bench policies-sim waves                  # only the policies named
     amoe bench policies-sim --stagger waves        # each attention rank starts at its own time
 
-`--stagger`: the simulation's `stagger_ranks` (docs/engine.md "The waves rule" item 9): the attention ranks' waves
+`--stagger`: the simulation's `stagger_ranks` (docs/scheduler.md "The straggler wait"): the attention ranks' waves
 start out of phase, as the runtime's arrivals make them, instead of all at once. `--no-rank-barrier`: waves'
-expert side as before item 9 (the oldest block, no wait), for comparison.
+expert side with no wait (the oldest block), for comparison.
 """
 
 from __future__ import annotations

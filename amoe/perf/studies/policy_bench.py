@@ -1,8 +1,8 @@
-"""The scheduling policies under Poisson arrivals (issue 32): each policy's AEP deployment on emulated GPUs, loaded
+"""The scheduling policies under Poisson arrivals: each policy's AEP deployment on emulated GPUs, loaded
 by an open stream of requests (Poisson arrivals; a finished request's place is taken by the next arrival, none is
 resent), at a fraction of the bound's request rate below saturation and at one above it.
 
-    amoe bench policies [--policies defrag,mtfs,flfs,wave] [--blocks 8] [--loads 0.5,1.3] [--repeats 2]
+    amoe bench policies [--policies defrag,mtfs,flfs,waves] [--blocks 8] [--loads 0.5,1.3] [--repeats 2]
         [--seed S] [--out DIR]
 
 Reports per policy its throughput at its maximum (the overload point: what it sustains while arrivals exceed it,
@@ -14,12 +14,12 @@ Each rank holds at most the requests the planner's prediction of this deployment
 the least concurrency within 3 % of the most it simulates); arrivals beyond wait in the coordinator's queue and
 replace requests as they end. Without that cap an overloaded point's requests in flight grew all through it, so
 its throughput was read while the deployment was still filling, at a concurrency that depended on the arrivals'
-draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (docs/results.md "Scheduling policies under Poisson
-arrivals"). `waves` is served with the bound's wave group, as `amoe plan` prints it (`wave_group`; before stop 51
-it ran without one, the expert side's items 9-10, and its half-load ITL did not repeat).
+draw: two runs of defrag read 72.7 k and 61.8 k tokens/s (experiments/2026-11-26-policies-poisson). `waves`
+is served with the bound's wave group, as `amoe plan` prints it (`wave_group`; it once ran without one, by the
+straggler wait and the meeting block, and its half-load ITL did not repeat).
 
-The half-load point (decided 2026-11-27 from its traces, docs/results.md "Why the half-load ITL differed between
-runs", before the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
+The half-load point (decided 2026-11-27 from its traces, experiments/2026-11-27-policies-half-load-window, before
+the runs it was used in). Its ITL is the coordinator's histogram over the window: the mean over every
 output token whose interval ended in it, so by Little's law the time-average of the requests in flight over the
 arrivals' token rate. The ITL is correlated over 0.15–1.1 emulated seconds, the requests in flight over
 0.5–2.2 s (a request lives ~0.9 s), so the old window, the last 40 % of 4 s (1.6 s), held one to a few
@@ -59,7 +59,7 @@ from amoe.perf.studies.compare_setup import (
     Setup,
     mean_output_tokens,
     profile_name,
-    serve_flags,
+    serve_config,
     upper_bound,
 )
 from amoe.testing.servers import ServerProcess
@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 # 2 + 2 A100s, top-1, short requests: the smallest AEP deployment with more than one attention rank (so waves of
 # two ranks meet at the experts). Caps 64 / 256 keep the host's work per emulated second within one core.
-SETUP = Setup("aep", 2, 2, top_k=1, workload="short", gpu="a100-80g", group="policies")
+# Named by defrag (the recorded runs' name for it, docs/findings.md); each policy's point replaces it.
+SETUP = Setup.of("aep", 2, 2, gpu="a100-80g", policy="defrag", top_k=1, workload="short", group="policies")
 HALF = 0.5
 # The half-load point (module docstring, "The half-load point"): emulated seconds of arrivals, the warm-up left out
 # and the batches its interval is computed over.
@@ -91,10 +92,9 @@ def _plan_inputs(p: Preset):
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.workloads import mean_context
-    from amoe.perf.plan.deployment import Deployment
 
     model = model_profile(profile_name(SETUP, p), SETUP.top_k)
-    dep = Deployment("aep", SETUP.gpu, SETUP.attn, SETUP.gpu, SETUP.experts, p.attn_cap, p.expert_cap)
+    dep = replace(SETUP.deployment, attn_cap=p.attn_cap, expert_cap=p.expert_cap)
     return model, dep, host_overhead("amoe-paper"), mean_context(SETUP.workload)
 
 
@@ -111,9 +111,10 @@ def max_seqs(p: Preset, step_variance: str = "sourced") -> int:
 
 
 def wave_group(p: Preset, step_variance: str = "sourced") -> int:
-    """The expert side's wave group `waves` is served with: the bound's (docs/engine.md "The waves rule" item 13),
-    as `amoe plan` prints it for this deployment. Without it waves ran items 9-10, which note arrivals per rank and
-    cannot tell a rank's waves apart (the runs before stop 51)."""
+    """The expert side's wave group `waves` is served with: the bound's (docs/scheduler.md "Group cells"), as
+    `amoe plan` prints it for this deployment. Without it waves runs the straggler wait and the meeting block,
+    which note arrivals per rank and cannot tell a rank's waves apart (the runs in
+    experiments/2026-11-27-policies-poisson-repeats)."""
     from amoe.perf.model.routing import routing_inclusion
     from amoe.perf.model.variance import StepVariance
     from amoe.perf.plan import bounds
@@ -136,10 +137,12 @@ async def _policy_points(
 ) -> list[dict]:
     setup = replace(SETUP, policy=policy)
     rate_ub = upper_bound(setup, p) / mean_output_tokens(setup.workload)  # requests per emulated second
-    extra = ["--step-variance", step_variance] + (["--cache-max-num-seqs", str(seqs)] if seqs else [])
+    config = serve_config(setup, p, seed).replace(emulation={"step_variance": step_variance})
+    if seqs:
+        config = config.replace(cache={"max_num_seqs": seqs})
     if policy == "waves" and group:
-        extra += ["--scheduler-wave-group", str(group)]
-    server = ServerProcess(serve_flags(setup, p, seed) + extra)  # the later flag wins
+        config = config.replace(scheduler={"wave_group": group})
+    server = ServerProcess(config)
     with server:
         points = []
         for load in p.loads:

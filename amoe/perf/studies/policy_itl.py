@@ -1,4 +1,4 @@
-"""What a half-load point of `amoe bench policies` measures, and how precisely (issue 32): the ITL's time series
+"""What a half-load point of `amoe bench policies` measures, and how precisely: the ITL's time series
 and its confidence interval by batch means.
 
 A half-load point's ITL is the coordinator's ITL histogram differenced over a window: the mean over every output
@@ -9,8 +9,8 @@ window are therefore not independent samples; batch means over stretches longer 
 honest interval (Law & Kelton, "Simulation Modeling and Analysis", §9.5.3: the method of batch means).
 
 `python -m amoe.perf.studies.policy_itl --policy waves --seed 0 --duration 10 --out DIR` runs one half-load point
-(niced by the caller) and writes every scrape and every request's latency, for the analysis in docs/results.md
-("Why the half-load ITL differed between seeds").
+(niced by the caller) and writes every scrape and every request's latency, for the analysis in
+experiments/2026-11-27-policies-half-load-window.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ async def trace_point(
     from amoe.perf.studies.compare_setup import (
         mean_output_tokens,
         profile_name,
-        serve_flags,
+        serve_config,
         time_scale,
         upper_bound,
     )
@@ -62,7 +62,9 @@ async def trace_point(
     arrivals = arrival_times(num, rate / scale, 1.0, seed)
     requests = make_requests(make_workload(setup.workload), num, seed=seed, prompt_format="ids")
     server = ServerProcess(
-        serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+        serve_config(setup, p, seed).replace(
+            emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+        )
     )
     finished: list[tuple[float, float, int, bool]] = []
     with server:
@@ -155,7 +157,7 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     elasticity d ln ITL / d ln N is near 1 the two lines nearly coincide and the requests in flight, and with them
     the ITL, are weakly pinned: a run's level wanders with the arrivals."""
     from amoe.perf.studies import calibrate
-    from amoe.perf.studies.compare_setup import serve_flags
+    from amoe.perf.studies.compare_setup import serve_config
     from amoe.perf.studies.policy_bench import SETUP, _preset, max_seqs
     from amoe.perf.studies.steady import steady_point
     from amoe.testing.servers import ServerProcess
@@ -167,7 +169,9 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
     out = []
     for n in concurrencies:
         server = ServerProcess(
-            serve_flags(setup, p, seed) + ["--step-variance", "sourced", "--cache-max-num-seqs", str(seqs)]
+            serve_config(setup, p, seed).replace(
+                emulation={"step_variance": "sourced"}, cache={"max_num_seqs": seqs}
+            )
         )
         with server:
             pt = await steady_point(server, setup, p, seed, n, 0.009, f"closed {n}")
@@ -180,9 +184,10 @@ async def service_curve(policy: str, seed: int, concurrencies: list[int], blocks
 
 
 def analyse(trace: dict) -> list[str]:
-    """The lines of docs/results/policies_itl_traces/analysis.txt for one trace: host CPU, requests in flight /
-    token rate / ITL in 0.25 s bins, batch-means intervals over several windows (the bench's old one, [2.4, 4.0],
-    first), correlation times, and the requests' own latency per token by when they arrived."""
+    """The lines of experiments/2026-11-27-policies-half-load-window/traces/analysis.txt for one trace: host
+    CPU, requests in flight / token rate / ITL in 0.25 s bins, batch-means intervals over several windows (the
+    bench's old one, [2.4, 4.0], first), correlation times, and the requests' own latency per token by when
+    they arrived."""
     sc = trace["scrapes"]
     head = {
         k: round(v, 2) if isinstance(v, float) else v

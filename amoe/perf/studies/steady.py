@@ -1,5 +1,5 @@
 """A deployment's decode throughput at a fixed number of requests in flight, started in its steady state and measured
-over ITLs rather than request lifetimes (`amoe bench plan-check`, `amoe bench plan-table` --measure; issue 20).
+over ITLs rather than request lifetimes (`amoe bench plan-check`, `amoe bench plan-table` --measure).
 
 `amoe.perf.studies.compare.load_point` offers Poisson arrivals above the deployment's rate and lets admission hold it at its
 concurrency: the deployment fills in about half a request lifetime (output tokens × ITL / overload) and is measured

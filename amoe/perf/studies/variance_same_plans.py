@@ -1,11 +1,11 @@
 """Each frontier-table cell's plan at its concurrency, simulated without and with the sourced step-time variance
-(the same window, routing and seeds; issue 35, v35): what the variance alone does to the plan a table shows. Reads
+(the same window, routing and seeds): what the variance alone does to the plan a table shows. Reads
 `amoe bench frontier --table` JSON lines; one JSON line per cell with a plan.
 
     amoe bench variance-same-plans experiments/2026-11-27-frontier-step-variance/table_deepseek_v3_variance.jsonl
 
 The window is refine's at the cell's ITL (warm-up 4 ITLs, 8 ITLs measured, AEP's batch-means stop); `off` is the
-simulation at scale as it was before v35, to the last digit (tests/test_scale_variance.py).
+simulation at scale as it was before it drew the variance, to the last digit (tests/test_scale_variance.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import re
 import time
 
+from amoe.config import SchedulerSection
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
@@ -24,6 +25,10 @@ from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.search import balanced_map
 from amoe.perf.plan.simulate import simulate
 from amoe.perf.studies.frontier import TABLE_CONTEXT
+
+# The scheduler the recorded runs simulated an event-level AEP plan with (the default then, defrag; the simulation at
+# scale models defrag's expert side whatever is asked).
+RECORDED_SCHEDULER = SchedulerSection(policy="defrag")
 
 
 def parse(text: str, q) -> Deployment:
@@ -73,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         for name, variance in (("off", OFF), ("sourced", SOURCED)):
             sim = simulate(
                 model, one, routing, TABLE_CONTEXT, host, requests, warmup_s=4 * itl, duration_s=8 * itl,
-                variance=variance, batches=32,
+                variance=variance, batches=32, scheduler=RECORDED_SCHEDULER,
             )  # fmt: skip
             out[name] = {
                 "per_gpu": round(sim.tokens_per_s * dep.replicas / cell["gpus"]),

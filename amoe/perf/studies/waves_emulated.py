@@ -1,4 +1,4 @@
-"""AEP at 32 blocks on the emulated runtime at its corrected bound's concurrency, under a scheduling policy (issue 32):
+"""AEP at 32 blocks on the emulated runtime at its corrected bound's concurrency, under a scheduling policy:
 the plans of `amoe bench policies-sim`, each served as `amoe plan --emulated` would serve it (plan_check's
 flags: the bound's requests per rank as --cache-max-num-seqs, so `waves` keeps the bound's W waves) with
 `--scheduler POLICY`, loaded with the bound's concurrency of steady-state requests (amoe.perf.studies.steady) and measured
@@ -29,8 +29,8 @@ from amoe.testing.servers import ServerProcess
 
 ROUTING = "skew-exp:0.08"
 # policies_sim's plans (gpu, top-k, attention GPUs, expert GPUs, caps), in its order; then (3-5) the
-# corrected bound's best split for the other (GPU, top-k) cells at caps 256 / 512 (docs/results.md "AEP's bound
-# with its critical path": A100 top-2 4 + 4, H100 top-1 6 + 2, H100 top-2 5 + 3), to make the issue's six.
+# corrected bound's best split for the other (GPU, top-k) cells at caps 256 / 512 (docs/simulation.md "Bounds":
+# A100 top-2 4 + 4, H100 top-1 6 + 2, H100 top-2 5 + 3), to make six.
 PLANS = (
     ("a100-80g", 1, 5, 3, 128, 1024),
     ("h100", 2, 4, 3, 256, 1024),
@@ -43,8 +43,8 @@ PLANS = (
     ("a100-80g", 2, 3, 5, 256, 512),
 )
 BLOCKS = 32
-# One time scale for every plan and invocation (a32, 2026-11-27; docs/results.md "waves: why plans 0, 4 and 6 fell
-# short ... (a32, 2026-11-27)"). The probe-stretched scale read 62.3 in one invocation and 136.3 in another on the
+# One time scale for every plan and invocation (2026-11-27; experiments/2026-11-27-waves-shortfall). The
+# probe-stretched scale read 62.3 in one invocation and 136.3 in another on the
 # same day (probe 86 / 187 µs), so plans of one table ran at scales 2.2x apart. Every plan now runs at the larger,
 # chosen before the runs that use it and not per plan. Whether the scale moves a result was not settled: the same
 # plan (A100 5 + 3 top-1) measured 0.81 and 0.90 of its bound at 62.3, 0.92 and 0.88 at 136.3 — within the
@@ -61,21 +61,21 @@ async def one(
     bound = B.predict(model, dep, routing_inclusion(model, ROUTING), mean_context("short"),
                       host_overhead("amoe-paper"))  # fmt: skip
     check = plan_check.Check("mixtral-8x7b-mqa", k, dep, bound.concurrency, ROUTING)
-    preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # flags() carries --scheduler POLICY
+    preset = dataclasses.replace(dataclass_preset(), aep_policy=policy)  # the plan's config runs POLICY
     scale = calibrate.plan_time_scale(base_scale, probe_s, bound.tokens_per_s)
-    argv = plan_check.flags(check, Plan(dep, bound, None), preset, scale)
-    # waves: the plan's command carries the bound's wave group (docs/engine.md "The waves rule" item 13); a later
-    # flag wins, so --wave-group N serves the same plan with N instead (0: items 9-10, per rank).
+    config = plan_check.serve_config(check, Plan(dep, bound, None), preset, scale)
+    # waves: the plan's config carries the bound's wave group (docs/scheduler.md "Group cells");
+    # --wave-group N serves the same plan with N instead (0: per rank, the straggler wait, the meeting block).
     wave_group = bound_wave_group(bound.extra, cap) if group < 0 else group
     if policy == "waves" and group >= 0:
-        argv += ["--scheduler-wave-group", str(group)]
-    setup = Setup("aep", a, e, policy=policy, top_k=k, profile="mixtral-8x7b-mqa", gpu=gpu)
+        config = config.replace(scheduler={"wave_group": group})
+    setup = Setup(dep, policy=policy, top_k=k, profile="mixtral-8x7b-mqa")
     run = Preset(
         sweeps=(setup,), loads=(1.0,), policy_load=None, policy_base=None, duration_s=1.0,
         time_scale=scale, attn_cap=cap, expert_cap=ecap, blocks=BLOCKS,
     )  # fmt: skip
     start = time.monotonic()
-    server = ServerProcess(argv, startup_timeout_s=plan_check.startup_timeout_s(dep))
+    server = ServerProcess(config, startup_timeout_s=plan_check.startup_timeout_s(dep))
     with server:
         point = await steady.steady_point(
             server, setup, run, seed, bound.concurrency, bound.itl_s, "plan", preset.min_window_s

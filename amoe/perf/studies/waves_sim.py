@@ -1,6 +1,6 @@
 """The simulation (32 blocks, staggered ranks) of waves-emulated's plans under waves, at the corrected bound's
 concurrency (× MULT), with the expert side's wave group: `bound` (the plan's, bound_pools.wave_group) or N (0: per
-rank, docs/engine.md items 9-10). One JSON line per plan and multiple:
+rank, docs/scheduler.md "The straggler wait" and "The meeting block"). One JSON line per plan and multiple:
 
     amoe bench waves-sim 0,1,2,3,4,5,6 1 bound   # plans, MULT[,MULT...], group
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from amoe import core
+from amoe import device as devices
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.layers import build_attention_rank, build_expert_layers
@@ -57,8 +58,9 @@ class SyncCluster:
         if (model_dir is None) == (emulation is None):
             raise ConfigError("give a checkpoint directory (torch executors) or an emulation, not both")
         self.mode, self.emulation = mode, emulation
-        self.model_dir, self.dtype = model_dir, dtype
         cfg = emulation.model_config if emulation is not None else load_model_config(model_dir)
+        # None: auto, as every engine picks it (float32 on the CPU, whatever the checkpoint stores).
+        self.model_dir, self.dtype = model_dir, dtype or devices.model_dtype("auto", cfg.dtype, devices.CPU)
         self.model_config: ModelConfig = cfg
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.options = {"timeout_s": timeout_s, "poll_s": poll_s}

@@ -44,8 +44,8 @@ def simulate(
 ) -> Simulated:
     """Steady-state decode of `concurrency` requests (spread evenly over the attention ranks) on one copy of `dep`,
     for `duration_s` emulated seconds after `warmup_s`, on GPUs with `variance` (module docstring). AEP with
-    `stagger_ranks`: each attention rank starts at its own time (docs/engine.md "The waves rule" item 9);
-    `rank_barrier=False`: waves' expert side as before item 9 (the oldest block, no wait; for comparison). Plans past
+    `stagger_ranks`: each attention rank starts at its own time (docs/scheduler.md "The straggler wait");
+    `rank_barrier=False`: waves' expert side with no wait, the oldest block (for comparison). Plans past
     16 GPUs, 16,384 requests or 64 experts a block run in counts (`level="auto"`; module docstring), with the same
     variance and without EPS-MoE's pipeline (which stays event-level); `batches`: AEP at scale may stop early by
     its batch-means rule (aep_scale.AepAtScale.run; 0: the whole window). `level` "events" or "scale": that level
@@ -56,7 +56,7 @@ def simulate(
     if level not in LEVELS:
         raise ValueError(f"simulate: level must be one of {', '.join(LEVELS)}; got {level!r}")
     steps = Steps(variance, dep.num_attn + dep.num_expert)
-    # 16-256 GPUs, 100 k requests: counts, not tokens (issue 35).
+    # 16-256 GPUs, 100 k requests: counts, not tokens (docs/simulation.md "Simulation at scale").
     at_scale = (
         not scale.is_exact(dep, concurrency, model.num_expert_ids) if level == "auto" else level == "scale"
     )

@@ -1,5 +1,5 @@
-"""AEP at scale with each attention GPU on its own phase (issue 35; the rule: docs/emulation.md "AEP at scale:
-each attention GPU on its own phase", amoe.perf.plan.simulate.scale's docstring).
+"""AEP at scale with each attention GPU on its own phase (the rule: docs/simulation.md "Simulation at scale",
+amoe.perf.plan.simulate.scale's docstring).
 
 Events are committed in conservative time windows, vectorised over GPUs. A GPU's next step can only be changed by
 messages still to be decided: an attention GPU's by a reply (no reply still to be decided comes before the earliest
@@ -8,7 +8,7 @@ still to be decided ends). Each round commits, together, every attention GPU who
 every expert GPU whose queue at its next start cannot change; the GPU with the earliest event always can, so the
 rounds progress, and each round's numpy work is over arrays of GPUs and waves, not a Python event each. There are
 about as many rounds as one expert GPU runs steps (~1 ms each): where steps split that is many more than the one
-timeline's events (docs/emulation.md, "Speed").
+timeline's events (docs/simulation.md "Simulation at scale").
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ class AepAtScale:
         self.steps, self.counts = steps, counts
         hosted = self._host_experts(model, placed)
         E, nh = self.E, self.ids.shape[0]
-        sched = SchedulerSection()  # the runtime's default pick: defrag, K and δ as the config defaults them
+        sched = (
+            SchedulerSection()
+        )  # defrag's pick (the rule modelled at scale); K and δ the config's defaults
         self.decay = sched.decay ** np.arange(1, sched.lookahead + 1)
         self.lk = pool_links(model, dep)
         self.copies = w * model.experts_per_token
@@ -132,7 +134,7 @@ class AepAtScale:
         return hosted
 
     def _vary(self, variance: StepVariance, num_expert: int) -> None:
-        """Step-time variance (docs/emulation.md "Step-time variance at scale"): attention GPU a is device a, expert
+        """Step-time variance (docs/simulation.md "Step-time variance at scale"): attention GPU a is device a, expert
         GPU g device A + g; each step × the device's speed × a jitter drawn when the step is committed. The
         look-ahead takes the least a step can then be."""
         A = self.A
@@ -174,8 +176,8 @@ class AepAtScale:
         """Simulate `duration_s` emulated seconds after `warmup_s`. With `batches` the window is split into that
         many batches and the run stops at the end of the first batch k ≥ `min_batches` whose k batch throughputs'
         95 % batch-means interval is within ±`rel_halfwidth` of their mean, else at the window's end (the same
-        figures as without `batches`): a steady-state simulation's sequential stopping rule (docs/emulation.md
-        "Speed"). `self.measured_s` is the window the figures are over."""
+        figures as without `batches`): a steady-state simulation's sequential stopping rule (docs/simulation.md
+        "A stopping rule"). `self.measured_s` is the window the figures are over."""
         end = warmup_s + duration_s
         self.window = (warmup_s, end)
         self.done_rows, self.attn_busy, self.exp_busy, self.exp_steps, self.exp_rows = 0, 0.0, 0.0, 0, 0.0

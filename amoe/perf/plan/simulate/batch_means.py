@@ -1,6 +1,6 @@
 """Batch means (Law & Kelton, "Simulation Modeling and Analysis", §9.5.3): the 95 % interval of a steady-state
 mean from the spread of the means of consecutive stretches ("batches") of one run — the half-load ITL of
-`amoe bench policies` (issue 32) and the stopping rule of `amoe plan`'s AEP-at-scale refinements (issue 35)."""
+`amoe bench policies` and the stopping rule of `amoe plan`'s AEP-at-scale refinements."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A discrete-event simulation of a deployment on emulated GPUs: what `amoe plan` predicts with where the analytic
-bounds (amoe.perf.plan.bounds) are not enough (issue 20).
+bounds (amoe.perf.plan.bounds) are not enough (docs/simulation.md "Simulation").
 
 The bounds put every GPU at its best batch at once. AEP's runtimes do not get there: each drains whichever μ-queue
 its scheduler picks as soon as it is free, so at a given concurrency its batches are smaller than the bound's (on
@@ -17,8 +17,8 @@ benchmarks measure), each starting at a random layer, and counts their progress 
   step, cost_model.grouped_expert_time, as the runtime's engine drains it; `scheduler.group_experts = False`:
   the picked queue alone) and sends each part back. A token enters its
   rank's next queue when the last of its k parts is back. A message takes its time on the sender's link, and each
-  GPU's link in takes one message at a time, so messages into one GPU queue (issue 35: many attention GPUs into
-  few expert GPUs).
+  GPU's link in takes one message at a time, so messages into one GPU queue (many attention GPUs into
+  few expert GPUs: the incast).
 * **EP**: per iteration and block, every device attends its b rows, the all-to-alls take links.all_to_all_time,
   and the block ends when the slowest device's grouped GEMM over its experts' rows of this iteration's routing ends.
 * **Ping-pong**: the lock-step of amoe/runtime/sync/pingpong.py step by step: a BEGIN barrier per iteration, then
@@ -162,7 +162,7 @@ def simulate_pingpong(
     rows = A * micro  # one micro-batch of every attention GPU: what an expert GPU's step gathers
     placed = dep.experts_on(model.num_expert_ids)
     # Both ends' links, one message set at a time each way (the dispatch leaves each attention GPU and enters each
-    # expert GPU with every attention GPU's rows for it: issue 35, the incast).
+    # expert GPU with every attention GPU's rows for it: the incast).
     nics = Nics(model, dep, micro, len(placed))
     begin = cm.transfer_time(64, pool_link(ga, dep))  # the BEGIN barrier: a row count and a stop flag
     attn = cm.decode_attention_time(model, ga, micro, int(round(ctx)), host)

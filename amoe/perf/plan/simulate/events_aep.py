@@ -69,7 +69,7 @@ class AepEvents:
         self.window = (0.0, 0.0)
 
     def _attention_schedulers(self, sched: SchedulerSection, per_rank: list[int]) -> list[int]:
-        """Each attention rank's scheduler, and its columns: under waves (docs/engine.md "The waves rule") rank r
+        """Each attention rank's scheduler, and its columns: under waves (docs/scheduler.md "Wave size") rank r
         keeps W = ceil(its requests / attention cap) waves, one column each; a request's wave is its rank's state
         (`wave`), joined densely as the runtime admits them."""
         from amoe import core
@@ -90,7 +90,7 @@ class AepEvents:
         return cols
 
     def _expert_schedulers(self, sched: SchedulerSection, W: int, rank_barrier: bool) -> None:
-        """Each expert GPU's scheduler. Under waves, item 13: its columns are (wave group, hosted expert), as the
+        """Each expert GPU's scheduler. With group cells: its columns are (wave group, hosted expert), as the
         engine's are, when the expert side gathers by wave group; one group otherwise."""
         from amoe import core
 
@@ -103,9 +103,9 @@ class AepEvents:
             )
             for p in self.placed
         ]
-        # waves, items 9-10: an expert GPU's block waits for the ranks on their way to it, as the engine's does;
-        # block 0 for waves up to ceil(blocks / W) back. Item 13: per (rank, wave), a (block, group) cell for its
-        # group's waves, block 0 for them wherever they are.
+        # waves, the straggler wait: an expert GPU's block waits for the ranks on their way to it, as the
+        # engine's does; the meeting block: block 0 for waves up to ceil(blocks / W) back. Group cells: per
+        # (rank, wave), a (block, group) cell for its group's waves, block 0 for them wherever they are.
         if waves and rank_barrier:
             for es, p in zip(self.exp_sched, self.placed):
                 es.set_rank_barrier(self.dep.num_attn, core.MAX_WAVE_HOLD_S, -(-self.blocks // W))
@@ -116,7 +116,7 @@ class AepEvents:
         """Each request starts at a random layer of its iteration (block 0..B-1 or the head), as in a deployment
         whose requests arrived at different times. All at block 0 would move in waves that small batches never
         break up, and the planner's short window would count a wave's crest: 17 % over the runtime's measured
-        throughput at 32 requests per block (docs/results.md, "Plan check at full depth").
+        throughput at 32 requests per block (experiments/2026-11-25-plan-check-depth).
 
         stagger_ranks: the runtime's ranks fill their waves from arrivals at their own times, so their waves are
         out of phase; here rank r starts at a time drawn uniformly over one of its attention-bound iterations
@@ -152,7 +152,7 @@ class AepEvents:
 
     def _enqueue_exp(self, g: int, block: int, cols: list, rank: int) -> None:
         """One message: an attention step's rows for expert GPU g, a (column, parts) per hosted expert routed; the
-        step's one wave (waves) names their group's columns (item 13)."""
+        step's one wave (waves) names their group's columns (group cells)."""
         wave = int(self.wave[cols[0][1][0]])
         shift = wave // self.wave_group * len(self.placed[g]) if self.wave_group else 0
         for col, parts in cols:
@@ -192,8 +192,8 @@ class AepEvents:
         picked = sched.pick(now=self.now)
         if picked is None:
             self.busy[dev] = False
-            # An expert GPU holding for ranks on their way (item 9) runs again when the first wait ends, if
-            # nothing arrives before.
+            # An expert GPU holding for ranks on their way (the straggler wait) runs again when the first wait
+            # ends, if nothing arrives before.
             if kind == "e" and sched.holding and self.now < sched.release_at < float("inf"):
                 self._at(sched.release_at, self._wake, dev)
             return
@@ -213,7 +213,7 @@ class AepEvents:
             # Grouped (the runtime's default): every hosted expert's queue of the block in one step, as the
             # engine drains it (cpp/queues.cpp LayerQueues::drain); else the picked queue alone.
             per = len(self.placed[i])
-            first = col // per * per  # the picked column's wave group (item 13; group 0 without groups)
+            first = col // per * per  # the picked column's wave group (group cells; group 0 without groups)
             cols = range(first, first + per) if self.group_experts else (col,)
             taken = []
             for c in cols:
@@ -224,7 +224,7 @@ class AepEvents:
             t = cm.grouped_expert_time(self.model, self.ge, [len(p) for _, p in taken], self.host, experts)
             t = self.steps.time(self.dep.num_attn + i, t)
             parts = np.concatenate([p for _, p in taken])
-            # the ranks (waves) served here are on their way to the next block (items 9, 13)
+            # the ranks (waves) served here are on their way to the next block (straggler wait, group cells)
             if sched.barrier_ranks:
                 if self.wave_group:
                     for r, w in set(zip(self.rank_of[parts].tolist(), self.wave[parts].tolist())):
@@ -248,7 +248,7 @@ class AepEvents:
     def _arrival(self, free: np.ndarray, dev: int, rows: int, link: LinkProfile) -> float:
         """When a message of `rows` rows sent now is in GPU `dev`: its time on the sender's link, as each message
         was priced alone, unless the receiver's link (`free`: when each is next idle) is still taking earlier
-        messages, one at a time. Many attention GPUs sending to one expert GPU queue there (issue 35)."""
+        messages, one at a time. Many attention GPUs sending to one expert GPU queue there (the incast)."""
         free[dev] = max(self.now, free[dev]) + rows * self.row_bytes / link.usable_bandwidth
         return max(self.now + self._move(rows), free[dev] + link.latency)
 
@@ -262,13 +262,13 @@ class AepEvents:
             block, len(tokens), request_ids=tokens, positions=self.position[tokens], now_s=self.now
         )
         self.pending[tokens] = self.k
-        # The parts out that return to block + 1, as the engine counts its expected expert outputs (the wave
-        # policy holds a block while any are out; waves: per wave, and a step's tokens are of one wave).
+        # The parts out that return to block + 1, as the engine counts its expected expert outputs (waves holds a
+        # wave while any are out; a step's tokens are of one wave).
         self.attn_sched[r].add_pending(block + 1, len(tokens) * self.k, int(self.wave[tokens[0]]))
         flat = ids.reshape(-1)
         owner = np.repeat(tokens, self.k)
         # One message per expert GPU, as the engine's send_grouped sends one per destination runtime: its
-        # rows arrive together (a message per hosted expert ended a rank's wait at its first, item 9, and split
+        # rows arrive together (a message per hosted expert ended the straggler wait at its first and split
         # the wave over two steps).
         gpu, col = self.gpu_of[flat], self.col_of[flat]
         for g in np.unique(gpu):

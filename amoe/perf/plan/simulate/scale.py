@@ -1,7 +1,7 @@
-"""The simulation at frontier scale (issue 35): deployments of 16–256 GPUs and 100,000+ requests in flight, in
+"""The simulation at frontier scale: deployments of 16–256 GPUs and 100,000+ requests in flight, in
 seconds on a 2-core host, where the event-level simulation (amoe.perf.plan.simulate) would take hours.
 
-Measured first (docs/results.md "Simulation at scale"): the event-level AEP simulation spends its time in one
+Measured first (docs/simulation.md "Simulation at scale"): the event-level AEP simulation spends its time in one
 Python event per (attention step, expert) message and per (expert step, attention rank) reply, and in keyed
 routing draws of every token over every expert (256 Gumbel keys per token and block for DeepSeek-V3). At 64 GPUs
 and 4,096 requests it simulates 0.07 emulated seconds in 6.8 s; a plan needs 12 ITLs of ~0.3 s. Neither
@@ -12,13 +12,13 @@ ITLs), so at scale the simulation changes its unit, not its language:
   (amoe.perf.model.ep_scale.sample_counts), once per (block, micro-batch or wave), at a cost independent of the rows.
 * **Attention GPUs alike** (EP, ping-pong): every attention GPU holds the same share of requests, so one
   timeline stands for them (ping-pong's lock-step keeps them together anyway); each expert GPU keeps its own.
-* **AEP: each attention GPU on its own phase** (issue 35; docs/emulation.md "AEP at scale: each attention GPU on
-  its own phase", written down before its numbers were looked at). Each attention GPU keeps W waves of w rows (w:
+* **AEP: each attention GPU on its own phase** (docs/simulation.md "Simulation at scale", written down
+  before its numbers were looked at). Each attention GPU keeps W waves of w rows (w:
   the attention cap, or fewer when its requests are fewer), each starting at a block drawn from the seed, and runs
   its waves in the order they become ready; a wave's block is its attention step, its dispatch (its own w rows'
   counts) through its link out and each expert GPU's link in, the expert steps that take its rows, and the combine
   back; the wave goes on when every part is back (attention waves never split or merge). An expert GPU, when free,
-  runs the rows queued at it as the runtime's default policy picks them (defrag with grouped expert steps: the
+  runs the rows queued at it as defrag picks them (the one expert-side rule modelled here, grouped steps: the
   block maximising LScore(b) + max_e Q[b][e] over its hosted experts' queues, ties to the lowest block; every
   hosted expert's queue of that block, each up to the expert cap, first arrived first), computed exactly from the
   queued counts; rows of one block from different attention GPUs share a step only if they are in when it starts.
@@ -27,7 +27,7 @@ ITLs), so at scale the simulation changes its unit, not its language:
   receiving link and arrive together, so with every attention GPU on one phase (`same_phase`) this is the old one
   timeline but for the pick among queued blocks. Left out: request-level affinity, the attention runtime's
   fragmented steps.
-* **Step-time variance** (docs/emulation.md "Step-time variance at scale"), as the event-level simulation draws
+* **Step-time variance** (docs/simulation.md "Step-time variance at scale"), as the event-level simulation draws
   it: each GPU a fixed speed (seed, device id), each step a jitter, drawn as arrays; EP's and ping-pong's
   barriers pay the slowest device of each step, AEP's queues each GPU's own step times. Off: today's figures.
 * **Speed**: conservative rounds vectorised over GPUs (aep_scale.AepAtScale.run): about as many rounds as one
@@ -179,7 +179,7 @@ def share_matrix(num_ids: int, placement: list[list[tuple[int, float]]]) -> np.n
 
 
 class Nics:
-    """Transfers between the pools on both ends' links (issue 35, incast), each link direction carrying one
+    """Transfers between the pools on both ends' links (the incast), each link direction carrying one
     message set at a time (full duplex: in and out apart): the alike attention GPUs' one NIC (their timeline) and
     each expert GPU's. A dispatch of `rows` rows per attention GPU (their row copies, rows · top-k) leaves the
     attention GPU's link out and enters each expert GPU's link in with the rows it gets from all A attention GPUs;
@@ -221,7 +221,7 @@ def aep_waves(
     """AEP at scale, each attention GPU on its own phase (module docstring; amoe.perf.plan.simulate.aep_scale): returns
     simulate.Simulated. `same_phase`: every attention GPU's waves start at the same blocks (the one timeline the
     simulation had before; kept for the comparison). `batches`: AepAtScale.run's stopping rule (0: none).
-    `variance`: every GPU's steps × its speed × a jitter each (docs/emulation.md "Step-time variance at scale")."""
+    `variance`: every GPU's steps × its speed × a jitter each (docs/simulation.md "Step-time variance at scale")."""
     sim = aep_at_scale(
         model, dep, routing, ctx, host, concurrency, seed, same_phase=same_phase, variance=variance
     )
@@ -312,7 +312,7 @@ def pingpong(
 ) -> Simulated:  # fmt: skip
     """Ping-pong's lock-step (amoe.perf.plan.simulate.events.simulate_pingpong) with counts and every expert GPU's step
     at once; returns Simulated. `variance`: each attention step the slowest attention GPU's (× speed × jitter),
-    each expert GPU's step × its speed × its jitter (docs/emulation.md "Step-time variance at scale")."""
+    each expert GPU's step × its speed × its jitter (docs/simulation.md "Step-time variance at scale")."""
     ga, ge = gpu_profile(dep.attn_gpu), gpu_profile(dep.expert_gpu)
     A, m, L = dep.num_attn, max(1, dep.micro_batches), model.num_blocks
     micro = max(1, min(dep.attn_cap, -(-concurrency // A)) // m)
