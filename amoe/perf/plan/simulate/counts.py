@@ -97,15 +97,14 @@ class GroupedSteps:
         busy = copy > 0
         r = np.where(busy, np.maximum(1.0, np.round(copy)), 0.0)
         weights = np.where(busy, h * inter * bp, 0.0)
-        flops = gpu.usable_flops * m.gemm_speedup
         gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
         act_b = (r * 3 * inter * ba).sum(0)
         down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
-        gpu_s = (
-            np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)
-            + act_b / gpu.usable_bandwidth
-            + np.maximum(down_f / flops, down_b / gpu.usable_bandwidth)
-        )
+        count = busy.sum(0)
+        phases = ((gate_up_f, gate_up_b), (0.0, act_b), (down_f, down_b))
+        mean_rows = r.sum(0) / np.maximum(count, 1)
+        slow = gpu.kernels.decode_grouped_slowdown
+        gpu_s = cm.swiglu_gemms_time(gpu, m.expert_precision, phases, mean_rows, count > 0, slow)
         fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + self.host.expert_step_s, 0.0)
         return gpu_s + fixed + copy.sum(0) * self.host.expert_row_s
 

@@ -10,17 +10,18 @@ otherwise: the deployment without the attention side's imbalance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
+from amoe.perf.model import ep_scale
 from amoe.perf.model.gpus import GpuProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.traces import RequestTrace
 from amoe.perf.model.variance import OFF, StepVariance
-from amoe.perf.plan.bound_ep import ep_exchange_time, ep_placements
+from amoe.perf.plan.bound_ep import ep_exchange_parts, ep_micro_batch, ep_placements
 from amoe.perf.plan.bound_pools import pool_link
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.counts import Counts, GroupedSteps, Nics, share_matrix
@@ -31,7 +32,10 @@ from amoe.perf.plan.simulate.result import Simulated
 @dataclass
 class _EpBlocks:
     """One EP iteration's blocks: per block this iteration's counts, each device's grouped GEMM over its copies,
-    two barriers per micro-batch (dispatch after attention, combine after the experts), the exchange between."""
+    two barriers per micro-batch (dispatch after attention, combine after the experts) and the exchange on the wire
+    between, hidden behind the other micro-batch's stages under two-batch overlap (amoe.perf.model.ep_scale).
+    `mb`: the nominal micro-batch (every rank the plan's rows at the mean context): its stages' proportions, and
+    its exchange where the ranks hold the plan's rows."""
 
     model: ModelProfile
     gpu: GpuProfile
@@ -39,8 +43,11 @@ class _EpBlocks:
     counts: Counts
     steps: list[GroupedSteps]
     variance: StepVariance
+    mb: ep_scale.MicroBatch
     halves: int
-    exchanges: dict[float, float] = field(default_factory=dict)  # by a micro-batch's largest rows
+    exchanges: dict[float, tuple[float, float]] = field(
+        default_factory=dict
+    )  # by a micro-batch's largest rows
 
     def __post_init__(self) -> None:
         n = self.dep.num_attn
@@ -48,9 +55,10 @@ class _EpBlocks:
             self.speed = self.variance.speeds(0, n)  # [devices]
             self.rng = self.variance.jitter_rng(n)
 
-    def exchange(self, rows: float) -> float:
+    def exchange(self, rows: float) -> tuple[float, float]:
+        """(dispatch, combine) of a micro-batch whose largest device sends `rows` rows."""
         if rows not in self.exchanges:
-            self.exchanges[rows] = ep_exchange_time(self.model, self.gpu, rows, self.dep)
+            self.exchanges[rows] = ep_exchange_parts(self.model, self.gpu, rows, self.dep)
         return self.exchanges[rows]
 
     def factors(self) -> np.ndarray | None:
@@ -61,32 +69,54 @@ class _EpBlocks:
         n, L = self.dep.num_attn, self.model.num_blocks
         return self.speed * self.variance.draw(self.rng, (1 + 2 * L * self.halves) * n).reshape(-1, n)
 
+    def block(self, a: np.ndarray, e: np.ndarray, wire: tuple[float, float] | None) -> float:
+        """One block's time from its [halves, devices] attention and expert steps, each barrier at the slowest;
+        `wire`: the exchange's (dispatch, combine), None where every step is the nominal micro-batch's."""
+        a_max, e_max, mb = a.max(1), e.max(1), self.mb
+        if wire is None:
+            return ep_scale.block_time(replace(mb, experts=float(e_max[0])), self.halves == 2)
+        dispatch, combine = wire
+        if self.halves == 1:
+            return float(a_max[0] + e_max[0]) + dispatch + combine
+        share = mb.stage_in / (
+            mb.stage_in + mb.stage_out
+        )  # each micro-batch's stages in the nominal proportion
+        return ep_scale.overlapped_block(a_max * share, a_max * (1 - share), e_max, dispatch, combine)
+
     def iteration(
-        self, rows: np.ndarray, attn: np.ndarray, head: np.ndarray, elapsed: float
+        self, rows: np.ndarray, attn: np.ndarray, head: np.ndarray, elapsed: float, traced: bool
     ) -> tuple[float, float, float, float]:
-        """One iteration of the ranks' [halves, devices] rows and attention steps and [devices] heads: (its
+        """One iteration of the ranks' [halves, devices] requests and attention steps and [devices] heads: (its
         seconds, the devices' mean expert busy seconds, the seconds devices waited at the attention barriers and
-        the head's, at the experts' barriers)."""
+        the head's, at the experts' barriers). `traced`: the ranks' loads differ (the exchange at the largest)."""
         f = self.factors()
-        n, L, halves = self.dep.num_attn, self.model.num_blocks, self.halves
-        iteration, waited_attn = waits(head if f is None else head * f[0])
-        iteration = float(iteration)
-        tokens = int(round(float(rows.sum()) / halves))  # one micro-batch's tokens, drawn once a block
-        exchange = self.exchange(float(rows.max()))
-        busy = waited_exp = 0.0
+        n, L, halves, queries = (
+            self.dep.num_attn,
+            self.model.num_blocks,
+            self.halves,
+            1 + self.dep.draft_tokens,
+        )
+        head_max, waited_attn = waits(head if f is None else head * f[0])
+        tokens = int(
+            round(float(rows.sum()) * queries / halves)
+        )  # one micro-batch's rows, drawn once a block
+        if traced:
+            wire = self.exchange(float(rows.max()) * queries)
+        else:
+            wire = None if f is None else (self.mb.dispatch, self.mb.combine)
+        layers = busy = waited_exp = 0.0
         if f is not None:
             f = f[1:].reshape(L, halves, 2, n)
         for blk in range(L):
             per_device = self.steps[blk](self.counts.draw(blk, tokens, elapsed))  # [devices]
             a = attn if f is None else attn * f[blk, :, 0]
             e = np.broadcast_to(per_device, (halves, n)) if f is None else per_device * f[blk, :, 1]
-            (a_max, a_waited), (e_max, e_waited) = waits(a), waits(e)
-            compute = float((a_max + e_max).sum())
-            iteration += compute + exchange if halves == 1 else max(compute, 2 * exchange)
+            layers += self.block(a, e, wire)
             busy += float(e.mean(1).sum()) / halves
-            waited_attn += a_waited
-            waited_exp += e_waited
-        return iteration, busy, waited_attn, waited_exp
+            waited_attn += waits(a)[1]
+            waited_exp += waits(e)[1]
+        mtp = 1 + self.dep.draft_tokens / self.model.layers  # the MTP module: one more layer a draft token
+        return float(head_max) + layers * mtp, busy, waited_attn, waited_exp
 
 
 def ep(
@@ -95,40 +125,52 @@ def ep(
     balanced: bool = False,
 ) -> Simulated:  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
-    counts, each device's grouped GEMM over its expert copies, the barriers at the slowest device; returns
-    Simulated. `variance`: each device's steps × its speed × a jitter per barrier (docs/simulation.md "Step-time
-    variance at scale"). `trace`: each device's attention from its own requests (module docstring)."""
+    counts, each device's grouped GEMM over its expert copies, the barriers at the slowest device, and
+    multi-token prediction's module; returns Simulated. `variance`: each device's steps × its speed × a jitter per
+    barrier (docs/simulation.md "Step-time variance at scale"). `trace`: each device's attention from its own
+    requests (module docstring; not with draft tokens)."""
+    if trace is not None and dep.draft_tokens:
+        raise ValueError(
+            "simulate: a trace workload with multi-token prediction's draft tokens is not modelled"
+        )
     gpu = gpu_profile(dep.attn_gpu)
-    n, halves = dep.num_attn, 2 if dep.two_batch_overlap else 1
+    n, halves, queries = dep.num_attn, 2 if dep.two_batch_overlap else 1, 1 + dep.draft_tokens
     b = max(1, min(dep.attn_cap, -(-concurrency // n)))
     counts = Counts(model, routing, seed)
     placements = ep_placements(model, dep, counts.inclusion(0.0))
     unique = {
         id(p): GroupedSteps(model, gpu, share_matrix(model.num_expert_ids, p), host) for p in placements
     }
-    blocks = _EpBlocks(model, gpu, dep, counts, [unique[id(p)] for p in placements], variance, halves)
+    mb = ep_micro_batch(
+        model, gpu, max(queries, round(b * queries / halves)), int(round(ctx)), dep, host, queries
+    )
+    blocks = _EpBlocks(model, gpu, dep, counts, [unique[id(p)] for p in placements], variance, mb, halves)
     weights = cm.attention_rank_weight_bytes(model) + max(
         cm.expert_rank_weight_bytes(model, [e for e, _ in p]) for p in placements[0]
     )
     ranks = RankSteps(
         model, gpu, host, n, halves, b / halves, ctx, trace, seed, balanced, kv_blocks(model, gpu, weights)
     )
+    nominal = (
+        np.full((halves, n), mb.stage_in + mb.stage_out),
+        np.full(n, cm.head_time(model, gpu, b * queries, b * queries, host)),
+    )
     elapsed, iterations, busy, tokens, waited = 0.0, 0, 0.0, 0.0, np.zeros(2)
     while elapsed < duration_s or iterations < 8:
         rows, attn = ranks.step()
-        head = head_times(model, gpu, rows.sum(0), host)
-        seconds, exp_busy, waited_attn, waited_exp = blocks.iteration(rows, attn, head, elapsed)
+        attn, head = (attn, head_times(model, gpu, rows.sum(0), host)) if ranks.traced else nominal
+        seconds, exp_busy, waited_attn, waited_exp = blocks.iteration(rows, attn, head, elapsed, ranks.traced)
         elapsed += seconds
         busy += exp_busy
-        tokens += float(rows.sum())
+        tokens += float(rows.sum()) * dep.tokens_per_request_step
         waited += (waited_attn, waited_exp)
         iterations += 1
         ranks.decode()
-    tps = tokens / elapsed
     conc = n * b
     return Simulated(
-        tps, conc / tps, conc, float(b), float(conc * model.experts_per_token / model.num_expert_ids),
-        1.0, min(1.0, busy * halves / elapsed), barrier_idle=float(waited.sum()) / (n * elapsed),
+        tokens / elapsed, elapsed / iterations / dep.tokens_per_request_step, conc, float(b),
+        float(conc * queries * model.experts_per_token / model.num_expert_ids), 1.0,
+        min(1.0, busy * halves / elapsed), barrier_idle=float(waited.sum()) / (n * elapsed),
         attention_idle=float(waited[0]) / (n * elapsed),
     )  # fmt: skip
 
