@@ -1,0 +1,168 @@
+"""Elastic runtimes end to end (docs/rebalancing.md "Scaling"): while greedy streams run, an expert runtime is added
+(started by the launcher, Ready, then given replicas by a live rebalance) and one of the start-up expert runtimes is
+removed (its replicas move, its rows drain, it stops); every stream keeps transformers' tokens, none is lost or
+fails, the new runtime serves rows, and /health and the metrics show the join and the drain — on the inline and the
+gloo plane. Then `amoe scale` against a served HTTP API, and the input it and the endpoint refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+
+import httpx
+import pytest
+import torch
+import transformers
+from factories import hf_greedy, server_in_thread
+
+from amoe.cli import main
+from amoe.config import AmoeConfig
+from amoe.model.make import make_model
+from amoe.sampling_params import SamplingParams
+from amoe.testing.cluster import ServedCluster
+from coordinator.metrics import CoordinatorMetrics
+
+PROMPTS = [[1, 5 + i, 60 + 11 * i, 9] for i in range(4)]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("tiny", tmp_path_factory.mktemp("scaling") / "tiny-scaling", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [hf_greedy(hf, prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
+
+
+def config(plane: str) -> AmoeConfig:
+    return AmoeConfig().replace(
+        parallel={"attn_ranks": 1, "expert_ranks": 2},
+        device={"kind": "cpu"},
+        transport={"plane": plane},
+        eplb={"num_redundant_experts": 2},
+    )
+
+
+async def under_traffic(backend, step) -> tuple[list[tuple[int, list[int]]], dict]:
+    """Greedy requests, one client per prompt, each sending its next request as soon as the last ended, from before
+    `step` starts (every client has a stream with tokens) until it has ended; every request's (prompt, tokens),
+    and what `step` answered."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    done: list[tuple[int, list[int]]] = []
+    streaming = [0] * len(PROMPTS)
+    stop = asyncio.Event()
+    ids = itertools.count(1000 * (1 + len(backend.cluster.runtimes)))
+
+    async def client(i: int) -> None:
+        while not stop.is_set():
+            out: list[int] = []
+            async for delta in backend.generate(next(ids), PROMPTS[i], params, 0):
+                out += delta.token_ids
+                streaming[i] = len(out)
+            done.append((i, out))
+
+    clients = [asyncio.ensure_future(client(i)) for i in range(len(PROMPTS))]
+    while min(streaming) == 0:
+        await asyncio.sleep(0.002)
+    answer = await step(backend)
+    stop.set()
+    await asyncio.gather(*clients)
+    return done, answer
+
+
+def scale(**request):
+    async def step(backend) -> dict:
+        return await backend.scale(**request, wait=True)
+
+    return step
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plane", ["inline", "gloo"])
+def test_an_expert_runtime_joins_and_one_leaves_under_load(model_dir, hf_tokens, plane):
+    with ServedCluster(model_dir, config(plane)) as cluster:
+        backend = cluster.backend
+        joined, join = cluster.call(under_traffic(backend, scale(expert_runtimes="+1")), 200)
+        hosted_after_join = sorted(backend.cluster.placement.hosted[3])
+        left, drain = cluster.call(under_traffic(backend, scale(expert_runtimes=-1, remove=[1])), 200)
+        after = cluster.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+        stats = {s["runtime"]: s for s in cluster.runtime_stats()}
+        health = backend.health()
+        report = backend.placement()
+        text = CoordinatorMetrics(backend).render().decode()
+    for prompt, tokens in joined + left:  # none lost, none failed, none changed by a replica or a move
+        assert tokens == hf_tokens[prompt]
+    assert len(joined) >= len(PROMPTS) and len(left) >= len(PROMPTS)
+    assert after == hf_tokens
+    assert join["outcome"] == "completed" and drain["outcome"] == "completed", (join, drain)
+    assert hosted_after_join, "the runtime that joined was given no replica"
+    assert sum(stats[3]["rows"].values()) > 0, "the runtime that joined served no row"
+    assert sorted(stats) == [0, 2, 3]
+    assert all(1 not in where for row in report["replicas"] for where in row)
+    assert any(3 in where for row in report["replicas"] for where in row)
+    assert [r["runtime"] for r in health["runtimes"]] == [0, 2, 3] and health["status"] == "ok"
+    shape = health["scaling"]
+    assert (shape["expert_runtimes"], shape["joins"]["expert"], shape["drains"]["expert"]) == (2, 1, 1)
+    assert shape["scaling"] is None and shape["failed"] == {"join": 0, "drain": 0}
+    assert 'amoe_cluster_runtime_joins_total{role="expert"} 1.0' in text
+    assert 'amoe_cluster_runtime_drains_total{role="expert"} 1.0' in text
+    assert 'amoe_cluster_runtimes{role="expert"} 2.0' in text
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--expert-runtimes", "abc"], "'expert_runtimes' must be a count"),
+        (["--expert-runtimes", "+1.5"], "'expert_runtimes' must be a count"),
+        (["--attention-runtimes", "x"], "'attention_runtimes' must be a count"),
+        ([], "say how many expert runtimes"),
+        (["--expert-runtimes", "+1", "--timeout", "0"], "--timeout must be positive"),
+    ],
+)
+def test_amoe_scale_refuses_bad_input_in_one_line(flags, words, capsys):
+    assert main(["scale", "--url", f"http://127.0.0.1:{_closed_port()}", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.startswith("amoe: error:")
+
+
+def test_amoe_scale_says_when_the_server_cannot_be_reached(capsys):
+    assert main(["scale", "--url", f"http://127.0.0.1:{_closed_port()}", "--expert-runtimes", "+1"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(240)
+def test_amoe_scale_adds_and_removes_an_expert_runtime_of_a_served_api(model_dir, capsys):
+    cfg = config("inline").replace(model={"path": str(model_dir)}, server={"port": 0, "api_key": "sesame"})
+    with server_in_thread(cfg) as srv:
+        url, key = srv.url, ["--api-key", "sesame"]
+        assert main(["scale", "--url", url, "--expert-runtimes", "+1"]) == 1  # no key: 401
+        assert "HTTP 401" in capsys.readouterr().err
+        assert main(["scale", "--url", url, *key, "--expert-runtimes", "0"]) == 2  # the server's 400
+        assert "'expert_runtimes' would leave 0 runtimes" in capsys.readouterr().err
+        assert main(["scale", "--url", url, *key, "--expert-runtimes", "+1"]) == 0
+        grown = capsys.readouterr().out
+        assert main(["scale", "--url", url, *key, "--expert-runtimes", "2"]) == 0  # the count: one leaves
+        shrunk = capsys.readouterr().out
+        auth = {"Authorization": "Bearer sesame"}
+        health = httpx.get(f"{url}/health", headers=auth, timeout=10).json()
+        shape = httpx.get(f"{url}/admin/scale", headers=auth, timeout=10).json()
+        metrics = httpx.get(f"{url}/metrics", headers=auth, timeout=10).text
+    assert '"outcome": "completed"' in grown and '"expert_runtimes": 3' in grown
+    assert '"outcome": "completed"' in shrunk and '"expert_runtimes": 2' in shrunk
+    assert [r["runtime"] for r in health["runtimes"]] == [0, 1, 2]  # the one that joined (3) left first
+    assert shape["joins"]["expert"] == 1 and shape["drains"]["expert"] == 1 and shape["scaling"] is None
+    assert health["scaling"] == shape and health["status"] == "ok"
+    assert 'amoe_cluster_runtime_drains_total{role="expert"} 1.0' in metrics
