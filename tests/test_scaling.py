@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import socket
 
 import httpx
@@ -166,3 +168,38 @@ def test_amoe_scale_adds_and_removes_an_expert_runtime_of_a_served_api(model_dir
     assert shape["joins"]["expert"] == 1 and shape["drains"]["expert"] == 1 and shape["scaling"] is None
     assert health["scaling"] == shape and health["status"] == "ok"
     assert 'amoe_cluster_runtime_drains_total{role="expert"} 1.0' in metrics
+
+
+@pytest.mark.timeout(240)
+def test_a_joiner_killed_while_warming_up_fails_its_join_and_its_slot_is_taken_again(model_dir, hf_tokens):
+    """The new runtime is killed before it serves: the join fails (not healed: it never served), said in the answer,
+    the metrics and /health; the cluster serves on; the next join takes the same slot as its next process."""
+
+    async def kill_the_joiner(backend) -> dict:
+        task = backend.cluster.scaler.start(expert_runtimes="+1")
+        while len(backend.cluster.runtimes) < 4:
+            await asyncio.sleep(0.005)
+        os.kill(backend.cluster.runtimes[3].proc.pid, signal.SIGKILL)
+        return await task
+
+    with ServedCluster(model_dir, config("inline")) as cluster:
+        backend = cluster.backend
+        during, failed = cluster.call(under_traffic(backend, kill_the_joiner), 200)
+        shape_after_failure = backend.shape()
+        again = cluster.call(backend.scale(expert_runtimes="+1", wait=True), 200)
+        after = cluster.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+        text = CoordinatorMetrics(backend).render().decode()
+        runtimes = backend.cluster.runtimes
+        health = backend.health()
+    for prompt, tokens in during:
+        assert tokens == hf_tokens[prompt]
+    assert after == hf_tokens
+    assert failed["outcome"] == "failed" and "killed" in failed["last_error"], failed
+    assert shape_after_failure["expert_runtimes"] == 2 and shape_after_failure["failed"]["join"] == 1
+    assert again["outcome"] == "completed" and again["expert_runtimes"] == 3
+    assert len(runtimes) == 4 and runtimes[3].spawned == 1 and runtimes[3].restarts == 0
+    assert health["status"] == "ok" and [r["runtime"] for r in health["runtimes"]] == [0, 1, 2, 3]
+    assert 'amoe_cluster_scale_failures_total{action="join"} 1.0' in text
+    assert 'amoe_cluster_runtime_joins_total{role="expert"} 1.0' in text

@@ -320,8 +320,8 @@ class ClusterManager:
             return
         # A replacement or a runtime that joins (`amoe scale`), the same way: it gets the peer table; the
         # others, its endpoint.
-        what = "a new runtime in slot" if runtime.joining else "the replacement of"
-        logger.info("%s %s (pid %d) is up", what, runtime.name, msg.pid)
+        what = "joins" if runtime.joining else "is replaced"
+        logger.info("%s %s: its process (pid %d) is up", runtime.name, what, msg.pid)
         self.send(runtime.id, self._welcome(runtime.id))
         for other in self.active:
             if other is not runtime:
