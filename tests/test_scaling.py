@@ -203,3 +203,25 @@ def test_a_joiner_killed_while_warming_up_fails_its_join_and_its_slot_is_taken_a
     assert health["status"] == "ok" and [r["runtime"] for r in health["runtimes"]] == [0, 1, 2, 3]
     assert 'amoe_cluster_scale_failures_total{action="join"} 1.0' in text
     assert 'amoe_cluster_runtime_joins_total{role="expert"} 1.0' in text
+
+
+@pytest.mark.timeout(180)
+def test_scaling_on_the_emulated_executor():
+    """Emulated Mixtral (no weights; its joins' weights land after the modelled copy): a runtime that joins gets its
+    links' emulated delays like the others, serves rows, and every stream gets all its tokens through a join and a
+    drain."""
+    cfg = AmoeConfig().replace(
+        parallel={"attn_ranks": 1, "expert_ranks": 2}, device={"kind": "cpu"}, executor={"kind": "emulated"},
+        emulation={"profile": "mixtral-8x7b-mqa:2", "top_k": 2, "routing": "skew-exp", "time_scale": 2},
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with ServedCluster(None, cfg) as cluster:
+        backend = cluster.backend
+        joined = cluster.call(backend.scale(expert_runtimes="+1", wait=True), 120)
+        first = cluster.generate([[11, 12, 13, 14]] * 4, params, timeout=120)
+        rows = sum(next(s for s in cluster.runtime_stats() if s["runtime"] == 3)["rows"].values())
+        left = cluster.call(backend.scale(remove=[1], wait=True), 120)
+        second = cluster.generate([[11, 12, 13, 14]] * 4, params, timeout=120)
+        serving = sorted(s["runtime"] for s in cluster.runtime_stats())
+    assert (joined["outcome"], left["outcome"]) == ("completed", "completed")
+    assert [len(o) for o in first + second] == [40] * 8 and rows > 0 and serving == [0, 2, 3]

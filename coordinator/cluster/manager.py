@@ -44,7 +44,7 @@ from coordinator.cluster.local_launcher import LocalLauncher
 from coordinator.cluster.ray_launcher import RayLauncher
 from coordinator.cluster.rebalance import Rebalancer
 from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
-from coordinator.cluster.scaling import Scaler, stop_runtime
+from coordinator.cluster.scaling import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -176,24 +176,6 @@ class ClusterManager:
                 slow = ", ".join(r.name for r in self.runtimes if not done(r))
                 raise AmoeError(f"{slow} did not {what} within {self._startup_timeout_s:.0f} s")
             await asyncio.sleep(0.02)
-
-    # ---- runtimes that join and leave while serving (coordinator/cluster/scaling.py)
-
-    def add_runtime(self, slot: int, role: str) -> RuntimeProc:
-        """A runtime started in `slot` by the launcher (a new id, or a retired one's as its next generation); it
-        joins as a replacement does (Hello, then Welcome to it and Reconnect to the others) and serves once Ready."""
-        generation = self.runtimes[slot].spawned + 1 if slot < len(self.runtimes) else 0
-        proc = self.launch.spawn(slot, role, generation=generation)
-        runtime = RuntimeProc(slot, role, proc, spawned=generation, generation=generation, joining=True)
-        if slot < len(self.runtimes):
-            self.runtimes[slot] = runtime
-        else:
-            self.runtimes.append(runtime)
-        return runtime
-
-    async def retire(self, runtime: RuntimeProc) -> None:
-        """Stop a runtime on purpose and forget it: its id becomes a free slot."""
-        await stop_runtime(self, runtime, self.watch.heartbeat_timeout_s)
 
     # ---- messages out
 

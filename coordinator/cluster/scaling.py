@@ -165,7 +165,7 @@ class Scaler:
     # ---- a join
 
     async def _join(self, role: str) -> None:
-        runtime = self.cluster.add_runtime(self._free_slot(), role)
+        runtime = self._start_runtime(self._free_slot(), role)
         self.current = {"action": "join", "role": role, "runtime": runtime.id, "phase": "warming up"}
         logger.info("[scale] %s joins (pid %d)", runtime.name, runtime.proc.pid)
         start = time.monotonic()
@@ -174,7 +174,7 @@ class Scaler:
         try:
             await self._rebalance(None)
         except ScaleFailed:
-            await self.cluster.retire(runtime)  # it holds nothing: the failed rebalance cancelled its joins
+            await self._retire(runtime)  # it holds nothing: the failed rebalance cancelled its joins
             raise
         held = len(self.cluster.placement.hosted.get(runtime.id, ()))
         self.counters.joins[role] += 1
@@ -190,6 +190,24 @@ class Scaler:
             return retired
         return retired + self.slots - len(self.cluster.runtimes)
 
+    def _start_runtime(self, slot: int, role: str) -> RuntimeProc:
+        """A runtime started in `slot` by the launcher (a new id, or a retired one's as its next generation); it
+        joins as a replacement does (Hello, then Welcome to it and Reconnect to the others: the cluster manager's
+        `_hello`) and serves once Ready."""
+        runtimes = self.cluster.runtimes
+        generation = runtimes[slot].spawned + 1 if slot < len(runtimes) else 0
+        proc = self.cluster.launch.spawn(slot, role, generation=generation)
+        runtime = RuntimeProc(slot, role, proc, spawned=generation, generation=generation, joining=True)
+        if slot < len(runtimes):
+            runtimes[slot] = runtime
+        else:
+            runtimes.append(runtime)
+        return runtime
+
+    async def _retire(self, runtime: RuntimeProc) -> None:
+        """Stop a runtime on purpose and forget it: its id becomes a free slot."""
+        await stop_runtime(self.cluster, runtime, self.cluster.watch.heartbeat_timeout_s)
+
     def _free_slot(self) -> int:
         """The lowest id no runtime holds: a retired one's, or the next new one while slots last."""
         retired = [r.id for r in self.cluster.runtimes if r.retired]
@@ -203,7 +221,7 @@ class Scaler:
         """Until it says Ready; the watchdog ends a joiner that dies, stays silent or never says Hello."""
         while not runtime.ready:
             if runtime.join_error is not None:
-                await self.cluster.retire(runtime)
+                await self._retire(runtime)
                 raise ScaleFailed(runtime.join_error)
             if self.cluster.failure is not None or self.cluster.watch.stopping:
                 raise ScaleFailed("the cluster is stopping")
@@ -224,7 +242,7 @@ class Scaler:
         if rebalancer.hosted.get(leaving):
             raise ScaleFailed(f"{runtime.name} still hosts {len(rebalancer.hosted[leaving])} replicas")
         self.current["phase"] = "stopping"
-        await self.cluster.retire(runtime)
+        await self._retire(runtime)
         self.counters.drains[runtime.role] += 1
         logger.info("[scale] %s drained and stopped; slot %d is free", runtime.name, leaving)
 
