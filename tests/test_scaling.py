@@ -7,6 +7,7 @@ gloo plane. Then `amoe scale` against a served HTTP API, and the input it and th
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import os
 import signal
@@ -20,9 +21,11 @@ from factories import hf_greedy, server_in_thread
 
 from amoe.cli import main
 from amoe.config import AmoeConfig
+from amoe.llm import LLM
 from amoe.model.make import make_model
 from amoe.sampling_params import SamplingParams
 from amoe.testing.cluster import ServedCluster
+from amoe.testing.netns import Hosts, MultiHost, Node, RayNodes, write_secret
 from coordinator.metrics import CoordinatorMetrics
 
 PROMPTS = [[1, 5 + i, 60 + 11 * i, 9] for i in range(4)]
@@ -225,3 +228,77 @@ def test_scaling_on_the_emulated_executor():
         serving = sorted(s["runtime"] for s in cluster.runtime_stats())
     assert (joined["outcome"], left["outcome"]) == ("completed", "completed")
     assert [len(o) for o in first + second] == [40] * 8 and rows > 0 and serving == [0, 2, 3]
+
+
+@pytest.mark.skipif(not Hosts.available(), reason="network namespaces need root and iproute2")
+@pytest.mark.timeout(300)
+def test_over_node_agents_a_drained_slot_is_joined_again_through_its_agent(model_dir, tmp_path, capsys):
+    """Three "hosts" (tests/test_multinode.py's): the attention runtime on node 0, an expert runtime on each agent's
+    node. A new id would have no node, so +1 is refused; runtime 2 (node 2) is drained and stopped; +1 then takes
+    its slot again, started by node 2's agent as the slot's next process; completions stay the reference's."""
+    prompts = [[1, 5, 9, 200], [1, 77, 3]]
+    llm = LLM(model=str(model_dir))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+    with Hosts(3) as hosts:
+        cluster = MultiHost(hosts, model_dir, write_secret(tmp_path / "secret", "s" * 64))
+        try:
+            url = cluster.url
+            assert main(["scale", "--url", url, "--expert-runtimes", "+1"]) == 2
+            assert "0 slots are free" in capsys.readouterr().err
+            assert main(["scale", "--url", url, "--remove", "2"]) == 0
+            drained = httpx.get(f"{url}/health", timeout=10).json()
+            after_drain = _complete(url, prompts)
+            assert main(["scale", "--url", url, "--expert-runtimes", "+1"]) == 0
+            joined = httpx.get(f"{url}/health", timeout=10).json()
+            after_join = _complete(url, prompts)
+        finally:
+            cluster.stop()
+    assert [r["runtime"] for r in drained["runtimes"]] == [0, 1]
+    assert [r["runtime"] for r in joined["runtimes"]] == [0, 1, 2]
+    assert joined["runtimes"][2]["host"] == hosts.addrs[2] and joined["runtimes"][2]["alive"]
+    assert joined["scaling"]["joins"]["expert"] == 1 and joined["scaling"]["drains"]["expert"] == 1
+    assert after_drain == reference and after_join == reference
+
+
+@pytest.mark.skipif(not Hosts.available(), reason="network namespaces need root and iproute2")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="the optional ray package is not installed"
+)
+@pytest.mark.timeout(300)
+def test_over_ray_a_drained_slot_is_joined_again_as_a_new_actor_on_its_bundle(model_dir, tmp_path, capsys):
+    """`--distributed-backend ray` over two "hosts": runtime 2 is drained and stopped (its actor ended, its bundle
+    free), then +1 takes its slot again as a new actor on the same bundle; completions stay the reference's."""
+    prompts = [[1, 5, 9, 200], [1, 77, 3]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = [o.outputs[0].text for o in LLM(model=str(model_dir)).generate(prompts, params)]
+    secret = write_secret(tmp_path / "secret", "y" * 64)
+    with Hosts(2) as hosts, RayNodes(hosts, count=2) as ray_nodes:
+        flags = [
+            "--model", str(model_dir), "--distributed-backend", "ray", "--dist-init-addr", ray_nodes.address,
+            "--cluster-secret-file", secret, "--attn-ranks", "1", "--expert-ranks", "2",
+            "--host", hosts.addrs[0], "--port", "0", "--dist-timeout-s", "120",
+        ]  # fmt: skip
+        head = Node(hosts, 0, flags)
+        try:
+            url = head.wait_for(r"amoe serve: listening on (http://\S+)$", timeout=240).group(1)
+            assert main(["scale", "--url", url, "--remove", "2"]) == 0
+            drained = httpx.get(f"{url}/health", timeout=10).json()
+            after_drain = _complete(url, prompts)
+            assert main(["scale", "--url", url, "--expert-runtimes", "+1"]) == 0
+            joined = httpx.get(f"{url}/health", timeout=10).json()
+            after_join = _complete(url, prompts)
+            head.proc.send_signal(signal.SIGTERM)
+            assert head.proc.wait(60) == 0, head.log()
+        finally:
+            head.kill_all()
+    assert [r["runtime"] for r in drained["runtimes"]] == [0, 1]
+    assert [r["runtime"] for r in joined["runtimes"]] == [0, 1, 2] and joined["runtimes"][2]["alive"]
+    assert after_drain == reference and after_join == reference
+
+
+def _complete(url: str, prompts: list[list[int]]) -> list[str]:
+    body = {"model": "tiny-scaling", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    replies = [httpx.post(f"{url}/v1/completions", json=body | {"prompt": p}, timeout=60) for p in prompts]
+    return [r.json()["choices"][0]["text"] for r in replies]

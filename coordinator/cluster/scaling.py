@@ -277,5 +277,7 @@ async def stop_runtime(cluster: Any, runtime: RuntimeProc, timeout_s: float) -> 
         logger.warning("%s (pid %d) did not stop; killing it", runtime.name, runtime.proc.pid)
         runtime.proc.kill()
         await asyncio.get_running_loop().run_in_executor(None, runtime.proc.wait)
+    else:
+        runtime.proc.kill()  # an ended process: nothing, but a Ray actor outlives its worker and holds its bundle
     if cluster.plane is not None:
         cluster.plane.forget(runtime.identity)
