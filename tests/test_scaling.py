@@ -302,3 +302,26 @@ def _complete(url: str, prompts: list[list[int]]) -> list[str]:
     body = {"model": "tiny-scaling", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     replies = [httpx.post(f"{url}/v1/completions", json=body | {"prompt": p}, timeout=60) for p in prompts]
     return [r.json()["choices"][0]["text"] for r in replies]
+
+
+@pytest.mark.timeout(240)
+def test_a_drain_whose_rebalance_fails_leaves_the_runtime_serving(model_dir, hf_tokens, monkeypatch):
+    """Expert 2 (home: runtime 1) fails to load anywhere else, so runtime 1's replicas cannot all move: the drain
+    fails, runtime 1 serves on with the map it had, and every stream running through it keeps transformers'
+    tokens."""
+    monkeypatch.setenv("AMOE_FAULTS", "join:2")
+    cfg = config("inline").replace(eplb={"num_redundant_experts": 0})
+    with ServedCluster(model_dir, cfg) as cluster:
+        backend = cluster.backend
+        start = backend.placement()["replicas"]
+        during, failed = cluster.call(under_traffic(backend, scale(remove=[1])), 200)
+        after = cluster.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+        report, health = backend.placement(), backend.health()
+    for prompt, tokens in during:
+        assert tokens == hf_tokens[prompt]
+    assert after == hf_tokens
+    assert failed["outcome"] == "failed" and "injected" in failed["last_error"], failed
+    assert failed["failed"] == {"join": 0, "drain": 1} and failed["expert_runtimes"] == 2
+    assert report["replicas"] == start and [r["runtime"] for r in health["runtimes"]] == [0, 1, 2]

@@ -110,6 +110,9 @@ class Rebalancer:
         self._planning = False
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self.last_error: str | None = None
+        # Set while runtimes join or leave (coordinator/cluster/scaling.py): a periodic plan then could place replicas
+        # on a runtime about to stop, or leave out one about to serve; it waits for the scale to end.
+        self.paused = False
 
     # ---- start-up
 
@@ -173,6 +176,7 @@ class Rebalancer:
             and self.map is not None
             and self.load is not None
             and not self._planning
+            and not self.paused
             and self.load.steps - self._last_steps >= self.eplb.step_interval
             and self._all_serving()
         )

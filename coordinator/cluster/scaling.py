@@ -149,6 +149,13 @@ class Scaler:
 
     async def _run(self, steps: list[tuple[str, int | None]]) -> dict[str, Any]:
         outcome = "unchanged" if not steps else "completed"
+        self.cluster.placement.paused = True  # no periodic rebalance while the set of runtimes changes
+        try:
+            return await self._apply(steps, outcome)
+        finally:
+            self.cluster.placement.paused = False
+
+    async def _apply(self, steps: list[tuple[str, int | None]], outcome: str) -> dict[str, Any]:
         for action, runtime in steps:
             try:
                 await (self._join("expert") if action == "join" else self._drain(runtime))
