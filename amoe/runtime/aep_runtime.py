@@ -186,10 +186,8 @@ class AepRuntime(RankCapacity):
             report["emulated"] = self.executor.stats()
         elif self.attention is None:
             report.update(self.executor.stats())  # "offload": the expert store's counters, when it offloads
-        if self.attention is None:
-            report["loaded_layers"] = (
-                self.replicas.loaded_layers
-            )  # a join's progress, which its deadline follows
+        if self.attention is None:  # a join's progress, which its deadline follows
+            report["loaded_layers"] = self.replicas.loaded_layers
         return report
 
     def stop(self) -> None:

@@ -82,7 +82,7 @@ class RuntimeWatch:
                 # is watched there): this bounds a process start, not a model load.
                 self.lost(r, f"{r.name} did not say hello within {self.startup_timeout_s:.0f} s")
             elif (
-                r.ready or r.endpoint is not None and r.joining
+                r.ready or (r.joining and r.endpoint is not None)
             ) and now - r.last_seen > self.heartbeat_timeout_s:
                 self.lost(r, f"{r.name} (pid {r.proc.pid}) sent nothing for {now - r.last_seen:.1f} s")
             elif r.ready and now - r.progressed > self.heartbeat_timeout_s:
@@ -97,9 +97,8 @@ class RuntimeWatch:
         cluster fails."""
         if self.failure is not None or self.stopping or runtime.retired:
             return
-        if (
-            runtime.joining
-        ):  # never served: the join fails, nothing is healed (coordinator/cluster/scaling.py)
+        # A joiner never served: its join fails, nothing is healed (coordinator/cluster/scaling.py).
+        if runtime.joining:
             if runtime.join_error is not None:
                 return  # told already
             logger.warning("%s: its join failed", reason)

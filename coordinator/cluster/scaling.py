@@ -159,10 +159,11 @@ class Scaler:
         for action, runtime in steps:
             try:
                 await (self._join("expert") if action == "join" else self._drain(runtime))
-            except ScaleFailed as exc:
+            except Exception as exc:  # noqa: BLE001 - a launcher that cannot start a process, too: said, not raised
                 self.counters.failed[action] += 1
-                self.last_error = str(exc)
-                logger.error("[scale] the %s failed: %s; the cluster serves on as it was", action, exc)
+                self.last_error = str(exc) if isinstance(exc, ScaleFailed) else f"{type(exc).__name__}: {exc}"
+                logger.error("[scale] the %s failed: %s; the cluster serves on as it was", action, self.last_error,
+                             exc_info=not isinstance(exc, ScaleFailed))  # fmt: skip
                 outcome = "failed"
                 break
             finally:
