@@ -93,6 +93,8 @@ def test_an_expert_runtime_joins_and_one_leaves_under_load(model_dir, hf_tokens,
         backend = cluster.backend
         joined, join = cluster.call(under_traffic(backend, scale(expert_runtimes="+1")), 200)
         hosted_after_join = sorted(backend.cluster.placement.hosted[3])
+        # Rows it served before anything else changed: those of the streams that were running when it joined.
+        rows_after_join = sum(next(s for s in cluster.runtime_stats() if s["runtime"] == 3)["rows"].values())
         left, drain = cluster.call(under_traffic(backend, scale(expert_runtimes=-1, remove=[1])), 200)
         after = cluster.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -107,6 +109,7 @@ def test_an_expert_runtime_joins_and_one_leaves_under_load(model_dir, hf_tokens,
     assert after == hf_tokens
     assert join["outcome"] == "completed" and drain["outcome"] == "completed", (join, drain)
     assert hosted_after_join, "the runtime that joined was given no replica"
+    assert rows_after_join > 0, "the runtime that joined served no row of the streams running through its join"
     assert sum(stats[3]["rows"].values()) > 0, "the runtime that joined served no row"
     assert sorted(stats) == [0, 2, 3]
     assert all(1 not in where for row in report["replicas"] for where in row)
