@@ -109,7 +109,9 @@ def test_an_expert_runtime_joins_and_one_leaves_under_load(model_dir, hf_tokens,
     assert after == hf_tokens
     assert join["outcome"] == "completed" and drain["outcome"] == "completed", (join, drain)
     assert hosted_after_join, "the runtime that joined was given no replica"
-    assert rows_after_join > 0, "the runtime that joined served no row of the streams running through its join"
+    assert rows_after_join > 0, (
+        "the runtime that joined served no row of the streams running through its join"
+    )
     assert sum(stats[3]["rows"].values()) > 0, "the runtime that joined served no row"
     assert sorted(stats) == [0, 2, 3]
     assert all(1 not in where for row in report["replicas"] for where in row)
