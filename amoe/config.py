@@ -123,6 +123,10 @@ class ParallelSection:
     # ep: the expert GEMM of a chunk: grouped (one grouped step for a device's experts), dense (one GEMM per
     # expert) or auto (the cost model's choice by tokens per expert); None: grouped.
     ep_kernel: str | None = None
+    # aep: the most runtimes the cluster holds at once, attention and expert together, as `amoe scale` adds and
+    # removes them (docs/rebalancing.md "Scaling"); never fewer than it starts with. A slot no runtime holds costs
+    # each communicator an idle entry, no socket and no thread.
+    max_runtimes: int = 64
 
     def __post_init__(self) -> None:
         _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))
@@ -133,6 +137,7 @@ class ParallelSection:
         _positive("parallel.expert_ranks", self.expert_ranks)
         _positive("parallel.threads_per_rank", self.threads_per_rank)
         _positive("parallel.micro_batches", self.micro_batches)
+        _positive("parallel.max_runtimes", self.max_runtimes)
 
     def _check_ep_pipeline(self) -> None:
         for name, value in (("--ep-pipelines", self.ep_pipelines), ("--ep-kernel", self.ep_kernel)):
@@ -411,7 +416,8 @@ class EplbSection:
     step_interval: int = 3000  # steps between rebalances (beyond window_size only the last window_size count)
     log_balancedness: bool = False  # log each block's balancedness (mean / max runtime load)
     log_balancedness_interval: int = 1  # steps between those logs
-    # amoe's own: a rebalance whose new replicas' weights have not all landed by then fails (the old map serves on)
+    # amoe's own: a rebalance whose joins load no layer's weights for this long fails (the old map serves on); a
+    # stall, not a size, so a large join never runs out of time while its layers keep landing
     join_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -645,6 +651,7 @@ _ALIASES = {
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",
     ("parallel", "threads_per_rank"): "--threads-per-rank",
+    ("parallel", "max_runtimes"): "--max-runtimes",
     ("parallel", "ep_pipelines"): "--ep-pipelines",
     ("parallel", "ep_kernel"): "--ep-kernel",
     ("scheduler", "policy"): "--scheduler",
