@@ -89,6 +89,8 @@ class StopTheWorld:
         self._stride = max(1, eplb.window_size // SNAPSHOTS)
         self._shape = (device.cfg.num_blocks, device.cfg.num_expert_ids)
         self._history: collections.deque = collections.deque([(0, np.zeros(self._shape, dtype=np.int64))])
+        # (perf_counter at the boundary, seconds paused, bytes brought) of each rebalance that moved layers
+        self.events: collections.deque = collections.deque(maxlen=1024)
 
     def after_begin(self, ex: core.BarrierExchange, it: int) -> None:
         """A working iteration `it` is agreed: count it, and stop the world here when a rebalance is due."""
@@ -116,6 +118,7 @@ class StopTheWorld:
         self.map, self.device.slots = target, self.device.slots.with_map(target)
         pause = time.perf_counter() - start
         self.device.stats.add_rebalance(pause, moved)
+        self.events.append((start, pause, moved))
         logger.info("[sync] device %d: stop-the-world rebalance at iteration %d: %d layers in, %d out, %.1f MB, "
                     "paused %.3f s", rank, it, len(joins.get(rank, [])), len(drains.get(rank, [])), moved / 1e6,
                     pause)  # fmt: skip
