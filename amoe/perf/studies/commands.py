@@ -490,17 +490,27 @@ def add_bench_drift_command(sub: Any) -> None:
     p.add_argument(
         "--time-scale", type=float, default=None, help="wall seconds per emulated second (default 4)"
     )
-    p.add_argument("--streams", type=int, default=None, help="requests in flight (default 64)")
-    p.add_argument("--profile", default=None, help="model profile, NAME:BLOCKS (default mixtral-8x7b-mqa:4)")
+    p.add_argument("--streams", type=int, default=None, help="requests in flight (default 128)")
+    p.add_argument("--profile", default=None, help="model profile, NAME:BLOCKS (default mixtral-8x7b-mqa:2)")
     p.add_argument("--gpu", default=None, help="emulated GPU (default a100-80g)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512)")
-    p.add_argument("--max-tokens", type=int, default=None, help="output tokens a request (default 4)")
-    p.add_argument("--batch-rows", type=int, default=None, help="rows per attention batch (default 2048)")
     p.add_argument(
-        "--step-interval", type=int, default=None, help="steps between periodic rebalances (default 24)"
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="mean prompt tokens, spread ±50 %% by request id (default 256)",
     )
     p.add_argument(
-        "--window-size", type=int, default=None, help="steps of load a rebalance reads (default 12)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="mean output tokens, spread ±50 %% by request id (default 8)",
+    )
+    p.add_argument("--batch-rows", type=int, default=None, help="rows per attention batch (default 1024)")
+    p.add_argument(
+        "--step-interval", type=int, default=None, help="steps between periodic rebalances (default 64)"
+    )
+    p.add_argument(
+        "--window-size", type=int, default=None, help="steps of load a rebalance reads (default 32)"
     )
     p.add_argument(
         "--warmup-s", type=float, default=None, help="emulated seconds before measuring (default 3)"

@@ -45,23 +45,23 @@ POLL_S = 0.01  # wall seconds between the driver's looks at the streams and the 
 class DriftSetup:
     """One run's deployment, workload and schedule (times in emulated seconds)."""
 
-    profile: str = "mixtral-8x7b-mqa:4"  # Mixtral's shapes (the measured skew is Mixtral's), 4 of its blocks
+    profile: str = "mixtral-8x7b-mqa:2"  # Mixtral's shapes (the measured skew is Mixtral's), 2 of its blocks
     gpu: str = "a100-80g"  # where a compute-bound expert step makes skew cost time
     lam: float = DEFAULT_LAMBDA
     seed: int = 0
     time_scale: float = 4.0
-    prompt_len: int = (
-        512  # long prompts and few tokens: batches past the experts' knee, few requests to drive
-    )
-    max_tokens: int = 4
-    streams: int = 64
-    attn_ranks: int = 2  # aep: 2 attention + 3 expert runtimes, expert-bound
+    # Prompts of prompt_len / 2 .. 3 prompt_len / 2 tokens and max_tokens / 2 .. 3 max_tokens / 2 output tokens, by
+    # request id: requests of one length would stay in phase and deliver their tokens in waves.
+    prompt_len: int = 256
+    max_tokens: int = 8
+    streams: int = 128
+    attn_ranks: int = 3  # aep: 3 attention + 3 expert runtimes, expert-bound by the cost model
     expert_ranks: int = 3
     ep_devices: int = 4
     redundant: int = 4  # replicas a block beyond one per expert, every variant
-    batch_rows: int = 2048  # rows per attention batch (ep: per device iteration)
-    step_interval: int = 24  # steps between periodic rebalances (~1-2 emulated s here)
-    window_size: int = 12
+    batch_rows: int = 1024  # rows per attention batch (ep: per device iteration): past the experts' knee
+    step_interval: int = 64  # steps between periodic rebalances (~1 emulated s here)
+    window_size: int = 32
     warmup_s: float = 3.0
     before_s: float = 3.0
     after_s: float = 6.0
@@ -125,12 +125,19 @@ class Traffic:
                 self.tokens.append((self.now(), count))
 
 
-def params(setup: DriftSetup) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=setup.max_tokens, ignore_eos=True)
+def params(setup: DriftSetup, request_id: int) -> SamplingParams:
+    tokens = _spread(setup.max_tokens, request_id, salt=1)
+    return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
 
 def prompt(setup: DriftSetup, request_id: int) -> list[int]:
-    return [3 + (request_id + i) % 97 for i in range(setup.prompt_len)]
+    return [3 + (request_id + i) % 97 for i in range(_spread(setup.prompt_len, request_id, salt=0))]
+
+
+def _spread(mean: int, request_id: int, salt: int) -> int:
+    """mean / 2 .. mean / 2 + mean, spread over request ids by a multiplicative hash (Knuth's): the same for a
+    request in every variant."""
+    return max(1, mean // 2 + (request_id * 2654435761 + salt * 40503) % 2**32 % (mean + 1))
 
 
 # ---- aep: a served cluster (coordinator + runtime processes), its Rebalancer
@@ -161,7 +168,8 @@ async def _aep_run(backend, setup: DriftSetup, traffic: Traffic, place_once: boo
     async def stream(i: int) -> None:
         while traffic.running:
             rid = traffic.next_id()
-            async for delta in backend.generate(rid, prompt(setup, rid), params(setup), rank=i % num_ranks):
+            generate = backend.generate(rid, prompt(setup, rid), params(setup, rid), rank=i % num_ranks)
+            async for delta in generate:
                 traffic.record(len(delta.token_ids))
 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(setup.streams)]
@@ -241,7 +249,7 @@ def _ep_run(cluster, setup: DriftSetup, traffic: Traffic) -> None:
 def _ep_submit(cluster, setup: DriftSetup, traffic: Traffic, stream: int):
     rid = traffic.next_id()
     rank = stream % setup.ep_devices
-    return cluster.submit(prompt(setup, rid), params(setup), rank=rank, request_id=rid)
+    return cluster.submit(prompt(setup, rid), params(setup, rid), rank=rank, request_id=rid)
 
 
 def _merge_events(traffic: Traffic, events: list[tuple[float, float, int]]) -> list[tuple[float, float]]:
