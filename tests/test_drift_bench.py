@@ -13,7 +13,7 @@ from amoe.perf.studies import drift, drift_report
 
 TINY = {
     "profile": "mixtral-8x7b-mqa:1", "streams": 6, "prompt_len": 16, "max_tokens": 3, "batch_rows": 64,
-    "time_scale": 1.0, "warmup_s": 0.6, "before_s": 0.4, "after_s": 1.0, "step_interval": 4, "window_size": 2,
+    "time_scale": 1.0, "warmup_s": 1.2, "before_s": 0.4, "after_s": 1.0, "step_interval": 4, "window_size": 2,
 }  # fmt: skip
 
 

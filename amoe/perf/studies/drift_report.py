@@ -50,6 +50,8 @@ def dips(run: dict, setup) -> list[dict[str, float]]:
         if not touching.any():
             continue
         before = rate(run["tokens"], max(SETTLE_S, a - BEFORE_S), a)
+        if not before > 0:  # nothing served before it (or no time to serve it in): no ratio to take
+            continue
         lowest = float(rates[touching].min())
         out.append({"start_s": a, "end_s": b, "lowest": lowest, "before": before, "ratio": lowest / before})
     return out
