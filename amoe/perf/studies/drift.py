@@ -265,7 +265,8 @@ def _merge_events(traffic: Traffic, events: list[tuple[float, float, int]]) -> l
 
 
 def _series(traffic: Traffic) -> dict[str, Any]:
-    return {"tokens": traffic.tokens, "rebalance_spans": traffic.rebalances}
+    spans = [(round(a, 6), round(b, 6)) for a, b in traffic.rebalances]
+    return {"tokens": drift_report.binned(traffic.tokens), "rebalance_spans": spans}
 
 
 # ---- the command

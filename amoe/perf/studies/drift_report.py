@@ -19,6 +19,18 @@ CLOSE = 0.01  # a figure this near its target is a close call (RULES.md)
 MEASURABLE_GAIN = 0.03  # a gain below this fraction of the reference's rate is within the run's noise
 
 
+BIN_S = 0.001  # token arrivals are kept per emulated millisecond (drift.json stays small; every rate is taken on them)
+
+
+def binned(tokens: list) -> list[tuple[float, int]]:
+    """(the start of each emulated millisecond with arrivals, its output tokens), ascending."""
+    bins: dict[int, int] = {}
+    for t, n in tokens:
+        key = int(t // BIN_S)
+        bins[key] = bins.get(key, 0) + n
+    return [(round(k * BIN_S, 6), n) for k, n in sorted(bins.items())]
+
+
 def rate(tokens: list, start: float, end: float) -> float:
     """Output tokens per emulated second over [start, end)."""
     if end <= start:
