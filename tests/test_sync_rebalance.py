@@ -9,7 +9,7 @@ import pytest
 import torch
 from factories import random_prompts, reference_tokens
 
-from amoe.config import EmulationSection, EplbSection
+from amoe.config import AmoeConfig, EmulationSection, EplbSection
 from amoe.expert_map import ExpertMap
 from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.links import weights_copy_time
@@ -19,6 +19,7 @@ from amoe.placement import Placement
 from amoe.runtime.emulated import Emulation
 from amoe.runtime.sync.slots import SlotMap
 from amoe.sampling_params import SamplingParams
+from amoe.testing.cluster import ServedCluster
 from amoe.testing.sync_inproc import SyncCluster
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12)
@@ -89,3 +90,24 @@ def test_the_pause_holds_every_device_for_the_link_time_of_the_bytes_moved():
         assert s["rebalance_s"] >= held * em.config.time_scale * 0.9
     moved = np.array([s["moved_bytes"] for s in stats])
     assert moved.sum() > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ep", "pingpong"])
+def test_served_sync_runtimes_rebalance_with_the_eplb_flags(tiny_checkpoint, mode):
+    """`amoe serve --parallel ep|pingpong --enable-eplb`: runtime processes behind the coordinator stop the world to
+    rebalance, and greedy tokens are still the reference engine's."""
+    prompts = random_prompts([4, 11, 6, 2])
+    reference = reference_tokens(tiny_checkpoint, prompts, PARAMS)
+    parallel = (
+        {"mode": mode, "attn_ranks": 2}
+        if mode == "ep"
+        else {"mode": mode, "attn_ranks": 1, "expert_ranks": 2}
+    )
+    config = AmoeConfig().replace(parallel=parallel, device={"kind": "cpu"}, eplb=dataclasses.asdict(EPLB))
+    with ServedCluster(tiny_checkpoint, config) as cluster:
+        assert cluster.generate(prompts, PARAMS, timeout=90) == reference
+        reports = cluster.runtime_stats(settled=True)  # a report sent after the last token
+    counts = [r["rebalances"]["rebalances"] for r in reports]
+    assert counts[0] >= 1 and len(set(counts)) == 1, counts  # every runtime paused at every one
+    assert sum(r["rebalances"]["moved_bytes"] for r in reports) > 0

@@ -19,13 +19,12 @@ from amoe.config import EplbSection
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import ModelConfig, load_model_config
 from amoe.model.layers import build_attention_rank, build_expert_layer_set, build_expert_layers
-from amoe.perf.model.links import runtime_nodes
 from amoe.placement import Placement
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
 from amoe.runtime.requests import RankRequest, RankRequests
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.loops import run_sync_loop
-from amoe.runtime.sync.rebalance import EmulatedMover, TorchMover, attach, link_between
+from amoe.runtime.sync.rebalance import stop_the_world
 from amoe.sampling_params import SamplingParams
 from amoe.structured import Grammars
 
@@ -87,24 +86,10 @@ class SyncCluster:
         self._ids = itertools.count(1)
 
     def _rebalancing(self, eplb: EplbSection, place: Placement, pipeline) -> None:
-        if pipeline is not None or len(place.hosts) < 2:
-            raise ConfigError(
-                "the stop-the-world rebalance needs 2 or more expert devices and no EP pipeline"
-            )
-        em, cfg = self.emulation, self.model_config
-        gpus_per_node = em.config.gpus_per_node if em is not None else 0
-        num_expert = len(place.hosts) if self.mode == "pingpong" else 0
-        nodes = runtime_nodes(self.mode, len(place.attn_runtime), num_expert, gpus_per_node)
-        movers = {}
-        for d in self.devices:
-            if d.experts is None:
-                continue
-            if em is not None:
-                movers[d.rank] = EmulatedMover(d.experts, link_between(em.expert_gpu, nodes, place.hosts))
-            else:
-                load = functools.partial(build_expert_layer_set, self.model_dir, cfg, dtype=self.dtype)
-                movers[d.rank] = TorchMover(d.experts, load)
-        attach(self.devices, eplb, place, cfg, nodes, movers)
+        if pipeline is not None:
+            raise ConfigError("the stop-the-world rebalance does not run with an EP pipeline")
+        load = functools.partial(build_expert_layer_set, self.model_dir, self.model_config, dtype=self.dtype)
+        stop_the_world(self.devices, eplb, place, self.model_config, self.mode, self.emulation, load)
 
     def _device(self, rank: int, place: Placement, max_batch_rows: int | None) -> SyncDevice:
         hosted = place.experts_of(rank)

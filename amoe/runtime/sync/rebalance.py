@@ -28,9 +28,10 @@ import numpy as np
 
 from amoe import core
 from amoe.config import EplbSection
+from amoe.errors import ConfigError
 from amoe.expert_map import ExpertMap, Layer, expected_load
 from amoe.perf.model.gpus import LinkProfile
-from amoe.perf.model.links import weights_copy_time
+from amoe.perf.model.links import runtime_nodes, weights_copy_time
 from amoe.runtime.sync.exchange import BEGIN
 from amoe.runtime.sync.slots import SlotMap
 
@@ -160,6 +161,26 @@ def start_map(expert_map: ExpertMap, num_redundant: int, devices: Sequence[int],
         return expert_map
     prior = expected_load(cfg.num_blocks, cfg.num_experts, cfg.num_shared_experts, cfg.top_k)
     return expert_map.with_redundant(num_redundant, prior, devices)
+
+
+def stop_the_world(devices: list, eplb: EplbSection, place, cfg, mode: str, emulation, load) -> None:
+    """Give `devices` (of one synchronous group: all of them in process, or a runtime's one) the stop-the-world
+    rebalance: emulated devices move weights for the link's time between their nodes (emulation.gpus_per_node),
+    torch ones read them with `load(layers)`. ConfigError for fewer than 2 expert devices."""
+    if len(place.hosts) < 2:
+        raise ConfigError("the stop-the-world rebalance needs 2 or more expert devices")
+    gpus_per_node = emulation.config.gpus_per_node if emulation is not None else 0
+    num_expert = len(place.hosts) if mode == "pingpong" else 0
+    nodes = runtime_nodes(mode, len(place.attn_runtime), num_expert, gpus_per_node)
+    movers = {}
+    for d in devices:
+        if d.experts is None:
+            continue
+        if emulation is not None:
+            movers[d.rank] = EmulatedMover(d.experts, link_between(emulation.expert_gpu, nodes, place.hosts))
+        else:
+            movers[d.rank] = TorchMover(d.experts, load)
+    attach(devices, eplb, place, cfg, nodes, movers)
 
 
 def attach(devices: list, eplb: EplbSection, place, cfg, nodes: Sequence[int], movers: dict) -> None:
