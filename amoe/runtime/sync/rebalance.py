@@ -191,12 +191,15 @@ def attach(devices: list, eplb: EplbSection, place, cfg, nodes: Sequence[int], m
     expert_map = start_map(ExpertMap.homes(place, cfg.num_blocks), eplb.num_redundant_experts, hosts, cfg)
     slots = SlotMap.start(hosts, expert_map, eplb.num_redundant_experts)
     homes = ExpertMap.homes(place, cfg.num_blocks)
+    groups = (
+        cfg.router.num_groups if cfg.num_shared_experts == 0 else 1
+    )  # as aep's runtimes tell the coordinator
     for device in devices:
         mover = movers.get(device.rank)
         extra = sorted(expert_map.hosted_by(device.rank) - homes.hosted_by(device.rank))
         if extra and mover is not None:
             _unpriced(mover, extra)
-        device.rebalancer = StopTheWorld(device, eplb, slots, mover, nodes)
+        device.rebalancer = StopTheWorld(device, eplb, slots, mover, nodes, groups)
 
 
 def _unpriced(mover, layers: list[Layer]) -> None:
