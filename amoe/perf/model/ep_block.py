@@ -14,7 +14,7 @@ import numpy as np
 
 from amoe.perf.model.eps import EpLayer, PipelineChunk, a2a_time, pipeline_time
 from amoe.perf.model.gpus import GpuProfile
-from amoe.perf.model.kernels import best_kernel, curves_for, experts_time
+from amoe.perf.model.kernels import best_kernel, curves_for, experts_time, fitted
 from amoe.perf.model.models import ModelProfile
 
 if TYPE_CHECKING:
@@ -227,6 +227,7 @@ def _chunk_compute(model, gpu, host, work: tuple[tuple[bool, int, float], ...], 
     ("auto": by load, per width; "": the grouped step, shared experts in it) and one host step. With a kernel a
     shared expert is a GEMM of its own (dense), as the runtime runs it (EmulatedExpertExecutor.run_experts)."""
     curves = curves_for(gpu)
+    gpu = fitted(gpu, curves)
     t = 0.0
     by_gemm: dict[tuple[bool, int], list[float]] = {}
     for shared, inter, r in work:

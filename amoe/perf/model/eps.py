@@ -27,7 +27,15 @@ import numpy as np
 
 from amoe.perf.model.cost_model import EXPERT_KERNELS
 from amoe.perf.model.gpus import GpuProfile
-from amoe.perf.model.kernels import COMM_SMS, GPU_SMS, INTERFERENCE, EpsCurves, best_kernel, experts_time
+from amoe.perf.model.kernels import (
+    COMM_SMS,
+    GPU_SMS,
+    INTERFERENCE,
+    EpsCurves,
+    best_kernel,
+    experts_time,
+    fitted,
+)
 from amoe.perf.model.models import ModelProfile
 
 # ---- the pipeline (Algorithm 1 on two streams)
@@ -136,6 +144,7 @@ def layer_chunks(
     """The PN chunks of an EP layer: chunk p's experts are the p-th group of the local ones (split as evenly as
     whole experts allow), its all-to-alls carry the copies bound for them. kernel "auto": per chunk. `fp8`: both
     all-to-alls move FP8 (Table II's footnote 2: "the communication datatype"); `sms`: the GEMMs' SM cap."""
+    gpu = fitted(gpu, curves)
     sizes = [len(g) for g in np.array_split(np.arange(layer.local_experts), pipelines)]
     chunks = []
     for size in sizes:
@@ -175,7 +184,7 @@ def layer_time(
 def chunk_overhead(gpu: GpuProfile, curves: EpsCurves, layer: EpLayer, kernel: str) -> float:
     """k of the paper's R(N) = k N + b: what one more chunk costs — two more collectives' fixed cost and one more
     chunk's kernel launches (per expert for dense GEMMs, once for a grouped one)."""
-    launches = EXPERT_KERNELS * gpu.launch_s
+    launches = EXPERT_KERNELS * fitted(gpu, curves).launch_s
     per_chunk = launches if kernel == "grouped" else 0.0  # dense launches per expert whatever the chunking
     return 2 * curves.a2a_fixed_s + per_chunk
 

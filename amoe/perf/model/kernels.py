@@ -96,6 +96,10 @@ class EpsCurves:
     # Two-sided slowdown while a collective overlaps a GEMM on every SM (pipeline_time);
     # `eps_paper.fit_interference`.
     interference: float = INTERFERENCE
+    # The GPU profile's HBM fraction and launch gap the curves were fitted with (None: the GPU's calibrated
+    # ones): a fit keeps pricing with what it was fitted against (`fitted`).
+    memory_efficiency: float | None = None
+    launch_s: float | None = None
 
     def curve(self, kernel: str) -> KernelCurve:
         return self.grouped if kernel == "grouped" else self.dense
@@ -161,10 +165,21 @@ def experts_time(
     return float(gemm + EXPERT_KERNELS * gpu.launch_s)
 
 
+def fitted(gpu: GpuProfile, curves: EpsCurves) -> GpuProfile:
+    """`gpu` as `curves` were fitted against it: its HBM fraction and launch gap those of the fit."""
+    change = {}
+    if curves.memory_efficiency is not None:
+        change["memory_efficiency"] = curves.memory_efficiency
+    if curves.launch_s is not None:
+        change["launch_s"] = curves.launch_s
+    return replace(gpu, **change) if change else gpu
+
+
 def best_kernel(
     gpu: GpuProfile, curves: EpsCurves, rows: Sequence[float], hidden: int, inter: int, sms: int | None = None
 ) -> str:
     """The load-aware choice: the kernel the curves predict faster for these tokens per expert (grouped on a tie)."""
+    gpu = fitted(gpu, curves)
     times = {k: experts_time(gpu, curves.curve(k), k, rows, hidden, inter, sms=sms) for k in KERNELS}
     return min(KERNELS, key=lambda k: (times[k], k != "grouped"))
 
@@ -181,6 +196,10 @@ CURVES: dict[str, EpsCurves] = {
         layer_fixed_s=588e-6,
         source="fitted to Table II's PN 1 rows (EPS-MoE, 4 x H800): amoe bench eps --fit; interference to Table IV",
         interference=0.231,  # fit_interference: Table IV's 132 / 116 SM ratios, nothing else
+        # What the fit priced the H800 with (the profile before the 2026-11-29 kernel calibration): HBM at 0.85
+        # of its peak, 4 µs a kernel launch (amoe's runtime, no CUDA graphs).
+        memory_efficiency=0.85,
+        launch_s=4e-6,
     ),
 }
 

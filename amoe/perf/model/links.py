@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from amoe.errors import ConfigError
 from amoe.perf.model.gpus import GpuProfile, LinkProfile
 from amoe.perf.model.models import ModelProfile
@@ -63,49 +65,88 @@ def weights_copy_time(link: LinkProfile, num_bytes: int) -> float:
     return link.latency + num_bytes / link.usable_bandwidth if num_bytes > 0 else 0.0
 
 
-# ---- the EP exchange's latency (docs/simulation.md "Bounds", EP, with sources)
+# ---- the EP exchange (docs/cost-model.md "EP's exchange", constants from the calibration's DeepEP tables)
 
-# Assumed, within the "tens of µs" of an NCCL all-to-all of small messages among the 8 GPUs of an NVLink
-# node: a fixed cost per collective on top of its bytes at NVLink speed.
-A2A_FIXED_NVLINK_S = 20e-6
-# DeepEP (github.com/deepseek-ai/DeepEP README, "Low-latency kernels with pure RDMA": H800, one CX7 400 Gb/s NIC
-# (~50 GB/s) per GPU, 128 tokens, hidden 7168, top-8, FP8 dispatch / BF16 combine): dispatch 77 / 118 / 155 / 173 /
-# 192 / 194 µs at EP 8 / 16 / 32 / 64 / 128 / 256, i.e. 98 / 63 / 48 / 43 / 39 / 39 GB/s per GPU. Across hosts
-# an all-to-all therefore reaches this fraction of the NIC's bandwidth at each EP size (EP 8 beats the NIC: its
-# peers share a node), and its fixed cost is small against the bytes at that size.
-DEEPEP_RDMA_GBPS = {8: 98, 16: 63, 32: 48, 64: 43, 128: 39, 256: 39}
-DEEPEP_NIC_GBPS = 50.0
-# Assumed: the fixed part of a cross-host all-to-all (NCCL or DeepEP's normal kernels: one RDMA round trip plus the
-# kernel), what remains of DeepEP's latencies once their bytes are paid.
-A2A_FIXED_NETWORK_S = 30e-6
+KINDS = ("dispatch", "combine")
 
 
 def all_to_all_time(
-    model: ModelProfile,
-    gpu: GpuProfile,
-    rows: float,
-    devices: int,
-    gpus_per_node: int,
-    bytes_per_element: int | None = None,
+    model: ModelProfile, gpu: GpuProfile, rows: float, devices: int, gpus_per_node: int, kind: str = "combine"
 ) -> float:
-    """One dispatch (or combine) all-to-all of an EP step: every device sends `rows` × top-k hidden rows spread
-    evenly over the `devices` (its own share stays). Peers on its node go over NVLink, the others over the NIC at
-    DeepEP's measured fraction of it; the slower of the two paths sets the time. `bytes_per_element`: the rows'
-    precision (default the model's activations; an FP8 dispatch passes model.dispatch_bytes)."""
+    """One dispatch (or combine) of an EP step: every device sends its `rows` rows to each of their top-k experts
+    (the dispatch at model.dispatch_bytes per element, the combine at BF16 back). Within one NVLink domain: the
+    calibration's fixed cost per collective + the bytes leaving for the node's other devices at NVLink's usable
+    bandwidth. Across nodes, DeepEP's low-latency kernels (what EP serving systems decode with): every row copy's
+    bytes at the bandwidth DeepEP's table measured at that EP size for that kind (log-linear between its sizes),
+    scaled by this GPU's NIC against the table's 400 Gb/s, + the calibration's fixed cost."""
     if devices <= 1 or rows <= 0:
         return 0.0
-    width = bytes_per_element or model.bytes_per_activation
-    per_peer = rows * model.experts_per_token * model.hidden_size * width / devices
+    if kind not in KINDS:
+        raise ValueError(f"all_to_all_time: kind must be one of {KINDS}; got {kind!r}")
+    width = model.dispatch_bytes if kind == "dispatch" else model.bytes_per_activation
+    copies = rows * model.experts_per_token * model.hidden_size * width
+    ex = gpu.exchange
     node = devices if gpus_per_node <= 0 else min(gpus_per_node, devices)
-    local = per_peer * (node - 1) / gpu.nvlink.usable_bandwidth
     if node == devices:
-        return A2A_FIXED_NVLINK_S + local
-    remote_fraction = _deepep_fraction(devices)
-    remote = per_peer * (devices - node) / (gpu.network.bandwidth * remote_fraction)
-    return A2A_FIXED_NETWORK_S + max(local, remote)
+        return ex.nvlink_fixed_s + copies * (node - 1) / node / gpu.nvlink.usable_bandwidth
+    table = ex.ll_dispatch_gbps if kind == "dispatch" else ex.ll_combine_gbps
+    nic = gpu.network.bandwidth / (ex.measured_nic_gbps * 1e9)
+    return ex.ll_fixed_s + copies / (table_at(table, devices) * 1e9 * nic)
 
 
-def _deepep_fraction(devices: int) -> float:
-    sizes = sorted(DEEPEP_RDMA_GBPS)
-    size = next((s for s in sizes if s >= devices), sizes[-1])
-    return min(1.0, DEEPEP_RDMA_GBPS[size] / DEEPEP_NIC_GBPS)
+def table_at(table: tuple[tuple[int, float], ...], devices: float) -> float:
+    """A DeepEP table's bandwidth at `devices`, log-linear between its EP sizes, its ends beyond them."""
+    sizes = [s for s, _ in table]
+    values = [v for _, v in table]
+    return float(np.interp(math.log2(max(devices, 1)), np.log2(sizes), values))
+
+
+def normal_exchange_time(
+    model: ModelProfile, gpu: GpuProfile, tokens: float, devices: int, gpus_per_node: int, kind: str
+) -> float:
+    """One dispatch (or combine) of a prefill step by DeepEP's normal kernels (tokens forwarded once per node over
+    RDMA, then over NVLink): across nodes, the RDMA bytes as DeepEP's test counts them (each token once per node its
+    experts touch, amoe.perf.model.routing_nodes) at its table's bandwidth for the EP size; within one NVLink
+    domain, the token copies leaving each device at the table's NVLink bandwidth. No overlap slowdown: the
+    unit-test time."""
+    if devices <= 1 or tokens <= 0:
+        return 0.0
+    width = model.dispatch_bytes if kind == "dispatch" else model.bytes_per_activation
+    ex = gpu.exchange
+    node = devices if gpus_per_node <= 0 else min(gpus_per_node, devices)
+    if node == devices:
+        gbps = ex.normal_nvlink_dispatch_gbps if kind == "dispatch" else ex.normal_nvlink_combine_gbps
+        copies = tokens * model.experts_per_token * (node - 1) / node
+        return copies * model.hidden_size * width / (gbps * gpu.nvlink.bandwidth / H800_NVLINK_GBPS)
+    nodes = devices / node
+    touched = nodes_touched(model, nodes)
+    table = ex.normal_dispatch_gbps if kind == "dispatch" else ex.normal_combine_gbps
+    nic = gpu.network.bandwidth / (ex.measured_nic_gbps * 1e9)
+    return tokens * touched * model.hidden_size * width / (table_at(table, devices) * 1e9 * nic)
+
+
+# What DeepEP's intranode figures ran on: the H800's NVLink, 200 GB/s each way (H800 product brief); another GPU's
+# NVLink scales them.
+H800_NVLINK_GBPS = 200.0
+
+
+def nodes_touched(model: ModelProfile, nodes: float) -> float:
+    """Expected nodes a token's routed experts lie on, experts spread evenly over `nodes` and picked uniformly:
+    with group-limited routing (n_group groups, topk_group of them picked) a node holding whole groups is touched
+    when one of its groups is picked; a group spread over several nodes is touched on each with its share of the
+    token's experts; without it, top-k of E experts at random."""
+    k = model.top_k
+    if nodes <= 1:
+        return 1.0
+    if model.n_group and model.topk_group:
+        g, t = model.n_group, model.topk_group
+        if nodes == int(nodes) and g % int(nodes) == 0:
+            per = g // int(nodes)
+            return nodes * (1 - math.comb(g - per, t) / math.comb(g, t))
+        if nodes == int(nodes) and int(nodes) % g == 0:
+            spread = int(nodes) // g  # nodes per group
+            per_group = k / t
+            return t * spread * (1 - (1 - 1 / spread) ** per_group)
+    e = model.num_experts
+    per = e / nodes
+    return nodes * (1 - math.comb(e - round(per), k) / math.comb(e, k))

@@ -8,7 +8,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from amoe.errors import ConfigError
-from amoe.perf.model.gpus import lookup
+from amoe.perf.model.gpus import PRECISION_BYTES, lookup
+
+PRECISIONS = tuple(PRECISION_BYTES)
 
 
 @dataclass(frozen=True)
@@ -33,24 +35,67 @@ class ModelProfile:
     num_shared_experts: int = 0
     shared_intermediate: int = 0
     max_position_embeddings: int = 32768
-    bytes_per_param: int = 2  # BF16 weights
     bytes_per_activation: int = 2  # BF16 activations and KV
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     source: str = ""
     full_blocks: int | None = None  # a `NAME:N` profile: the model's own depth (None: num_blocks)
-    # FP8 serving: GEMMs with FP8 weights run at this multiple of the BF16 peak (2.0 on Hopper: H100/H800
-    # SXM datasheet, 1,979 dense FP8 vs 989 BF16 TFLOPS); 1.0 for BF16 weights. The attention core (FlashMLA) and
-    # the lm_head stay BF16.
-    gemm_speedup: float = 1.0
-    head_bytes_per_param: int | None = None  # embedding and lm_head (None: bytes_per_param)
-    dispatch_bytes_per_activation: int | None = None  # rows sent to the experts (None: bytes_per_activation)
+    # The precision of the attention side's GEMM weights and of the experts' (gpus.PRECISION_BYTES: bf16, fp8,
+    # fp4): bytes per weight, and the GPU's tensor-core rate at it (GpuProfile.peak_at). The attention core
+    # (FlashMLA, FlashAttention) and the lm_head stay BF16.
+    attn_precision: str = "bf16"
+    expert_precision: str = "bf16"
+    head_bytes_per_param: int = 2  # embedding and lm_head
+    dispatch_precision: str = (
+        "bf16"  # rows sent to the experts (fp8: DeepEP's FP8 dispatch); combines stay BF16
+    )
+    num_layers: int | None = None  # decoder layers the blocks stand for (None: num_blocks)
+    # Params of the attention side before its core (the projections in, the shared expert and dense MLPs that run
+    # beside them): the first stage of a two-batch-overlap step (ep_scale.block_time). None: half of attn_params.
+    attn_in_params: int | None = None
+    # Prefill's attention core FLOPs per query row per context token where prefill runs another form than decode
+    # (MLA: un-absorbed, 128-wide keys and values per head, as FlashAttention runs it); None: the decode form's.
+    prefill_attn_flops_per_context_token: int | None = None
+    # Group-limited routing (DeepSeek-V3: a token's experts in topk_group of n_group expert groups); 0: none.
+    n_group: int = 0
+    topk_group: int = 0
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ConfigError(f"{self.name}: top_k {self.top_k} exceeds num_experts {self.num_experts}")
         if self.num_shared_experts not in (0, 1):
             raise ConfigError(f"{self.name}: num_shared_experts must be 0 or 1 (several are one wider MLP)")
+        for field, value in (("attn_precision", self.attn_precision), ("expert_precision", self.expert_precision),
+                             ("dispatch_precision", self.dispatch_precision)):  # fmt: skip
+            if value not in PRECISIONS:
+                raise ConfigError(f"{self.name}: {field} {value!r}; choose from {', '.join(PRECISIONS)}")
+        if self.dispatch_precision == "fp4":
+            raise ConfigError(
+                f"{self.name}: dispatch_precision fp4 is not modelled (DeepEP sends BF16 or FP8)"
+            )
+
+    @property
+    def attn_bytes_per_param(self) -> float:
+        """Bytes per weight of the attention side's GEMMs (projections, router, shared expert, dense MLPs)."""
+        return PRECISION_BYTES[self.attn_precision]
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes per weight of an expert (what an expert GPU holds and streams)."""
+        return PRECISION_BYTES[self.expert_precision]
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or self.num_blocks
+
+    @property
+    def attn_in(self) -> int:
+        """Params of the attention side before its core (attn_in_params, or half of attn_params)."""
+        return self.attn_params // 2 if self.attn_in_params is None else self.attn_in_params
+
+    @property
+    def prefill_flops_per_context_token(self) -> int:
+        return self.prefill_attn_flops_per_context_token or self.attn_flops_per_context_token
 
     @property
     def head_share(self) -> float:
@@ -62,12 +107,15 @@ class ModelProfile:
     @property
     def head_bytes(self) -> int:
         """Bytes per parameter of the embedding and lm_head."""
-        return self.head_bytes_per_param or self.bytes_per_param
+        return self.head_bytes_per_param
 
     @property
-    def dispatch_bytes(self) -> int:
-        """Bytes per element of a hidden row on its way to the experts (FP8 dispatch: 1; the combine stays BF16)."""
-        return self.dispatch_bytes_per_activation or self.bytes_per_activation
+    def dispatch_bytes(self) -> float:
+        """Bytes per element of a hidden row on its way to the experts: an FP8 dispatch sends a byte per element and
+        a float32 scale per 128 (DeepEP's and DeepSeek-V3's per-token block scales); the combine stays BF16."""
+        if self.dispatch_precision == "fp8":
+            return 1 + 4 / 128
+        return self.bytes_per_activation
 
     @property
     def expert_params(self) -> int:
@@ -213,6 +261,9 @@ def _deepseek_v3() -> ModelProfile:
     # attention step (3 x 7168 x 2048 more GEMM weights per block), so dispatches carry the 8 routed rows only.
     h, layers, blocks, dense = 7168, 61, 58, 3
     attn, kv, flops = _mla_layer(h, 128, 1536, 512, 128, 64, 128)
+    # Before the core (DeepSeek's decode stage ATTN-0, github.com/deepseek-ai/profile-data): q_a, q_b, kv_a and
+    # half of kv_b (its key half, absorbed into the query); after it (ATTN-1): kv_b's value half and o_proj.
+    attn_in = h * 1536 + 1536 * 128 * 192 + h * 576 + 512 * 128 * 128
     shared = 3 * h * 2048
     router = h * 256
     return ModelProfile(
@@ -230,14 +281,19 @@ def _deepseek_v3() -> ModelProfile:
         num_kv_heads=1,
         head_dim=128,
         max_position_embeddings=163840,
-        bytes_per_param=1,
         bos_token_id=0,
         eos_token_id=1,
         source="DeepSeek-V3 config.json (61 layers, 3 dense, MLA absorbed, 256 routed top-8, shared expert on the "
         "attention side), FP8 GEMMs",
-        gemm_speedup=2.0,
+        attn_precision="fp8",
+        expert_precision="fp8",
         head_bytes_per_param=2,
-        dispatch_bytes_per_activation=1,
+        dispatch_precision="fp8",
+        num_layers=layers,
+        attn_in_params=round((layers * attn_in + dense * 3 * h * 18432) / blocks) + shared,
+        prefill_attn_flops_per_context_token=round(layers * 2 * 128 * (128 + 64 + 128) / blocks),
+        n_group=8,
+        topk_group=4,
     )
 
 
@@ -249,6 +305,7 @@ def _qwen3_moe(
     # 151936, max_position_embeddings 40960, bos 151643, eos 151645. BF16 weights (the released checkpoints).
     attn, kv, flops = gqa_attention(hidden, heads, 4, 128, 128)
     return ModelProfile(
+        attn_in_params=hidden * (heads + 2 * 4) * 128,  # q, k, v before the core; o and the router after
         name=name,
         vocab_size=151936,
         hidden_size=hidden,

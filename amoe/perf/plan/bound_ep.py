@@ -4,11 +4,12 @@ GEMM; with EPS-MoE's expert pipeline, and as deployed at scale (EPLB's redundant
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
-from amoe.perf.model import ep_block
+from amoe.perf.model import ep_block, ep_scale
 from amoe.perf.model.gpus import GpuProfile, gpu_profile
 from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.links import all_to_all_time
@@ -42,9 +43,7 @@ def ep_bound(
     if dep.redundant_experts or dep.two_batch_overlap:
         return _ep_at_scale(model, dep, q, gpu, b, mean_context, host)
     ctx = int(round(mean_context))
-    a2a = all_to_all_time(model, gpu, b, n, dep.gpus_per_node, model.dispatch_bytes) + all_to_all_time(
-        model, gpu, b, n, dep.gpus_per_node
-    )
+    a2a = ep_exchange_time(model, gpu, b, dep)
     speeds, jitter = variance.speeds(0, n), variance.jitter
     attn_1 = cm.decode_attention_time(model, gpu, b, ctx, host)
     attn = expected_max(attn_1 * speeds, jitter)
@@ -91,10 +90,36 @@ def ep_placements(model: ModelProfile, dep: Deployment, q: np.ndarray) -> list[l
 
 def ep_exchange_time(model: ModelProfile, gpu: GpuProfile, rows: float, dep: Deployment) -> float:
     """An EP block's dispatch (model.dispatch_bytes per element: FP8 where the model serves it) and combine."""
+    return sum(ep_exchange_parts(model, gpu, rows, dep))
+
+
+def ep_exchange_parts(
+    model: ModelProfile, gpu: GpuProfile, rows: float, dep: Deployment
+) -> tuple[float, float]:
+    """(dispatch, combine) of an EP block of `rows` rows per device (links.all_to_all_time)."""
     n, per_node = dep.num_attn, dep.gpus_per_node
-    return all_to_all_time(model, gpu, rows, n, per_node, model.dispatch_bytes) + all_to_all_time(
-        model, gpu, rows, n, per_node
+    return (
+        all_to_all_time(model, gpu, rows, n, per_node, "dispatch"),
+        all_to_all_time(model, gpu, rows, n, per_node, "combine"),
     )
+
+
+def ep_micro_batch(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    rows: float,
+    ctx: int,
+    dep: Deployment,
+    host: HostOverhead,
+    queries: int = 1,
+) -> ep_scale.MicroBatch:
+    """One micro-batch's attention stages and exchange (its experts 0: the caller's slowest device) for `rows` rows
+    per device, `queries` rows a request (1 + an MTP draft's tokens), each with `ctx` tokens of KV."""
+    requests = max(1, round(rows / queries))
+    parts = cm.attention_parts(model, gpu, np.full(requests, queries), np.full(requests, ctx), host)
+    stage_in, stage_out = ep_scale.attention_stages(parts)
+    dispatch, combine = ep_exchange_parts(model, gpu, requests * queries, dep)
+    return ep_scale.MicroBatch(stage_in, stage_out, 0.0, dispatch, combine)
 
 
 def _ep_at_scale(
@@ -102,24 +127,25 @@ def _ep_at_scale(
     host: HostOverhead,
 ) -> Prediction:  # fmt: skip
     """EP with EPLB and/or two-batch overlap (amoe.perf.model.ep_scale): per block the slowest device of the
-    expected loads, with the exchange overlapped by the other micro-batch's compute when TBO is on."""
-    from amoe.perf.model import ep_scale as scale
-
-    ctx, n = int(round(mean_context)), dep.num_attn
-    rows = b / 2 if dep.two_batch_overlap else b  # one micro-batch's rows per device
-    attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), ctx, host)
-    exchange = ep_exchange_time(model, gpu, rows, dep)
-    iteration, stall, skew = cm.head_time(model, gpu, b, host=host), 0.0, []
+    expected loads, with the exchange hidden behind the other micro-batch's stages when TBO is on."""
+    ctx, n, queries = int(round(mean_context)), dep.num_attn, 1 + dep.draft_tokens
+    rows = b * queries / (2 if dep.two_batch_overlap else 1)  # one micro-batch's rows per device
+    mb = ep_micro_batch(model, gpu, max(queries, round(rows)), ctx, dep, host, queries)
+    blocks, stall, skew = 0.0, 0.0, []
     for blk, placement in enumerate(ep_placements(model, dep, q)):
-        slowest, mean = scale.slowest_device(
-            model, gpu, scale.device_rows(placement, n * rows * q[blk]), host
+        slowest, mean = ep_scale.slowest_device(
+            model, gpu, ep_scale.device_rows(placement, n * rows * q[blk]), host
         )
         stall += slowest - mean
         skew.append(slowest / mean)
-        iteration += scale.block_time(attn, slowest, exchange, dep.two_batch_overlap)
-    tokens = n * b
+        blocks += ep_scale.block_time(replace(mb, experts=slowest), dep.two_batch_overlap)
+    # the MTP module: one more layer a draft token (the blocks' mean layer)
+    iteration = blocks * (1 + dep.draft_tokens / model.layers) + cm.head_time(
+        model, gpu, b * queries, host=host
+    )
+    tokens = n * b * dep.tokens_per_request_step
     return Prediction(
-        tokens_per_s=tokens / iteration, itl_s=iteration, concurrency=tokens, bottleneck="barrier",
-        expert_skew=float(np.mean(skew)),
-        extra={"exchange_s_per_block": exchange, "barrier_stall_fraction": stall / iteration},
+        tokens_per_s=tokens / iteration, itl_s=iteration / dep.tokens_per_request_step, concurrency=n * b,
+        bottleneck="barrier", expert_skew=float(np.mean(skew)),
+        extra={"exchange_s_per_block": mb.dispatch + mb.combine, "barrier_stall_fraction": stall / iteration},
     )  # fmt: skip

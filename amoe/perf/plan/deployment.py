@@ -34,6 +34,15 @@ class Deployment:
     # layer, and two-batch overlap of the exchange with compute.
     redundant_experts: int = 0
     two_batch_overlap: bool = False
+    # Multi-token prediction (EP at scale): each request verifies `draft_tokens` drafted tokens a step (1 + draft
+    # rows through every layer, the MTP module's layer once more a draft) and keeps `draft_acceptance` of them.
+    draft_tokens: int = 0
+    draft_acceptance: float = 0.0
+
+    @property
+    def tokens_per_request_step(self) -> float:
+        """Tokens a request gains per decode step: 1, and with MTP its accepted drafts."""
+        return 1.0 + self.draft_tokens * self.draft_acceptance
 
     @property
     def num_gpus(self) -> int:
@@ -59,6 +68,7 @@ def describe(d: Deployment) -> str:
         pipeline = f" eps pn {d.ep_pipelines or 'auto'} {d.ep_kernel or 'grouped'}" if d.pipelined else ""
         scale = f" eplb+{d.redundant_experts}" if d.redundant_experts else ""
         scale += " tbo" if d.two_batch_overlap else ""
+        scale += f" mtp{d.draft_tokens}@{d.draft_acceptance:g}" if d.draft_tokens else ""
         return f"ep {d.num_attn}x{d.attn_gpu}{copies} cap {d.attn_cap}{pipeline}{scale}"
     roles = f"{d.num_attn}x{d.attn_gpu} attn + {d.num_expert}x{d.expert_gpu} experts"
     extra = f" ecap {d.expert_cap}" if d.mode == "aep" else f" m={d.micro_batches}"

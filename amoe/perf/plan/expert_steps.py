@@ -80,14 +80,12 @@ def _grouped_steps_uncached(
     gate_up_f, gate_up_b = (4 * r * h * inter) @ where, (2 * weights + r * (h + 2 * inter) * ba) @ where
     act_b = (r * 3 * inter * ba) @ where
     down_f, down_b = (2 * r * inter * h) @ where, (weights + r * (inter + h) * ba) @ where
-    # FP8 GEMMs (docs/cost-model.md "Profiles"); a speed-up of 1.0 leaves BF16 profiles as they were.
-    flops = gpu.usable_flops * model.gemm_speedup
-    gpu_s = (
-        np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)
-        + act_b / gpu.usable_bandwidth
-        + np.maximum(down_f / flops, down_b / gpu.usable_bandwidth)
-    )
-    any_busy = (busy.astype(float) @ where) > 0
+    count = busy.astype(float) @ where
+    any_busy = count > 0
+    phases = ((gate_up_f, gate_up_b), (0.0, act_b), (down_f, down_b))
+    mean_rows = (r @ where) / np.maximum(count, 1.0)
+    slow = gpu.kernels.decode_grouped_slowdown
+    gpu_s = cm.swiglu_gemms_time(gpu, model.expert_precision, phases, mean_rows, any_busy, slow)
     fixed = np.where(any_busy, cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
     return steps * (gpu_s + fixed + (per_step @ where) * host.expert_row_s)
 

@@ -148,9 +148,23 @@ def add_bench_plan_scale_command(sub: Any) -> None:
 def add_bench_frontier_command(sub: Any) -> None:
     p = sub.add_parser(
         "frontier",
-        help="the model's predictions of published DeepSeek-V3 deployments (EP72-EP144), out of sample",
+        help="the model's predictions of published deployments (a JSON-lines file) with one frozen calibration",
     )
-    p.add_argument("--out", default=dated_out("frontier"), help="default: experiments/DATE-frontier")
+    p.add_argument(
+        "--out",
+        default=dated_out("frontier"),
+        metavar="DIR",
+        help="write frontier.json (and --table's table.jsonl) here (default: experiments/DATE-frontier)",
+    )
+    p.add_argument(
+        "--deployments",
+        default=None,
+        metavar="FILE",
+        help="published deployments, one JSON object a line (default: the built-in file; format: docs/deployments.md)",
+    )
+    p.add_argument(
+        "--calibration", default=None, metavar="NAME", help="a dated calibration (default: the active one)"
+    )
     p.add_argument(
         "--table", action="store_true", help="AEP, ping-pong and EP at 16-256 GPUs under 50/100 ms ITL"
     )
@@ -174,16 +188,29 @@ def add_bench_frontier_command(sub: Any) -> None:
 
 
 def run_frontier(args: argparse.Namespace) -> int:
-    if args.breakdown or args.trace:
-        from amoe.perf.studies import frontier_trace
+    from amoe.errors import ConfigError
 
-        try:
+    if getattr(args, "table", False) and not args.out:
+        args.out = "frontier-table"
+    try:
+        if getattr(args, "breakdown", False) or getattr(args, "trace", None):
+            from amoe.perf.studies import frontier_trace
+
             return frontier_trace.main(args)
-        except ValueError as exc:
-            raise SystemExit(f"amoe bench frontier: {exc}") from None
-    from amoe.perf.studies import frontier
+        from amoe.perf.studies import frontier
 
-    return frontier.main(args)
+        return frontier.main(args)
+    except (ValueError, ConfigError) as exc:  # a bad deployments line or trace: one line
+        raise SystemExit(f"amoe bench frontier: {exc}") from None
+
+
+def add_bench_calibration_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibration",
+        help="a calibration's constants derived again from its sources, and the model against DeepSeek's profiles",
+    )
+    p.add_argument("--name", default=None, help="a dated calibration (default: the active one)")
+    p.set_defaults(run=_runner("calibration_derive"))
 
 
 def add_bench_policies_command(sub: Any) -> None:
@@ -540,6 +567,7 @@ BENCH_STUDIES = (
     add_bench_policies_command,
     add_bench_eps_command,
     add_bench_frontier_command,
+    add_bench_calibration_command,
     add_bench_policies_sim_command,
     add_bench_waves_emulated_command,
     add_bench_waves_sim_command,

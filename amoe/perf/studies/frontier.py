@@ -1,160 +1,168 @@
-"""`amoe bench frontier`: the cost model and the simulation against published large-scale deployments, out of
-sample.
+"""`amoe bench frontier`: the cost model and the simulation against published large-scale deployments, with one
+frozen calibration for every line (amoe.perf.model.calibrations; `--calibration NAME` an older one).
 
-The calibration is fixed before any prediction and is the one the model already had: compute at 0.60 and HBM at
-0.85 of the datasheet peaks (fitted to the AMoE paper's A100 figures, docs/cost-model.md "Calibration"), links at
-0.80, DeepEP's low-latency RDMA bandwidths (links.DEEPEP_RDMA_GBPS), FP8 GEMMs at twice the BF16 peak (Hopper
-datasheet), and host overhead "none": both systems run decode under CUDA graphs. Nothing below is fitted to the
-published throughputs; a miss is reported with its reason (docs/findings.md "Frontier models at scale").
-
-    amoe bench frontier [--out DIR]
+    amoe bench frontier [--deployments FILE] [--calibration NAME] [--out DIR]
     amoe bench frontier --table [--profiles deepseek-v3,qwen3-235b-a22b] [--sizes 16,32,64,128,256]
+
+--deployments: a JSON-lines file of published deployments (amoe.perf.studies.deployments has the format; default
+the built-in amoe/perf/studies/data/deployments.jsonl). Per line it prints the predicted tokens/s per GPU (decode:
+output, simulated at scale with the sourced step-time variance; prefill: input, the EP prefill model), the ITL
+(decode), the published figure and the ratio predicted / published, and for each ablation line the predicted gain
+against the published one; then a final JSON line. Nothing in the model depends on which line it predicts: a line
+gives the deployment's shape and workload only. Host overhead "none": the systems decode under CUDA graphs.
 
 --table: the best plan of each mode (AEP, ping-pong, EP as deployed: EPLB + two-batch overlap) per GPU count and
 ITL objective, each refined by the simulation (`amoe plan`'s search, one mode at a time), at a 2,000-token mean
-context (the SGLang deployment's), the calibration above and the sourced skew rescaled to 128-256 experts.
-
-Prints a table and a final JSON line: per deployment the published output tokens/s per node, the bound's and the
-simulation's, and their ratio.
+context, and the sourced skew rescaled to 128-256 experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from amoe.perf.model import calibrations
+from amoe.perf.model.gpus import apply_calibration
 from amoe.perf.model.hosts import host_overhead
-from amoe.perf.model.models import model_profile
+from amoe.perf.model.models import ModelProfile, model_profile
 from amoe.perf.model.routing import DEFAULT_LAMBDA, routing_inclusion
 from amoe.perf.plan import bounds
 from amoe.perf.plan.deployment import Deployment
-
-CALIBRATION = {
-    "compute_efficiency": 0.60,
-    "memory_efficiency": 0.85,
-    "link_efficiency": 0.80,
-    "host": "none",
-    "gemm_speedup_fp8": 2.0,
-    "all_to_all": "DeepEP low-latency RDMA bandwidth by EP size (README, H800 + CX7 400 Gb/s)",
-}
-# The documented rescaling of the Mixtral-measured skew to 256 experts (docs/cost-model.md: λ · 8 / E), fixed
-# before the predictions; DeepSeek-V3's auxiliary-loss-free balancing keeps its experts near even.
-ROUTING = f"skew-exp:{DEFAULT_LAMBDA * 8 / 256:g}"
+from amoe.perf.studies.deployments import DEFAULT_FILE, PublishedDeployment, load
 
 
-@dataclass(frozen=True)
-class Published:
-    name: str
-    gpu: str
-    devices: int  # the EP group (decode)
-    batch_per_gpu: int
-    kv_length: int  # mean KV cache length per decoded token
-    redundant_experts: int
-    per_node: float  # published output tokens/s per node
-    source: str
-    used: str  # what the deployment ran that matters here
-    missing: str  # what amoe's model does not have
+def default_routing(model: ModelProfile) -> str:
+    """The documented rescaling of the Mixtral-measured skew to the model's experts (docs/cost-model.md: λ · 8 /
+    E), fixed before any prediction; DeepSeek-V3's auxiliary-loss-free balancing keeps its experts near even."""
+    return f"skew-exp:{DEFAULT_LAMBDA * 8 / model.num_experts:g}"
 
 
-DEPLOYMENTS = (
-    Published(
-        "deepseek-day6",
-        "h800",
-        144,
-        128,
-        4989,
-        32,
-        14800.0,
-        "DeepSeek Open-Infra Day 6 (2025-03-01), 'DeepSeek-V3/R1 Inference System Overview'; batch 128 and KV "
-        "length 4,989 as tabled by the SGLang blog of 2025-05-05",
-        "decode EP144 over 18 H800 nodes (2 routed experts per GPU, 32 redundant), MLA and shared expert DP, FP8 "
-        "GEMMs and dispatch, BF16 MLA and combine, dual-batch overlap (5-stage), MTP (1 draft token), DeepEP "
-        "low-latency kernels, a day's average under varying load",
-        "MTP (more tokens per step), the day's load (nodes scaled with traffic), prefix caching's effect on "
-        "context, group-limited routing's statistics",
-    ),
-    Published(
-        "deepseek-profile",
-        "h800",
-        128,
-        128,
-        4096,
-        0,
-        18598.0,
-        "github.com/deepseek-ai/profile-data (decode profile, EP128, batch 128, 4K KV), throughput per node as "
-        "derived in the SGLang blog of 2025-05-05",
-        "decode EP128 over 16 H800 nodes, FP8, two-batch overlap, DeepEP low-latency, CUDA graphs",
-        "MTP if the profile had it, the profile's exact expert distribution",
-    ),
-    Published(
-        "sglang-96xh100",
-        "h100",
-        72,
-        256,
-        2000,
-        32,
-        22282.0,
-        "LMSYS blog 2025-05-05, 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on "
-        "96 H100 GPUs', decode table (SGLang default)",
-        "decode EP72 over 9 H100 nodes (288 expert copies: 4 per GPU), DP attention, FP8 (DeepGEMM masked "
-        "layout), DeepEP low-latency, two-batch overlap, EPLB from the input's distribution, no MTP",
-        "the measured expert distribution (EPLB placed for it), DeepGEMM's real efficiency at 4 experts per GPU",
-    ),
-)
+ROUTING = default_routing(model_profile("deepseek-v3"))
 
 
-def predict(case: Published, seed: int = 0) -> dict:
-    """One deployment's bound and simulation, per node (8 GPUs)."""
+def model_of(d: PublishedDeployment) -> ModelProfile:
+    """The line's model profile (a name, or the cost profile of a config.json) at its precisions."""
+    if d.model.endswith(".json"):
+        from amoe.model.config import load_model_config
+        from amoe.perf.model.shapes import profile_of
+
+        model = profile_of(load_model_config(Path(d.model).parent), name=Path(d.model).parent.name)
+    else:
+        model = model_profile(d.model)
+    change = {}
+    if "attention" in d.precision:
+        change["attn_precision"] = d.precision["attention"]
+    if "experts" in d.precision:
+        change["expert_precision"] = d.precision["experts"]
+    return dataclasses.replace(model, **change) if change else model
+
+
+def deployment_of(d: PublishedDeployment) -> Deployment:
+    """The planner's Deployment of a decode line (one copy of the group)."""
+    if d.mode == "ep":
+        return Deployment(
+            "ep", d.gpu, d.ep_size, attn_cap=round(d.batch_per_gpu), gpus_per_node=d.gpus_per_node,
+            redundant_experts=d.redundant_experts, two_batch_overlap=d.two_batch_overlap,
+            draft_tokens=d.draft_tokens, draft_acceptance=d.acceptance,
+        )  # fmt: skip
+    return Deployment(
+        d.mode, d.gpu, d.attention_gpus, d.gpu, d.expert_gpus, attn_cap=round(d.batch_per_gpu),
+        micro_batches=d.micro_batches, gpus_per_node=d.gpus_per_node,
+    )  # fmt: skip
+
+
+def predict(d: PublishedDeployment, seed: int = 0) -> dict:
+    """One line's prediction: tokens/s per GPU (and in the published unit), its ratio to the published figure."""
+    model = model_of(d)
+    routing = d.routing or default_routing(model)
+    t0 = time.time()
+    if d.phase == "prefill":
+        per_gpu, itl_ms, bound = predict_prefill(d, model, routing, seed), None, None
+    else:
+        per_gpu, itl_ms, bound = predict_decode(d, model, routing, seed)
+    per_node = d.published.unit.endswith("per_node")
+    predicted = per_gpu * (d.gpus_per_node if per_node else 1)
+    return {
+        "name": d.name, "phase": d.phase, "gpu": d.gpu, "gpus": d.gpus, "in_sample": d.in_sample,
+        "predicted_per_gpu": per_gpu, "predicted": predicted, "unit": d.published.unit,
+        "published": d.published.value, "ratio": predicted / d.published.value, "itl_ms": itl_ms,
+        "bound_per_gpu": bound, "routing": routing, "seconds": round(time.time() - t0, 1),
+    }  # fmt: skip
+
+
+def predict_decode(d: PublishedDeployment, model: ModelProfile, routing: str, seed: int):
+    """(simulated output tokens/s per GPU, ITL ms, the bound's tokens/s per GPU) of a decode line."""
     from amoe.perf.plan.simulate import simulate
 
-    model = model_profile("deepseek-v3")
-    host = host_overhead("none")
-    dep = Deployment(
-        "ep", case.gpu, case.devices, attn_cap=case.batch_per_gpu, gpus_per_node=8,
-        redundant_experts=case.redundant_experts, two_batch_overlap=True,
-    )  # fmt: skip
-    q = routing_inclusion(model, ROUTING, seed)
-    bound = bounds.predict(model, dep, q, case.kv_length, host)
-    concurrency = case.devices * case.batch_per_gpu
-    t0 = time.time()
+    dep, host = deployment_of(d), host_overhead("none")
+    q = routing_inclusion(model, routing, seed)
+    bound = bounds.predict(model, dep, q, d.kv_length, host)
+    group = dep.num_attn + dep.num_expert
+    concurrency = round(d.batch_per_gpu * dep.num_attn)
     sim = simulate(
-        model, dep, ROUTING, case.kv_length, host, concurrency, duration_s=12 * bound.itl_s, seed=seed
+        model, dep, routing, d.kv_length, host, concurrency, duration_s=12 * bound.itl_s, seed=seed
     )
-    nodes = case.devices / 8
-    per_node = sim.tokens_per_s / nodes
-    return {
-        "name": case.name, "gpu": case.gpu, "devices": case.devices, "batch_per_gpu": case.batch_per_gpu,
-        "kv_length": case.kv_length, "published_per_node": case.per_node,
-        "bound_per_node": bound.tokens_per_s / nodes, "simulated_per_node": per_node,
-        "ratio": per_node / case.per_node, "step_ms": sim.itl_s * 1e3,
-        "bound_concurrency": bound.concurrency, "exchange_ms_per_block": bound.extra.get("exchange_s_per_block", 0) * 1e3,
-        "sim_seconds": time.time() - t0, "used": case.used, "missing": case.missing, "source": case.source,
-    }  # fmt: skip
+    return sim.tokens_per_s / group, sim.itl_s * 1e3, bound.tokens_per_s / group
+
+
+def predict_prefill(d: PublishedDeployment, model: ModelProfile, routing: str, seed: int) -> float:
+    """Input tokens/s per GPU of a prefill line (amoe.perf.plan.prefill)."""
+    from amoe.perf.plan.prefill import prefill_step
+
+    dep = Deployment(
+        "ep", d.gpu, d.ep_size, gpus_per_node=d.gpus_per_node, redundant_experts=d.redundant_experts,
+        two_batch_overlap=d.two_batch_overlap,
+    )  # fmt: skip
+    q = routing_inclusion(model, routing, seed)
+    return prefill_step(model, dep, q, d.batch_per_gpu, d.prompt_len).tokens_per_s_per_gpu
+
+
+def ablations(rows: list[dict], lines: list[PublishedDeployment]) -> list[dict]:
+    """Each ablation line's predicted gain (its feature's line over it) against the published gain, in points."""
+    by_name = {r["name"]: r for r in rows}
+    out = []
+    for d in lines:
+        if d.ablation_of is None:
+            continue
+        gain = by_name[d.ablation_of]["predicted"] / by_name[d.name]["predicted"]
+        out.append({"with": d.ablation_of, "without": d.name, "predicted_gain": gain,
+                    "published_gain": d.published_gain,
+                    "points": 100 * (gain - d.published_gain)})  # fmt: skip
+    return out
 
 
 def main(args) -> int:
     if getattr(args, "table", False):
         return table_main(args)
-    rows = [predict(case) for case in DEPLOYMENTS]
-    print(f"calibration (fixed before the predictions): {json.dumps(CALIBRATION)}; routing {ROUTING}")
-    print(f"{'deployment':<18} {'GPUs':>5} {'b/GPU':>5} {'KV':>5} {'published':>10} {'bound':>9} {'simulated':>10} "
-          f"{'sim/pub':>7} {'step ms':>8}")  # fmt: skip
-    for r in rows:
-        print(
-            f"{r['name']:<18} {r['devices']:>5} {r['batch_per_gpu']:>5} {r['kv_length']:>5} "
-            f"{r['published_per_node']:>10.0f} {r['bound_per_node']:>9.0f} {r['simulated_per_node']:>10.0f} "
-            f"{r['ratio']:>7.2f} {r['step_ms']:>8.1f}"
-        )
-    result = {"calibration": CALIBRATION, "routing": ROUTING, "deployments": rows}
-    if args.out:
+    name = getattr(args, "calibration", None) or calibrations.ACTIVE
+    apply_calibration(name)
+    lines = load(getattr(args, "deployments", None) or DEFAULT_FILE)
+    rows = [predict(d) for d in lines]
+    gains = ablations(rows, lines)
+    print_rows(name, rows, gains)
+    result = {"calibration": name, "deployments": rows, "ablations": gains}
+    if getattr(args, "out", None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "frontier.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({"frontier": [{k: r[k] for k in ("name", "published_per_node", "bound_per_node",
-                                                      "simulated_per_node", "ratio")} for r in rows]}))  # fmt: skip
+    print(json.dumps({"frontier": result}))
     return 0
+
+
+def print_rows(name: str, rows: list[dict], gains: list[dict]) -> None:
+    print(f"calibration {name} (frozen; the same for every line)")
+    print(f"{'deployment':<28} {'phase':<7} {'GPUs':>4} {'pred/GPU':>9} {'predicted':>10} {'published':>10} "
+          f"{'ratio':>6} {'ITL ms':>7}  unit")  # fmt: skip
+    for r in rows:
+        itl = f"{r['itl_ms']:7.1f}" if r["itl_ms"] is not None else f"{'-':>7}"
+        mark = " (in-sample)" if r["in_sample"] else ""
+        print(f"{r['name']:<28} {r['phase']:<7} {r['gpus']:>4} {r['predicted_per_gpu']:>9.0f} "
+              f"{r['predicted']:>10.0f} {r['published']:>10.0f} {r['ratio']:>6.3f} {itl}  {r['unit']}{mark}")  # fmt: skip
+    for g in gains:
+        print(f"ablation {g['with']} over {g['without']}: predicted {g['predicted_gain']:.3f}x, published "
+              f"{g['published_gain']:.3f}x ({g['points']:+.1f} points)")  # fmt: skip
 
 
 TABLE_SIZES = (16, 32, 64, 128, 256)

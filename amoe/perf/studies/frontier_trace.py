@@ -1,41 +1,43 @@
-"""`amoe bench frontier --breakdown [--trace FILE]`: why the model over-predicts the published DeepSeek-V3
-deployments (experiments/2026-11-27-frontier-tables), per component of a decode layer.
+"""`amoe bench frontier --breakdown [--trace FILE]`: the model's decode layer against the published per-kernel
+breakdowns, per component (docs/cost-model.md "Calibration").
 
 Three things side by side, per layer of one decode step (both micro-batches, ms):
 
 * **published**: the decode time breakdown SGLang's blog (LMSYS, 2025-05-05, "Profile Results") measured on
   DeepSeek's own profile (github.com/deepseek-ai/profile-data decode.json: EP128, 128 requests a GPU, 4K context,
-  two micro-batches, balanced routing) and on SGLang's 96-H100 deployment, read off its figure (PUBLISHED below);
-* **the model**: the same categories recomputed from the cost model (cost_model.attention_layer_time's terms,
-  ep_scale.slowest_device, bound_ep.ep_exchange_time) for the workload each system really ran, and for the one
-  `amoe bench frontier` predicted (its step reproduces bounds.predict's exactly: tests/test_frontier_trace.py);
+  two micro-batches, balanced routing) and on SGLang's 96-H100 deployment, read off its figure (PUBLISHED below).
+  DeepSeek's bars are the calibration's source (in-sample); SGLang's stay out of it and serve only to explain a
+  prediction's miss afterwards;
+* **the model**: the same categories from the cost model (cost_model.attention_parts, ep_scale.slowest_device,
+  bound_ep.ep_micro_batch: the exchange kernels' waits on the stream included) for the workload each system ran, and
+  for the ones `amoe bench frontier` predicted before the calibration (its step reproduces bounds.predict's exactly:
+  tests/test_frontier_trace.py);
 * **a trace** (`--trace FILE`, optional): a Chrome trace as the PyTorch profiler writes it, its GPU kernels summed
   by category (KERNEL_CATEGORIES) per MoE block. Nothing is downloaded: decode.json is not in this repository.
 
-Nothing here changes or fits the model (nothing is refitted after seeing the deployments): it explains the
-1.35-1.60x of `amoe bench frontier` and names the one structural term the model lacks.
+Nothing here changes or fits the model.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from amoe.perf.model import cost_model as cm
 from amoe.perf.model import ep_scale as scale
-from amoe.perf.model.gpus import GpuProfile, gpu_profile
+from amoe.perf.model.gpus import gpu_profile
 from amoe.perf.model.hosts import host_overhead
 from amoe.perf.model.links import all_to_all_time
-from amoe.perf.model.models import ModelProfile, model_profile
+from amoe.perf.model.models import model_profile
 from amoe.perf.model.routing import routing_inclusion
-from amoe.perf.plan.bound_ep import ep_placements
+from amoe.perf.plan.bound_ep import ep_micro_batch, ep_placements
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.studies.chrome_trace import CATEGORIES, read_trace, trace_breakdown
-from amoe.perf.studies.frontier import DEPLOYMENTS, ROUTING
+from amoe.perf.studies.frontier import ROUTING
 
 # SGLang's blog figure "Decode Time Breakdown" (lmsys.org/blog/2025-05-05-large-scale-ep, image
 # public/images/blog/large_scale_ep/profile-decode.png of lm-sys/lm-sys.github.io; read from the copy in
@@ -108,49 +110,29 @@ class TraceWorkload:
 
 
 def workloads() -> dict[str, TraceWorkload]:
-    """The workloads `amoe bench frontier` predicted and the ones the published systems ran."""
+    """The workloads `amoe bench frontier` predicted before the kernel calibration (the built-in deployments file's
+    decode lines at one row a request) and the ones the published systems ran."""
     out = {
-        f"{c.name} (as predicted)": TraceWorkload(
-            c.name, c.gpu, c.devices, c.batch_per_gpu, 1, c.kv_length, c.redundant_experts, ROUTING
-        )
-        for c in DEPLOYMENTS
+        "deepseek-day6 (as predicted)": TraceWorkload(
+            "deepseek-day6", "h800", 144, 128, 1, 4989, 32, ROUTING
+        ),
+        "deepseek-profile (as predicted)": TraceWorkload(
+            "deepseek-profile", "h800", 128, 128, 1, 4096, 0, ROUTING
+        ),
+        "sglang-96xh100 (as predicted)": TraceWorkload(
+            "sglang-96xh100", "h100", 72, 256, 1, 2000, 32, ROUTING
+        ),
     }
     # The profile as DeepSeek ran it: 2 routed experts a GPU (EP128, no redundancy), balanced routing, 2 rows per
     # request (one MTP draft: what SGLang's 18,598 credits, PROFILE_MTP_ACCEPTED, and what its MLA core time fits).
     out["deepseek-profile (as run: MTP)"] = TraceWorkload(
         "deepseek-profile", "h800", 128, 128, 2, 4096, 0, "uniform"
     )
-    day6 = next(c for c in DEPLOYMENTS if c.name == "deepseek-day6")
     load = round(DAY6_PER_NODE / 8 / DAY6_REQUEST_SPEED)
     out["deepseek-day6 (at the day's mean load)"] = TraceWorkload(
-        day6.name, day6.gpu, day6.devices, load, 1, day6.kv_length, day6.redundant_experts, ROUTING
+        "deepseek-day6", "h800", 144, load, 1, 4989, 32, ROUTING
     )
     return out
-
-
-def attention_parts(model: ModelProfile, gpu: GpuProfile, requests: int, queries: int, ctx: int) -> dict:
-    """cost_model.attention_layer_time's terms, one by one (host none): their sum is that function's value."""
-    chunk = np.full(requests, float(queries))
-    ctxs = np.full(requests, float(ctx))
-    rows = float(chunk.sum())
-    h, ba = model.hidden_size, model.bytes_per_activation
-    proj = cm.roofline(
-        gpu,
-        2 * rows * model.attn_params / model.gemm_speedup,
-        model.attn_params * model.bytes_per_param + 4 * rows * h * ba,
-    )
-    kv_bytes = float(ctxs.sum()) * model.kv_bytes_per_token + rows * model.kv_bytes_per_token
-    attended = float((chunk * (ctxs - (chunk - 1) / 2)).sum())
-    core = cm.roofline(gpu, attended * model.attn_flops_per_context_token, kv_bytes)
-    elementwise = (
-        (cm.ATTENTION_ELEMENTWISE_PASSES + model.experts_per_token) * rows * h * ba / gpu.usable_bandwidth
-    )
-    return {
-        "gemm": proj,
-        "attention_core": core,
-        "other": elementwise,
-        "launch": cm.ATTENTION_KERNELS * gpu.launch_s,
-    }
 
 
 @functools.lru_cache(maxsize=4)
@@ -170,23 +152,26 @@ def model_breakdown(w: TraceWorkload) -> dict:
     )  # fmt: skip
     q = inclusion(w.routing)
     mb_requests, rows = w.requests // 2, w.rows / 2  # one micro-batch
-    attn = attention_parts(model, gpu, mb_requests, w.queries, w.kv_length)
-    attn_s = sum(attn.values())
-    dispatch = all_to_all_time(model, gpu, rows, w.devices, 8, model.dispatch_bytes)
-    combine = all_to_all_time(model, gpu, rows, w.devices, 8)
+    parts = cm.attention_parts(
+        model, gpu, np.full(mb_requests, w.queries), np.full(mb_requests, w.kv_length), host
+    )
+    mb = ep_micro_batch(model, gpu, rows, w.kv_length, dep, host, w.queries)
+    attn_s, dispatch, combine = mb.stage_in + mb.stage_out, mb.dispatch, mb.combine
     experts, blocks = [], []
     for blk, placement in enumerate(ep_placements(model, dep, q)):
         slowest, _ = scale.slowest_device(
             model, gpu, scale.device_rows(placement, w.devices * rows * q[blk]), host
         )
         experts.append(slowest)
-        blocks.append(scale.block_time(attn_s, slowest, dispatch + combine, True))
+        blocks.append(scale.block_time(replace(mb, experts=slowest), True))
     expert_launch = cm.EXPERT_KERNELS * gpu.launch_s
-    moe = float(np.mean(experts)) - expert_launch
-    per_block = dict(attn)
-    per_block["moe"] = moe
-    per_block["launch"] += expert_launch
-    per_block["dispatch"] = per_block["combine"] = 0.0  # on the compute stream: the model has the wire only
+    per_block = {
+        "gemm": parts["gemm_in"] + parts["gemm_out"], "attention_core": parts["core"],
+        "other": parts["elementwise"], "launch": parts["launches"] + expert_launch,
+        "moe": float(np.mean(experts)) - expert_launch,
+        # on the compute stream: the receive kernels' wait for the wire beyond the stage they hide behind
+        "dispatch": max(0.0, dispatch - mb.stage_in), "combine": max(0.0, combine - mb.stage_out),
+    }  # fmt: skip
     to_layer = 2 * model.num_blocks / MODEL_LAYERS * 1e3  # both micro-batches, over the 61 layers, in ms
     head = cm.head_time(model, gpu, w.rows, host=host)
     step = head + sum(blocks)
@@ -200,13 +185,13 @@ def model_breakdown(w: TraceWorkload) -> dict:
         "exchange_ms": 2 * (dispatch + combine) * model.num_blocks / MODEL_LAYERS * 1e3,
         # The whole batch's exchange in one go (no overlap): what SGLang's TBO ablation exposes.
         "exchange_no_tbo_ms": (
-            all_to_all_time(model, gpu, 2 * rows, w.devices, 8, model.dispatch_bytes)
-            + all_to_all_time(model, gpu, 2 * rows, w.devices, 8)
+            all_to_all_time(model, gpu, 2 * rows, w.devices, 8, "dispatch")
+            + all_to_all_time(model, gpu, 2 * rows, w.devices, 8, "combine")
         ) * model.num_blocks / MODEL_LAYERS * 1e3,
-        "block_us": {"attention": attn_s * 1e6, "mla_core": attn["attention_core"] * 1e6,
+        "block_us": {"attention": attn_s * 1e6, "mla_core": parts["core"] * 1e6,
                      "experts": float(np.mean(experts)) * 1e6, "dispatch": dispatch * 1e6, "combine": combine * 1e6,
                      "block": float(np.mean(blocks)) * 1e6},
-        "bound": "exchange" if 2 * (dispatch + combine) > compute else "compute",
+        "bound": "exchange" if per_block["dispatch"] + per_block["combine"] > 0 else "compute",
         "step_ms": step * 1e3,
         # With an MTP draft, SGLang's credit for DeepSeek's profile: 1.6 tokens a request a step.
         "tokens_per_s_per_node": 8 * w.requests * (1 + PROFILE_MTP_ACCEPTED * (w.queries - 1)) / step,
@@ -228,7 +213,7 @@ def kernel_benchmarks() -> dict:
 
 
 def sglang_decomposition(model: dict) -> dict:
-    """SGLang ran the workload `amoe bench frontier` priced (no MTP, 256 requests, 2,000 tokens): its 1.39 is the
+    """SGLang ran the workload `amoe bench frontier` priced (no MTP, 256 requests, 2,000 tokens): its ratio is the
     per-layer factor alone (its step is 22,282 tokens/s per node at 256 requests a GPU: 61.8 layers at 1.488 ms)."""
     published_step = 8 * 256 / 22282.0 * 1e3
     return {"published_step_ms": published_step, "model_step_ms": model["step_ms"],
@@ -237,17 +222,19 @@ def sglang_decomposition(model: dict) -> dict:
 
 
 def tbo_hiding(sgl: dict) -> dict:
-    """How much of the exchange two-batch overlap hides at SGLang (its ablation) and in the model (all of it)."""
+    """How much of the exchange two-batch overlap leaves on the compute stream at SGLang (its ablation) and in the
+    model (the receive kernels' waits where the wire outlasts the stage it hides behind)."""
     no, on = PUBLISHED_TBO_ABLATION["no_tbo"], PUBLISHED_TBO_ABLATION["tbo"]
     exposed, left = no["dispatch"] + no["combine"], on["dispatch"] + on["combine"]
+    model_left = sgl["layer_ms"]["dispatch"] + sgl["layer_ms"]["combine"]
     return {"published_exchange_no_tbo_ms": exposed, "model_exchange_no_tbo_ms": sgl["exchange_no_tbo_ms"],
             "published_left_on_stream_ms": left, "published_hidden": 1 - left / exposed,
-            "published_tbo_gain": no["overall"] / on["overall"],
-            "model_tbo_gain": (sgl["compute_ms"] + sgl["exchange_no_tbo_ms"]) / max(sgl["compute_ms"], sgl["exchange_ms"])}  # fmt: skip
+            "model_left_on_stream_ms": model_left, "model_hidden": 1 - model_left / sgl["exchange_ms"],
+            "published_tbo_gain": no["overall"] / on["overall"]}  # fmt: skip
 
 
 def day6_decomposition(as_predicted: dict, at_load: dict) -> dict:
-    """Day 6's 1.60 as the day's mean load (the model at 88 requests a GPU instead of 128) times what remains."""
+    """Day 6's ratio at 128 requests a GPU as the day's mean load (the model at 88 instead) times what remains."""
     ratio = as_predicted["tokens_per_s_per_node"] / DAY6_PER_NODE
     load = as_predicted["tokens_per_s_per_node"] / at_load["tokens_per_s_per_node"]
     return {"requests_per_gpu": DAY6_PER_NODE / 8 / DAY6_REQUEST_SPEED, "ratio": ratio, "load_factor": load,
@@ -255,7 +242,7 @@ def day6_decomposition(as_predicted: dict, at_load: dict) -> dict:
 
 
 def profile_decomposition(as_predicted: dict, as_run: dict) -> dict:
-    """`amoe bench frontier`'s 1.35 on the profile, as a product of two factors: the workload (the prediction
+    """The profile's ratio at one row a request, as a product of two factors: the workload (the prediction
     priced 128 single-row requests; DeepSeek ran 128 requests of 2 rows and SGLang credits 1.6 tokens) and the
     model's step against the profile's at the workload DeepSeek ran."""
     published_step = PROFILE_LAYERS * PUBLISHED["deepseek-profile"]["overall"]  # ms
@@ -287,15 +274,26 @@ def report(model: dict) -> dict:
         rows[cat] = [pub["deepseek-profile"][cat], run["layer_ms"][cat], bench.get(cat, ""),
                      pub["sglang-96xh100"][cat], sgl["layer_ms"][cat]]  # fmt: skip
     stream = sum(pub["deepseek-profile"][c] for c in CATEGORIES)
-    stream_s = [sum(pub["sglang-96xh100"][c] for c in CATEGORIES), sgl["compute_ms"]]
-    # The model at the profile's workload with its GEMMs at DeepGEMM's published speeds and DeepEP's unit-test
-    # stream time added (what the model does not price yet), everything else its own.
+    # The model's stream is never idle: its layer is the sum of its categories (its waits included).
+    run_s, sgl_s = (sum(m["layer_ms"][c] for c in CATEGORIES) for m in (run, sgl))
+    # The model at the profile's workload with its GEMMs at DeepGEMM's micro-benchmark speeds and DeepEP's unit-test
+    # stream time: what the calibration's serving slowdowns and waits add to the kernels' own tables.
     benched = sum(bench.get(c, run["layer_ms"][c]) for c in CATEGORIES)
-    rows["compute stream"] = [stream, run["compute_ms"], benched, stream_s[0], stream_s[1]]
+    rows["compute stream"] = [
+        stream,
+        run_s,
+        benched,
+        sum(pub["sglang-96xh100"][c] for c in CATEGORIES),
+        sgl_s,
+    ]
     rows["exchange wire"] = ["hidden", run["exchange_ms"], run["exchange_ms"], "hidden", sgl["exchange_ms"]]
-    rows["layer"] = [pub["deepseek-profile"]["overall"], max(run["compute_ms"], run["exchange_ms"]),
-                     max(benched, run["exchange_ms"]),
-                     pub["sglang-96xh100"]["overall"], max(sgl["compute_ms"], sgl["exchange_ms"])]  # fmt: skip
+    rows["layer"] = [
+        pub["deepseek-profile"]["overall"],
+        run_s,
+        benched,
+        pub["sglang-96xh100"]["overall"],
+        sgl_s,
+    ]
     return {
         "per_layer_ms": rows,
         "profile": profile_decomposition(model["deepseek-profile (as predicted)"], run),
@@ -344,7 +342,7 @@ def print_report(model: dict, rep: dict) -> None:
         print(_row(label, values))
     print()
     print(
-        "the model's block, µs (one micro-batch's terms; block = max(2 (attention + experts), 2 (dispatch + combine)))"
+        "the model's block, µs (one micro-batch's terms; block = 2 (max(stage in, dispatch) + experts + max(stage out, combine)))"
     )
     for name, r in model.items():
         b = r["block_us"]
@@ -354,18 +352,18 @@ def print_report(model: dict, rep: dict) -> None:
               f"{r['tokens_per_s_per_node']:.0f} tok/s/node")  # fmt: skip
     p, s, d = rep["profile"], rep["sglang"], rep["day6"]
     print()
-    print(f"profile 1.35: published step {p['published_step_ms']:.1f} ms ({p['published_per_node']:.0f} tok/s/node "
+    print(f"profile (in-sample): published step {p['published_step_ms']:.1f} ms ({p['published_per_node']:.0f} tok/s/node "
           f"at {1 + PROFILE_MTP_ACCEPTED:.1f} tokens a request-step), the model at that workload "
           f"{p['model_step_as_run_ms']:.1f} ms: workload {p['workload_factor']:.3f} x per layer "
           f"{p['per_layer_factor']:.3f} = {p['ratio']:.3f}")  # fmt: skip
-    print(f"SGLang 1.39: published step {s['published_step_ms']:.1f} ms ({s['layers_at_overall']:.1f} layers at its "
+    print(f"SGLang decode: published step {s['published_step_ms']:.1f} ms ({s['layers_at_overall']:.1f} layers at its "
           f"Overall bar), the model {s['model_step_ms']:.1f} ms: per layer {s['ratio']:.3f}")  # fmt: skip
     o = rep["tbo"]
     print(f"SGLang's TBO ablation: the exchange without TBO {o['published_exchange_no_tbo_ms']:.3f} ms a layer (the "
-          f"model's bytes: {o['model_exchange_no_tbo_ms']:.3f}); with TBO {o['published_left_on_stream_ms']:.3f} stays "
-          f"on the stream: TBO hides {o['published_hidden']:.0%} of it (the model: all) and gains "
-          f"{o['published_tbo_gain']:.2f}x (the model: {o['model_tbo_gain']:.2f}x)")  # fmt: skip
-    print(f"Day 6 1.60: {d['requests_per_gpu']:.0f} requests a GPU on the day's mean: load {d['load_factor']:.3f} x "
+          f"model's wire: {o['model_exchange_no_tbo_ms']:.3f}); with TBO {o['published_left_on_stream_ms']:.3f} stays "
+          f"on the stream, {o['published_hidden']:.0%} hidden (the model: {o['model_left_on_stream_ms']:.3f}, "
+          f"{o['model_hidden']:.0%}); the published gain {o['published_tbo_gain']:.2f}x a layer")  # fmt: skip
+    print(f"Day 6: {d['requests_per_gpu']:.0f} requests a GPU on the day's mean: load {d['load_factor']:.3f} x "
           f"remaining {d['remaining']:.3f} = {d['ratio']:.3f}")  # fmt: skip
 
 

@@ -158,15 +158,14 @@ class AepAtScale:
         busy = take > 0
         r = np.where(busy, np.maximum(1.0, np.round(take)), 0.0)
         weights = np.where(busy, h * inter * bp, 0.0)
-        flops, bw = gpu.usable_flops * m.gemm_speedup, gpu.usable_bandwidth
         gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
         act_b = (r * 3 * inter * ba).sum(0)
         down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
-        gpu_s = (
-            np.maximum(gate_up_f / flops, gate_up_b / bw)
-            + act_b / bw
-            + np.maximum(down_f / flops, down_b / bw)
-        )
+        count = busy.sum(0)
+        phases = ((gate_up_f, gate_up_b), (0.0, act_b), (down_f, down_b))
+        mean_rows = r.sum(0) / np.maximum(count, 1)
+        slow = gpu.kernels.decode_grouped_slowdown
+        gpu_s = cm.swiglu_gemms_time(gpu, m.expert_precision, phases, mean_rows, count > 0, slow)
         fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
         return gpu_s + fixed + take.sum(0) * host.expert_row_s
 

@@ -52,7 +52,7 @@ from amoe.perf.model.hosts import HostOverhead
 from amoe.perf.model.models import ModelProfile
 from amoe.perf.model.routing import RouterOverride, RoutingSpec
 from amoe.perf.model.variance import OFF, StepVariance
-from amoe.perf.plan.bound_ep import ep_exchange_time, ep_placements
+from amoe.perf.plan.bound_ep import ep_placements
 from amoe.perf.plan.bound_pools import pool_link, pool_links
 from amoe.perf.plan.deployment import Deployment
 from amoe.perf.plan.simulate.result import Simulated
@@ -157,15 +157,14 @@ class GroupedSteps:
         busy = copy > 0
         r = np.where(busy, np.maximum(1.0, np.round(copy)), 0.0)
         weights = np.where(busy, h * inter * bp, 0.0)
-        flops = gpu.usable_flops * m.gemm_speedup
         gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
         act_b = (r * 3 * inter * ba).sum(0)
         down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
-        gpu_s = (
-            np.maximum(gate_up_f / flops, gate_up_b / gpu.usable_bandwidth)
-            + act_b / gpu.usable_bandwidth
-            + np.maximum(down_f / flops, down_b / gpu.usable_bandwidth)
-        )
+        count = busy.sum(0)
+        phases = ((gate_up_f, gate_up_b), (0.0, act_b), (down_f, down_b))
+        mean_rows = r.sum(0) / np.maximum(count, 1)
+        slow = gpu.kernels.decode_grouped_slowdown
+        gpu_s = cm.swiglu_gemms_time(gpu, m.expert_precision, phases, mean_rows, count > 0, slow)
         fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + self.host.expert_step_s, 0.0)
         return gpu_s + fixed + copy.sum(0) * self.host.expert_row_s
 
@@ -250,59 +249,17 @@ def ep(
     duration_s: float, seed: int, variance: StepVariance = OFF,
 ) -> Simulated:  # fmt: skip
     """EP at scale (and with EPLB or two-batch overlap at any scale): per iteration and block this iteration's
-    counts, each device's grouped GEMM over its expert copies, the barrier at the slowest; returns Simulated.
-    `variance`: each device's steps × its speed × a jitter per barrier, the barrier at the slowest
-    (docs/simulation.md "Step-time variance at scale")."""
-    from amoe.perf.model import ep_scale as scale
+    counts, each device's grouped GEMM over its expert copies, the barrier at the slowest (ep_lockstep)."""
+    from amoe.perf.plan.simulate.ep_lockstep import simulate_ep
 
-    gpu = gpu_profile(dep.attn_gpu)
-    n, overlap = dep.num_attn, dep.two_batch_overlap
-    b = max(1, min(dep.attn_cap, -(-concurrency // n)))
-    tokens = n * b
-    rows = b / 2 if overlap else b  # one micro-batch's rows per device
     counts = Counts(model, routing, seed)
+    gpu = gpu_profile(dep.attn_gpu)
     placements = ep_placements(model, dep, counts.inclusion(0.0))
     unique = {
         id(p): GroupedSteps(model, gpu, share_matrix(model.num_expert_ids, p), host) for p in placements
     }
     steps = [unique[id(p)] for p in placements]
-    attn = cm.decode_attention_time(model, gpu, max(1, round(rows)), int(round(ctx)), host)
-    exchange = ep_exchange_time(model, gpu, rows, dep)
-    head = cm.head_time(model, gpu, b, b, host)
-    elapsed, iterations, busy = 0.0, 0, 0.0
-    L, halves = model.num_blocks, 2 if overlap else 1
-    varied = not variance.is_off
-    if varied:
-        speed = variance.speeds(0, n)  # [devices]
-        rng = variance.jitter_rng(n)
-        attn_s, head_s = attn * speed, head * speed
-    while elapsed < duration_s or iterations < 8:
-        if varied:
-            # One draw an iteration for every barrier's devices: the head, then per block and micro-batch the
-            # attention and the experts' barrier.
-            jit = variance.draw(rng, (1 + 2 * L * halves) * n).reshape(-1, n)
-            iteration = float((head_s * jit[0]).max())
-            jit = jit[1:].reshape(L, halves, 2, n)
-        else:
-            iteration = head
-        for blk in range(L):
-            per_device = steps[blk](counts.draw(blk, int(round(n * rows)), elapsed))
-            if varied:
-                a = (attn_s * jit[blk, :, 0]).max(1)  # [halves] each micro-batch's slowest attention
-                held = per_device * speed * jit[blk, :, 1]  # [halves, devices] each one's grouped GEMM
-                compute = float((a + held.max(1)).sum())
-                iteration += compute + exchange if not overlap else max(compute, 2 * exchange)
-                busy += float(held.mean(1).sum()) / halves
-                continue
-            iteration += scale.block_time(attn, float(per_device.max()), exchange, overlap)
-            busy += float(per_device.mean())
-        elapsed += iteration
-        iterations += 1
-    tps = tokens * iterations / elapsed
-    return Simulated(
-        tps, tokens / tps, tokens, float(b), float(tokens * model.experts_per_token / model.num_expert_ids),
-        1.0, min(1.0, busy * (2 if overlap else 1) / elapsed),
-    )  # fmt: skip
+    return simulate_ep(model, dep, ctx, host, concurrency, duration_s, counts, steps, variance)
 
 
 @dataclass(frozen=True)
