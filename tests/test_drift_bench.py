@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from amoe.cli import main
 from amoe.perf.model.routing import RouterOverride, RoutingSpec
 from amoe.perf.studies import drift, drift_report
 
@@ -68,6 +69,15 @@ def test_the_figures_from_recorded_tokens_and_rebalances():
 def _args(tmp_path, variants: str) -> argparse.Namespace:
     fields = {f: None for f in ("seed", "gpu")}
     return argparse.Namespace(out=str(tmp_path), variants=variants, **fields, **TINY)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--streams", "0"], "streams"), (["--time-scale", "-1"], "time-scale"), (["--variants", "live,nope"], "--variants"),
+])  # fmt: skip
+def test_bad_settings_are_one_line_errors(capsys, argv, named):
+    assert main(["bench", "drift", "--out", "unused", *argv]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("amoe: error:") and named in err and "\n" not in err, err
 
 
 @pytest.mark.timeout(180)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from amoe.config import AmoeConfig, EmulationSection, EplbSection
+from amoe.errors import ConfigError
 from amoe.perf.model.routing import DEFAULT_LAMBDA
 from amoe.perf.studies import drift_report
 from amoe.sampling_params import SamplingParams
@@ -65,6 +66,31 @@ class DriftSetup:
     warmup_s: float = 3.0
     before_s: float = 3.0
     after_s: float = 6.0
+
+    def __post_init__(self) -> None:
+        counts = (
+            "prompt_len",
+            "max_tokens",
+            "streams",
+            "attn_ranks",
+            "batch_rows",
+            "step_interval",
+            "window_size",
+        )
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"drift: {name.replace('_', '-')} must be at least 1; got {getattr(self, name)}"
+                )
+        if self.expert_ranks < 2 or self.ep_devices < 2:
+            raise ConfigError(
+                "drift: a placement to rebalance needs 2 or more expert runtimes and ep devices"
+            )
+        for name in ("time_scale", "warmup_s", "before_s", "after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(
+                    f"drift: {name.replace('_', '-')} must be positive; got {getattr(self, name)}"
+                )
 
     @property
     def drift_s(self) -> float:
@@ -295,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     variants = args.variants.split(",") if args.variants else list(VARIANTS)
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
-        raise SystemExit(f"amoe bench drift: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        raise ConfigError(f"drift: unknown --variants {unknown}; choose from {', '.join(VARIANTS)}")
     runs = [run_variant(setup, v) for v in variants]
     summary = drift_report.summarise(setup, runs)
     out = Path(args.out)
