@@ -404,7 +404,8 @@ class OffloadSection:
 
 @dataclass(frozen=True)
 class EplbSection:
-    """Redundant experts and live rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: `aep` only."""
+    """Redundant experts and rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: live in `aep`, a
+    stop-the-world rebalance in `ep` and `pingpong`."""
 
     # vLLM's --enable-eplb: recompute the placement every step_interval steps from the last window_size steps' load
     enable: bool = False
@@ -494,17 +495,23 @@ class AmoeConfig:
     def _check_eplb(self) -> None:
         if not self.eplb.live:
             return
-        if self.parallel.mode != "aep":
+        par = self.parallel
+        if par.mode not in ("aep", "ep", "pingpong"):
             raise ConfigError(
                 "--num-redundant-experts and --enable-eplb serve --parallel aep (its experts are queues a replica "
-                f"can join); got --parallel {self.parallel.mode}"
+                f"can join), or ep / pingpong (a stop-the-world rebalance); got --parallel {par.mode}"
             )
         if self.offload.budget is not None:
             raise ConfigError(
                 "--num-redundant-experts and --enable-eplb do not combine with --offload-budget"
             )
-        if self.parallel.expert_ranks < 2:
-            raise ConfigError("redundant experts and rebalancing need --expert-ranks 2 or more")
+        if par.mode == "ep" and par.ep_pipelines is not None:
+            raise ConfigError("--enable-eplb and --num-redundant-experts do not combine with --ep-pipelines")
+        devices, flag = (
+            (par.attn_ranks, "--attn-ranks") if par.mode == "ep" else (par.expert_ranks, "--expert-ranks")
+        )
+        if devices < 2:
+            raise ConfigError(f"redundant experts and rebalancing need {flag} 2 or more")
 
     @property
     def tensor_plane(self) -> str:

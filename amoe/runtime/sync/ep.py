@@ -87,6 +87,6 @@ def _moe(
 ) -> torch.Tensor | None:
     """Dispatch to every device, barrier, run the hosted experts, combine back, barrier; None if an expert device
     failed on these rows."""
-    plan = send_dispatch(ex, it, block, 0, routed)
-    serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats)
+    plan = send_dispatch(ex, it, block, 0, routed, device.slots)
+    serve_experts(ex, it, block, 0, device.attn_devices, device.experts, device.stats, slots=device.slots)
     return receive_combine(ex, plan, device.stats)

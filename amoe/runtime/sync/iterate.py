@@ -52,6 +52,10 @@ def serve_iterations(
             continue
         device.stats.add_wait(time.perf_counter() - start)  # the BEGIN barrier of a working iteration
         device.iteration_rows = total  # every device's rows: what an EP pipeline's auto PN is chosen by
+        if (
+            device.rebalancer is not None
+        ):  # every device agreed this iteration works: the same boundary for all
+            device.rebalancer.after_begin(ex, it)
         outputs = run_iteration(it, chunks)
         device.stats.end_iteration(time.perf_counter() - start, rows)
         for out in outputs:
