@@ -18,6 +18,7 @@ from amoe.errors import AmoeError, ConfigError, RequestError
 from amoe.log import setup_logging
 from amoe.offload.cli import add_offload_command
 from amoe.queue_viewer import add_queues_command  # light: its heavy imports are in its run function
+from amoe.scale_cli import add_scale_command
 from amoe.train.cli import add_default_model_command
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,7 @@ SUBCOMMANDS = (
     add_generate_command,
     add_bench_and_plan_commands,
     add_queues_command,
+    add_scale_command,
     add_offload_command,
     add_default_model_command,
 )

@@ -123,6 +123,10 @@ class ParallelSection:
     # ep: the expert GEMM of a chunk: grouped (one grouped step for a device's experts), dense (one GEMM per
     # expert) or auto (the cost model's choice by tokens per expert); None: grouped.
     ep_kernel: str | None = None
+    # aep: the most runtimes the cluster holds at once, attention and expert together, as `amoe scale` adds and
+    # removes them (docs/rebalancing.md "Scaling"); never fewer than it starts with. A slot no runtime holds costs
+    # each communicator an idle entry, no socket and no thread.
+    max_runtimes: int = 64
 
     def __post_init__(self) -> None:
         _choice("parallel.mode", self.mode, ("aep", "ep", "pingpong", "local"))
@@ -133,6 +137,7 @@ class ParallelSection:
         _positive("parallel.expert_ranks", self.expert_ranks)
         _positive("parallel.threads_per_rank", self.threads_per_rank)
         _positive("parallel.micro_batches", self.micro_batches)
+        _positive("parallel.max_runtimes", self.max_runtimes)
 
     def _check_ep_pipeline(self) -> None:
         for name, value in (("--ep-pipelines", self.ep_pipelines), ("--ep-kernel", self.ep_kernel)):
@@ -399,7 +404,8 @@ class OffloadSection:
 
 @dataclass(frozen=True)
 class EplbSection:
-    """Redundant experts and live rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: `aep` only."""
+    """Redundant experts and rebalancing (docs/rebalancing.md), as vLLM's EPLBConfig names them: live in `aep`, a
+    stop-the-world rebalance in `ep` and `pingpong`."""
 
     # vLLM's --enable-eplb: recompute the placement every step_interval steps from the last window_size steps' load
     enable: bool = False
@@ -411,7 +417,8 @@ class EplbSection:
     step_interval: int = 3000  # steps between rebalances (beyond window_size only the last window_size count)
     log_balancedness: bool = False  # log each block's balancedness (mean / max runtime load)
     log_balancedness_interval: int = 1  # steps between those logs
-    # amoe's own: a rebalance whose new replicas' weights have not all landed by then fails (the old map serves on)
+    # amoe's own: a rebalance whose joins load no layer's weights for this long fails (the old map serves on); a
+    # stall, not a size, so a large join never runs out of time while its layers keep landing
     join_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -488,17 +495,23 @@ class AmoeConfig:
     def _check_eplb(self) -> None:
         if not self.eplb.live:
             return
-        if self.parallel.mode != "aep":
+        par = self.parallel
+        if par.mode not in ("aep", "ep", "pingpong"):
             raise ConfigError(
                 "--num-redundant-experts and --enable-eplb serve --parallel aep (its experts are queues a replica "
-                f"can join); got --parallel {self.parallel.mode}"
+                f"can join), or ep / pingpong (a stop-the-world rebalance); got --parallel {par.mode}"
             )
         if self.offload.budget is not None:
             raise ConfigError(
                 "--num-redundant-experts and --enable-eplb do not combine with --offload-budget"
             )
-        if self.parallel.expert_ranks < 2:
-            raise ConfigError("redundant experts and rebalancing need --expert-ranks 2 or more")
+        if par.mode == "ep" and par.ep_pipelines is not None:
+            raise ConfigError("--enable-eplb and --num-redundant-experts do not combine with --ep-pipelines")
+        devices, flag = (
+            (par.attn_ranks, "--attn-ranks") if par.mode == "ep" else (par.expert_ranks, "--expert-ranks")
+        )
+        if devices < 2:
+            raise ConfigError(f"redundant experts and rebalancing need {flag} 2 or more")
 
     @property
     def tensor_plane(self) -> str:
@@ -645,6 +658,7 @@ _ALIASES = {
     ("parallel", "attn_ranks"): "--attn-ranks",
     ("parallel", "expert_ranks"): "--expert-ranks",
     ("parallel", "threads_per_rank"): "--threads-per-rank",
+    ("parallel", "max_runtimes"): "--max-runtimes",
     ("parallel", "ep_pipelines"): "--ep-pipelines",
     ("parallel", "ep_kernel"): "--ep-kernel",
     ("scheduler", "policy"): "--scheduler",

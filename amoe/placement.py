@@ -23,6 +23,13 @@ def runtime_roles(parallel: ParallelSection) -> tuple[str, ...]:
     return (ATTENTION,) * parallel.attn_ranks + (EXPERT,) * parallel.expert_ranks
 
 
+def runtime_slots(parallel: ParallelSection) -> int:
+    """Runtime ids the cluster may ever use at once: aep grows and shrinks under `amoe scale` up to
+    `parallel.max_runtimes` (never fewer than it starts with); the lock-step modes keep the runtimes they start."""
+    start = len(runtime_roles(parallel))
+    return max(start, parallel.max_runtimes) if parallel.mode == "aep" else start
+
+
 @dataclass(frozen=True)
 class Placement:
     """attn_runtime[r] serves attention DP rank r; expert_runtime[e] hosts expert e of every block."""
@@ -139,13 +146,23 @@ def local_index(config: AmoeConfig, runtime: int) -> int:
     Ray actor is given its own GPU by Ray (CUDA_VISIBLE_DEVICES), so there it is always 0."""
     if config.dist.backend == "ray":
         return 0
-    nodes = node_map(config.dist, len(runtime_roles(config.parallel)))
+    nodes = _nodes_with(config, runtime)
     return sum(1 for r in range(runtime) if nodes[r] == nodes[runtime])
 
 
 def node_of(config: AmoeConfig, runtime: int) -> int:
     """The node runtime `runtime` runs on."""
-    return node_map(config.dist, len(runtime_roles(config.parallel)))[runtime]
+    return _nodes_with(config, runtime)[runtime]
+
+
+def _nodes_with(config: AmoeConfig, runtime: int) -> tuple[int, ...]:
+    """The start-up node map, extended on one node to a runtime `amoe scale` added past it."""
+    nodes = node_map(config.dist, len(runtime_roles(config.parallel)))
+    if runtime >= len(nodes):
+        if config.dist.nnodes > 1:
+            raise ConfigError(f"runtime {runtime} is past the start-up node map of {len(nodes)} runtimes")
+        nodes += (0,) * (runtime + 1 - len(nodes))
+    return nodes
 
 
 def runtimes_on_node(config: AmoeConfig, node: int) -> int:

@@ -484,6 +484,7 @@ class RuntimeReport(_Report):
     messages_out: Count = 0
     errors: Count = 0
     resent_rows: Count = 0
+    loaded_layers: Count = 0  # expert runtime: layers its joins have loaded so far (a join's progress)
     inflight: list[Count] = []
     expected_parts: Count = 0
     tracked_requests: Count = 0

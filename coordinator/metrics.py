@@ -310,6 +310,7 @@ class RuntimeCollector:
         fam.control_send_failures.add_metric([], getattr(self._backend, "control_send_failures", 0))
         fam.rejected_handshakes.add_metric([], getattr(self._backend, "rejected_handshakes", 0))
         self._add_placement(fam, _placement(self._backend))
+        self._add_scaling(fam, _shape(self._backend))
         fam.readmitted.add_metric([], getattr(self._backend, "readmitted", 0))
         fam.moved.add_metric([], getattr(self._backend, "moved", 0))
         recoveries = list(getattr(self._backend, "recoveries", ()))
@@ -375,6 +376,18 @@ class RuntimeCollector:
             fam.replicas.add_metric(["", str(expert)], float(n))
         if balance:
             fam.balancedness.add_metric([""], sum(balance) / len(balance))
+
+    @staticmethod
+    def _add_scaling(fam: _Families, shape: dict[str, Any] | None) -> None:
+        """Elastic runtimes (docs/rebalancing.md "Scaling"): the runtimes serving, joins, drains, failures."""
+        if shape is None:
+            return
+        for role in ("attention", "expert"):
+            fam.runtimes.add_metric([role], shape[f"{role}_runtimes"])
+            fam.joins.add_metric([role], shape["joins"][role])
+            fam.drains.add_metric([role], shape["drains"][role])
+        for action, n in shape["failed"].items():
+            fam.scale_failures.add_metric([action], n)
 
     @staticmethod
     def _offload_counters(offload: dict[str, Any]) -> dict[tuple, float]:
@@ -527,6 +540,24 @@ class _Families:
         self.recovery = HistogramMetricFamily(
             "amoe_cluster_recovery_seconds", "Seconds from a runtime's loss to its replacement serving"
         )
+        self.runtimes = GaugeMetricFamily(
+            "amoe_cluster_runtimes",
+            "Runtimes serving, by role (amoe scale adds and removes them)",
+            labels=["role"],
+        )
+        self.joins = CounterMetricFamily(
+            "amoe_cluster_runtime_joins",
+            "Runtimes that joined while serving and took their replicas",
+            labels=["role"],
+        )
+        self.drains = CounterMetricFamily(
+            "amoe_cluster_runtime_drains", "Runtimes drained (every row answered) and stopped while serving",
+            labels=["role"],
+        )  # fmt: skip
+        self.scale_failures = CounterMetricFamily(
+            "amoe_cluster_scale_failures", "Joins and drains that failed (the cluster served on as it was)",
+            labels=["action"],
+        )  # fmt: skip
 
     def _placement_families(self) -> None:
         """The live expert map's (docs/rebalancing.md)."""
@@ -568,7 +599,8 @@ class _Families:
             self.batches, self.rows, self.batch_rows, *self.comm_counters, self.comm_dropped, self.failed_peers,
             self.routed, self.kv_used, self.kv_total, self.control_dropped, self.control_send_failures,
             self.rejected_handshakes,
-            self.readmitted, self.moved, self.recovery, *self.offload_counters, *self.offload_gauges,
+            self.readmitted, self.moved, self.recovery, self.runtimes, self.joins, self.drains, self.scale_failures,
+            *self.offload_counters, *self.offload_gauges,
             self.placement_epoch, self.rebalances, self.moved_bytes, self.freed_bytes, self.joined_layers,
             self.drained_layers, self.replicas, self.balancedness,
         ]  # fmt: skip
@@ -584,6 +616,12 @@ def _placement(backend: Any) -> dict[str, Any] | None:
     """The live placement's numbers (ClusterBackend.placement_metrics), where experts can move."""
     placement_metrics = getattr(backend, "placement_metrics", None)
     return placement_metrics() if placement_metrics is not None else None
+
+
+def _shape(backend: Any) -> dict[str, Any] | None:
+    """The runtimes serving and their joins and drains (ClusterBackend.shape), where runtimes can join."""
+    shape = getattr(backend, "shape", None)
+    return shape() if shape is not None else None
 
 
 def _local_offload(backend: Any) -> dict[str, Any] | None:

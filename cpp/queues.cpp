@@ -35,7 +35,10 @@ void EngineConfig::validate() const {
     AMOE_CHECK_ARG(attn_rank >= 0 && attn_rank < static_cast<int>(attn_runtime.size()),
                    "attn_rank " << attn_rank << " has no entry in attn_runtime");
   } else {
-    AMOE_CHECK_ARG(!experts.empty() || !hosted.empty(), "an expert runtime must host at least one expert");
+    // A live placement's runtime may host nothing for a while: one that joins gets its replicas by a
+    // rebalance.
+    AMOE_CHECK_ARG(!experts.empty() || !hosted.empty() || !replicas.empty(),
+                   "an expert runtime must host at least one expert");
     for (int e : experts) AMOE_CHECK_ARG(e >= 0 && e < num_experts, "hosted expert " << e << " out of range");
     for (int l : hosted)
       AMOE_CHECK_ARG(l >= 0 && l < num_blocks * num_experts, "hosted layer " << l << " out of range");

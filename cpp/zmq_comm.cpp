@@ -112,9 +112,20 @@ ZmqCommunicator::ZmqCommunicator(int rank, int num_runtimes, const std::string& 
   if (endpoint_.rfind("ipc://", 0) == 0) ipc_path_ = endpoint_.substr(6);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (plane_ && plane_->device().is_cpu()) recv_pool_ = std::make_shared<BufferPool>(kRecvPoolIdleBytes);
+  // Every slot's Peer (and, two-phase, its Lane objects) exists from here on: the vectors never change size
+  // or entries again, so the threads that index them need no lock for that; a slot no runtime holds yet has
+  // no socket and no lane thread.
   peers_.resize(num_runtimes_);
   send_lanes_.resize(num_runtimes_);
   recv_lanes_.resize(num_runtimes_);
+  for (int r = 0; r < num_runtimes_; ++r) {
+    if (r == rank_) continue;
+    peers_[r] = std::make_unique<Peer>();
+    if (plane_) {
+      send_lanes_[r] = std::make_unique<Lane>(this);
+      recv_lanes_[r] = std::make_unique<Lane>(this);
+    }
+  }
   if (plane_) {
     links_.resize(num_runtimes_);
     for (int r = 0; r < num_runtimes_; ++r) {
@@ -135,36 +146,39 @@ void ZmqCommunicator::connect(const std::vector<std::string>& endpoints) {
   std::lock_guard<std::mutex> lock(lifecycle_mu_);  // one connect/close transition at a time
   AMOE_CHECK_ARG(!closing_.load(), "communicator is closed");
   AMOE_CHECK_ARG(!connected_.load(), "communicator is already connected");
-  AMOE_CHECK_ARG(static_cast<int>(endpoints.size()) == num_runtimes_,
-                 "connect needs " << num_runtimes_ << " endpoints, got " << endpoints.size());
+  AMOE_CHECK_ARG(static_cast<int>(endpoints.size()) <= num_runtimes_,
+                 "connect takes at most " << num_runtimes_ << " endpoints, got " << endpoints.size());
+  // An empty endpoint (or none) is a slot no runtime holds yet: reconnect() fills it when one joins.
+  auto named = [&](int r) {
+    return r != rank_ && r < static_cast<int>(endpoints.size()) && !endpoints[r].empty();
+  };
   for (int r = 0; r < num_runtimes_; ++r) {
     if (r == rank_) continue;
-    auto peer = std::make_unique<Peer>();
+    Peer& peer = *peers_[r];
+    std::lock_guard<std::mutex> peer_lock(peer.mu);  // see Peer::mu
+    if (!named(r)) {
+      peer.closed = true;  // sends to an empty slot are dropped and counted, never parked
+      continue;
+    }
     try {
-      peer->sock = open_peer(r, endpoints[r]);
+      peer.sock = open_peer(r, endpoints[r]);
     } catch (...) {
       for (auto& p : peers_) {
-        if (p) zmq_close(p->sock);
-        p.reset();
+        if (!p || !p->sock) continue;
+        zmq_close(p->sock);
+        p->sock = nullptr;
+        p->present.store(false, std::memory_order_relaxed);
       }
       throw;
     }
-    peers_[r] = std::move(peer);
-  }
-  if (plane_) {
-    for (int r = 0; r < num_runtimes_; ++r) {
-      if (r == rank_) continue;
-      send_lanes_[r] = std::make_unique<Lane>(this);
-      recv_lanes_[r] = std::make_unique<Lane>(this);
-    }
+    peer.present.store(true, std::memory_order_relaxed);
   }
   {
     // Held while connected_ flips, so a send() racing with connect() either queues before the flush
     // below or sends after it: per-peer order holds.
     std::lock_guard<std::mutex> out_lock(out_mu_);
     for (int r = 0; r < num_runtimes_; ++r) {
-      if (r == rank_) continue;
-      send_or_park(*peers_[r], hello_to(r));
+      if (named(r)) send_or_park(*peers_[r], hello_to(r));
     }
     for (auto& out : out_) send_or_park(*peers_[out.dest], std::move(out));
     out_.clear();
@@ -254,9 +268,12 @@ void ZmqCommunicator::reconnect(int rank, const std::string& endpoint, uint32_t 
     backlog_.fetch_sub(static_cast<int64_t>(peer.backlog.size()), std::memory_order_relaxed);
     send_dropped_.fetch_add(static_cast<int64_t>(peer.backlog.size()), std::memory_order_relaxed);
     peer.backlog.clear();
-    set_int(peer.sock, ZMQ_LINGER, 0);
-    zmq_close(peer.sock);
+    if (peer.sock != nullptr) {  // nullptr: an empty slot a runtime joins now
+      set_int(peer.sock, ZMQ_LINGER, 0);
+      zmq_close(peer.sock);
+    }
     peer.sock = sock;
+    peer.present.store(true, std::memory_order_relaxed);
     peer.next_seq = 0;  // the new process numbers (and tags) from 0 too
     peer.closed = false;
     peer.generation.store(generation, std::memory_order_relaxed);  // see Peer::generation
@@ -319,7 +336,7 @@ std::vector<int> ZmqCommunicator::unlinked_peers() const {
   std::vector<int> out;
   if (!per_peer_) return out;
   for (int r = 0; r < num_runtimes_; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || !peers_[r]->present.load(std::memory_order_relaxed)) continue;
     std::lock_guard<std::mutex> lock(links_[r]->mu);  // see Link::mu
     if (!links_[r]->plane) out.push_back(r);
   }
@@ -343,7 +360,7 @@ void ZmqCommunicator::close() {
   }
   if (connected_.load()) {
     for (int r = 0; r < num_runtimes_; ++r) {
-      if (r == rank_) continue;
+      if (r == rank_ || !peers_[r]->present.load(std::memory_order_relaxed)) continue;
       Outgoing bye;  // after every message sent before: the peer's mutex orders them
       bye.dest = r;
       bye.th.kind = kByeTransfer;

@@ -113,11 +113,15 @@ class ZmqCommunicator : public Communicator {
   int num_runtimes() const { return num_runtimes_; }
   std::string plane_name() const;
   at::Device plane_device() const;  // where two-phase receive buffers live (the CPU on the inline plane)
-  // Connects to every peer (endpoints[r] for runtime r, its own included) and starts the I/O thread.
+  // Connects to every peer (endpoints[r] for runtime r, its own included) and starts the I/O thread. Slots
+  // past the list, or with an empty endpoint, are held by no runtime yet (an elastic cluster's spare ranks):
+  // nothing is sent there (sends are dropped and counted) and no link is waited for, until reconnect()
+  // names the runtime that joins there.
   void connect(const std::vector<std::string>& endpoints);
   // Says goodbye to peers, stops every thread, closes the sockets; idempotent. Pending transfers are aborted.
   void close();
-  // A peer was replaced by a new process (of `generation`) at `endpoint`: messages now go there (what was
+  // A peer joined an empty slot, or was replaced by a new process (of `generation`) at `endpoint`: messages
+  // now go there (what was
   // waiting for the old one is dropped), and the peer is no longer failed. Per-peer planes: the old link's
   // transfers are abandoned (counted in cancelled), sequence numbers restart, and the peer's two-phase
   // transfers wait for the link set_peer_link() gives for `generation`. Not on a one-group plane (its

@@ -75,6 +75,9 @@ struct ZmqCommunicator::Peer {
   // The generation reconnect() last named (-1: none), read by the I/O thread to tell a replaced process's
   // connection from its successor's (relaxed: a stale read only delays that by one frame).
   std::atomic<int64_t> generation{-1};
+  // A runtime holds this slot (connect() named its endpoint, or reconnect() did since). Slots of an elastic
+  // cluster that no runtime holds yet are neither linked nor waited for (relaxed: read by stats()).
+  std::atomic<bool> present{false};
 };
 
 // A posted two-phase transfer.

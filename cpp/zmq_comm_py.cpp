@@ -137,7 +137,9 @@ void register_comm(py::module_& m) {
       .def_property_readonly("num_runtimes", &ZmqCommunicator::num_runtimes)
       .def_property_readonly("closed", &ZmqCommunicator::closed)
       .def("connect", &ZmqCommunicator::connect, py::arg("endpoints"),
-           "Connects to endpoints[r] for every runtime r and starts the I/O thread.")
+           "Connects to endpoints[r] for every runtime r and starts the I/O thread; an empty endpoint (or "
+           "none past "
+           "the list) is a slot no runtime holds yet, which reconnect() fills when one joins.")
       .def("close", &ZmqCommunicator::close,
            py::call_guard<py::gil_scoped_release>(),  // joins threads that may need the GIL
            "Says goodbye to peers, stops the threads, closes the sockets; idempotent.")

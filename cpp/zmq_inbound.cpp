@@ -106,7 +106,8 @@ void ZmqCommunicator::io_loop() {
     send_dropped_.fetch_add(static_cast<int64_t>(p->backlog.size()), std::memory_order_relaxed);
     p->backlog.clear();
     p->closed = true;
-    zmq_close(p->sock);
+    if (p->sock != nullptr) zmq_close(p->sock);  // nullptr: a slot no runtime held
+    p->sock = nullptr;
   }
   zmq_socket_monitor(pull_, nullptr, 0);
   zmq_close(monitor_);

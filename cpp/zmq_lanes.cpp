@@ -88,9 +88,7 @@ void ZmqCommunicator::BufferPool::close() {
 }
 
 // ---- lane threads ----
-ZmqCommunicator::Lane::Lane(ZmqCommunicator* owner) : owner_(owner) {
-  thread_ = std::thread([this] { loop(); });
-}
+ZmqCommunicator::Lane::Lane(ZmqCommunicator* owner) : owner_(owner) {}
 
 ZmqCommunicator::Lane::~Lane() {
   abort_all();
@@ -101,6 +99,9 @@ void ZmqCommunicator::Lane::push(std::shared_ptr<Pending> p) {
   {
     std::lock_guard<std::mutex> lock(mu_);  // the I/O thread appends, the lane thread pops
     q_.push_back(std::move(p));
+    // The thread starts with the first transfer: a slot no runtime holds yet (an elastic cluster's spare
+    // ranks) costs no thread. Started under mu_, so the destructor's join sees it.
+    if (!thread_.joinable() && !stop_) thread_ = std::thread([this] { loop(); });
   }
   cv_.notify_one();
 }

@@ -106,7 +106,7 @@ def test_misuse_raises_value_error(pair):
         core.ZmqCommunicator(0, 2, bind="udp://nowhere")
     c = core.ZmqCommunicator(0, 2)
     with pytest.raises(ValueError):
-        c.connect([c.endpoint])
+        c.connect([c.endpoint] * 3)  # more runtimes than slots (fewer: slots no runtime holds yet)
     c.close()
     with pytest.raises(ValueError):
         c.send(0, message(1, 4))

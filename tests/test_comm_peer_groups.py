@@ -96,6 +96,38 @@ def test_sends_wait_for_their_pairs_group_then_arrive_intact(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_runtime_joins_an_empty_slot_and_gets_its_groups(tmp_path):
+    """Communicators of three slots, the third held by no runtime: the two link with each other and wait for
+    nothing more; a send to the empty slot is dropped and counted, no peer fails; a runtime that joins there gets
+    its groups with both (as a Reconnect makes the others build them) and every pair carries data."""
+    made = [make(r, 3, tmp_path / "store") for r in range(2)]
+    first = [c.endpoint for c, _ in made]
+    for comm, groups in made:
+        comm.connect(first)  # two endpoints for three slots
+        groups.connect({0: 0, 1: 0})
+    wait_until(lambda: all(g.linked() for _, g in made), "the two linked")
+    comms = [c for c, _ in made]
+    flows(comms[0], comms[1], seed=1)
+    comms[0].send(2, message(3, 16, seed=2))
+    s = comms[0].stats()
+    assert s["send_dropped"] == 1 and s["unlinked_peers"] == [] and s["failed_peers"] == [], s
+    new, new_groups = make(2, 3, tmp_path / "store")
+    new.connect([*first, new.endpoint])
+    new_groups.connect({0: 0, 1: 0})
+    for rank in (0, 1):
+        comms[rank].reconnect(2, new.endpoint, 0)
+        made[rank][1].rebuild(2, 0)
+    wait_until(lambda: new_groups.linked() and all(g.linked() for _, g in made), "the new pairs linked")
+    comms.append(new)
+    for src in range(3):
+        for dst in range(3):
+            if src != dst:
+                flows(comms[src], comms[dst], seed=100 + 10 * src + dst)
+    assert all(c.stats()["failed_peers"] == [] for c in comms)
+    close_all(*comms)
+
+
+@pytest.mark.timeout(120)
 def test_a_replaced_peer_gets_new_groups_and_the_survivors_keep_theirs(tmp_path):
     made = mesh(tmp_path, 3)
     comms = [c for c, _ in made]

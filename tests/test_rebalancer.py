@@ -246,3 +246,22 @@ def test_placement_messages_are_typed_versioned_and_ranged():
             wire.WireError
         ):  # out of range, or a field missing: dropped and counted, never acted on
             wire.decode(bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(bad))
+
+
+def test_a_join_that_keeps_loading_layers_is_never_late():
+    """join_timeout_s bounds a stall, not a join's size: each heartbeat that shows another layer loaded restarts
+    it; a join that stops loading fails once it has passed."""
+    r, rts, sent, clock = make(join_timeout_s=5.0)
+    r.start(with_entries(r.map, b0_0=[2, 3], b1_0=[2, 3]), "test")
+    for second, loaded in ((4.0, 0), (8.0, 1), (12.0, 2)):  # 12 s in all, never 5 without a layer
+        clock.now = second
+        r.on_report(rts[3], {"runtime": 3, "role": "expert", "loaded_layers": loaded})
+        r.tick()
+        assert r.move is not None and r.move.phase == "join", second
+    clock.now = 16.0
+    r.on_report(rts[3], {"runtime": 3, "role": "expert", "loaded_layers": 2})  # no new layer
+    r.tick()
+    assert r.move is not None
+    clock.now = 17.5
+    r.tick()
+    assert r.move is None and "loaded no layer" in r.last_error

@@ -22,8 +22,9 @@ from amoe.testing.cluster import ServedCluster
 from coordinator.metrics import CoordinatorMetrics
 
 PROMPTS = [[1, 5 + i, 60 + 11 * i, 9] for i in range(4)]
-MAX_TOKENS = 48
+MAX_TOKENS = 1024  # a cap no wave reaches: a wave's streams are aborted once its step has ended
 STRIDE = 4  # tokens every stream of a wave has before its step starts
+AFTER = 4  # and after it has ended, before the wave is aborted
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(model_dir):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return [hf_greedy(hf, prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
+def hf_model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def transformers_prefixes(hf, waves: list[list[list[int]]]) -> list[list[list[int]]]:
+    """transformers' greedy tokens for every stream of `waves`, as long as the stream went."""
+    longest = [max(len(wave[i]) for wave in waves) for i in range(len(PROMPTS))]
+    full = [hf_greedy(hf, prompt, n)[0] for prompt, n in zip(PROMPTS, longest)]
+    return [[full[i][: len(out)] for i, out in enumerate(wave)] for wave in waves]
 
 
 def config(plane: str, **eplb) -> AmoeConfig:
@@ -47,31 +54,45 @@ def config(plane: str, **eplb) -> AmoeConfig:
 
 
 async def through_rebalances(backend, steps) -> tuple[list[list[list[int]]], list[str]]:
-    """For each step: once every runtime serves, a wave of greedy streams (every prompt); once each has STRIDE
-    tokens, the step runs — a rebalance that starts, without awaiting anything first, while all of them are
-    running (`mid()` checks it) — and its outcome is noted. Returns every wave's tokens and the outcomes."""
+    """For each step: once every runtime serves, a wave of greedy streams (every prompt, no end of their own);
+    once each has STRIDE tokens, the step runs — a rebalance that starts, without awaiting anything first, while
+    all of them are running (`mid()` checks it) — and its outcome is noted; once it has ended and each stream has
+    AFTER tokens more, the wave is aborted. So every wave runs from before its step to after it, however fast or
+    slow the machine. Returns every wave's tokens and the outcomes."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     waves: list[list[list[int]]] = []
-    tasks, outcomes = [], []
+    outcomes = []
 
     async def stream(request_id: int, out: list[int], prompt: list[int]) -> None:
         async for delta in backend.generate(request_id, prompt, params, 0):
             out += delta.token_ids
 
+    async def until(condition) -> None:
+        while not condition():
+            await asyncio.sleep(0.002)
+
     for k, step in enumerate(steps):
-        while backend.status != "ok":  # a runtime being replaced (a step killed it): the next wave waits
-            await asyncio.sleep(0.02)
+        await until(lambda: backend.status == "ok")  # a runtime being replaced (a step killed it): wait
         wave = [[] for _ in PROMPTS]
         waves.append(wave)
-        tasks += [asyncio.ensure_future(stream(100 * k + i, wave[i], p)) for i, p in enumerate(PROMPTS)]
-        while min(len(out) for out in wave) < STRIDE:
-            await asyncio.sleep(0.002)
+        ids = [100 * k + i for i in range(len(PROMPTS))]
+        tasks = [asyncio.ensure_future(stream(r, out, p)) for r, out, p in zip(ids, wave, PROMPTS)]
+        await until(lambda wave=wave: min(len(out) for out in wave) >= STRIDE)
 
         def mid(wave=wave) -> None:
             assert max(len(out) for out in wave) < MAX_TOKENS, "the rebalance would not start mid-stream"
 
         outcomes.append(await step(backend, mid))
-    await asyncio.gather(*tasks)
+        ended = [len(out) for out in wave]
+        await until(
+            lambda w=wave, e=ended, ts=tasks: all(
+                len(o) >= n + AFTER or t.done() for o, n, t in zip(w, e, ts)
+            )
+        )
+        assert all(len(o) >= n + AFTER for o, n in zip(wave, ended)), "a stream ended before its step did"
+        for request_id in ids:
+            backend.abort(request_id)
+        await asyncio.gather(*tasks)
     return waves, outcomes
 
 
@@ -101,7 +122,7 @@ async def metrics_text(backend) -> str:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("plane", ["inline", "gloo"])
-def test_greedy_tokens_are_transformers_across_live_rebalances(model_dir, hf_tokens, plane):
+def test_greedy_tokens_are_transformers_across_live_rebalances(model_dir, hf_model, plane):
     with ServedCluster(model_dir, config(plane, num_redundant_experts=2)) as cluster:
         start = cluster.backend.placement()[
             "replicas"
@@ -114,7 +135,7 @@ def test_greedy_tokens_are_transformers_across_live_rebalances(model_dir, hf_tok
         report = cluster.backend.placement()
         text = cluster.call(metrics_text(cluster.backend))
         stats = cluster.runtime_stats()
-    assert waves == [hf_tokens] * len(steps)
+    assert waves == transformers_prefixes(hf_model, waves)
     assert outcomes[:2] + outcomes[3:] == ["completed"] * 3
     assert outcomes[2] in ("completed", "unchanged")  # EPLB's map for the measured load
     assert report["replicas"] == start and report["rebalancing"] is None and report["last_error"] is None
@@ -132,7 +153,7 @@ def test_greedy_tokens_are_transformers_across_live_rebalances(model_dir, hf_tok
 
 
 @pytest.mark.timeout(300)
-def test_a_failed_rebalance_leaves_the_old_map_serving(model_dir, hf_tokens, monkeypatch):
+def test_a_failed_rebalance_leaves_the_old_map_serving(model_dir, hf_model, monkeypatch):
     """Expert 5 fails to load anywhere it joins; expert 6's load never returns, and its runtime is killed mid-join.
     Both rebalances fail and the starting map serves on; a third one, without those experts, completes."""
     monkeypatch.setenv("AMOE_FAULTS", "join:5,joinwedge:6")
@@ -157,7 +178,7 @@ def test_a_failed_rebalance_leaves_the_old_map_serving(model_dir, hf_tokens, mon
         report = cluster.backend.placement()
         text = cluster.call(metrics_text(cluster.backend))
     # No request lost or failed: the killed runtime's rows were asked for again from its replacement.
-    assert waves == [hf_tokens] * len(steps)
+    assert waves == transformers_prefixes(hf_model, waves)
     assert outcomes == ["failed", "failed", "completed"]
     assert report["rebalances"] == {"started": 3, "completed": 1, "failed": 2, "unchanged": 0}
     assert "lost during its join" in report["last_error"]

@@ -281,3 +281,17 @@ def test_the_scanner_finds_each_top_level_members_key_and_value():
     assert scanner.done and text[end:] == " tail"
     spans = {m.key: text[m.start : m.end] for m in scanner.members}
     assert spans == {"name": '"add"', "arguments": '{"a": [1, {"b": 2}], "c": "}"}', "n": "-1.5"}
+
+
+@pytest.mark.parametrize(
+    ("parser", "good", "bad"),
+    [
+        ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+         '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>'),
+        ("mistral", '[TOOL_CALLS]add{"a": 1}', "[TOOL_CALLS]no_such_tool{}"),
+    ],
+)  # fmt: skip
+def test_a_malformed_call_after_a_good_one_is_content_from_its_own_marker_on(parser, good, bad):
+    for pieces in splits(good + bad, seed=3):
+        output, deltas = read(parser, good + bad, pieces)
+        assert ([c.name for c in output.calls], output.content) == (["add"], bad)

@@ -84,7 +84,8 @@ def test_vllms_eplb_flags_set_the_eplb_section():
     (["--eplb-config", '{"window": 3}'], "eplb.window"),
     (["--eplb-config", "[1]"], "--eplb-config"),
     (["--eplb-config", "{bad"], "not valid JSON"),
-    (["--num-redundant-experts", "1", "--parallel", "ep"], "--parallel aep"),
+    (["--num-redundant-experts", "1", "--parallel", "local"], "--parallel aep"),
+    (["--num-redundant-experts", "1", "--parallel", "ep", "--attn-ranks", "1"], "--attn-ranks 2"),
     (["--enable-eplb", "--expert-ranks", "1"], "--expert-ranks 2"),
     (["--num-redundant-experts", "-1"], "eplb.num_redundant_experts"),
 ])  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 from amoe import core, wire
 from amoe.config import AmoeConfig
 from amoe.errors import EngineDeadError
+from amoe.placement import runtime_slots
 from amoe.runtime import build
 from amoe.runtime.comm import communicator
 from amoe.runtime.loop import run_loop
@@ -38,7 +39,9 @@ class AepRuntime(RankCapacity):
         self.device = build.device(
             self.config, self.id
         )  # current before any CUDA work (the NCCL group's too)
-        self.comm, self.groups = communicator(spec, self.placement.num_runtimes, self.config, self.emulation)
+        # Every slot the cluster may grow to (`amoe scale`): a runtime that joins later is a slot filled.
+        self.slots = runtime_slots(self.config.parallel)
+        self.comm, self.groups = communicator(spec, self.slots, self.config, self.emulation)
         self.engine = core.Engine(
             core.engine_config(
                 self.id, self.placement, num_blocks=cfg.num_blocks, num_experts=cfg.num_expert_ids,
@@ -54,9 +57,7 @@ class AepRuntime(RankCapacity):
                 self.config, spec.model_dir, cfg, self.emulation, dev=self.device, runtime=self.id
             )
             executor = self.attention
-            self.replicas = AttentionReplicas(
-                self.id, self.engine, self.expert_map, self.placement.num_runtimes
-            )
+            self.replicas = AttentionReplicas(self.id, self.engine, self.expert_map, self.slots)
         else:
             self.attention = None
             experts, hosted = self.placement.experts_of(self.id), self.expert_map.hosted_by(self.id)
@@ -147,9 +148,9 @@ class AepRuntime(RankCapacity):
     ) -> None:
         """Connect (the tensor-plane groups build in the background: see `linked`), take on the coordinator's
         placement, and start the loop."""
-        self.comm.connect(endpoints)
+        self.comm.connect(endpoints)  # an empty endpoint: a slot no runtime holds (yet, or any more)
         if self.groups is not None:
-            self.groups.connect(generations)
+            self.groups.connect({r: g for r, (e, g) in enumerate(zip(endpoints, generations)) if e})
         if placement is not None:
             if self.attention is not None:
                 self.replicas.settle(placement.replicas)
@@ -185,6 +186,8 @@ class AepRuntime(RankCapacity):
             report["emulated"] = self.executor.stats()
         elif self.attention is None:
             report.update(self.executor.stats())  # "offload": the expert store's counters, when it offloads
+        if self.attention is None:  # a join's progress, which its deadline follows
+            report["loaded_layers"] = self.replicas.loaded_layers
         return report
 
     def stop(self) -> None:

@@ -92,12 +92,16 @@ def expert_loader(
     return load
 
 
-def link_delays(config: AmoeConfig, em: Emulation, rank: int) -> tuple[list[float], list[float]]:
-    """(latency_s, seconds_per_row) per source runtime for `rank`'s communicator: the emulated GPU's links, with
-    runtimes placed on nodes of `emulation.gpus_per_node` (emulated runs only)."""
+def link_delays(
+    config: AmoeConfig, em: Emulation, rank: int, num_runtimes: int = 0
+) -> tuple[list[float], list[float]]:
+    """(latency_s, seconds_per_row) per source runtime (of `num_runtimes` slots, at least the start-up ones) for
+    `rank`'s communicator: the emulated GPU's links, with runtimes placed on nodes of `emulation.gpus_per_node`
+    (emulated runs only). A runtime past the start-up ones (`amoe scale`) is on the last one's node."""
     par, ex = config.parallel, config.emulation
     num_expert = 0 if par.mode == "ep" else par.expert_ranks
     nodes = runtime_nodes(par.mode, par.attn_ranks, num_expert, ex.gpus_per_node)
+    nodes += nodes[-1:] * (max(num_runtimes, rank + 1) - len(nodes))
     return emulated_link_delays(em.gpu, em.profile, nodes, rank, ex.time_scale)
 
 

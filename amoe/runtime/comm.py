@@ -34,7 +34,7 @@ def communicator(
         comm.listen_secure(spec.secure_bind, **spec.curve)
     if em is not None:
         # Loopback delivers at once; an emulated GPU's messages should take the time its links would.
-        comm.set_link_delays(*build.link_delays(config, em, spec.runtime))
+        comm.set_link_delays(*build.link_delays(config, em, spec.runtime, num_runtimes))
     faults = Faults.from_env()
     if faults is not None and faults.alloc_failure is not None:  # tests only (AMOE_FAULTS "alloc")
         comm.inject_alloc_failure(skip=faults.alloc_failure - 1)

@@ -221,7 +221,9 @@ class EmulatedExpertExecutor:
     def layer_bytes(self, layers) -> int:
         """The weight bytes of these (block, expert) layers on the emulated GPU."""
         p = self.em.profile
-        return sum(p.params_of(e) * p.bytes_per_param for _, e in layers)
+        # An int: the join's and drain's answers carry it on the wire, where a byte count is an integer field (a
+        # profile's bytes_per_param is a float: FP8 and NVFP4 weights take 1 and 0.5).
+        return int(sum(p.params_of(e) * p.bytes_per_param for _, e in layers))
 
     def join_wall_s(self, layers) -> float:
         """Wall seconds a join's weights take to land: host memory to the GPU over PCIe (the checkpoint read

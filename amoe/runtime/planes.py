@@ -52,9 +52,11 @@ class PeerGroups:
         self._wanted: dict[int, int] = {}  # peer -> the generation of its process the link must reach
         self._failed: str | None = None  # why a start-up build failed
 
-    def connect(self, generations: list[int]) -> None:
-        """Start building a link to every peer (start-up); `generations[r]` is runtime r's process generation."""
-        for peer, generation in enumerate(generations):
+    def connect(self, generations: list[int] | dict[int, int]) -> None:
+        """Start building a link to every peer there is (start-up); `generations[r]` is runtime r's process
+        generation. A slot no runtime holds (absent from a dict) gets its link when one joins (`rebuild`)."""
+        pairs = generations.items() if isinstance(generations, dict) else enumerate(generations)
+        for peer, generation in pairs:
             if peer != self.rank:
                 self._start(peer, generation, first=True)
 

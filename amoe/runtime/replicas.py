@@ -51,6 +51,7 @@ class ExpertReplicas:
         self._replies: list[wire.Message] = []
         self._loading: dict[int, list[Layer]] = {}  # epoch → layers whose weights are on their way
         self._cancelled: set[int] = set()  # epochs whose joins were dropped before they landed
+        self.loaded_layers = 0  # layers the joins have loaded so far, for the heartbeat (guarded by _lock)
 
     @property
     def busy(self) -> bool:
@@ -81,10 +82,15 @@ class ExpertReplicas:
         ).start()
 
     def _fetch(self, epoch: int, layers: list[Layer]) -> None:
-        """The load itself, off the loop and the control thread."""
+        """The load itself, off the loop and the control thread, a layer at a time: each one counts in
+        `loaded_layers`, the progress the coordinator watches (a join is judged by its stalls, not its size)."""
         try:
             start = time.monotonic()
-            result: dict[Layer, Any] | BaseException = self.loader(layers)
+            result: dict[Layer, Any] | BaseException = {}
+            for layer in layers:
+                result.update(self.loader([layer]))
+                with self._lock:
+                    self.loaded_layers += 1
             logger.info("runtime %d: %d layers of epoch %d loaded in %.2f s", self.runtime, len(layers), epoch,
                         time.monotonic() - start)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, which keeps the old map

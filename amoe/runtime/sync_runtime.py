@@ -22,6 +22,7 @@ from amoe.runtime import build
 from amoe.runtime.comm import communicator
 from amoe.runtime.requests import HeadOutput, RankCapacity, RankRequest
 from amoe.runtime.sync import SyncDevice, run_sync_loop
+from amoe.runtime.sync.rebalance import stop_the_world
 from amoe.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class SyncRuntime(RankCapacity):
         self.gpu = build.device(self.config, self.id)  # the torch device; current before any CUDA work
         self.comm, self.groups = communicator(spec, place.num_runtimes, self.config, self.emulation)
         self.device = self._device(spec.model_dir)
+        if self.config.eplb.live:  # a lock-step group moves experts only by stopping (docs/rebalancing.md)
+            load = build.expert_loader(self.config, spec.model_dir, cfg, self.emulation, None, self.gpu)
+            stop_the_world([self.device], self.config.eplb, place, cfg, self.mode, self.emulation, load)
         self.pipeline = build.ep_pipeline(self.config, place, cfg, self.emulation)
         self.attention = self.device.attention  # None on an expert device
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -152,7 +156,8 @@ class SyncRuntime(RankCapacity):
             self.groups.check()
 
     def stats(self) -> dict[str, Any]:
-        """The runtime report (docs/CONTRACTS.md): the device's barrier stats, KV and the communicator's."""
+        """The runtime report (docs/CONTRACTS.md): the device's barrier stats, KV, the communicator's, and its
+        stop-the-world rebalances."""
         snap = self.device.stats.snapshot()
         report: dict[str, Any] = {
             "runtime": self.id,
@@ -169,6 +174,7 @@ class SyncRuntime(RankCapacity):
             "iterations": snap["iterations"],
             "polls": snap["polls"],
             "dropped": {"barrier": snap["dropped"]},
+            "rebalances": {k: snap[k] for k in ("rebalances", "rebalance_s", "moved_bytes")},
             "comm": self.comm.stats(),
         }
         if self.attention is not None:

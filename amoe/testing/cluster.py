@@ -95,9 +95,7 @@ class ServedCluster:
         while True:
             reports = self._call(_stats(self.backend))
             fresh = all(r.get("uptime_s", 0.0) > before.get(r["runtime"], -1.0) for r in reports)
-            if not settled or (
-                len(reports) == len(self.backend.cluster.runtimes) and fresh and _idle(reports)
-            ):
+            if not settled or (len(reports) == len(self.backend.cluster.active) and fresh and _idle(reports)):
                 return reports
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the runtimes did not settle within {timeout} s: {reports}")

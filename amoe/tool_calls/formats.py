@@ -25,13 +25,9 @@ class HermesReader(FormatReader):
             yield from self._skip_ws()
             if (yield from self._peek()) is not None and not (yield from self._literal(self.END)):
                 return (yield from self._fail(start))
-            self._end_call(index)
-            yield from self._skip_ws()
-            start = self._pos
-            if (yield from self._peek()) is None:
+            if not (yield from self._next_call(index, self.START)):
                 return
-            if not (yield from self._literal(self.START)):
-                return (yield from self._fail(start))
+            start = self._pos - len(self.START)
 
 
 class DeepSeekV3Reader(FormatReader):
@@ -100,13 +96,9 @@ class MistralReader(FormatReader):
                 self._pos -= 1  # the "{" opens the arguments
             if index is None or not (yield from self._arguments(index)):
                 return (yield from self._fail(start))
-            self._end_call(index)
-            yield from self._skip_ws()
-            start = self._pos
-            if (yield from self._peek()) is None:
+            if not (yield from self._next_call(index, self.START)):
                 return
-            if not (yield from self._literal(self.START)):
-                return (yield from self._fail(start))
+            start = self._pos - len(self.START)
 
 
 class RequiredReader(FormatReader):

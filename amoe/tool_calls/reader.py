@@ -200,6 +200,19 @@ class FormatReader:
 
     # ---- calls
 
+    def _next_call(self, index: int, marker: str) -> Reading:
+        """Call `index` has ended: True when `marker` opens another call after it; False when the output ends there
+        or, having failed the rest as content, when anything else follows."""
+        self._end_call(index)
+        yield from self._skip_ws()
+        start = self._pos
+        if (yield from self._peek()) is None:
+            return False
+        if not (yield from self._literal(marker)):
+            yield from self._fail(start)
+            return False
+        return True
+
     def _start_call(self, name: object) -> int | None:
         """A call of `name` begins: its index, or None if it may not (an unknown function, one call too many)."""
         if not isinstance(name, str) or name not in self._tools:

@@ -5,6 +5,12 @@
 - `POST /admin/rebalance` {"replicas": [[[runtime, ...] per expert] per block] (optional), "wait": false}: start a
   rebalance now — to the given map, or to EPLB's map for the measured load — and answer when it has started (or,
   with `wait`, ended). 409 while another is under way or a runtime is being replaced.
+- `GET /admin/scale`: the runtimes serving (attention, expert, the most there may be), the join or drain under
+  way, and the joins and drains so far.
+- `POST /admin/scale` {"expert_runtimes": "+1" | -1 | 3, "remove": [runtime, ...] (optional), "wait": false}: add or
+  remove expert runtimes while serving (docs/rebalancing.md "Scaling"). A signed string or a negative number is a
+  change, a plain number the count wanted. 400 naming the parameter for bad input; 409 while a scale, a
+  rebalance or a replacement is under way.
 """
 
 from __future__ import annotations
@@ -32,7 +38,19 @@ class RebalanceRequest(BaseModel):
     wait: bool = Field(default=False, description="answer once the rebalance has ended, not when it started")
 
 
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Any: the count or change is read by amoe.scaling, so the API and the CLI refuse the same input alike.
+    expert_runtimes: Any = Field(default=None, description='"+1", -1 (a change) or 3 (the count wanted)')
+    attention_runtimes: Any = Field(default=None, description="attention runtimes do not join or leave yet")
+    remove: list[int] | None = Field(default=None, max_length=1024, description="which expert runtimes leave")
+    wait: bool = Field(default=False, description="answer once every join and drain has ended")
+
+
 def add_admin_routes(app: FastAPI, backend: Backend) -> None:
+    add_scale_routes(app, backend)
+
     @app.get("/admin/placement")
     async def placement() -> dict[str, Any]:
         report = backend.placement()
@@ -50,3 +68,20 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
             return await backend.rebalance(body.replicas, body.wait)
         except RebalanceBusy as exc:
             raise ApiError(409, str(exc), code="rebalance_busy") from None
+
+
+def add_scale_routes(app: FastAPI, backend: Backend) -> None:
+    @app.get("/admin/scale")
+    async def shape() -> dict[str, Any]:
+        report = backend.shape()
+        if report is None:
+            raise ApiError(404, "this deployment's runtimes are fixed (runtimes join and leave --parallel aep)",
+                           type="not_found_error")  # fmt: skip
+        return report
+
+    @app.post("/admin/scale")
+    async def scale(body: ScaleRequest) -> dict[str, Any]:
+        try:
+            return await backend.scale(body.expert_runtimes, body.attention_runtimes, body.remove, body.wait)
+        except RebalanceBusy as exc:  # ScaleBusy too
+            raise ApiError(409, str(exc), code="scale_busy") from None

@@ -63,6 +63,8 @@ class RuntimeWatch:
         undelivered = set(self.plane.overdue(self.heartbeat_timeout_s, now))
         self.launch.tick(now)  # multi-node: a silent node's runtimes end here, and are replaced below
         for r in self.runtimes:
+            if r.retired:
+                continue  # stopped on purpose (scaled in): its exit is no loss
             code = r.proc.poll()
             if code is not None:
                 self.lost(r, f"{r.name} (pid {r.proc.pid}) {exit_text(code)}")
@@ -75,7 +77,13 @@ class RuntimeWatch:
                 self.lost(
                     r, f"{r.name}: control messages to it went undelivered for {self.heartbeat_timeout_s:g} s"
                 )
-            elif r.ready and now - r.last_seen > self.heartbeat_timeout_s:
+            elif r.joining and r.endpoint is None and now - r.last_seen > self.startup_timeout_s:
+                # A joiner loads no weights before its Hello (its replicas come by a rebalance, whose progress
+                # is watched there): this bounds a process start, not a model load.
+                self.lost(r, f"{r.name} did not say hello within {self.startup_timeout_s:.0f} s")
+            elif (
+                r.ready or (r.joining and r.endpoint is not None)
+            ) and now - r.last_seen > self.heartbeat_timeout_s:
                 self.lost(r, f"{r.name} (pid {r.proc.pid}) sent nothing for {now - r.last_seen:.1f} s")
             elif r.ready and now - r.progressed > self.heartbeat_timeout_s:
                 # Heartbeats come from the control thread; only the loop's own counter shows it still runs.
@@ -87,7 +95,19 @@ class RuntimeWatch:
     def lost(self, runtime: RuntimeProc, reason: str) -> None:
         """A runtime died, stopped, failed or cannot be reached: replace it while the budget lasts, else the
         cluster fails."""
-        if self.failure is not None or self.stopping:
+        if self.failure is not None or self.stopping or runtime.retired:
+            return
+        # A joiner never served: its join fails, nothing is healed (coordinator/cluster/scaling.py).
+        if runtime.joining:
+            if runtime.join_error is not None:
+                return  # told already
+            logger.warning("%s: its join failed", reason)
+            runtime.join_error = reason
+            if runtime.proc.poll() is None:
+                runtime.proc.kill()
+            _reap_later(runtime.proc)
+            if self.plane is not None:
+                self.plane.forget(runtime.identity)
             return
         if not self.started or not self.heals or not self.budget.take():
             if runtime.proc.poll() is None:

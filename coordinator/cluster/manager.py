@@ -44,6 +44,7 @@ from coordinator.cluster.local_launcher import LocalLauncher
 from coordinator.cluster.ray_launcher import RayLauncher
 from coordinator.cluster.rebalance import Rebalancer
 from coordinator.cluster.runtimes import ClusterEvents, RestartBudget, RuntimeProc
+from coordinator.cluster.scaling import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,17 @@ class ClusterManager:
             Rebalancer(config, self.runtimes, self.send, node_map(config.dist, len(self.roles)))
             if live_placement(config) else None
         )  # fmt: skip
+        # Elastic runtimes (coordinator/cluster/scaling.py): joins and drains through the live placement.
+        self.scaler = Scaler(self) if self.placement is not None else None
 
     @property
     def attn_runtimes(self) -> list[RuntimeProc]:
-        return [r for r in self.runtimes if r.role == "attention"]
+        return [r for r in self.active if r.role == "attention"]
+
+    @property
+    def active(self) -> list[RuntimeProc]:
+        """The runtimes of the cluster now: all but the retired ones (scaled in; their ids are free slots)."""
+        return [r for r in self.runtimes if not r.retired]
 
     @property
     def replacing(self) -> list[RuntimeProc]:
@@ -179,7 +187,7 @@ class ClusterManager:
         return self.plane.send(f"rt{runtime}".encode(), msg)
 
     def broadcast(self, msg: wire.Message) -> None:
-        for r in self.runtimes:
+        for r in self.active:
             self.send(r.id, msg)
 
     def _welcome(self, viewer: int) -> wire.Welcome:
@@ -198,6 +206,8 @@ class ClusterManager:
     def _reach(self, viewer: int, peer: RuntimeProc) -> str:
         """How runtime `viewer` reaches `peer`: its ipc endpoint on the same host, its CURVE one (multi-node)
         from another host. A host is told by the address a runtime's CURVE endpoint is bound to."""
+        if peer.retired or peer.endpoint is None:
+            return ""  # a slot no runtime holds (yet, or any more): the communicator leaves it empty
         mine = self.runtimes[viewer].secure_endpoint
         if peer.secure_endpoint is None or mine is None or _host(mine) == _host(peer.secure_endpoint):
             return peer.endpoint
@@ -215,6 +225,8 @@ class ClusterManager:
             if self.launch is not None and self.launch.handle(frames):
                 return  # a node agent's
             runtime, msg = self._check(frames)
+            if runtime.retired:  # a scaled-in runtime's last words (a heartbeat before it stopped)
+                return
             runtime.last_seen = time.monotonic()
             self._handle(runtime, msg)
         except wire.WireError as exc:
@@ -259,6 +271,7 @@ class ClusterManager:
             self._hello(runtime, msg)
         elif isinstance(msg, wire.Ready):
             runtime.ready, runtime.progressed = True, time.monotonic()  # its loop starts now
+            runtime.joining = False  # a joiner serves from now on (hosting nothing until its rebalance)
             if runtime.lost is not None:
                 self.watch.rejoined(runtime)
         elif isinstance(msg, wire.Failed):
@@ -281,16 +294,18 @@ class ClusterManager:
         runtime.max_model_len, runtime.vocab_size = msg.max_model_len, msg.vocab_size
         if self.placement is not None:
             self.placement.on_hello(runtime, msg)
-        if runtime.lost is None:
+        if runtime.lost is None and not runtime.joining:
             loaded = sum(r.endpoint is not None for r in self.runtimes)
             logger.info(
                 "%s loaded its weights (pid %d) [%d/%d]", runtime.name, msg.pid, loaded, len(self.runtimes)
             )
             return
-        # A replacement: it gets the peer table; the survivors, its new endpoint.
-        logger.info("%s's replacement (pid %d) loaded its weights", runtime.name, msg.pid)
+        # A replacement or a runtime that joins (`amoe scale`), the same way: it gets the peer table; the
+        # others, its endpoint.
+        what = "joins" if runtime.joining else "is replaced"
+        logger.info("%s %s: its process (pid %d) is up", runtime.name, what, msg.pid)
         self.send(runtime.id, self._welcome(runtime.id))
-        for other in self.runtimes:
+        for other in self.active:
             if other is not runtime:
                 reach = self._reach(other.id, runtime)
                 self.send(other.id, wire.Reconnect(runtime.id, reach, runtime.generation))
@@ -306,7 +321,12 @@ class ClusterManager:
         if polls != runtime.polls:
             runtime.polls, runtime.progressed = polls, time.monotonic()
         for peer in (stats.get("comm") or {}).get("failed_peers") or []:
-            if runtime.ready and peer < len(self.runtimes) and self.runtimes[peer].lost is None:
+            there = (
+                peer < len(self.runtimes)
+                and self.runtimes[peer].lost is None
+                and not self.runtimes[peer].retired
+            )
+            if runtime.ready and there:
                 self.watch.lost(
                     self.runtimes[peer], f"{runtime.name} lost its data link to {self.runtimes[peer].name}"
                 )
@@ -314,7 +334,7 @@ class ClusterManager:
     def describe(self) -> list[dict[str, Any]]:
         """Each runtime's state for /health (and, over several nodes, where it runs)."""
         return [
-            r.describe() | (self.launch.describe(r.id, r.proc) if self.launch else {}) for r in self.runtimes
+            r.describe() | (self.launch.describe(r.id, r.proc) if self.launch else {}) for r in self.active
         ]
 
     # ---- shutdown

@@ -60,6 +60,8 @@ class Move:
     reason: str
     started: float
     phase: str = "join"  # join | drain | free
+    progressed: float | None = None  # when a joining runtime last reported another layer loaded
+    loaded_layers: dict[int, int] = field(default_factory=dict)  # runtime → layers it reported loaded
     loaded: set[int] = field(default_factory=set)
     drained: set[int] = field(default_factory=set)
     dropped: set[int] = field(default_factory=set)
@@ -108,6 +110,9 @@ class Rebalancer:
         self._planning = False
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self.last_error: str | None = None
+        # Set while runtimes join or leave (coordinator/cluster/scaling.py): a periodic plan then could place replicas
+        # on a runtime about to stop, or leave out one about to serve; it waits for the scale to end.
+        self.paused = False
 
     # ---- start-up
 
@@ -139,7 +144,13 @@ class Rebalancer:
     # ---- serving
 
     def on_report(self, runtime: RuntimeProc, stats: dict[str, Any]) -> None:
-        """An attention runtime's heartbeat: its routing counts feed the load window."""
+        """An attention runtime's heartbeat: its routing counts feed the load window; a joining expert runtime's:
+        its loads' progress."""
+        move = self.move
+        if move is not None and move.phase == "join" and runtime.id in move.joins:
+            loaded = stats.get("loaded_layers", 0)
+            if loaded > move.loaded_layers.setdefault(runtime.id, loaded):
+                move.loaded_layers[runtime.id], move.progressed = loaded, self.clock()
         if self.load is None or runtime.role != "attention":
             return
         self.load.report(runtime.id, stats)
@@ -165,6 +176,7 @@ class Rebalancer:
             and self.map is not None
             and self.load is not None
             and not self._planning
+            and not self.paused
             and self.load.steps - self._last_steps >= self.eplb.step_interval
             and self._all_serving()
         )
@@ -173,13 +185,13 @@ class Rebalancer:
         self._planning = True
         asyncio.ensure_future(self.planned()).add_done_callback(self._planned)
 
-    async def planned(self) -> ExpertMap:
+    async def planned(self, runtimes: list[int] | None = None) -> ExpertMap:
         """EPLB's map for the window's load (E + num_redundant_experts replicas a block over the expert runtimes,
-        hierarchical over their nodes where the groups allow), computed off the event loop: a large model's
-        plan takes a while."""
+        or over `runtimes` — one leaving is not among them —, hierarchical over their nodes where the groups
+        allow), computed off the event loop: a large model's plan takes a while."""
         if self.map is None or self.load is None:
             raise RebalanceBusy("the cluster has no expert map yet (still starting)")
-        load, runtimes = self.load.window(), self.expert_runtimes()
+        load, runtimes = self.load.window(), runtimes or self.expert_runtimes()
         nodes = [self.nodes[r] if r < len(self.nodes) else 0 for r in runtimes]
         return await asyncio.get_running_loop().run_in_executor(
             None, self.map.rebalanced, load, self.eplb.num_redundant_experts, runtimes, nodes, self.groups
@@ -284,13 +296,14 @@ class Rebalancer:
     def _follow(self, move: Move) -> None:
         """Advance or fail `move` by what has happened since (answers, losses, deadlines)."""
         if move.phase == "join":
-            late = self.clock() - move.started > self.eplb.join_timeout_s
+            # A stall, not a size: a large join keeps going while its layers keep landing.
+            late = self.clock() - (move.progressed or move.started) > self.eplb.join_timeout_s
             lost = [r for r in move.joins if r not in move.loaded and self._replaced(move, r)]
             if lost:
                 self._fail(f"{self.runtimes[lost[0]].name} was lost during its join")
             elif late:
                 self._fail(
-                    f"the joins did not land within eplb.join_timeout_s ({self.eplb.join_timeout_s:g} s)"
+                    f"the joins loaded no layer for eplb.join_timeout_s ({self.eplb.join_timeout_s:g} s)"
                 )
             return
         if move.phase == "drain":
@@ -366,10 +379,10 @@ class Rebalancer:
     # ---- what others read
 
     def expert_runtimes(self) -> list[int]:
-        return [r.id for r in self.runtimes if r.role == "expert"]
+        return [r.id for r in self.runtimes if r.role == "expert" and not r.retired]
 
     def attention_runtimes(self) -> list[int]:
-        return [r.id for r in self.runtimes if r.role == "attention"]
+        return [r.id for r in self.runtimes if r.role == "attention" and not r.retired]
 
     def balancedness(self) -> list[float]:
         """Per block, vLLM's balancedness (mean / max expert-runtime load) of the window's load on the map."""
@@ -406,7 +419,7 @@ class Rebalancer:
             raise ConfigError(f"runtime {min(stray)} is not an expert runtime of this cluster")
 
     def _all_serving(self) -> bool:
-        return all(r.ready and r.lost is None for r in self.runtimes)
+        return all(r.ready and r.lost is None for r in self.runtimes if not r.retired)
 
     def _replaced(self, move: Move, runtime: int) -> bool:
         r = self.runtimes[runtime]

@@ -36,6 +36,12 @@ class RuntimeProc:
     lost: str | None = None  # why it is being replaced (None: it is not)
     lost_at: float = 0.0
     restarts: int = 0
+    # Elastic runtimes (coordinator/cluster/scaling.py): started by `amoe scale` and not Ready yet (a loss then
+    # fails the join instead of being healed: it never served), and why it failed; retired: stopped and
+    # forgotten, its id a free slot the next join takes.
+    joining: bool = False
+    join_error: str | None = None
+    retired: bool = False
 
     @property
     def name(self) -> str:

@@ -83,6 +83,17 @@ class Backend(abc.ABC):
         load — and, with `wait`, return once it has ended. RequestError where experts never move."""
         raise RequestError("this deployment's experts never move: a live placement serves --parallel aep")
 
+    def shape(self) -> dict[str, Any] | None:
+        """The runtimes serving and the joins and drains so far (docs/rebalancing.md "Scaling"), for
+        /admin/scale; None where runtimes never join or leave."""
+        return None
+
+    async def scale(self, expert_runtimes: Any = None, attention_runtimes: Any = None, remove: list[int] | None = None,
+                    wait: bool = False) -> dict[str, Any]:  # fmt: skip
+        """Add or remove runtimes while serving and, with `wait`, return once done. RequestError where runtimes
+        never join or leave."""
+        raise RequestError("this deployment's runtimes are fixed: runtimes join and leave --parallel aep")
+
     def abort_sequence(self, request_id: int, index: int) -> None:
         """Stop one sequence of a request (n > 1; a stop string ended it); the others go on. A backend that
         runs one sequence per request aborts the request."""

@@ -417,6 +417,8 @@ class ClusterBackend(Backend):
         if self.cluster.failure is not None:
             report["error"] = self.cluster.failure
         report["runtimes"] = self.cluster.describe()
+        if self.cluster.scaler is not None:  # elastic runtimes: the shape, joins and drains
+            report["scaling"] = self.cluster.scaler.shape()
         report["kv"] = [
             {"rank": rank, "free_blocks": r.kv_free, "total_blocks": r.num_kv_blocks}
             for rank, r in enumerate(self.cluster.attn_runtimes)
@@ -453,6 +455,23 @@ class ClusterBackend(Backend):
         if wait and outcome == "started":
             outcome = await rebalancer.wait(epoch)
         return {"epoch": epoch, "outcome": outcome, **rebalancer.report()}
+
+    def shape(self) -> dict[str, Any] | None:
+        scaler = self.cluster.scaler
+        return None if scaler is None else scaler.shape()
+
+    async def scale(self, expert_runtimes: Any = None, attention_runtimes: Any = None, remove: list[int] | None = None,
+                    wait: bool = False) -> dict[str, Any]:  # fmt: skip
+        scaler = self.cluster.scaler
+        if scaler is None:
+            return await super().scale(expert_runtimes, attention_runtimes, remove, wait)
+        self._check_alive()
+        task = scaler.start(
+            expert_runtimes, attention_runtimes, remove
+        )  # ScaleBusy, RequestError: to the caller
+        if wait:
+            return await asyncio.shield(task)  # a client that goes away does not stop the scale halfway
+        return {"outcome": "started", **scaler.shape()}
 
     def runtime_stats(self) -> list[dict]:
         """The latest report of each live runtime (docs/CONTRACTS.md "Runtime stats"), by runtime id."""

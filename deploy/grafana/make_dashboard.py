@@ -232,6 +232,14 @@ def placement(lay: Layout) -> None:
         (f'topk(10, sum by (runtime, block, expert) (rate(amoe_runtime_executed_rows_total{{expert!="",{RT}}}'
          f"[{RATE}])))", "rt {{runtime}} b{{block}} e{{expert}}"),
     ], desc="A replica is a (runtime, block, expert) queue: the rows each executed per second"), w=8)  # fmt: skip
+    lay.add(panel("timeseries", "Runtimes: serving, joins, drains", [
+        ("sum by (role) (amoe_cluster_runtimes)", "{{role}} runtimes"),
+        (f"sum by (role) (increase(amoe_cluster_runtime_joins_total[{RATE}]))", "{{role}} joined"),
+        (f"sum by (role) (increase(amoe_cluster_runtime_drains_total[{RATE}]))", "{{role}} drained"),
+        (f"sum by (action) (increase(amoe_cluster_scale_failures_total[{RATE}]))", "{{action}} failed"),
+    ], desc="Elastic runtimes (amoe scale): runtimes serving by role, runtimes that joined (took replicas) or were "
+            "drained and stopped, and joins or drains that failed (the cluster served on as it was)"),
+            w=8)  # fmt: skip
 
 
 def transfers(lay: Layout) -> None:

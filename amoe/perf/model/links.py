@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from amoe.errors import ConfigError
-from amoe.perf.model.gpus import GpuProfile
+from amoe.perf.model.gpus import GpuProfile, LinkProfile
 from amoe.perf.model.models import ModelProfile
 
 
@@ -57,6 +57,12 @@ def link_delays(
         latency.append(link.latency * time_scale)
         per_row.append(row_bytes / link.usable_bandwidth * time_scale)
     return latency, per_row
+
+
+def weights_copy_time(link: LinkProfile, num_bytes: int) -> float:
+    """Seconds to copy `num_bytes` of expert weights from a peer GPU over `link`: one message's latency plus the
+    bytes at the link's usable bandwidth (a rebalance's move in a lock-step engine, docs/rebalancing.md)."""
+    return link.latency + num_bytes / link.usable_bandwidth if num_bytes > 0 else 0.0
 
 
 # ---- the EP exchange (docs/cost-model.md "EP's exchange", constants from the calibration's DeepEP tables)

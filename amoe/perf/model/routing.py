@@ -1,4 +1,5 @@
-"""The routing override for benchmarks (AMoE §5): `model | uniform | skew-exp[:λ][,rho=ρ][,shift=T]`, seeded.
+"""The routing override for benchmarks (AMoE §5): `model | uniform | skew-exp[:λ][,rho=ρ][,shift=T][,drift=N]`,
+seeded.
 
 The paper replaces Mixtral's router with one that "randomly selects experts based on the profiled exponential
 distribution" fitted to Dolly. We draw each row's top-k experts without replacement from a popularity
@@ -32,6 +33,11 @@ of one expert are 1/(1−ρ) tokens long on average. Default 0.
 **Shifting skew** (`shift=T`): which expert is hot is re-drawn every T seconds of emulated time, as the mix of
 domains in the traffic changes (the hottest expert differs by domain). Default: never.
 
+**Drifting traffic** (`drift=N`): requests with an id of N or more come from another mix of domains, so their
+tokens draw from the next skew epoch's popularity (the same λ, another seeded permutation of which experts are
+hot): a hot set that moves when new traffic arrives, at the same moment in every mode and on every rank, since a
+request's id is the same everywhere. Default: never. The drift benchmark (`amoe bench drift`) is built on it.
+
 Draws are keyed by (seed, block, request, position), so the same token gets the same experts whatever order the
 runtimes execute in: EP and AEP runs of one seed see identical routing (a shifting skew follows each runtime's own
 emulated clock, so runs agree on it only statistically).
@@ -60,6 +66,7 @@ AFFINITY_WALK = (
     64  # a token looks back at most this many positions for the draw it keeps (ρ^64 is negligible)
 )
 
+_OPTIONS = {"rho": "rho", "shift": "shift_s", "drift": "drift_id"}  # option -> RoutingSpec field
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: consecutive inputs land far apart
 
 
@@ -71,6 +78,7 @@ class RoutingSpec:
     lam: float = DEFAULT_LAMBDA
     rho: float = 0.0  # request affinity: P(a token keeps its previous token's experts)
     shift_s: float | None = None  # emulated seconds between re-draws of which experts are hot; None: never
+    drift_id: int | None = None  # requests from this id on draw from the next skew epoch; None: never
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
@@ -83,10 +91,15 @@ class RoutingSpec:
             raise ConfigError(f"routing rho (request affinity) must be in [0, 1); got {self.rho}")
         if self.shift_s is not None and not (np.isfinite(self.shift_s) and self.shift_s > 0):
             raise ConfigError(f"routing shift (seconds) must be positive; got {self.shift_s}")
+        if self.drift_id is not None and not (self.drift_id == int(self.drift_id) and self.drift_id >= 0):
+            raise ConfigError(f"routing drift (a request id) must be an integer >= 0; got {self.drift_id}")
+        if self.drift_id is not None:
+            object.__setattr__(self, "drift_id", int(self.drift_id))  # parsed as a number; kept as an id
 
     @classmethod
     def parse(cls, text: str) -> RoutingSpec:
-        """`model`, `uniform`, `skew-exp`, `skew-exp:0.6`, `skew-exp:0.08,rho=0.5,shift=2` (`uniform,rho=0.5`)."""
+        """`model`, `uniform`, `skew-exp`, `skew-exp:0.6`, `skew-exp:0.08,rho=0.5,shift=2`, `skew-exp,drift=1000`
+        (`uniform,rho=0.5`)."""
         head, *options = [part.strip() for part in text.strip().split(",")]
         mode, sep, arg = head.partition(":")
         if sep and mode != "skew-exp":
@@ -99,11 +112,12 @@ class RoutingSpec:
                 values["lam"] = float(arg)
             for option in options:
                 key, eq, value = option.partition("=")
-                if not eq or key not in ("rho", "shift"):
+                if not eq or key not in _OPTIONS:
                     raise ConfigError(
-                        f"routing options are rho=ρ and shift=T (seconds); got {option!r} in {text!r}"
+                        f"routing options are rho=ρ, shift=T (seconds) and drift=N (a request id); got {option!r} "
+                        f"in {text!r}"
                     )
-                values["rho" if key == "rho" else "shift_s"] = float(value)
+                values[_OPTIONS[key]] = float(value)
         except ValueError:
             raise ConfigError(f"routing parameters must be numbers; got {text!r}") from None
         return cls(mode, **values)
@@ -118,6 +132,8 @@ class RoutingSpec:
             text += f",rho={self.rho:g}"
         if self.shift_s is not None:
             text += f",shift={self.shift_s:g}"
+        if self.drift_id is not None:
+            text += f",drift={int(self.drift_id)}"
         return text
 
 
@@ -255,16 +271,24 @@ class RouterOverride:
             if self.spec.rho > 0:
                 pos = self._affine_positions(block, rid, pos)
             keys = row_keys(rid, pos)
-        popularity = self.popularity_at(self.epoch(now_s))[block]
+        popularity = self._row_popularity(block, n, request_ids, self.epoch(now_s))  # [n, E]
         noise = self._gumbel_noise(block, n, keys)  # [n, E]
         ids = _gumbel_top_k(np.log(popularity), noise, self.top_k)  # [n, K]
-        w = popularity[ids]
+        w = np.take_along_axis(popularity, ids, axis=1)
         ids, w = ids.astype(np.int64), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
         if self.num_shared:
             shared = np.arange(self.num_experts, self.num_experts + self.num_shared, dtype=np.int64)
             ids = np.concatenate([ids, np.broadcast_to(shared, (n, self.num_shared))], axis=1)
             w = np.concatenate([w, np.ones((n, self.num_shared), dtype=np.float32)], axis=1)
         return ids, w
+
+    def _row_popularity(self, block: int, n: int, request_ids, epoch: int) -> np.ndarray:
+        """[n, E]: each row's popularity, the next epoch's for the rows of drifted requests (`drift=N`)."""
+        now = self.popularity_at(epoch)[block]
+        if self.spec.drift_id is None or request_ids is None:
+            return np.broadcast_to(now, (n, self.num_experts))
+        drifted = np.asarray(request_ids, dtype=np.int64) >= self.spec.drift_id  # [n]
+        return np.where(drifted[:, None], self.popularity_at(epoch + 1)[block], now)
 
     def _affine_positions(self, block: int, rid: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The position whose draw each token keeps: walk back while a keyed coin (P = ρ) says "same as the token

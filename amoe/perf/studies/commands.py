@@ -546,6 +546,55 @@ def add_bench_trace_derive_command(sub: Any) -> None:
     p.set_defaults(run=_runner("trace_derive"))
 
 
+def add_bench_drift_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "drift",
+        help="the hot experts move mid-run: static placement, live rebalancing and stop-the-world side by side",
+    )
+    p.add_argument(
+        "--out", default=dated_out("drift"), help="drift.json and drift.png (default: experiments/DATE-drift)"
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated, of static, live, reference, stop-the-world, ep-reference (default: all)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="routing seed (default 0)")
+    p.add_argument(
+        "--time-scale", type=float, default=None, help="wall seconds per emulated second (default 4)"
+    )
+    p.add_argument("--streams", type=int, default=None, help="requests in flight (default 128)")
+    p.add_argument("--profile", default=None, help="model profile, NAME:BLOCKS (default mixtral-8x7b-mqa:2)")
+    p.add_argument("--gpu", default=None, help="emulated GPU (default a100-80g)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="mean prompt tokens, spread ±50 %% by request id (default 256)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="mean output tokens, spread ±50 %% by request id (default 8)",
+    )
+    p.add_argument("--batch-rows", type=int, default=None, help="rows per attention batch (default 1024)")
+    p.add_argument(
+        "--step-interval", type=int, default=None, help="steps between periodic rebalances (default 64)"
+    )
+    p.add_argument(
+        "--window-size", type=int, default=None, help="steps of load a rebalance reads (default 32)"
+    )
+    p.add_argument(
+        "--warmup-s", type=float, default=None, help="emulated seconds before measuring (default 3)"
+    )
+    p.add_argument(
+        "--before-s", type=float, default=None, help="measured emulated seconds before the drift (3)"
+    )
+    p.add_argument("--after-s", type=float, default=None, help="emulated seconds after the drift (default 6)")
+    p.set_defaults(run=_runner("drift"))
+
+
 def _runner(study: str):
     """The `run` of a study command: amoe.perf.studies.<study>.main, imported when the command runs."""
 
@@ -575,6 +624,7 @@ BENCH_STUDIES = (
     add_bench_offload_locality_command,
     add_bench_trace_derive_command,
     add_bench_barrier_tax_command,
+    add_bench_drift_command,
 )
 
 

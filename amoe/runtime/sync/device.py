@@ -52,6 +52,9 @@ class SyncDevice:
         self.stats = SyncStats(cfg.num_blocks, cfg.num_expert_ids, gpu_clock(attention, experts))
         self._failures: list[HeadOutput] = []  # loop thread only
         self.iteration_rows = 0  # the current iteration's rows on all devices (the BEGIN barrier's total)
+        # Physical expert slots (amoe.runtime.sync.slots) when the placement can change; None: expert ids are slots.
+        self.slots = None
+        self.rebalancer = None  # amoe.runtime.sync.rebalance.StopTheWorld when it rebalances; None: never
 
     @property
     def role(self) -> str:

@@ -90,7 +90,9 @@ def _moe(
     """Dispatch to every device, barrier, run the hosted experts, combine back, barrier; None if an expert device
     failed on these rows. `attn_s`: the attention step's busy seconds, which each barrier's wait for a slower
     peer is counted against (and the expert step's at the combine)."""
-    plan = send_dispatch(ex, it, block, 0, routed, attn_s)
+    plan = send_dispatch(ex, it, block, 0, routed, attn_s, device.slots)
     stats = device.stats
-    expert_s = serve_experts(ex, it, block, 0, device.attn_devices, device.experts, stats, own_s=attn_s)
+    expert_s = serve_experts(
+        ex, it, block, 0, device.attn_devices, device.experts, stats, own_s=attn_s, slots=device.slots
+    )
     return receive_combine(ex, plan, stats, own_s=expert_s)

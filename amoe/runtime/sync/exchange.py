@@ -16,10 +16,10 @@ BEGIN, DISPATCH, COMBINE = 0, 1, 2  # phases (a tag row's slot)
 
 
 def barrier_exchange(device: SyncDevice, comm: core.Communicator, timeout_s: float) -> core.BarrierExchange:
-    """The exchange of one device: its rank, where each expert lives, how long a gather waits."""
-    return core.BarrierExchange(
-        comm, device.rank, timeout_s, list(device.expert_device), list(device.expert_devices)
-    )
+    """The exchange of one device: its rank, where each expert (or each expert slot, when the placement can
+    change) lives, how long a gather waits."""
+    where = device.slots.expert_device if device.slots is not None else list(device.expert_device)
+    return core.BarrierExchange(comm, device.rank, timeout_s, where, list(device.expert_devices))
 
 
 def note_drops(ex: core.BarrierExchange, device: SyncDevice) -> None:

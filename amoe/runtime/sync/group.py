@@ -4,6 +4,7 @@ generate --parallel ep` (amoe.testing.sync_inproc re-exports it for the tests)."
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -14,14 +15,16 @@ import torch
 
 from amoe import core
 from amoe import device as devices
+from amoe.config import EplbSection
 from amoe.errors import ConfigError, EngineDeadError
 from amoe.model.config import ModelConfig, load_model_config
-from amoe.model.layers import build_attention_rank, build_expert_layers
+from amoe.model.layers import build_attention_rank, build_expert_layer_set, build_expert_layers
 from amoe.placement import Placement
 from amoe.runtime.executors import AttentionExecutor, ExpertExecutor, TorchAttention
 from amoe.runtime.requests import RankRequest, RankRequests
 from amoe.runtime.sync.device import SyncDevice
 from amoe.runtime.sync.loops import run_sync_loop
+from amoe.runtime.sync.rebalance import stop_the_world
 from amoe.sampling_params import SamplingParams
 from amoe.structured import Grammars
 
@@ -33,7 +36,8 @@ MODES = ("ep", "pingpong")
 class SyncCluster:
     """`ep` over `num_devices`, or `pingpong` over `num_attn` + `num_expert` devices, with torch executors on a
     checkpoint (`model_dir`) or emulated ones (`emulation`, an amoe.runtime.emulated.Emulation); `pipeline`: ep's
-    expert pipeline."""
+    expert pipeline; `eplb` (a config.EplbSection with redundant experts or rebalancing): the stop-the-world
+    rebalance (amoe.runtime.sync.rebalance)."""
 
     def __init__(
         self,
@@ -52,6 +56,7 @@ class SyncCluster:
         timeout_s: float = 10.0,
         poll_s: float = 0.005,
         pipeline=None,
+        eplb: EplbSection | None = None,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"parallel mode must be one of {MODES} here; got {mode!r}")
@@ -72,11 +77,19 @@ class SyncCluster:
         else:
             place = Placement.expert_parallel(num_devices, cfg.num_expert_ids)
         self.devices = [self._device(rank, place, max_batch_rows) for rank in range(place.num_runtimes)]
+        if eplb is not None and eplb.live:
+            self._rebalancing(eplb, place, pipeline)
         self.hub = core.LoopbackHub(len(self.devices))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors: dict[int, BaseException] = {}
         self._ids = itertools.count(1)
+
+    def _rebalancing(self, eplb: EplbSection, place: Placement, pipeline) -> None:
+        if pipeline is not None:
+            raise ConfigError("the stop-the-world rebalance does not run with an EP pipeline")
+        load = functools.partial(build_expert_layer_set, self.model_dir, self.model_config, dtype=self.dtype)
+        stop_the_world(self.devices, eplb, place, self.model_config, self.mode, self.emulation, load)
 
     def _device(self, rank: int, place: Placement, max_batch_rows: int | None) -> SyncDevice:
         hosted = place.experts_of(rank)
@@ -143,11 +156,17 @@ class SyncCluster:
         self.stop()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams | None = None, rank: int | None = None, seq_ids=()
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        rank: int | None = None,
+        seq_ids=(),
+        request_id: int | None = None,
     ) -> RankRequest:
         """Add one request (to attention rank `rank`, default round-robin); it joins at the next iteration.
-        With n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked)."""
-        request_id = next(self._ids)
+        With n > 1, `seq_ids` name its other sequences (they appear in its `children` once forked).
+        `request_id`: the caller's (unique) id; None: the next of 1, 2, ..."""
+        request_id = next(self._ids) if request_id is None else request_id
         ranks = self.attention
         device = ranks[(request_id - 1) % len(ranks) if rank is None else rank]
         params = params or SamplingParams(temperature=0)

@@ -57,6 +57,10 @@ def serve_iterations(
         if device.role == "ep":  # every peer a device like it: the heads of the iteration before are compared
             device.stats.waited_for_slower(head_s, ex.slowest_step_s, attention=True)
         device.iteration_rows = total  # every device's rows: what an EP pipeline's auto PN is chosen by
+        if (
+            device.rebalancer is not None
+        ):  # every device agreed this iteration works: the same boundary for all
+            device.rebalancer.after_begin(ex, it)
         outputs = run_iteration(it, chunks)
         device.stats.end_iteration(time.perf_counter() - start, rows)
         for out in outputs:

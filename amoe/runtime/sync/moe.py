@@ -41,26 +41,36 @@ class Routed:
 
 
 def send_dispatch(
-    ex: core.BarrierExchange, iteration: int, block: int, micro: int, routed: Routed, step_s: float = 0.0
+    ex: core.BarrierExchange,
+    iteration: int,
+    block: int,
+    micro: int,
+    routed: Routed,
+    step_s: float = 0.0,
+    slots=None,
 ) -> core.DispatchPlan:
     """Dispatch half of the all-to-all: one message (maybe zero rows) to every expert device, saying how long
-    the attention step that made it took (`step_s`, what the expert side's barrier counts waits by)."""
+    the attention step that made it took (`step_s`, what the expert side's barrier counts waits by); with `slots`
+    (a SlotMap) each copy goes to a slot of its expert. The merge keeps reading the expert ids."""
     r = routed
+    ids = slots.physical(block, r.topk_ids) if slots is not None else r.topk_ids
     return ex.dispatch(
-        iteration, block, micro, r.moe_input, r.topk_ids, r.topk_weights, r.request_ids, r.positions, step_s
+        iteration, block, micro, r.moe_input, ids, r.topk_weights, r.request_ids, r.positions, step_s
     )
 
 
 def serve_experts(
     ex: core.BarrierExchange, iteration: int, block: int, micro: int, sources: Sequence[int], executor,
     stats: SyncStats, kernel: Callable[[list[LayerBatch]], str] | None = None, own_s: float | None = None,
+    slots=None,
 ) -> float:  # fmt: skip
     """An expert device's part of one all-to-all: wait for every source (the barrier), run, send back. If the input
     cannot run or an expert layer raises, every source still gets its reply (the barrier must complete), flagged
     failed, so the sources end the requests concerned instead of reading outputs that were never computed.
     `kernel(the experts' batches)` names the GEMM of an EP pipeline chunk (grouped | dense); None: the grouped
     step. `own_s`: this device's attention step before the barrier (EP), whose wait for the slowest source's is
-    counted; None: it has none (an expert-only device). Returns the expert step's busy seconds."""
+    counted; None: it has none (an expert-only device). With `slots` (a SlotMap) the groups are slots, run as the
+    experts they hold. Returns the expert step's busy seconds."""
     with stats.waiting():
         work = ex.collect(iteration, block, micro, list(sources))
     if own_s is not None:
@@ -69,12 +79,13 @@ def serve_experts(
         logger.error("[sync] runtime %d cannot run the experts of block %d: %s", ex.rank, block, work.error)
         ex.reply(work, [], failed=True)
         return 0.0
+    experts = [g.expert if slots is None else slots.logical(block, g.expert) for g in work.groups]
     batches = [
         LayerBatch(
-            kind="expert", block=block, index=g.expert, request_ids=g.request_ids, positions=g.positions, x=g.x,
+            kind="expert", block=block, index=e, request_ids=g.request_ids, positions=g.positions, x=g.x,
             weights=g.weights,
         )
-        for g in work.groups
+        for g, e in zip(work.groups, experts)
     ]  # fmt: skip
     try:
         with stats.busy():
@@ -86,8 +97,8 @@ def serve_experts(
         logger.exception("[sync] experts of block %d failed (iteration %d, mb %d)", block, iteration, micro)
         ex.reply(work, [], failed=True)
         return stats.take_step()
-    for g in work.groups:
-        stats.count_expert_rows(block, g.expert, g.num_rows)
+    for g, e in zip(work.groups, experts):
+        stats.count_expert_rows(block, e, g.num_rows)
     step_s = stats.take_step()
     ex.reply(work, outs, step_s=step_s)
     return step_s

@@ -113,7 +113,7 @@ def _attend_and_send(
     else:
         mb.residual, moe_input, ids, weights = out
         mb.routed = Routed(Device.host(moe_input), ids, weights, step.request_ids, step.positions)
-    mb.plan = send_dispatch(ex, it, block, micro, mb.routed)
+    mb.plan = send_dispatch(ex, it, block, micro, mb.routed, slots=device.slots)
 
 
 def _expert_iteration(
@@ -122,5 +122,7 @@ def _expert_iteration(
     """Lock-step: (block, micro-batch) in the order the attention side sends them; no head runs here."""
     for block in range(device.cfg.num_blocks):
         for i in range(m):
-            serve_experts(ex, it, block, i, device.attn_devices, device.experts, device.stats)
+            serve_experts(
+                ex, it, block, i, device.attn_devices, device.experts, device.stats, slots=device.slots
+            )
     return []

@@ -62,6 +62,9 @@ class SyncStats:
         self.polls = 0  # passes of the loop, idle ones included: its progress, which liveness checks
         self.dropped = 0  # barrier messages dropped (no tag row, or a duplicate)
         self.iteration_wall_s = 0.0
+        self.rebalances = 0  # stop-the-world rebalances (amoe.runtime.sync.rebalance)
+        self.rebalance_s = 0.0  # wall seconds they paused this device
+        self.moved_bytes = 0  # weight bytes they brought to this device
         self.recent: deque[tuple[float, int]] = deque(maxlen=RECENT_ITERATIONS)  # (wall seconds, rows)
         self.expert_rows = torch.zeros(num_blocks, num_experts, dtype=torch.int64)  # rows run per (block, e)
 
@@ -116,6 +119,12 @@ class SyncStats:
             self.iteration_wall_s += wall_s
             self.recent.append((wall_s, rows))
 
+    def add_rebalance(self, seconds: float, moved_bytes: int) -> None:
+        with self._lock:
+            self.rebalances += 1
+            self.rebalance_s += seconds
+            self.moved_bytes += moved_bytes
+
     def add_dropped(self, count: int) -> None:
         with self._lock:
             self.dropped += count
@@ -138,6 +147,9 @@ class SyncStats:
                 "polls": self.polls,
                 "dropped": self.dropped,
                 "iteration_wall_s": self.iteration_wall_s,
+                "rebalances": self.rebalances,
+                "rebalance_s": self.rebalance_s,
+                "moved_bytes": self.moved_bytes,
                 "iteration_s": [t for t, _ in self.recent],
                 "iteration_rows": [n for _, n in self.recent],
                 "expert_rows": self.expert_rows.tolist(),
