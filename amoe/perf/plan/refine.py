@@ -188,6 +188,12 @@ def _policy_simulated(model: ModelProfile, one: Deployment, sim: Simulated, poli
     under waves measured 1.30× a defrag prediction)."""
     from amoe.perf.plan.simulate.scale import is_exact
 
+    if sim.expert_pick is not None and sim.expert_pick != policy and policy in SCALE_POLICIES:
+        logger.info(
+            "[plan] %s is simulated at scale with %s's pick (waves' group cells not run at this size): served with it",
+            describe(one), sim.expert_pick,
+        )  # fmt: skip
+        return sim.expert_pick
     if policy in SCALE_POLICIES or is_exact(one, sim.concurrency, model.num_expert_ids):
         return policy
     logger.info(

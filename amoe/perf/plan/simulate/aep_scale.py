@@ -32,6 +32,13 @@ from amoe.perf.plan.simulate.rank_steps import head_times, kv_blocks
 from amoe.perf.plan.simulate.result import Simulated
 from amoe.perf.plan.simulate.trace_loads import TraceLoads
 
+# The most (block, group) cells a block that the simulation at scale runs as `waves`' group cells. Each cell is a
+# step of its own at every expert GPU, so a plan of many small cells (no ITL objective: a copy of 64 attention GPUs
+# at ~7,700 requests a rank makes 15) advanced 0.2 emulated seconds per CPU second — `amoe plan` on 256 GPUs ran
+# past 30 minutes here — where defrag's pick, one step a block, answers in about two (experiments/
+# 2026-11-29-plan-256-timing). Every cell of the trace table under 50 and 100 ms made at most 4.
+MAX_GROUP_CELLS = 4
+
 
 class RowCounts(Protocol):
     """What this simulation draws its rows from (scale.Counts)."""
@@ -132,13 +139,15 @@ class AepAtScale:
         wave's last turn-around; per expert GPU a hold (since when, until when). Other policies, and `waves`
         without groups (wave_group 0: the runtime gathers per rank, a rule this engine does not model), run
         defrag's pick: on Mixtral 4 + 4 H100s at four times the bound's requests it gives the event level's
-        figure (642,820 against 642,193 tokens/s), where cells of one wave each fall 7 % short (594,530)."""
+        figure (642,820 against 642,193 tokens/s), where cells of one wave each fall 7 % short (594,530). So do
+        plans whose waves make more than MAX_GROUP_CELLS cells a block: the figure, and the policy the plan is served
+        with (Simulated.expert_pick), are then defrag's."""
         from amoe import core
 
         S, E = self.A * self.W, self.E
-        self.waves = sched.policy == "waves" and sched.wave_group > 0
         self.wave_group = max(1, sched.wave_group)
         self.num_groups = -(-self.W // self.wave_group)
+        self.waves = sched.policy == "waves" and sched.wave_group > 0 and self.num_groups <= MAX_GROUP_CELLS
         self.group = (np.arange(S) % self.W) // self.wave_group
         self.max_hold = core.MAX_WAVE_HOLD_S
         self.served_block = np.full((S, E), -1, dtype=np.int64)
@@ -519,4 +528,5 @@ class AepAtScale:
             attention_rows_per_step=float(self.w), expert_rows_per_step=self.exp_rows / max(1, self.exp_steps),
             attention_busy=min(1.0, self.attn_busy / (self.A * duration_s)),
             expert_busy=min(1.0, self.exp_busy / (self.E * duration_s)),
+            expert_pick="waves" if self.waves else "defrag",
         )  # fmt: skip

@@ -22,3 +22,6 @@ class Simulated:
     # waits for a slower attention step or head; AEP has no barrier (0). docs/simulation.md "The barrier tax".
     barrier_idle: float = 0.0
     attention_idle: float = 0.0
+    # AEP at scale: the expert side's rule the figure is of ("waves": group cells; "defrag": defrag's pick), which
+    # the plan is then served with; None where the simulation runs the policy itself (event by event).
+    expert_pick: str | None = None
