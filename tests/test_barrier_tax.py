@@ -4,6 +4,8 @@ has no barrier."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import golden
 import numpy as np
 import pytest
@@ -228,6 +230,30 @@ def test_waves_at_scale_gathers_each_group_into_one_step_within_its_bound():
     waves, defrag = run("waves"), run("defrag")
     assert 0.95 * pred.tokens_per_s <= waves.tokens_per_s <= (1 + 1e-9) * pred.tokens_per_s
     assert waves.expert_rows_per_step > defrag.expert_rows_per_step
+
+
+def test_waves_with_more_cells_a_block_than_the_cap_run_defrags_pick_and_the_plan_is_served_with_it():
+    """A copy whose waves make more than MAX_GROUP_CELLS cells a block is simulated at scale with defrag's pick
+    (its figure equals defrag's run) and refine says the plan is served with defrag; within the cap, waves'."""
+    from amoe.config import SchedulerSection
+    from amoe.perf.plan.refine import _policy_simulated
+    from amoe.perf.plan.simulate.aep_scale import MAX_GROUP_CELLS
+
+    model, none = model_profile("deepseek-v3:4", 8), host_overhead("none")
+    dep = Deployment("aep", "h800", 16, "h800", 16, attn_cap=64, expert_cap=1024)
+
+    def run(policy: str, waves_a_rank: int):
+        c = 16 * 64 * waves_a_rank
+        return simulate(
+            model, dep, "skew-exp:0.0025", 2000.0, none, c, warmup_s=0.05, duration_s=0.1, variance=OFF,
+            scheduler=SchedulerSection(policy=policy, wave_group=1), level="scale",
+        )  # fmt: skip
+
+    many, within = run("waves", MAX_GROUP_CELLS + 1), run("waves", MAX_GROUP_CELLS)
+    assert (many.expert_pick, within.expert_pick) == ("defrag", "waves")
+    assert many == replace(run("defrag", MAX_GROUP_CELLS + 1), expert_pick="defrag")
+    assert _policy_simulated(model, dep, many, "waves") == "defrag"
+    assert _policy_simulated(model, dep, within, "waves") == "waves"
 
 
 def test_a_plan_on_a_trace_reads_the_traces_mean_context_and_a_bad_name_is_refused():
