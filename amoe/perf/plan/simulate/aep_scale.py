@@ -47,14 +47,16 @@ class RowCounts(Protocol):
 
 
 class StepCosts(Protocol):
-    """The grouped step costs it prices its expert steps with (scale.GroupedSteps): [expert ids] rows → [expert
-    GPUs] seconds, and the model, GPU and host they are of."""
+    """The grouped step costs it prices its expert steps with (counts.GroupedSteps): [expert ids] rows → [expert
+    GPUs] seconds, the same over rows already per hosted copy (`over`), and the model, GPU and host they are of."""
 
     model: ModelProfile
     gpu: GpuProfile
     host: HostOverhead
 
     def __call__(self, rows: np.ndarray) -> np.ndarray: ...
+
+    def over(self, copy: np.ndarray, inter: np.ndarray) -> np.ndarray: ...
 
 
 def _fifo(start: np.ndarray, work: np.ndarray, free: np.ndarray) -> np.ndarray:
@@ -221,25 +223,9 @@ class AepAtScale:
             self.attn_min = self.attn_floor * float(self.a_speed.min()) * low
 
     def step_times(self, take: np.ndarray, gpus: np.ndarray | None = None) -> np.ndarray:
-        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: scale.GroupedSteps'
-        formula on the hosted experts only (one copy an id), not over the [ids, GPUs] matrix (most of a round's
-        time before)."""
-        st, inter = self.steps, self.inter if gpus is None else self.inter[:, gpus]
-        m, gpu, host = st.model, st.gpu, st.host
-        h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
-        busy = take > 0
-        r = np.where(busy, np.maximum(1.0, np.round(take)), 0.0)
-        weights = np.where(busy, h * inter * bp, 0.0)
-        gate_up_f, gate_up_b = (4 * r * h * inter).sum(0), (2 * weights + r * (h + 2 * inter) * ba).sum(0)
-        act_b = (r * 3 * inter * ba).sum(0)
-        down_f, down_b = (2 * r * inter * h).sum(0), (weights + r * (inter + h) * ba).sum(0)
-        count = busy.sum(0)
-        phases = ((gate_up_f, gate_up_b), (0.0, act_b), (down_f, down_b))
-        mean_rows = r.sum(0) / np.maximum(count, 1)
-        slow = gpu.kernels.decode_grouped_slowdown
-        gpu_s = cm.swiglu_gemms_time(gpu, m.expert_precision, phases, mean_rows, count > 0, slow)
-        fixed = np.where(busy.any(0), cm.EXPERT_KERNELS * gpu.launch_s + host.expert_step_s, 0.0)
-        return gpu_s + fixed + take.sum(0) * host.expert_row_s
+        """[G] the grouped step of each of `gpus` (None: all) over its [nh, G] rows: GroupedSteps' formula on the
+        hosted experts only (one copy an id), not over the [ids, GPUs] matrix (most of a round's time before)."""
+        return self.steps.over(take, self.inter if gpus is None else self.inter[:, gpus])
 
     def run(
         self, warmup_s: float, duration_s: float, batches: int = 0, rel_halfwidth: float = 0.01,

@@ -91,9 +91,14 @@ class GroupedSteps:
         self.model, self.gpu, self.host = model, gpu, host
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
-        m, gpu, inter = self.model, self.gpu, self.inter
-        h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
         copy = rows[:, None] * self.where  # [ids, GPUs] rows each copy serves
+        return self.over(copy, self.inter)
+
+    def over(self, copy: np.ndarray, inter: np.ndarray) -> np.ndarray:
+        """[G] each GPU's grouped step over `copy` [copies, G], the rows each copy it hosts serves (`inter`: the
+        copies' intermediate sizes, [copies, 1] or [copies, G])."""
+        m, gpu = self.model, self.gpu
+        h, bp, ba = m.hidden_size, m.bytes_per_param, m.bytes_per_activation
         busy = copy > 0
         r = np.where(busy, np.maximum(1.0, np.round(copy)), 0.0)
         weights = np.where(busy, h * inter * bp, 0.0)
